@@ -1,0 +1,25 @@
+# realhf — common commands. `make demo` runs the main job; `make test` the test suite.
+PYTHON ?= python
+PIP ?= $(PYTHON) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench clean
+
+# torch first, as the CPU wheel 2.13.0: a bare `torch` requirement with no torch
+# installed pulls several GB of CUDA packages. Then the project without build
+# isolation, so the C++ extension compiles against this torch.
+install:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install --no-build-isolation -e ".[test]"
+
+test: install
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(PYTHON) -m realhf.apps.smoke
+
+bench: install
+	$(PYTHON) benchmark/kernels.py
+
+clean:
+	rm -rf build *.egg-info realhf/_C*.so

@@ -1,0 +1,111 @@
+"""Install realhf (and its sibling packages areal/, functioncall/, evaluation/).
+
+Build without isolation so the C++ extension compiles against the torch that is
+already installed (`make install` puts the CPU wheel of torch 2.13.0 there first):
+
+    pip install --no-build-isolation -e .
+
+The C++ kernels in csrc/ are optional at run time: when they were not built the
+Python side falls back to pure-PyTorch references (realhf.impl.kernels).
+"""
+
+import os
+
+from setuptools import find_packages, setup
+
+
+def _ext_modules():
+    """C++ (and, with a CUDA toolkit and CUDA torch, CUDA) kernels from csrc/.
+
+    Set REALHF_NO_EXT=1 to skip them (the pure-PyTorch fallbacks are used).
+    """
+    if os.environ.get("REALHF_NO_EXT") == "1":
+        return [], {}
+    try:
+        import torch  # noqa: F401
+        from torch.utils import cpp_extension
+    except ImportError:  # torch absent: install it first (see Makefile)
+        return [], {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    cpu_sources = sorted(
+        os.path.join("csrc", f)
+        for f in os.listdir(os.path.join(here, "csrc"))
+        if f.endswith(".cpp")
+    )
+    if not cpu_sources:
+        return [], {}
+    exts = [
+        cpp_extension.CppExtension(
+            "realhf._C",
+            cpu_sources,
+            extra_compile_args={"cxx": ["-O3", "-fopenmp"]},
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+    cuda_sources = sorted(
+        os.path.join("csrc", f)
+        for f in os.listdir(os.path.join(here, "csrc"))
+        if f.endswith(".cu")
+    )
+    import torch
+
+    if cuda_sources and torch.version.cuda and cpp_extension.CUDA_HOME:
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "realhf._C_cuda",
+                cuda_sources,
+                extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3"]},
+            )
+        )
+    return exts, {"build_ext": cpp_extension.BuildExtension}
+
+
+ext_modules, cmdclass = _ext_modules()
+
+setup(
+    name="realhf",
+    version="0.1.0",
+    description="Reinforcement learning for language models: PPO, GRPO, SFT and "
+    "fully asynchronous PPO, runnable on CPU and GPU.",
+    packages=find_packages(
+        include=["realhf*", "areal*", "functioncall*", "evaluation*", "training*"]
+    ),
+    package_data={"realhf": ["assets/**/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is installed by `make install` as the CPU wheel 2.13.0 before this
+        # runs; a bare `torch` here with no torch present would pull several GB of
+        # CUDA wheels, so only a floor is given and the Makefile does the pinning.
+        "torch>=2.3",
+        "transformers>=4.50",
+        "tokenizers",
+        "safetensors",
+        "pyzmq",
+        # etcd-sdk-python (module `pyetcd`) is the maintained fork of etcd3 with the
+        # same API; etcd3 0.12 needs protobuf<=3.20.3, which conflicts with ray.
+        "etcd-sdk-python",
+        "numba",
+        "pybind11",
+        "ninja",
+        "hydra-core",
+        "omegaconf",
+        "h5py",
+        "numpy",
+        "psutil",
+        "rich",
+        "tqdm",
+        "sympy",
+        "math-verify",
+        "fastapi",
+        "uvicorn",
+        "aiohttp",
+        "httpx",
+        "requests",
+        "matplotlib",
+        "tensorboard",
+    ],
+    extras_require={"test": ["pytest", "pytest-timeout", "openai"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)
