@@ -97,6 +97,8 @@ setup(
         "tqdm",
         "sympy",
         "math-verify",
+        # process pool whose tasks can time out: a hung sympy check is killed, not waited on
+        "pebble",
         "fastapi",
         "uvicorn",
         "aiohttp",
