@@ -1,0 +1,174 @@
+"""File-system backend: one directory tree shared by the processes of a machine.
+
+This is the embedded default (see :mod:`realhf.base.name_resolve`).  Key
+``a/b/c`` is stored as the file ``{root}/a/b/c/.entry`` holding JSON::
+
+    {"value": "...", "expires_at": 1732250000.0 or null, "owner": "<uuid>"}
+
+* Readers never see a half-written entry: writers write a temp file in the same
+  directory and ``os.replace`` it over ``.entry``.
+* Check-then-write sequences (``add`` without replace, keepalive refresh,
+  ``delete`` and pruning empty directories) hold an exclusive ``flock`` on
+  ``{root}/.lock``, so concurrent ``add`` of one key from many processes has
+  exactly one winner.  Plain reads take no lock.
+* TTL: ``expires_at`` is wall-clock time (all users share this machine's
+  clock); the owner rewrites it every ttl/3.  Readers treat an expired entry
+  as absent, and writers overwrite or remove it.
+
+Works on local file systems and on NFS with working ``flock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+from realhf.base import constants
+from realhf.base.name_resolve._repository import (
+    NameEntryExistsError,
+    NameRecordRepository,
+)
+
+ENTRY = ".entry"
+LOCK = ".lock"
+
+
+class FileNameRecordRepository(NameRecordRepository):
+    """Name-resolve store in a directory tree, safe across processes on one host."""
+
+    backend = "file"
+
+    def __init__(self, root: Optional[str] = None) -> None:
+        super().__init__()
+        root = constants.name_resolve_root() if root is None else root
+        if not isinstance(root, str) or not root:
+            raise ValueError(f"file backend root must be a non-empty path, got {root!r}.")
+        # Raises PermissionError naming the path when it cannot be used.
+        self.root = constants.ensure_writable(os.path.abspath(os.path.expanduser(root)))
+        self._lock_path = os.path.join(self.root, LOCK)
+
+    def __repr__(self) -> str:
+        return f"FileNameRecordRepository(root={self.root!r})"
+
+    # ---- helpers -----------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _dir(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def _entry_path(self, key: str) -> str:
+        return os.path.join(self._dir(key), ENTRY)
+
+    @staticmethod
+    def _load(path: str) -> Optional[dict]:
+        """The entry at path if it exists and has not expired."""
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                entry = json.load(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        exp = entry.get("expires_at")
+        if exp is not None and exp < time.time():
+            return None
+        return entry
+
+    def _write(self, key: str, entry: dict) -> None:
+        d = self._dir(key)
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f"{ENTRY}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(entry, f)
+        os.replace(tmp, os.path.join(d, ENTRY))
+
+    def _prune(self, key: str) -> None:
+        """Remove now-empty directories from key's up to (excluding) the root."""
+        d = self._dir(key)
+        while os.path.abspath(d) != self.root:
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty (other keys below) or already gone
+                return
+            d = os.path.dirname(d)
+
+    # ---- primitives --------------------------------------------------------
+
+    def _put(self, key: str, value: str, ttl: Optional[float], replace: bool) -> object:
+        token = uuid.uuid4().hex
+        entry = {
+            "value": value,
+            "expires_at": None if ttl is None else time.time() + ttl,
+            "owner": token,
+        }
+        with self._locked():
+            if not replace and self._load(self._entry_path(key)) is not None:
+                raise NameEntryExistsError(
+                    f"name-resolve key {key!r} already exists (file backend at "
+                    f"{self.root}); pass replace=True to overwrite."
+                )
+            self._write(key, entry)
+        return token
+
+    def _read(self, key: str) -> Optional[str]:
+        entry = self._load(self._entry_path(key))
+        return None if entry is None else entry["value"]
+
+    def _items(self, prefix: str) -> List[Tuple[str, str]]:
+        top = self._dir(prefix)
+        out = []
+        for dirpath, _dirs, files in os.walk(top):
+            if ENTRY not in files:
+                continue
+            entry = self._load(os.path.join(dirpath, ENTRY))
+            if entry is None:
+                continue
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            out.append((rel, entry["value"]))
+        return out
+
+    def _remove(self, keys: Sequence[str]) -> int:
+        n = 0
+        with self._locked():
+            for key in keys:
+                path = self._entry_path(key)
+                n += self._load(path) is not None
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    os.remove(path)
+                self._prune(key)
+        return n
+
+    def _clear(self, prefix: str) -> None:
+        # Removes expired entries and stray temp files too.
+        with self._locked():
+            shutil.rmtree(self._dir(prefix), ignore_errors=True)
+            self._prune(os.path.dirname(prefix) if "/" in prefix else prefix)
+
+    def _remove_if_owned(self, key: str, token: object) -> None:
+        with self._locked():
+            path = self._entry_path(key)
+            entry = self._load(path)
+            if entry is not None and entry.get("owner") == token:
+                os.remove(path)
+                self._prune(key)
+
+    def _refresh(self, key: str, token: object, ttl: float) -> bool:
+        with self._locked():
+            entry = self._load(self._entry_path(key))
+            if entry is None or entry.get("owner") != token:
+                return False
+            entry["expires_at"] = time.time() + ttl
+            self._write(key, entry)
+        return True
