@@ -1,0 +1,85 @@
+"""Session fixtures shared by the whole test suite.
+
+``etcd_server``: a real etcd (Debian's etcd-server binary) on 127.0.0.1 with
+free client/peer ports and a temporary data directory, started once per
+session on first use and killed at the end.  Tests that use it carry
+``@pytest.mark.etcd``; they are skipped (with the reason) when the ``etcd``
+binary is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from realhf.base import network
+
+ETCD_START_TIMEOUT = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class EtcdServer:
+    """Where the test etcd listens."""
+
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            return b'"health":"true"' in r.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    """Start etcd on 127.0.0.1 (free ports, temp data dir); yield its EtcdServer."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("etcd binary not found on PATH (Debian package etcd-server)")
+    client_port, peer_port = network.find_multiple_free_ports(2)
+    data_dir = tempfile.mkdtemp(prefix="realhf-etcd-")
+    log_path = f"{data_dir}.log"
+    client_url = f"http://127.0.0.1:{client_port}"
+    peer_url = f"http://127.0.0.1:{peer_port}"
+    cmd = [
+        binary,
+        "--name", "realhf-test",
+        "--data-dir", data_dir,
+        "--listen-client-urls", client_url,
+        "--advertise-client-urls", client_url,
+        "--listen-peer-urls", peer_url,
+        "--initial-advertise-peer-urls", peer_url,
+        "--initial-cluster", f"realhf-test={peer_url}",
+        "--initial-cluster-state", "new",
+    ]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ETCD_START_TIMEOUT
+        while not _healthy(client_port):
+            if proc.poll() is not None:
+                with open(log_path, "rb") as f:
+                    tail = f.read()[-2000:].decode(errors="replace")
+                pytest.fail(f"etcd exited with code {proc.returncode} while starting:\n{tail}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"etcd on 127.0.0.1:{client_port} not healthy after {ETCD_START_TIMEOUT}s; log at {log_path}")
+            time.sleep(0.1)
+        yield EtcdServer("127.0.0.1", client_port)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        log.close()
+        shutil.rmtree(data_dir, ignore_errors=True)
