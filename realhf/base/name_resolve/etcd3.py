@@ -109,9 +109,11 @@ class Etcd3NameRecordRepository(NameRecordRepository):
             self._client.status()
         except Exception as e:
             self._client.close()
+            # grpc errors stringify to a multi-line dump; details() is the gist.
+            detail = e.details() if callable(getattr(e, "details", None)) else str(e)
             raise ConnectionError(
                 f"Cannot reach etcd at {host}:{port} within {self.timeout:g}s "
-                f"({type(e).__name__}: {e}). Start etcd there or point "
+                f"({type(e).__name__}: {detail}). Start etcd there or point "
                 "REALHF_NAME_RESOLVE / reconfigure('etcd3', host=, port=) at a "
                 "running server."
             ) from e
