@@ -1,0 +1,1 @@
+"""Building blocks of ReaLModel: packed attention, RoPE, norms."""

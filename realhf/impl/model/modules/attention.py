@@ -1,0 +1,157 @@
+"""Causal self-attention over packed sequences.
+
+Tokens of all sequences are concatenated into ``[T, heads, head_dim]`` and
+``cu_seqlens: [B+1]`` marks where each sequence starts; a token only attends to
+earlier tokens of its own sequence.  Three implementations:
+
+- ``"flash"``: ``flash_attn.flash_attn_varlen_func`` — used automatically on
+  CUDA for fp16/bf16 when the ``flash_attn`` package is installed.  One kernel
+  for the whole packed batch, no padding, native GQA.
+- ``"sdpa_per_seq"``: one ``torch.nn.functional.scaled_dot_product_attention``
+  call per sequence with ``is_causal=True`` and ``enable_gqa``.  The default
+  everywhere else (CPU, CUDA without flash-attn, fp32).
+- ``"sdpa_masked"``: a single SDPA call over the whole pack with a
+  ``[T, T]`` block-diagonal causal mask.  Kept for comparison and tests.
+
+Why per-sequence is the CPU default: on the 2-core CPU VM, for 16 sequences of
+51–512 tokens (3,922 tokens, 4 q heads / 2 kv heads, head_dim 64) forward +
+backward took 0.094 s per sequence versus 0.584 s with the block-diagonal mask
+(no-grad forward 0.026 s vs 0.207 s); for 64 sequences of 3–32 tokens it was
+0.038 s vs 0.061 s.  The mask costs O(T^2) memory and compute across sequence
+boundaries, which dominates whenever the pack is longer than one sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLS = ("auto", "flash", "sdpa_per_seq", "sdpa_masked")
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_varlen():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_attn_available() -> bool:
+    """Whether the ``flash_attn`` package can be imported."""
+    return _flash_varlen() is not None
+
+
+def select_attn_impl(q: torch.Tensor, impl: str = "auto") -> str:
+    """Resolve ``"auto"`` to the implementation used for tensors like ``q``."""
+    if impl not in ATTN_IMPLS:
+        raise ValueError(f"attention impl {impl!r} is unknown; use one of {ATTN_IMPLS}")
+    if impl != "auto":
+        return impl
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
+        return "flash"
+    return "sdpa_per_seq"
+
+
+def _window_mask(length: int, window: int, device) -> torch.Tensor:
+    """Boolean ``[L, L]`` mask: causal and at most ``window - 1`` tokens back."""
+    i = torch.arange(length, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < window)
+
+
+def _per_seq(q, k, v, bounds: List[int], scale, window) -> torch.Tensor:
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e == s:
+            continue
+        # [L, H, D] -> [H, L, D]: SDPA wants heads before the sequence dim.
+        qq, kk, vv = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        if window is not None and e - s > window:
+            mask = _window_mask(e - s, window, q.device)
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
+            )
+        else:
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True
+            )
+        outs.append(o.transpose(0, 1))
+    if not outs:
+        return q.new_empty(q.shape)
+    return torch.cat(outs, dim=0)
+
+
+def _masked(q, k, v, cu_seqlens, scale, window) -> torch.Tensor:
+    T = q.shape[0]
+    seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+    seg = torch.repeat_interleave(
+        torch.arange(seqlens.numel(), device=q.device), seqlens.to(q.device)
+    )
+    pos = torch.arange(T, device=q.device)
+    d = pos[:, None] - pos[None, :]
+    mask = (seg[:, None] == seg[None, :]) & (d >= 0)
+    if window is not None:
+        mask &= d < window
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
+def packed_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    max_seqlen: Optional[int] = None,
+    sliding_window: Optional[int] = None,
+    scale: Optional[float] = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Causal attention within each packed sequence.
+
+    Args:
+        q: ``[T, n_q_heads, head_dim]``.
+        k, v: ``[T, n_kv_heads, head_dim]``; ``n_q_heads % n_kv_heads == 0``.
+        cu_seqlens: ``[B+1]`` integer offsets, ``cu_seqlens[-1] == T``.
+        max_seqlen: longest sequence (computed when absent; flash needs it).
+        sliding_window: attend to at most this many most recent tokens
+            (including the token itself); ``None`` for full causal attention.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        impl: one of ``ATTN_IMPLS``; see the module docstring.
+
+    Returns:
+        ``[T, n_q_heads, head_dim]``.
+    """
+    impl = select_attn_impl(q, impl)
+    if impl == "flash":
+        fn = _flash_varlen()
+        if fn is None:
+            raise RuntimeError(
+                "attention impl 'flash' was requested but flash_attn is not installed; "
+                "install flash-attn or use impl='sdpa_per_seq'"
+            )
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        if max_seqlen is None:
+            max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        return fn(
+            q, k, v, cu, cu, max_seqlen, max_seqlen,
+            softmax_scale=scale, causal=True, window_size=window,
+        )
+    if impl == "sdpa_masked":
+        return _masked(q, k, v, cu_seqlens, scale, sliding_window)
+    # One host sync to learn the boundaries; the loop itself launches per sequence.
+    bounds = cu_seqlens.tolist()
+    return _per_seq(q, k, v, bounds, scale, sliding_window)

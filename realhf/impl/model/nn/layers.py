@@ -1,0 +1,224 @@
+"""The three kinds of ReaLModel layers: embedding, transformer block, head.
+
+Layers do not allocate their own weights.  Each one *declares* its parameters
+(``param_decls``: local name, shape, initialisation); :class:`ReaLModel`
+allocates one flat buffer for all layers and registers a view of it under each
+declared name (see :mod:`realhf.impl.model.nn.flat_param`).  The forward code
+then reads the weights as ordinary attributes (``self.attn.c_proj.weight``).
+
+Parameter names (``{layer}.{local}``), e.g. for block 3 of a qwen2 model:
+``3.attn.c_attn.ln.weight``, ``3.attn.c_attn.q_attn.{weight,bias}``,
+``3.attn.c_attn.k_attn.*``, ``3.attn.c_attn.v_attn.*``, ``3.attn.c_proj.weight``,
+``3.mlp.ln.weight``, ``3.mlp.{gate_proj,up_proj,down_proj}.weight``; qwen3 adds
+``3.attn.q_ln.weight`` / ``3.attn.k_ln.weight``; gpt2's MLP is
+``3.mlp.c_fc.*`` / ``3.mlp.c_proj.*``.  Layer 0 holds ``0.wte.weight`` (and gpt2's
+``0.wpe.weight``); the head ``{n+1}.ln_f.*`` and ``{n+1}.weight`` (absent when
+the embedding is tied; critics add ``{n+1}.bias``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from realhf.impl.model.modules.attention import packed_causal_attention
+from realhf.impl.model.modules.norm import norm, rms_norm
+from realhf.impl.model.modules.rotary import apply_rope
+from realhf.impl.model.nn.config import ReaLModelConfig
+
+# (local name, shape, init) with init in {"normal", "ones", "zeros"}.
+ParamDecl = Tuple[str, Tuple[int, ...], str]
+
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclasses.dataclass
+class PackedContext:
+    """What every block needs to know about the packed batch it runs on.
+
+    Attributes:
+        cu_seqlens: ``[B+1]`` sequence offsets into the packed tokens.
+        max_seqlen: longest sequence of the pack (for flash-attention).
+        cos, sin: RoPE tables ``[T, head_dim]`` for the tokens' positions, or
+            ``None`` for models with learned positions.
+        attn_fn: optional replacement of the packed causal attention (the
+            KV-cache hook of the generation engine), see ``ReaLModel.forward``.
+        attn_impl: implementation name passed to ``packed_causal_attention``.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: Optional[int]
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+    attn_fn: Optional[AttnFn] = None
+    attn_impl: str = "auto"
+
+
+def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, mod.weight, getattr(mod, "bias", None))
+
+
+def _norm(mod: nn.Module, x: torch.Tensor, cfg: ReaLModelConfig) -> torch.Tensor:
+    return norm(x, mod.weight, getattr(mod, "bias", None), cfg.layer_norm_epsilon, cfg.layer_norm_type)
+
+
+def _norm_decls(prefix: str, cfg: ReaLModelConfig, dim: int) -> List[ParamDecl]:
+    decls = [(f"{prefix}.weight", (dim,), "ones")]
+    if cfg.layer_norm_type == "layer":
+        decls.append((f"{prefix}.bias", (dim,), "zeros"))
+    return decls
+
+
+def _linear_decls(prefix: str, out_dim: int, in_dim: int, bias: bool) -> List[ParamDecl]:
+    decls = [(f"{prefix}.weight", (out_dim, in_dim), "normal")]
+    if bias:
+        decls.append((f"{prefix}.bias", (out_dim,), "zeros"))
+    return decls
+
+
+class EmbeddingLayer(nn.Module):
+    """Layer 0: token embedding, plus learned positions for gpt2."""
+
+    def __init__(self, config: ReaLModelConfig):
+        super().__init__()
+        self.config = config
+
+    @staticmethod
+    def param_decls(cfg: ReaLModelConfig) -> List[ParamDecl]:
+        """Parameters of the embedding layer."""
+        decls = [("wte.weight", (cfg.vocab_size, cfg.hidden_dim), "normal")]
+        if cfg.abs_position_embedding:
+            decls.append(("wpe.weight", (cfg.n_positions, cfg.hidden_dim), "normal"))
+        return decls
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids (and positions) -> hidden states ``[T, hidden_dim]``."""
+        h = F.embedding(input_ids, self.wte.weight)
+        if self.config.abs_position_embedding:
+            h = h + F.embedding(position_ids, self.wpe.weight)
+        return h
+
+
+class TransformerBlock(nn.Module):
+    """Layers 1..n: pre-norm attention and MLP with residual connections."""
+
+    def __init__(self, config: ReaLModelConfig, block_idx: int):
+        super().__init__()
+        self.config = config
+        # 0-based like HuggingFace's layer_idx; the block's parameter prefix is block_idx + 1.
+        self.block_idx = block_idx
+        self._act = _ACTIVATIONS[config.activation]
+
+    @staticmethod
+    def param_decls(cfg: ReaLModelConfig) -> List[ParamDecl]:
+        """Parameters of one transformer block."""
+        h = cfg.hidden_dim
+        d: List[ParamDecl] = _norm_decls("attn.c_attn.ln", cfg, h)
+        # q, k, v weights are declared next to each other so that one slice of
+        # the flat buffer covers the whole QKV projection.
+        d += [("attn.c_attn.q_attn.weight", (cfg.q_dim, h), "normal")]
+        d += [("attn.c_attn.k_attn.weight", (cfg.kv_dim, h), "normal")]
+        d += [("attn.c_attn.v_attn.weight", (cfg.kv_dim, h), "normal")]
+        if cfg.use_attention_bias:
+            d += [("attn.c_attn.q_attn.bias", (cfg.q_dim,), "zeros")]
+            d += [("attn.c_attn.k_attn.bias", (cfg.kv_dim,), "zeros")]
+            d += [("attn.c_attn.v_attn.bias", (cfg.kv_dim,), "zeros")]
+        if cfg.qk_layernorm:
+            d += [("attn.q_ln.weight", (cfg.head_dim,), "ones")]
+            d += [("attn.k_ln.weight", (cfg.head_dim,), "ones")]
+        d += _linear_decls("attn.c_proj", h, cfg.q_dim, cfg.use_attn_proj_bias)
+        d += _norm_decls("mlp.ln", cfg, h)
+        i, b = cfg.intermediate_dim, cfg.use_mlp_bias
+        if cfg.gated_mlp:
+            d += _linear_decls("mlp.gate_proj", i, h, b)
+            d += _linear_decls("mlp.up_proj", i, h, b)
+            d += _linear_decls("mlp.down_proj", h, i, b)
+        else:
+            d += _linear_decls("mlp.c_fc", i, h, b)
+            d += _linear_decls("mlp.c_proj", h, i, b)
+        return d
+
+    def forward(self, h: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """Hidden states ``[T, hidden_dim]`` -> ``[T, hidden_dim]``."""
+        h = h + self._attention(_norm(self.attn.c_attn.ln, h, self.config), ctx)
+        return h + self._mlp(_norm(self.mlp.ln, h, self.config))
+
+    def qkv(self, x: torch.Tensor, ctx: PackedContext):
+        """Projected, normed and rotated q ``[T, nq, d]``, k and v ``[T, nkv, d]``."""
+        cfg, ca = self.config, self.attn.c_attn
+        T = x.shape[0]
+        q = _linear(ca.q_attn, x).view(T, cfg.n_q_heads, cfg.head_dim)
+        k = _linear(ca.k_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = _linear(ca.v_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        if cfg.qk_layernorm:
+            q = rms_norm(q, self.attn.q_ln.weight, cfg.layer_norm_epsilon)
+            k = rms_norm(k, self.attn.k_ln.weight, cfg.layer_norm_epsilon)
+        if ctx.cos is not None:
+            q = apply_rope(q, ctx.cos, ctx.sin)
+            k = apply_rope(k, ctx.cos, ctx.sin)
+        return q, k, v
+
+    def _attention(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        q, k, v = self.qkv(x, ctx)
+        if ctx.attn_fn is not None:
+            o = ctx.attn_fn(self.block_idx, q, k, v)
+            if o.shape != q.shape:
+                raise ValueError(
+                    f"attn_fn for layer {self.block_idx} returned shape {tuple(o.shape)}, "
+                    f"expected {tuple(q.shape)} (= q's shape [T, n_q_heads, head_dim])"
+                )
+        else:
+            o = packed_causal_attention(
+                q,
+                k,
+                v,
+                ctx.cu_seqlens,
+                max_seqlen=ctx.max_seqlen,
+                sliding_window=self.config.sliding_window,
+                impl=ctx.attn_impl,
+            )
+        return _linear(self.attn.c_proj, o.reshape(x.shape[0], self.config.q_dim))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.mlp
+        if self.config.gated_mlp:
+            return _linear(m.down_proj, self._act(_linear(m.gate_proj, x)) * _linear(m.up_proj, x))
+        return _linear(m.c_proj, self._act(_linear(m.c_fc, x)))
+
+
+class OutputHead(nn.Module):
+    """Layer n+1: final norm, then the LM head (logits) or the value head."""
+
+    def __init__(self, config: ReaLModelConfig):
+        super().__init__()
+        self.config = config
+
+    @staticmethod
+    def param_decls(cfg: ReaLModelConfig) -> List[ParamDecl]:
+        """Parameters of the head; no LM-head matrix when it is the embedding's."""
+        decls = _norm_decls("ln_f", cfg, cfg.hidden_dim)
+        if cfg.is_critic:
+            decls += _linear_decls("", 1, cfg.hidden_dim, bias=True)
+        elif not cfg.tied_embedding:
+            decls += _linear_decls("", cfg.vocab_size, cfg.hidden_dim, bias=False)
+        # "" prefix gives ".weight"; strip the dot so names read "{n+1}.weight".
+        return [(n.lstrip("."), s, i) for n, s, i in decls]
+
+    def forward(self, h: torch.Tensor, tied_weight: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[T, hidden_dim]`` -> logits ``[T, vocab]`` or values ``[T]``."""
+        x = _norm(self.ln_f, h, self.config)
+        if self.config.is_critic:
+            return F.linear(x, self.weight, self.bias).squeeze(-1)
+        w = tied_weight if self.config.tied_embedding else self.weight
+        return F.linear(x, w)

@@ -1,0 +1,305 @@
+"""ReaLModel: a decoder-only transformer over packed sequences with flat weights.
+
+Input is a packed batch — ``input_ids: [T]`` holding all sequences back to back
+and ``cu_seqlens: [B+1]`` with their offsets — so no compute is spent on
+padding.  Output is ``[T, vocab]`` logits, or ``[T]`` values for a critic.
+
+Every parameter is a view into ``model.flat_params`` (layout in
+``model.param_spec``, see :mod:`realhf.impl.model.nn.flat_param`).  Moving the
+model (``.to(device/dtype)``) converts the flat buffer once and re-points the
+parameters at it, so the views survive.  The model is single-device; tensor and
+pipeline parallelism wrap it from outside.
+
+Checkpoints are HuggingFace directories: :meth:`ReaLModel.from_hf`,
+:meth:`ReaLModel.save_hf`, :meth:`ReaLModel.load_hf_weights` (conversion lives
+in :mod:`realhf.impl.model.conversion`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Dict, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+from realhf.impl.model.modules.rotary import rope_cos_sin, rope_inv_freq
+from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.flat_param import ParamSpec, build_param_spec, flat_view
+from realhf.impl.model.nn.layers import (
+    AttnFn,
+    EmbeddingLayer,
+    OutputHead,
+    PackedContext,
+    TransformerBlock,
+)
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Per-sequence positions ``0..L-1`` for every token of a packed batch ``[T]``."""
+    seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = torch.repeat_interleave(cu_seqlens[:-1], seqlens, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - starts
+
+
+def _register_param(root: nn.Module, dotted: str, param: nn.Parameter) -> None:
+    """Register ``param`` at ``a.b.weight`` under ``root``, creating containers."""
+    *path, leaf = dotted.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)
+
+
+class ReaLModel(nn.Module):
+    """Decoder-only transformer over packed sequences (see module docstring).
+
+    Args:
+        config: the architecture.
+        dtype: parameter dtype (float32, bfloat16 or float16).
+        device: where the flat buffer lives; ``"meta"`` builds the structure
+            and param spec without memory.
+        is_critic: override ``config.is_critic`` (a one-output value head
+            instead of the LM head); ``None`` keeps the config's value.
+        init_weights: initialise weights (normal(0, init_std), norms to one,
+            biases to zero); ``from_hf`` skips it since it overwrites them.
+        gradient_checkpointing: recompute each block in backward instead of
+            storing its activations.
+        attn_impl: packed attention implementation, see
+            :func:`realhf.impl.model.modules.attention.packed_causal_attention`.
+
+    Children are named ``"0"`` (embedding), ``"1".."n"`` (blocks) and
+    ``"n+1"`` (head), so ``state_dict()`` keys equal ``param_spec`` keys.
+    """
+
+    def __init__(
+        self,
+        config: ReaLModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
+        is_critic: Optional[bool] = None,
+        *,
+        init_weights: bool = True,
+        gradient_checkpointing: bool = False,
+        attn_impl: str = "auto",
+    ):
+        super().__init__()
+        if dtype not in _DTYPES:
+            raise ValueError(f"ReaLModel dtype={dtype} is unsupported; use one of {_DTYPES}")
+        if is_critic is not None and is_critic != config.is_critic:
+            config = dataclasses.replace(config, is_critic=is_critic)
+        self.config = config
+        self.gradient_checkpointing = gradient_checkpointing
+        self.attn_impl = attn_impl
+        self._inv_freq_cache: Dict[torch.device, torch.Tensor] = {}
+
+        layers = [EmbeddingLayer(config)]
+        layers += [TransformerBlock(config, i) for i in range(config.n_layers)]
+        layers += [OutputHead(config)]
+        for idx, layer in enumerate(layers):
+            self.add_module(str(idx), layer)
+
+        decls = [(idx, type(layer).param_decls(config)) for idx, layer in enumerate(layers)]
+        self.param_spec: Dict[str, ParamSpec]
+        self.param_spec, total = build_param_spec(
+            [(idx, [(n, s) for n, s, _ in d]) for idx, d in decls]
+        )
+        self.flat_params = torch.empty(total, dtype=dtype, device=device)
+        self._init_kinds = {f"{idx}.{n}": kind for idx, d in decls for n, _, kind in d}
+        for name, spec in self.param_spec.items():
+            _register_param(self, name, nn.Parameter(flat_view(self.flat_params, spec)))
+        if init_weights:
+            self.reset_parameters()
+
+    # ---- structure -------------------------------------------------------
+
+    @property
+    def embedding(self) -> EmbeddingLayer:
+        """Layer 0."""
+        return getattr(self, "0")
+
+    @property
+    def blocks(self):
+        """Layers 1..n_layers, in order."""
+        return [getattr(self, str(i + 1)) for i in range(self.config.n_layers)]
+
+    @property
+    def head(self) -> OutputHead:
+        """Layer n_layers + 1."""
+        return getattr(self, str(self.config.head_layer_idx))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Parameter dtype."""
+        return self.flat_params.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the flat buffer."""
+        return self.flat_params.device
+
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """Fresh initialisation of every parameter (in place in the flat buffer)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                kind = self._init_kinds[name]
+                if kind == "ones":
+                    p.fill_(1.0)
+                elif kind == "zeros":
+                    p.zero_()
+                else:
+                    p.normal_(0.0, self.config.init_std, generator=generator)
+
+    def load_flat(self, flat: torch.Tensor) -> None:
+        """Copy a whole 1-D parameter vector (same layout) into the flat buffer."""
+        if flat.dim() != 1 or flat.numel() != self.flat_params.numel():
+            raise ValueError(
+                f"load_flat got a tensor of shape {tuple(flat.shape)}; expected a 1-D "
+                f"tensor of {self.flat_params.numel()} elements (this model's flat buffer)"
+            )
+        with torch.no_grad():
+            self.flat_params.copy_(flat)
+
+    def _apply(self, fn, recurse=True):
+        # Module._apply would convert each parameter separately and break the
+        # views; convert the buffer once and re-point every parameter instead.
+        new_flat = fn(self.flat_params)
+        for name, p in self.named_parameters():
+            p.data = flat_view(new_flat, self.param_spec[name])
+            if p.grad is not None:
+                p.grad = fn(p.grad)
+        self.flat_params = new_flat
+        self._inv_freq_cache.clear()
+        return self
+
+    # ---- forward ---------------------------------------------------------
+
+    def _rope_tables(self, position_ids: torch.Tensor):
+        if self.config.abs_position_embedding:
+            return None, None
+        dev = position_ids.device
+        if dev not in self._inv_freq_cache:
+            self._inv_freq_cache[dev] = rope_inv_freq(
+                self.config.head_dim, self.config.rope_theta, device=dev
+            )
+        return rope_cos_sin(position_ids, self._inv_freq_cache[dev], self.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        position_ids: Optional[torch.Tensor] = None,
+        attn_fn: Optional[AttnFn] = None,
+        max_seqlen: Optional[int] = None,
+    ) -> torch.Tensor:
+        """Run the packed batch through all layers.
+
+        Args:
+            input_ids: ``LongTensor[T]``, all sequences concatenated.
+            cu_seqlens: ``IntTensor[B+1]``, ``0 = cu[0] <= ... <= cu[B] = T``.
+            position_ids: ``LongTensor[T]``; default per-sequence ``0..L-1``.
+            attn_fn: KV-cache hook.  When given, each block computes q
+                ``[T, n_q_heads, head_dim]`` and k, v ``[T, n_kv_heads, head_dim]``
+                (after bias, q/k norm and RoPE at ``position_ids``) and calls
+                ``attn_fn(layer_idx, q, k, v)`` with ``layer_idx`` the 0-based
+                block index; it must return ``[T, n_q_heads, head_dim]``, to which
+                the block applies its output projection.  ``cu_seqlens`` is then
+                not used for attention.
+            max_seqlen: longest sequence, if known (saves a sync for flash-attn).
+
+        Returns:
+            ``[T, vocab_size]`` logits, or ``[T]`` values for a critic, in the
+            model dtype.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(
+                f"input_ids must be 1-D packed tokens [T], got shape {tuple(input_ids.shape)}"
+            )
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+            raise ValueError(f"cu_seqlens must be 1-D [B+1], got shape {tuple(cu_seqlens.shape)}")
+        T = input_ids.shape[0]
+        if int(cu_seqlens[-1]) != T:
+            raise ValueError(
+                f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of packed "
+                f"tokens {T}"
+            )
+        cu_seqlens = cu_seqlens.to(input_ids.device)
+        if position_ids is None:
+            position_ids = packed_position_ids(cu_seqlens, T)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"position_ids shape {tuple(position_ids.shape)} must equal input_ids "
+                f"shape {tuple(input_ids.shape)}"
+            )
+        cos, sin = self._rope_tables(position_ids)
+        ctx = PackedContext(cu_seqlens, max_seqlen, cos, sin, attn_fn, self.attn_impl)
+        h = self.embedding(input_ids, position_ids)
+        checkpoint = (
+            self.gradient_checkpointing
+            and self.training
+            and torch.is_grad_enabled()
+            and attn_fn is None  # a KV-cache hook must not be called twice
+        )
+        for block in self.blocks:
+            if checkpoint:
+                h = torch.utils.checkpoint.checkpoint(block, h, ctx, use_reentrant=False)
+            else:
+                h = block(h, ctx)
+        tied = self.embedding.wte.weight if self.config.shares_head_with_embedding else None
+        return self.head(h, tied)
+
+    # ---- HuggingFace checkpoints -----------------------------------------
+
+    @classmethod
+    def from_hf(
+        cls,
+        model_dir: Union[str, os.PathLike],
+        dtype: torch.dtype = torch.float32,
+        device: Union[str, torch.device] = "cpu",
+        is_critic: bool = False,
+        **kwargs,
+    ) -> "ReaLModel":
+        """Build a model from a HuggingFace directory (family from config.json).
+
+        A critic loads its value head from a critic checkpoint written by
+        :meth:`save_hf`, or starts a fresh one on a causal-LM checkpoint.
+        ``kwargs`` go to the constructor (``gradient_checkpointing``, ...).
+        """
+        from realhf.impl.model.conversion import hf
+
+        config = hf.config_from_hf_dir(model_dir, is_critic=is_critic)
+        model = cls(config, dtype=dtype, device=device, init_weights=False, **kwargs)
+        hf.load_weights(model, model_dir, check_config=False)
+        return model
+
+    def load_hf_weights(self, model_dir: Union[str, os.PathLike]) -> None:
+        """Replace the weights in place from a HuggingFace directory of the same
+        architecture (the flat buffer and parameter objects are kept)."""
+        from realhf.impl.model.conversion import hf
+
+        hf.load_weights(self, model_dir, check_config=True)
+
+    def save_hf(
+        self,
+        model_dir: Union[str, os.PathLike],
+        tokenizer=None,
+        *,
+        max_shard_bytes: int = 5 * 1024**3,
+    ) -> None:
+        """Write a HuggingFace directory (config.json + safetensors) that
+        ``transformers`` loads (``AutoModelForCausalLM``, or
+        ``AutoModelForTokenClassification`` with one label for a critic).
+
+        ``tokenizer`` is a tokenizer object (saved with ``save_pretrained``) or a
+        directory whose tokenizer files are copied.
+        """
+        from realhf.impl.model.conversion import hf
+
+        hf.save(self, model_dir, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)

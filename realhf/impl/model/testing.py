@@ -1,0 +1,123 @@
+"""Tiny random HuggingFace models for tests (no downloads).
+
+``make_tiny_hf_model("qwen2", tmp_path / "m")`` writes a HuggingFace directory
+(config.json + model.safetensors) that both ``transformers`` and
+``ReaLModel.from_hf`` load.  Every parameter is perturbed after HF's
+initialisation (HF starts biases at 0 and norms at 1, which would hide a
+mis-mapped bias or norm in a comparison test).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Union
+
+import torch
+
+# Small but non-degenerate: GQA (4 q heads / 2 kv heads), 2 layers.
+_TINY: Dict[str, Dict[str, Any]] = {
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # explicit and != hidden/heads, as in real qwen3 models
+        vocab_size=128,
+        max_position_embeddings=256,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "gpt2": dict(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=256,
+        vocab_size=128,
+        attn_pdrop=0.0,
+        embd_pdrop=0.0,
+        resid_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+}
+
+TINY_FAMILIES = tuple(_TINY)
+
+
+def tiny_hf_config(family: str, **overrides):
+    """A transformers config object for a tiny model of ``family``."""
+    import transformers
+
+    if family not in _TINY:
+        raise ValueError(f"no tiny config for family {family!r}; use one of {TINY_FAMILIES}")
+    kwargs = dict(_TINY[family])
+    kwargs.update(overrides)
+    return transformers.AutoConfig.for_model(family, **kwargs)
+
+
+def make_tiny_hf_model(
+    family: str,
+    path: Union[str, os.PathLike],
+    *,
+    seed: int = 0,
+    perturb: float = 0.02,
+    **overrides,
+) -> str:
+    """Write a random tiny HF causal LM of ``family`` to ``path``; returns the path.
+
+    Args:
+        family: llama, qwen2, qwen3, mistral or gpt2.
+        path: output directory (created).
+        seed: torch seed for the weights.
+        perturb: std of the noise added to every parameter after HF's init
+            (0 keeps HF's init exactly).
+        overrides: HF config keyword arguments (``num_hidden_layers=4``,
+            ``tie_word_embeddings=True``, ...).
+    """
+    import transformers
+
+    config = tiny_hf_config(family, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if perturb:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * perturb)
+    os.makedirs(str(path), exist_ok=True)
+    model.save_pretrained(str(path))
+    return str(path)
