@@ -1,0 +1,43 @@
+"""Agents: how a rollout turns a prompt into trajectories by acting in an environment.
+
+A rollout worker runs one coroutine per prompt::
+
+    trajectories = await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
+
+The agent puts observations (token ids to continue from, with sampling settings) on
+``obs_queue``; the rollout worker answers each with the generation server's output on
+``act_queue``.  Keeping the model behind two queues lets one agent be tested without any
+server and lets the worker batch, pause and route requests freely.
+
+Implementations subclass :class:`Agent` and register a name with
+:func:`realhf.api.core.config.register_agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, List
+
+if TYPE_CHECKING:
+    from realhf.api.core.data_api import SequenceSample
+    from realhf.api.core.env_api import EnvironmentService
+
+__all__ = ["Agent"]
+
+
+class Agent:
+    """Base class of agents (e.g. single-step math: sample a group of answers, grade them)."""
+
+    async def collect_trajectory(
+        self,
+        prompt: "SequenceSample",
+        env: "EnvironmentService",
+        obs_queue: asyncio.Queue,
+        act_queue: asyncio.Queue,
+    ) -> List["SequenceSample"]:
+        """Run one prompt to completion; returns finished trajectories for the trainer.
+
+        Returns an empty list when the trajectories are to be dropped (e.g. a group whose
+        answers all got the same reward).
+        """
+        raise NotImplementedError(f"agent {type(self).__name__} does not implement collect_trajectory()")
