@@ -83,13 +83,14 @@ def _default_level() -> int:
 class _ColourFormatter(_std_logging.Formatter):
     """Colours the level name, only when the handler's stream is a TTY."""
 
-    def __init__(self, fmt: str, stream) -> None:
+    def __init__(self, fmt: str, stream=None) -> None:
         super().__init__(fmt, datefmt=_DATEFMT)
-        self._stream = stream
+        self._stream = stream  # None: whatever sys.stderr is at emit time
 
     def format(self, record: _std_logging.LogRecord) -> str:
         text = super().format(record)
-        isatty = getattr(self._stream, "isatty", None)
+        stream = sys.stderr if self._stream is None else self._stream
+        isatty = getattr(stream, "isatty", None)
         if isatty is not None and isatty():
             colour = _COLOURS.get(record.levelname, "")
             return f"{colour}{text}{_RESET}" if colour else text
@@ -134,8 +135,7 @@ def getLogger(name: Optional[str] = None, type_: str = "system") -> _std_logging
         logger = _std_logging.getLogger(full)
         logger.setLevel(_default_level())
         handler = _StderrHandler()
-        handler.setFormatter(_ColourFormatter(LOG_TYPES[type_], sys.stderr))
-        handler._realhf_type = type_  # remembered for file handlers
+        handler.setFormatter(_ColourFormatter(LOG_TYPES[type_]))
         logger.addHandler(handler)
         # Our own handler prints; don't print again via the root logger.
         logger.propagate = False

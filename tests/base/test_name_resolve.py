@@ -283,6 +283,27 @@ def test_default_backend_is_file_under_fileroot_and_env_overrides(tmp_path):
     assert out.stdout.split()[0] == "MemoryNameRecordRepository"
 
 
+def test_forked_child_exit_keeps_parent_entries(tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from realhf.base import name_resolve as nr
+        nr.reconfigure("file", root=sys.argv[1])
+        nr.add("p/k", "parent's")
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # runs atexit handlers inherited from the parent
+        os.waitpid(pid, 0)
+        print(nr.get("p/k"))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "parent's"
+    # ...and the parent's own clean exit removed it.
+    assert name_resolve.make_repository("file", root=str(tmp_path)).find_subtree("p") == []
+
+
 def test_file_entries_expire_for_readers_and_are_overwritable(tmp_path):
     # A writer that stops refreshing (closed without reset) leaves an expired
     # entry on disk; readers must treat it as absent and add() may reuse it.

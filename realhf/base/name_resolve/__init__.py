@@ -11,7 +11,8 @@ module-level functions that delegate to one swappable backend::
 Backends (``reconfigure(backend, **kwargs)``):
 
 ``"memory"``
-    a dict in this process; for single-process tests.
+    a dict held by the repository object, visible to this process's threads
+    only; for single-process tests.
 ``"file"`` (``root=``)
     a directory tree shared by all processes of one machine; the embedded
     default.  Default root ``{fileroot}/name_resolve`` (see
@@ -34,7 +35,9 @@ Entries added with ``keepalive_ttl`` are refreshed by a background thread of
 the adding process and disappear about ``keepalive_ttl`` seconds after it dies
 (file: an expiry time in the entry; etcd3: a lease).  Entries added with
 ``delete_on_exit=True`` (the default) are removed by :func:`reset`, which runs
-at interpreter exit.
+at interpreter exit (not in forked children, and not on SIGKILL: use a TTL for
+entries that must vanish when their owner dies).  The etcd3 client (grpc) is
+not fork-safe: build the repository after forking.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
 import threading
 import time
 import uuid
@@ -104,6 +105,9 @@ class NameRecordRepository(abc.ABC):
         self._keepalive_wake = threading.Event()
         self._keepalive_thread: Optional[threading.Thread] = None
         self._watchers: List[threading.Thread] = []
+        # A forked child inherits this object but owns none of its entries;
+        # reset()/close() there must not delete the parent's keys.
+        self._pid = os.getpid()
 
     # ---- primitives each backend implements ------------------------------
 
@@ -317,8 +321,11 @@ class NameRecordRepository(abc.ABC):
     def reset(self) -> None:
         """Delete the entries this repository added with ``delete_on_exit``.
 
-        An entry that another process has since replaced is left alone.
+        An entry that another process has since replaced is left alone.  In a
+        process forked from the one that added the entries this does nothing.
         """
+        if os.getpid() != self._pid:
+            return
         with self._owned_lock:
             mine = [(k, o) for k, o in self._owned.items() if o.delete_on_exit]
             for k, _ in mine:
