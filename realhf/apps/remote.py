@@ -1,0 +1,181 @@
+"""Entry point of every launched realhf process: the controller or one worker.
+
+Launchers (``realhf.scheduler.local``, later Slurm/Ray) run::
+
+    python -m realhf.apps.remote controller --experiment E --trial R \\
+        [--experiment-type NAME] [--experiment-args ARGS.pkl] [--summary OUT.json] \\
+        [--import MODULE ...] [--name-resolve SPEC] [--timeout S]
+    python -m realhf.apps.remote worker --type T --index I --experiment E --trial R \\
+        [--import MODULE ...] [--name-resolve SPEC]
+
+``--name-resolve`` takes a spec (``file:///abs/root``, ``etcd3://host:port``);
+default ``$REALHF_NAME_RESOLVE``, else the file backend under the file root.
+``--import`` imports modules that register experiments or worker types
+(``realhf.system.{type}`` modules are found without it).
+
+The controller rebuilds the experiment registered as ``--experiment-type``
+(default ``--experiment``) with the keyword arguments pickled in
+``--experiment-args`` and runs it (:class:`realhf.system.worker_control.Controller`);
+it exits 0 on success, 1 when workers failed (its log and ``--summary`` name
+them and why).  A worker builds its registered type and serves control until
+told to exit; it exits 0 after ``exit``, 1 after a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import importlib
+import json
+import os
+import pickle
+import signal
+import sys
+from typing import List, Optional
+
+from realhf.api.core import system_api
+from realhf.base import constants, logging, name_resolve
+from realhf.system import worker_base
+from realhf.system.errors import ExperimentFailed
+from realhf.system.worker_control import Controller
+
+logger = logging.getLogger("remote", "system")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m realhf.apps.remote",
+        description="Run the controller or one worker of a realhf experiment.",
+    )
+    sub = p.add_subparsers(dest="role", required=True)
+
+    def common(sp):
+        sp.add_argument("--experiment", "-e", required=True, help="experiment name (keys, run dir)")
+        sp.add_argument("--trial", "-f", required=True, help="trial name")
+        sp.add_argument("--name-resolve", default=None,
+                        help="name-resolve spec, e.g. file:///tmp/nr or etcd3://host:2379 "
+                        "(default: $REALHF_NAME_RESOLVE, else the file backend)")
+        sp.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help="module to import first (registers types)")
+        sp.add_argument("--status-ttl", type=float, default=worker_base.DEFAULT_STATUS_TTL,
+                        help="keepalive TTL (s) of status keys")
+
+    c = sub.add_parser("controller", help="configure, start and watch the workers")
+    common(c)
+    c.add_argument("--experiment-type", default=None,
+                   help="registered experiment to build (default: --experiment)")
+    c.add_argument("--experiment-args", default=None, metavar="PATH",
+                   help="pickle of the keyword arguments of the experiment factory")
+    c.add_argument("--summary", default=None, metavar="PATH",
+                   help="write the outcome as JSON here")
+    c.add_argument("--poll-interval", type=float, default=1.0)
+    c.add_argument("--connect-timeout", type=float, default=120.0)
+    c.add_argument("--configure-timeout", type=float, default=600.0)
+    c.add_argument("--timeout", type=float, default=None, help="fail after this many seconds")
+
+    w = sub.add_parser("worker", help="run one worker")
+    common(w)
+    w.add_argument("--type", "-w", required=True, dest="worker_type")
+    w.add_argument("--index", "-i", required=True, type=int)
+    w.add_argument("--controller-watch-interval", type=float, default=5.0,
+                   help="exit when the controller has been gone this long (s)")
+    return p
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the launcher dies (set by the local scheduler)."""
+    if os.environ.get("REALHF_DIE_WITH_PARENT") != "1" or not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    parent = os.environ.get("REALHF_PARENT_PID")
+    if parent and os.getppid() != int(parent):  # the launcher died before prctl
+        sys.exit("realhf.apps.remote: the launcher exited before this process started.")
+
+
+def _setup(args) -> None:
+    _die_with_parent()
+    # SIGTERM -> SystemExit so atexit hooks run and name-resolve keys are removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.name_resolve:
+        # The module builds its repository from this variable on first use.
+        os.environ[name_resolve.ENV_VAR] = args.name_resolve
+    name_resolve.repository()  # fail now, naming the spec, if it is unusable
+    constants.set_experiment_trial_names(args.experiment, args.trial)
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise SystemExit(f"realhf.apps.remote: --import {module}: {e}") from e
+
+
+def run_controller(args) -> int:
+    """Build the experiment, run it, report; 0 on success, 1 on failure."""
+    kwargs = {}
+    if args.experiment_args:
+        with open(args.experiment_args, "rb") as f:
+            kwargs = pickle.load(f)
+    exp_type = args.experiment_type or args.experiment
+    experiment = system_api.make_experiment(exp_type, **kwargs)
+    controller = Controller(
+        args.experiment, args.trial,
+        poll_interval=args.poll_interval,
+        connect_timeout=args.connect_timeout,
+        configure_timeout=args.configure_timeout,
+        status_ttl=args.status_ttl,
+    )
+    outcome: dict
+    try:
+        summary = controller.run(experiment, timeout=args.timeout)
+        outcome = {"ok": True, **dataclasses.asdict(summary)}
+        logger.info(
+            f"experiment {args.experiment!r} trial {args.trial!r} completed in "
+            f"{summary.run_seconds:.2f}s: {summary.statuses}"
+        )
+        code = 0
+    except ExperimentFailed as e:
+        logger.error(str(e))
+        outcome = {"ok": False, "failures": e.failures, "message": str(e)}
+        code = 1
+    except TimeoutError as e:
+        logger.error(str(e))
+        outcome = {"ok": False, "failures": {}, "message": str(e)}
+        code = 1
+    if args.summary:
+        tmp = args.summary + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(outcome, f, indent=2)
+        os.replace(tmp, args.summary)
+    return code
+
+
+def run_worker(args) -> int:
+    """Build worker ``--type/--index`` and serve until told to exit."""
+    worker = worker_base.make_worker(
+        args.worker_type,
+        args.experiment, args.trial, args.worker_type, args.index,
+        status_ttl=args.status_ttl,
+        controller_watch_interval=args.controller_watch_interval,
+    )
+    control = worker_base.WorkerControlServer(
+        args.experiment, args.trial, worker.worker_name, keepalive_ttl=args.status_ttl
+    )
+    logger.info(f"{worker.worker_name} (pid {os.getpid()}) serving control at {control.address}")
+    return worker.run(control)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Parse ``argv`` and run the controller or a worker; return the exit code."""
+    args = _parser().parse_args(argv)
+    _setup(args)
+    if args.role == "controller":
+        return run_controller(args)
+    return run_worker(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
