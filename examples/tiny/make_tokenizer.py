@@ -141,7 +141,9 @@ def save(tok: Tokenizer, out_dir: str):
         f.write(CHAT_TEMPLATE)
 
 
-def make_tokenizer(data_dir: str = DEFAULT_DATA_DIR, out_dir: str = DEFAULT_OUT_DIR, vocab_size: int = 270) -> Tokenizer:
+def make_tokenizer(
+    data_dir: str = DEFAULT_DATA_DIR, out_dir: str = DEFAULT_OUT_DIR, vocab_size: int = 270
+) -> Tokenizer:
     """Train on ``data_dir``'s SFT split and save into ``out_dir``; returns the tokenizer."""
     tok = train_tokenizer(list(corpus(data_dir)), vocab_size)
     save(tok, out_dir)

@@ -38,7 +38,9 @@ class EnvironmentService:
     returns a :class:`StepResult` ``(obs, reward, terminated, truncated, info)``.
     """
 
-    async def reset(self, seed: Optional[int] = None, options: Optional[Dict[str, Any]] = None) -> Tuple[Any, Dict[str, Any]]:
+    async def reset(
+        self, seed: Optional[int] = None, options: Optional[Dict[str, Any]] = None
+    ) -> Tuple[Any, Dict[str, Any]]:
         """Start an episode; the default has no observation and no info."""
         return None, {}
 

@@ -115,7 +115,9 @@ class AllocationMode:
         if (self.gen is None) != (self.gen_backend is None):
             raise AllocationError("AllocationMode: gen and gen_backend must be given together")
         if self.gen_backend is not None and self.gen_backend not in GEN_BACKENDS:
-            raise AllocationError(f"unknown generation backend {self.gen_backend!r}; use one of {GEN_BACKENDS}; {_EXAMPLES}")
+            raise AllocationError(
+                f"unknown generation backend {self.gen_backend!r}; use one of {GEN_BACKENDS}; {_EXAMPLES}"
+            )
         if self.gen is not None and self.gen.pipe != 1:
             raise AllocationError(
                 f"generation layout {self.gen}: generation servers do not use pipeline parallelism; "

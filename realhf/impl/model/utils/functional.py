@@ -76,7 +76,9 @@ def gather_packed_shifted_log_probs(
         [T - B] float32: entry t of sequence i is ``log softmax(logits[t] / temperature)[input_ids[t+1]]``.
     """
     if logits.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"logits must be [T, V] with T = len(input_ids) = {input_ids.shape[0]}, got {tuple(logits.shape)}")
+        raise ValueError(
+            f"logits must be [T, V] with T = len(input_ids) = {input_ids.shape[0]}, got {tuple(logits.shape)}"
+        )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_cu_seqlens(cu_seqlens, total=input_ids.shape[0])
@@ -145,7 +147,9 @@ def sft_loss(
         micro-batches by tokens.  ``exp(loss)`` is the answer perplexity.
     """
     if prompt_mask.shape != input_ids.shape:
-        raise ValueError(f"prompt_mask shape {tuple(prompt_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"prompt_mask shape {tuple(prompt_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+        )
     logp = gather_packed_shifted_log_probs(logits, cu_seqlens, input_ids)
     # Position t predicts token t+1: it is trained when token t+1 is part of the answer.
     answer = prompt_mask[shift_one_indices(cu_seqlens) + 1].logical_not()

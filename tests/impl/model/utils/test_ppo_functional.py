@@ -27,7 +27,8 @@ def test_packed_rewards_kl_and_terminal_score():
     with pytest.raises(ValueError, match=r"must both be \[B\] = \[2\]"):
         F.get_packed_rewards(0.5, 5.0, lp, ref, score[:1], s1cu, no_eos)
     with pytest.raises(ValueError, match="length 0"):
-        F.get_packed_rewards(0.5, 5.0, lp, ref, torch.zeros(3), torch.tensor([0, 2, 2, 5]), torch.zeros(3, dtype=torch.bool))
+        no_eos3 = torch.zeros(3, dtype=torch.bool)
+        F.get_packed_rewards(0.5, 5.0, lp, ref, torch.zeros(3), torch.tensor([0, 2, 2, 5]), no_eos3)
 
 
 def test_gae_two_sequences_one_truncated():
