@@ -1,0 +1,116 @@
+"""Serve a HuggingFace model directory with the built-in generation engine over HTTP.
+
+    python -m realhf.apps.serve --model-path DIR --host 127.0.0.1 --port 30000
+
+The server speaks SGLang's native protocol (``/generate``,
+``/update_weights_from_disk``, ``/pause_generation``, ``/continue_generation``,
+``/flush_cache``, ``/health``, ``/metrics``, ``/v1/models``) and OpenAI's
+``/v1/completions`` and ``/v1/chat/completions`` (see
+:mod:`realhf.impl.model.gen.http_app`). It prints one line starting with
+``realhf generation server ready`` once it accepts requests. A directory
+without tokenizer files is served token-ids-only (text inputs get HTTP 400).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import List, Optional
+
+from realhf.base import logging
+from realhf.impl.model.gen.config import EngineConfig
+from realhf.impl.model.gen.http_app import create_app
+from realhf.impl.model.gen.loading import load_engine, load_tokenizer
+
+logger = logging.getLogger("serve")
+
+READY_LINE = "realhf generation server ready"
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Command-line options (defaults from :class:`EngineConfig`)."""
+    d = EngineConfig()
+    p = argparse.ArgumentParser(prog="python -m realhf.apps.serve", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="HuggingFace directory (config.json + safetensors)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: directory name)")
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    p.add_argument("--context-length", type=int, default=None, help="default: the model's n_positions")
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--decode-attn-impl", default=d.decode_attn_impl)
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level")
+    return p.parse_args(argv)
+
+
+async def _serve(server, host: str, port: int) -> None:
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            await task  # re-raise why uvicorn failed to start
+            raise RuntimeError(f"uvicorn exited before serving on {host}:{port}")
+        await asyncio.sleep(0.05)
+    print(f"{READY_LINE} at http://{host}:{port}", flush=True)
+    await task
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Load, serve until interrupted, close. Returns the exit code."""
+    args = parse_args(argv)
+    if not os.path.isdir(args.model_path):
+        print(f"error: --model-path {args.model_path!r} is not a directory", file=sys.stderr)
+        return 2
+    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+        print(
+            f"error: --model-path {args.model_path!r} has no config.json; "
+            "pass a HuggingFace model directory",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        config = EngineConfig(
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_queued_requests=args.max_queued_requests,
+            dtype=args.dtype,
+            device=args.device,
+            seed=args.seed,
+            decode_attn_impl=args.decode_attn_impl,
+            request_timeout_s=args.request_timeout,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import torch
+    import uvicorn
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    tokenizer = load_tokenizer(args.model_path)
+    engine = load_engine(args.model_path, config, tokenizer=tokenizer)
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
+    app = create_app(engine, tokenizer=tokenizer, model_path=args.model_path, served_model_name=name)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+    )
+    engine.start()
+    try:
+        asyncio.run(_serve(server, args.host, args.port))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

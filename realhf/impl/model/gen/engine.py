@@ -1,0 +1,428 @@
+"""The built-in generation engine: continuous batching over ReaLModel.
+
+A dedicated thread owns the model, the KV cache and the scheduler, and loops::
+
+    apply commands (new requests, aborts, pause, weight updates)
+    decode one token for every running sequence   (one packed forward)
+    admit waiting requests into freed slots and prefill them (one packed forward)
+    sample, append, finish sequences that stopped, free their slots
+
+Callers on other threads (the HTTP server's event loop, tests, benchmarks) use
+:meth:`GenerationEngine.submit`, which returns a ``concurrent.futures.Future``,
+and control methods that block (with a timeout) until the engine thread has
+carried them out. Nothing else touches the model or the cache, so there are no
+locks on the hot path.
+
+Shutdown: :meth:`close` sets a flag and wakes the thread, which fails every
+in-flight future with ``EngineClosedError`` and exits; ``close`` joins it with a
+timeout. A crash in a model step fails the futures of the affected requests
+with the exception and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import queue
+import threading
+import time
+import traceback
+from typing import Callable, Deque, Iterable, List, Optional, Sequence as Seq, Tuple
+
+import torch
+
+from realhf.api.core.gen_api import (
+    FinishReason,
+    GenerateOutput,
+    GenerateRequest,
+    InvalidRequestError,
+)
+from realhf.base import logging
+from realhf.impl.model.gen.attention import DecodeAttention, prefill_attention, select_decode_impl
+from realhf.impl.model.gen.config import EngineConfig
+from realhf.impl.model.gen.kv_cache import SlotKVCache
+from realhf.impl.model.gen.sampler import SamplingBatch, sample
+from realhf.impl.model.gen.scheduler import Scheduler
+from realhf.impl.model.gen.sequence import Sequence, SeqStatus
+
+logger = logging.getLogger("gen_engine")
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed while a request or command was in flight."""
+
+
+class GenerationEngine:
+    """Serve generation requests for one model with continuous batching.
+
+    Args:
+        model: a ReaLModel (``model(input_ids, cu_seqlens, position_ids=,
+            attn_fn=) -> logits`` and ``model.config``), already on its device.
+        config: engine limits and numerics.
+        eos_token_ids: default stop tokens (besides ``pad_token_id``).
+        pad_token_id: also a default stop token when set.
+        load_weights: ``fn(model, hf_dir)`` used by :meth:`update_weights_from_disk`;
+            defaults to ``model.load_hf_weights(hf_dir)``.
+    """
+
+    def __init__(
+        self,
+        model,
+        config: EngineConfig,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        pad_token_id: Optional[int] = None,
+        load_weights: Optional[Callable] = None,
+    ):
+        self.model = model
+        self.config = config
+        mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.sliding_window = getattr(mc, "sliding_window", None)
+        self.context_length = config.context_length or mc.n_positions
+        defaults = set(int(t) for t in eos_token_ids)
+        if pad_token_id is not None:
+            defaults.add(int(pad_token_id))
+        self.default_stop_ids = frozenset(defaults)
+        self._load_weights = load_weights or (lambda m, path: m.load_hf_weights(path))
+        self.device = next(iter(model.parameters())).device
+        self.cache = SlotKVCache(
+            n_layers=mc.n_layers,
+            n_kv_heads=mc.n_kv_heads,
+            head_dim=mc.head_dim,
+            n_slots=config.max_running_requests,
+            slot_len=self.context_length,
+            dtype=config.torch_dtype,
+            device=self.device,
+        )
+        self.decode_impl = select_decode_impl(self.cache.k, config.decode_attn_impl)
+        self.scheduler = Scheduler(
+            self.cache,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_queued_requests=config.max_queued_requests,
+        )
+        # One row of pre-drawn uniforms per slot: token i of the sequence in a
+        # slot uses uniforms[slot, i], drawn from the request's own generator.
+        self._uniforms = torch.zeros(config.max_running_requests, self.context_length)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._inbox: "queue.SimpleQueue[Tuple[str, object, concurrent.futures.Future]]" = (
+            queue.SimpleQueue()
+        )
+        self._wake = threading.Event()
+        self._closing = False
+        self.paused = False
+        self.weight_version = 0
+        self.last_error: Optional[str] = None
+        self.total_prompt_tokens = 0
+        self.total_generated_tokens = 0
+        self.total_finished = 0
+        self._recent: Deque[Tuple[float, int]] = collections.deque(maxlen=256)
+        self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
+        logger.info(
+            f"engine: {config.max_running_requests} slots x {self.context_length} tokens, "
+            f"cache {self.cache.nbytes / 2**20:.1f} MiB reserved on {self.device}, "
+            f"decode attention {self.decode_impl}"
+        )
+
+    # ------------------------------------------------------------------ public API
+
+    def start(self) -> "GenerationEngine":
+        """Start the engine thread."""
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread.is_alive()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; in-flight requests fail with :class:`EngineClosedError`."""
+        self._closing = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"engine thread did not stop within {timeout} s")
+
+    def check_request(self, req: GenerateRequest) -> int:
+        """Validate a request against this model; returns its resolved ``max_new_tokens``."""
+        plen = len(req.input_ids)
+        bad = next((t for t in req.input_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"input_ids contains token id {bad}, outside the vocabulary of {self.vocab_size}"
+            )
+        if plen >= self.context_length:
+            raise InvalidRequestError(
+                f"the prompt has {plen} tokens; the context length is {self.context_length}, "
+                "so at most {0} prompt tokens fit".format(self.context_length - 1)
+            )
+        mnt = req.sampling.max_new_tokens
+        if mnt is None:
+            mnt = self.context_length - plen
+        if plen + mnt > self.context_length:
+            raise InvalidRequestError(
+                f"prompt ({plen} tokens) + max_new_tokens ({mnt}) exceeds the context length "
+                f"{self.context_length}; lower max_new_tokens to at most {self.context_length - plen}"
+            )
+        return mnt
+
+    def submit(self, req: GenerateRequest) -> "concurrent.futures.Future[GenerateOutput]":
+        """Queue one request; the future resolves to its :class:`GenerateOutput`.
+
+        Raises :class:`InvalidRequestError` at once for requests that can never run.
+        """
+        mnt = self.check_request(req)
+        stops = frozenset(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            stops = stops | self.default_stop_ids
+        seq = Sequence(req, mnt, stops)
+        if mnt == 0:
+            seq.finish(FinishReason("length", length=0))
+            return seq.future
+        if self._closing:
+            raise EngineClosedError("the generation engine is closed")
+        self._inbox.put(("add", seq, seq.future))
+        self._wake.set()
+        return seq.future
+
+    def generate(self, reqs: Seq[GenerateRequest], timeout: Optional[float] = None) -> List[GenerateOutput]:
+        """Submit requests and wait for all outputs (in order)."""
+        futs = [self.submit(r) for r in reqs]
+        deadline = time.monotonic() + (timeout or self.config.request_timeout_s)
+        outs = []
+        for r, f in zip(reqs, futs):
+            try:
+                outs.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                raise TimeoutError(f"generation of request {r.rid} did not finish in time") from None
+        return outs
+
+    def abort(self, rid: str, timeout: Optional[float] = None) -> bool:
+        """Abort one request by id (reason ``abort``); returns whether it was found."""
+        return self._command("abort", rid, timeout)
+
+    def pause(self, timeout: Optional[float] = None) -> List[GenerateOutput]:
+        """Abort every running and queued request and hold new ones until :meth:`resume`.
+
+        Returns the partial outputs (reason ``abort``) of the aborted requests.
+        """
+        return self._command("pause", None, timeout)
+
+    def resume(self, timeout: Optional[float] = None) -> None:
+        """Serve again after :meth:`pause`."""
+        return self._command("resume", None, timeout)
+
+    def update_weights_from_disk(self, path: str, timeout: Optional[float] = None) -> int:
+        """Load HF weights from ``path`` in place, between two steps; returns the new version.
+
+        Requests still running keep their cache (computed with the old weights);
+        pause first for a clean switch, as the gserver manager does.
+        """
+        return self._command("update_weights", path, timeout)
+
+    def stats(self) -> dict:
+        """Counters for ``/metrics`` (read without locking; values may lag one step)."""
+        now = time.monotonic()
+        recent = [(t, n) for t, n in list(self._recent) if now - t < 10.0]
+        span = now - recent[0][0] if recent else 0.0
+        return {
+            "num_running_reqs": len(self.scheduler.running),
+            "num_queue_reqs": len(self.scheduler.waiting) + self._inbox.qsize(),
+            "num_used_tokens": self.scheduler.num_used_tokens,
+            "max_total_num_tokens": self.cache.n_slots * self.cache.slot_len,
+            "gen_throughput": sum(n for _, n in recent) / span if span > 0 else 0.0,
+            "prompt_tokens_total": self.total_prompt_tokens,
+            "generation_tokens_total": self.total_generated_tokens,
+            "num_requests_total": self.total_finished,
+            "paused": self.paused,
+            "weight_version": self.weight_version,
+        }
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _command(self, name: str, arg, timeout: Optional[float]):
+        if self._closing or not self._thread.is_alive():
+            raise EngineClosedError(f"cannot {name}: the generation engine is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((name, arg, fut))
+        self._wake.set()
+        t = timeout or self.config.control_timeout_s
+        try:
+            return fut.result(timeout=t)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the engine thread did not carry out {name!r} within {t} s") from None
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._closing:
+                self._apply_commands()
+                if self.paused or self.scheduler.idle:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    self.step()
+                except Exception as e:  # a broken step fails its requests, not the server
+                    self.last_error = traceback.format_exc()
+                    logger.error(f"engine step failed:\n{self.last_error}")
+                    for s in self.scheduler.take_all():
+                        s.fail(e)
+        self._apply_commands()
+        err = EngineClosedError("the generation engine was closed")
+        for s in self.scheduler.take_all():
+            s.fail(err)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                name, arg, fut = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if self._closing:
+                exc = EngineClosedError("the generation engine was closed")
+                arg.fail(exc) if name == "add" else fut.set_exception(exc)
+                continue
+            try:
+                if name == "add":
+                    self.scheduler.add(arg)
+                elif name == "abort":
+                    seq = self.scheduler.find(arg)
+                    if seq is not None:
+                        self.scheduler.remove(seq)
+                        seq.finish(FinishReason("abort", message="aborted by request"))
+                    fut.set_result(seq is not None)
+                elif name == "pause":
+                    self.paused = True
+                    outs = [
+                        s.finish(FinishReason("abort", message="generation paused"))
+                        for s in self.scheduler.take_all()
+                    ]
+                    fut.set_result(outs)
+                elif name == "resume":
+                    self.paused = False
+                    fut.set_result(None)
+                elif name == "update_weights":
+                    self._load_weights(self.model, arg)
+                    self.weight_version += 1
+                    fut.set_result(self.weight_version)
+                else:  # pragma: no cover - internal misuse
+                    raise RuntimeError(f"unknown engine command {name!r}")
+            except Exception as e:
+                arg.fail(e) if name == "add" else fut.set_exception(e)
+
+    def step(self) -> None:
+        """One engine iteration: decode the running set, then admit and prefill."""
+        running = list(self.scheduler.running)
+        if running:
+            self._postprocess(running, *self._decode(running))
+        admitted = self.scheduler.admit()
+        if admitted:
+            self._prepare_uniforms(admitted)
+            self._postprocess(admitted, *self._prefill(admitted))
+
+    # ------------------------------------------------------------------ stages
+
+    def _prepare_uniforms(self, seqs: List[Sequence]) -> None:
+        for s in seqs:
+            sp = s.req.sampling
+            if sp.greedy:
+                continue
+            g = self._generator
+            if sp.sampling_seed is not None:
+                g = torch.Generator().manual_seed(sp.sampling_seed)
+            self._uniforms[s.slot, : s.max_new_tokens] = torch.rand(s.max_new_tokens, generator=g)
+
+    def _prefill(self, seqs: List[Sequence]):
+        ids: List[int] = []
+        bounds = [0]
+        for s in seqs:
+            ids.extend(s.req.input_ids)
+            bounds.append(len(ids))
+        dev = self.device
+        lens = [s.prompt_len for s in seqs]
+        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+        slots = torch.repeat_interleave(
+            torch.tensor([s.slot for s in seqs]), torch.tensor(lens)
+        ).to(dev)
+        cache, window = self.cache, self.sliding_window
+
+        def attn_fn(layer, q, k, v):
+            cache.write(layer, slots, positions, k, v)
+            return prefill_attention(q, k, v, bounds, sliding_window=window)
+
+        logits = self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(bounds, dtype=torch.int32, device=dev),
+            position_ids=positions,
+            attn_fn=attn_fn,
+        )
+        last = torch.tensor(bounds[1:], device=dev) - 1
+        self.total_prompt_tokens += len(ids)
+        return sample(logits[last], self._sampling_batch(seqs))
+
+    def _decode(self, seqs: List[Sequence]):
+        dev = self.device
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        lens = torch.tensor([s.length for s in seqs], device=dev)
+        positions = lens - 1
+        attn = DecodeAttention(slots, lens, sliding_window=self.sliding_window, impl=self.decode_impl)
+        cache = self.cache
+
+        def attn_fn(layer, q, k, v):
+            cache.write(layer, slots, positions, k, v)
+            return attn(q, cache.k[layer], cache.v[layer])
+
+        logits = self.model(
+            torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=dev),
+            torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev),
+            position_ids=positions,
+            attn_fn=attn_fn,
+        )
+        return sample(logits, self._sampling_batch(seqs))
+
+    def _sampling_batch(self, seqs: List[Sequence]) -> SamplingBatch:
+        dev = self.device
+        sps = [s.req.sampling for s in seqs]
+        greedy = [sp.greedy for sp in sps]
+        uniforms = self._uniforms[
+            torch.tensor([s.slot for s in seqs]), torch.tensor([s.n_out for s in seqs])
+        ].to(dev)
+        stop_mask = None
+        masked = [i for i, s in enumerate(seqs) if s.n_out < s.min_new_tokens and s.stop_ids]
+        if masked:
+            stop_mask = torch.zeros(len(seqs), self.vocab_size, dtype=torch.bool)
+            for i in masked:
+                ids = [t for t in seqs[i].stop_ids if t < self.vocab_size]
+                stop_mask[i, ids] = True
+            stop_mask = stop_mask.to(dev)
+        return SamplingBatch(
+            temperature=torch.tensor([sp.temperature for sp in sps], device=dev),
+            greedy=torch.tensor(greedy, device=dev),
+            top_p=torch.tensor([sp.top_p for sp in sps], device=dev),
+            top_k=torch.tensor([sp.top_k for sp in sps], device=dev),
+            uniforms=uniforms,
+            stop_mask=stop_mask,
+            all_greedy=all(greedy),
+        )
+
+    def _postprocess(self, seqs: List[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        toks = tokens.tolist()
+        lps = logprobs.tolist()
+        done: List[Tuple[Sequence, FinishReason]] = []
+        for s, t, lp in zip(seqs, toks, lps):
+            s.output_ids.append(t)
+            s.output_logprobs.append(lp)
+            if t in s.stop_ids and s.n_out >= s.min_new_tokens:
+                done.append((s, FinishReason("stop", matched=t)))
+            elif s.n_out >= s.max_new_tokens:
+                done.append((s, FinishReason("length", length=s.n_out)))
+        # Free the slots before resolving futures, so that a caller woken by its
+        # result already sees the capacity back.
+        self.scheduler.release([s for s, _ in done])
+        for s, reason in done:
+            s.finish(reason)
+        self.total_generated_tokens += len(toks)
+        self.total_finished += len(done)
+        self._recent.append((time.monotonic(), len(toks)))

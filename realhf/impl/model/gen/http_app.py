@@ -1,0 +1,341 @@
+"""HTTP front of the built-in engine: SGLang's native API and OpenAI-compatible routes.
+
+Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
+
+- ``POST /generate`` — ``input_ids`` or ``text``, ``sampling_params``,
+  ``return_logprob``; answers ``{text?, output_ids, meta_info}`` (a list for a
+  batch input or ``n > 1``).
+- ``POST /pause_generation`` — aborts every running and queued request (their
+  callers get partial outputs with ``finish_reason.type == "abort"``) and holds
+  new ones; ``POST /continue_generation`` resumes. Both answer
+  ``{"message", "status": "ok"}``.
+- ``POST /update_weights_from_disk {model_path}`` — ``{success, message,
+  num_paused_requests}``; 400 when loading fails.
+- ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
+  (there is no prefix cache to flush; kept for protocol compatibility).
+- ``POST /abort_request {rid}``; ``GET /health`` (and ``/health_generate``);
+  ``GET /get_model_info``; ``GET /get_server_info``; ``GET /v1/models``;
+  ``GET /metrics`` (Prometheus text: ``sglang:num_running_reqs``,
+  ``sglang:num_used_tokens``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
+  ``sglang:gen_throughput``, ``sglang:max_total_num_tokens`` and token/request
+  counters).
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI).
+
+Without a tokenizer, ``text`` inputs and OpenAI text prompts/chat are answered
+with 400 and responses carry no ``text`` field. Invalid requests get 400 with
+a message naming the field; a full queue 503; a request that outlives the
+engine's ``request_timeout_s`` is aborted and answered with 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import fastapi
+import uvicorn
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from realhf.api.core.gen_api import GenerateOutput, GenerateRequest, InvalidRequestError, parse_generate_body
+from realhf.impl.model.gen import openai_api
+from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
+from realhf.impl.model.gen.scheduler import QueueFullError
+
+# The SGLang release whose /generate protocol we speak: 0.4.6.post4 is what
+# AReaL v0.3 runs (patched with pause/continue, which upstream added later with
+# the response shape used here). Fields were checked against sgl-project/sglang
+# sources of the 0.4.6 - 0.5.x line (io_struct.py, sampling_params.py,
+# tokenizer_manager.py, schedule_batch.py, entrypoints/http_server.py,
+# metrics/collector.py).
+SGLANG_PROTOCOL_VERSION = "0.4.6.post4"
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _error(status: int, message: str, openai: bool) -> JSONResponse:
+    if openai:
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    else:
+        body = {"error": {"message": message}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _json_body(request: fastapi.Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+
+
+def create_app(
+    engine: GenerationEngine,
+    *,
+    tokenizer=None,
+    model_path: str = "",
+    served_model_name: str = "default",
+) -> fastapi.FastAPI:
+    """A FastAPI app serving ``engine`` (which the caller starts and closes)."""
+    app = fastapi.FastAPI(title="realhf generation server")
+    timeout = engine.config.request_timeout_s
+
+    async def run(groups: List[List[GenerateRequest]]) -> List[List[GenerateOutput]]:
+        flat = [r for g in groups for r in g]
+        for r in flat:  # validate everything before queueing anything
+            engine.check_request(r)
+        futs = [asyncio.wrap_future(engine.submit(r)) for r in flat]
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*futs), timeout)
+        except asyncio.TimeoutError:
+            for r in flat:
+                await asyncio.to_thread(engine.abort, r.rid)
+            raise _HTTPError(504, f"generation did not finish within {timeout} s; aborted") from None
+        it = iter(outs)
+        return [[next(it) for _ in g] for g in groups]
+
+    def handle_errors(openai: bool):
+        def deco(fn):
+            async def wrapper(request: fastapi.Request):
+                try:
+                    return await fn(request)
+                except InvalidRequestError as e:
+                    return _error(400, str(e), openai)
+                except QueueFullError as e:
+                    return _error(503, str(e), openai)
+                except EngineClosedError as e:
+                    return _error(503, str(e), openai)
+                except _HTTPError as e:
+                    return _error(e.status, str(e), openai)
+
+            wrapper.__name__ = fn.__name__
+            return wrapper
+
+        return deco
+
+    def decode(ids) -> Optional[str]:
+        return None if tokenizer is None else tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    @handle_errors(openai=False)
+    async def generate(request: fastapi.Request):
+        batch = parse_generate_body(await _json_body(request))
+        if batch.texts is not None:
+            if tokenizer is None:
+                raise InvalidRequestError(
+                    "text inputs need a tokenizer, and this server's model directory has none; "
+                    "send input_ids"
+                )
+            prompts = [tokenizer.encode(t) for t in batch.texts]
+        else:
+            prompts = batch.prompts
+        outs = await run(batch.requests(prompts))
+        results = []
+        for i, per_prompt in enumerate(outs):
+            for o in per_prompt:
+                texts = None
+                if batch.return_text_in_logprobs and tokenizer is not None:
+                    texts = [tokenizer.decode([t]) for t in o.output_ids]
+                results.append(
+                    o.to_sglang(
+                        text=decode(o.output_ids),
+                        return_logprob=batch.return_logprob[i],
+                        token_texts=texts,
+                    )
+                )
+        return results if batch.returns_list else results[0]
+
+    @app.post("/pause_generation")
+    async def pause_generation():
+        await asyncio.to_thread(engine.pause)
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        await asyncio.to_thread(engine.resume)
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    @handle_errors(openai=False)
+    async def update_weights_from_disk(request: fastapi.Request):
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            raise InvalidRequestError("send {\"model_path\": \"<HF directory>\"}")
+        extra = set(body) - {"model_path", "load_format", "abort_all_requests", "weight_version"}
+        if extra:
+            raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+        paused = 0
+        if body.get("abort_all_requests"):
+            paused = len(await asyncio.to_thread(engine.pause))
+            await asyncio.to_thread(engine.resume)
+        try:
+            version = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"])
+        except Exception as e:  # a bad checkpoint must not take the server down
+            return JSONResponse(
+                {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": paused},
+                status_code=400,
+            )
+        return {
+            "success": True,
+            "message": f"Succeeded to update model weights (version {version}).",
+            "num_paused_requests": paused,
+        }
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        st = engine.stats()
+        idle = st["num_running_reqs"] == 0 and st["num_queue_reqs"] == 0
+        return PlainTextResponse(
+            "Cache flushed.\n" if idle else "Cache not flushed: requests are running or waiting.\n",
+            status_code=200 if idle else 400,
+        )
+
+    @app.post("/abort_request")
+    @handle_errors(openai=False)
+    async def abort_request(request: fastapi.Request):
+        body = await _json_body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+            raise InvalidRequestError("send {\"rid\": \"<request id>\"}")
+        found = await asyncio.to_thread(engine.abort, body["rid"])
+        return {"success": found}
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health():
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return {
+            "model_path": model_path,
+            "tokenizer_path": model_path if tokenizer is not None else None,
+            "is_generation": True,
+            "weight_version": str(engine.weight_version),
+        }
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return {
+            "model_path": model_path,
+            "served_model_name": served_model_name,
+            "context_length": engine.context_length,
+            "max_running_requests": engine.config.max_running_requests,
+            "max_total_num_tokens": engine.cache.n_slots * engine.cache.slot_len,
+            "decode_attention": engine.decode_impl,
+            "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
+            "stats": engine.stats(),
+        }
+
+    @app.get("/v1/models")
+    async def models():
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "realhf",
+            "root": served_model_name,
+            "max_model_len": engine.context_length,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus_text(engine.stats(), served_model_name))
+
+    @app.post("/v1/completions")
+    @handle_errors(openai=True)
+    async def completions(request: fastapi.Request):
+        prompts, sp, logprobs = openai_api.completion_prompts(await _json_body(request), tokenizer)
+        groups = [
+            [GenerateRequest(input_ids=tuple(p), sampling=sp.for_sample(j)) for j in range(sp.n)]
+            for p in prompts
+        ]
+        outs = await run(groups)
+        return openai_api.completion_response(outs, served_model_name, tokenizer, logprobs)
+
+    @app.post("/v1/chat/completions")
+    @handle_errors(openai=True)
+    async def chat_completions(request: fastapi.Request):
+        ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
+        group = [GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)]
+        outs = await run([group])
+        return openai_api.chat_response(outs[0], served_model_name, tokenizer, logprobs)
+
+    return app
+
+
+_GAUGES = (
+    ("num_running_reqs", "The number of running requests."),
+    ("num_used_tokens", "The number of used tokens."),
+    ("num_queue_reqs", "The number of requests in the waiting queue."),
+    ("token_usage", "The token usage."),
+    ("gen_throughput", "The generation throughput (token/s)."),
+    ("max_total_num_tokens", "Maximum total number of tokens in the KV cache pool."),
+)
+_COUNTERS = (
+    ("prompt_tokens_total", "Number of prefill tokens processed."),
+    ("generation_tokens_total", "Number of generation tokens processed."),
+    ("num_requests_total", "Number of requests processed."),
+)
+
+
+def prometheus_text(stats: Dict[str, Any], model_name: str) -> str:
+    """Prometheus exposition text of the engine's stats, named like SGLang's metrics."""
+    stats = dict(stats)
+    stats["token_usage"] = stats["num_used_tokens"] / max(1, stats["max_total_num_tokens"])
+    label = '{model_name="%s"}' % model_name.replace('"', "'")
+    lines = []
+    for name, doc in _GAUGES:
+        lines += [f"# HELP sglang:{name} {doc}", f"# TYPE sglang:{name} gauge",
+                  f"sglang:{name}{label} {float(stats[name])}"]
+    for name, doc in _COUNTERS:
+        lines += [f"# HELP sglang:{name} {doc}", f"# TYPE sglang:{name} counter",
+                  f"sglang:{name}{label} {float(stats[name])}"]
+    return "\n".join(lines) + "\n"
+
+
+class ServerThread:
+    """Run an app under uvicorn in a background thread (tests, benchmarks, embedding).
+
+    ``start(timeout)`` returns once the socket accepts connections; ``stop``
+    asks uvicorn to exit and joins the thread.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+        self.server = uvicorn.Server(self.config)
+        self._thread = threading.Thread(target=self.server.run, name="gen-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with ``port=0``)."""
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.config.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Start serving; raises ``TimeoutError`` when uvicorn did not come up in time."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise TimeoutError(f"uvicorn did not start serving within {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut uvicorn down and join its thread."""
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"uvicorn did not stop within {timeout} s")

@@ -1,0 +1,98 @@
+"""The KV cache of the generation engine: one preallocated slot per running sequence.
+
+Design decision — per-sequence slots, not pages. Each running sequence owns a
+*slot*: a contiguous ``[n_kv_heads, slot_len, head_dim]`` region per layer in
+two tensors ``k, v: [n_layers, n_slots, n_kv_heads, slot_len, head_dim]``.
+
+- Why not paged (vLLM/SGLang style)? A paged cache saves memory by allocating
+  blocks on demand, but attention then has to follow a block table. Without a
+  paged-attention kernel (none exists for CPU in torch) that means gathering
+  every sequence's blocks into a contiguous buffer at every decode step, i.e.
+  copying the whole live cache per layer per step — on the CPU this costs more
+  than the attention itself. Slots let decode attention read the cache in
+  place: a numba kernel indexes ``(slot, position)`` directly, and the padded
+  SDPA path takes the strided view ``k[layer, :n, :, :L]`` without a copy.
+- Memory is bounded by construction: ``n_slots * slot_len`` tokens
+  (:attr:`SlotKVCache.nbytes`), where ``n_slots`` is the engine's
+  ``max_running_requests`` and ``slot_len`` its context length; requests beyond
+  ``n_slots`` wait in the queue. The tensors are allocated with
+  ``torch.empty``, so on Linux pages become resident only when first written.
+- A finished sequence frees its slot at once; the next admitted request reuses
+  it. Slots are handed out lowest-first so that the slot range touched by a
+  decode step stays compact (the padded path's cost grows with it).
+- There is no prefix cache: a resubmitted prompt is prefilled again, which for
+  the short prompts of RL rollouts costs little next to decoding.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import List
+
+import torch
+
+
+class SlotKVCache:
+    """Preallocated per-slot key/value storage and a lowest-first slot allocator.
+
+    Args:
+        n_layers, n_kv_heads, head_dim: model geometry.
+        n_slots: most sequences held at once.
+        slot_len: most tokens (prompt + generated) per sequence.
+        dtype, device: of the cache tensors.
+    """
+
+    def __init__(
+        self,
+        *,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        n_slots: int,
+        slot_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if n_slots < 1 or slot_len < 2:
+            raise ValueError(
+                f"SlotKVCache needs n_slots >= 1 and slot_len >= 2, got {n_slots} and {slot_len}"
+            )
+        shape = (n_layers, n_slots, n_kv_heads, slot_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.n_slots = n_slots
+        self.slot_len = slot_len
+        self._free: List[int] = list(range(n_slots))
+        heapq.heapify(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved by the two cache tensors."""
+        return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token occupies across all layers."""
+        return self.nbytes // (self.n_slots * self.slot_len)
+
+    @property
+    def n_free(self) -> int:
+        """Number of unused slots."""
+        return len(self._free)
+
+    def alloc(self) -> int:
+        """Take the lowest free slot; raises when none is free (callers check first)."""
+        if not self._free:
+            raise RuntimeError("SlotKVCache.alloc: no free slot; check n_free before admitting")
+        return heapq.heappop(self._free)
+
+    def free(self, slot: int) -> None:
+        """Return a slot; its contents become garbage."""
+        if not 0 <= slot < self.n_slots or slot in self._free:
+            raise RuntimeError(f"SlotKVCache.free: slot {slot} is not allocated")
+        heapq.heappush(self._free, slot)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
+        """Store ``k, v [T, n_kv_heads, head_dim]`` at ``(slots[t], positions[t])``."""
+        self.k[layer, slots, :, positions] = k.to(self.k.dtype)
+        self.v[layer, slots, :, positions] = v.to(self.v.dtype)

@@ -1,0 +1,75 @@
+"""Build a generation engine (and its tokenizer, if any) from a HuggingFace directory."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import List, Optional, Tuple
+
+from realhf.impl.model.gen.config import EngineConfig
+from realhf.impl.model.gen.engine import GenerationEngine
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _ids(value) -> List[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def has_tokenizer(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds tokenizer files."""
+    return any(os.path.exists(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(model_dir: str):
+    """The directory's tokenizer (``AutoTokenizer``), or ``None`` when it has none."""
+    if not has_tokenizer(model_dir):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+def special_token_ids(model_dir: str, tokenizer=None) -> Tuple[List[int], Optional[int]]:
+    """``(eos_ids, pad_id)`` from generation_config.json, config.json and the tokenizer.
+
+    Every EOS id any of them names is a default stop token; so is the pad id.
+    """
+    eos: List[int] = []
+    pad: Optional[int] = None
+    for name in ("generation_config.json", "config.json"):
+        cfg = _read_json(os.path.join(model_dir, name))
+        eos += _ids(cfg.get("eos_token_id"))
+        if pad is None and cfg.get("pad_token_id") is not None:
+            pad = int(cfg["pad_token_id"])
+    if tokenizer is not None:
+        eos += _ids(tokenizer.eos_token_id)
+        if pad is None and tokenizer.pad_token_id is not None:
+            pad = int(tokenizer.pad_token_id)
+    return sorted(set(eos)), pad
+
+
+def load_engine(model_dir: str, config: EngineConfig, tokenizer=None) -> GenerationEngine:
+    """Load a ReaLModel from ``model_dir`` and wrap it in a (not yet started) engine."""
+    from realhf.impl.model import ReaLModel
+
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(
+            f"{model_dir!r} is not a HuggingFace model directory (no config.json); "
+            "pass the directory that holds config.json and the safetensors weights"
+        )
+    model = ReaLModel.from_hf(model_dir, dtype=config.torch_dtype, device=config.torch_device)
+    model.eval()
+    eos, pad = special_token_ids(model_dir, tokenizer)
+    return GenerationEngine(model, config, eos_token_ids=eos, pad_token_id=pad)

@@ -1,0 +1,95 @@
+"""One sequence in the generation engine: its request, progress and result future."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import time
+from typing import FrozenSet, List
+
+from realhf.api.core.gen_api import FinishReason, GenerateOutput, GenerateRequest
+
+
+class SeqStatus(enum.Enum):
+    """Lifecycle: WAITING (queued) -> RUNNING (holds a cache slot) -> FINISHED."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Engine-side state of one :class:`GenerateRequest`.
+
+    Args:
+        req: the request (``n == 1``).
+        max_new_tokens: the resolved budget (``None`` in the request already
+            replaced by the room left in the context).
+        stop_ids: token ids that end this sequence (defaults + request's).
+    """
+
+    __slots__ = (
+        "req",
+        "max_new_tokens",
+        "min_new_tokens",
+        "stop_ids",
+        "future",
+        "status",
+        "slot",
+        "output_ids",
+        "output_logprobs",
+        "submit_time",
+    )
+
+    def __init__(self, req: GenerateRequest, max_new_tokens: int, stop_ids: FrozenSet[int]):
+        self.req = req
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = req.sampling.min_new_tokens
+        self.stop_ids = stop_ids
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.status = SeqStatus.WAITING
+        self.slot = -1
+        self.output_ids: List[int] = []
+        self.output_logprobs: List[float] = []
+        self.submit_time = time.monotonic()
+
+    @property
+    def rid(self) -> str:
+        """The request id."""
+        return self.req.rid
+
+    @property
+    def prompt_len(self) -> int:
+        """Number of prompt tokens."""
+        return len(self.req.input_ids)
+
+    @property
+    def n_out(self) -> int:
+        """Number of generated tokens so far."""
+        return len(self.output_ids)
+
+    @property
+    def length(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.req.input_ids) + len(self.output_ids)
+
+    def finish(self, reason: FinishReason) -> GenerateOutput:
+        """Mark finished and resolve the future with the output (first call wins)."""
+        self.status = SeqStatus.FINISHED
+        out = GenerateOutput(
+            rid=self.rid,
+            prompt_len=self.prompt_len,
+            output_ids=tuple(self.output_ids),
+            output_logprobs=tuple(self.output_logprobs) if self.req.return_logprob else (),
+            finish_reason=reason,
+            e2e_latency=time.monotonic() - self.submit_time,
+        )
+        if not self.future.done():
+            self.future.set_result(out)
+        return out
+
+    def fail(self, exc: BaseException) -> None:
+        """Mark finished and resolve the future with an exception."""
+        self.status = SeqStatus.FINISHED
+        if not self.future.done():
+            self.future.set_exception(exc)
