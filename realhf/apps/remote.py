@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--poll-interval", type=float, default=1.0)
     c.add_argument("--connect-timeout", type=float, default=120.0)
     c.add_argument("--configure-timeout", type=float, default=600.0)
+    c.add_argument("--failure-settle", type=float, default=None,
+                   help="after a failure, keep watching this long for related failures "
+                   "(default: status TTL + poll interval)")
     c.add_argument("--timeout", type=float, default=None, help="fail after this many seconds")
 
     w = sub.add_parser("worker", help="run one worker")
@@ -127,6 +130,7 @@ def run_controller(args) -> int:
         connect_timeout=args.connect_timeout,
         configure_timeout=args.configure_timeout,
         status_ttl=args.status_ttl,
+        failure_settle=args.failure_settle,
     )
     outcome: dict
     try:

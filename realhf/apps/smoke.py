@@ -96,10 +96,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     run_dir = os.path.join(fileroot, EXPERIMENT, args.trial)
     result_dir = os.path.join(run_dir, "results")
     spec = args.name_resolve or f"file://{os.path.join(fileroot, 'name_resolve')}"
-    os.environ[name_resolve.ENV_VAR] = spec
     try:
         # Start from a clean trial: stale keys of an earlier run would mislead.
-        name_resolve.clear_subtree(names.trial_root(EXPERIMENT, args.trial))
+        repo = name_resolve.from_spec(spec)
+        try:
+            repo.clear_subtree(names.trial_root(EXPERIMENT, args.trial))
+        finally:
+            repo.close()
     except Exception as e:
         print(f"smoke: name resolution {spec!r} is unusable: {e}", file=sys.stderr)
         return 1

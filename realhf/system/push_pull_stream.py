@@ -326,6 +326,14 @@ class PusherStream:
             for _, sock in self._socks:
                 sock.close()
 
+    def abort(self) -> None:
+        """Close without :class:`EndOfStream` and drop unsent messages."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, sock in self._socks:
+            sock.close(linger=0)
+
     def __enter__(self):
         return self
 

@@ -325,6 +325,12 @@ class RequestClient:
         """
         handlers = list(handlers)
         n = len(handlers)
+        unknown = [h for h in handlers if h not in self.handlers]
+        if unknown:
+            raise ValueError(
+                f"Stream {self.stream_name!r} has no handler {unknown[0]!r}; known handlers: "
+                f"{self.handlers}."
+            )
 
         def per_handler(arg, name, default):
             if arg is None:

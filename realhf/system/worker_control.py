@@ -13,7 +13,8 @@ keys), so a worker that dies mid-``configure`` is reported at once.
    at once), sending each its ``WorkerInformation`` and config;
 4. ``start`` every worker;
 5. every ``poll_interval`` seconds read all statuses: ERROR or LOST stops the
-   run, raising :class:`~realhf.system.errors.ExperimentFailed` that names each
+   run (after ``failure_settle`` seconds more to catch related failures),
+   raising :class:`~realhf.system.errors.ExperimentFailed` that names each
    failed worker and why (the remote traceback for ERROR); when every worker of
    ``completion_types`` is COMPLETED the run succeeded;
 6. in every case send ``exit`` to the workers still alive.
@@ -165,7 +166,13 @@ class WorkerControlPanel:
                 w = by_sock[sock]
                 replies[w] = pickle.loads(sock.recv())
                 poller.unregister(sock)
-            lost = [w for w in workers if w not in replies and not self.is_alive(w)]
+            # A worker that answered and then exited (``exit``) has no key any
+            # more: read a pending answer before calling it lost.
+            lost = [
+                w for w in workers
+                if w not in replies and not self.is_alive(w)
+                and not self._socks[w].poll(0, zmq.POLLIN)
+            ]
             if lost:
                 for w in workers:
                     if w not in replies:
@@ -205,6 +212,9 @@ class Controller:
         configure_timeout: seconds each worker type may take to configure.
         command_timeout: seconds for ``start``/``exit`` replies.
         status_ttl: keepalive TTL of the controller's own status key.
+        failure_settle: after the first failure, keep watching this long
+            (default: ``status_ttl`` + ``poll_interval``) to also catch the
+            workers whose death caused it, then stop everything.
     """
 
     def __init__(
@@ -217,6 +227,7 @@ class Controller:
         configure_timeout: float = 600.0,
         command_timeout: float = 30.0,
         status_ttl: float = DEFAULT_STATUS_TTL,
+        failure_settle: Optional[float] = None,
     ):
         for name, v in (
             ("poll_interval", poll_interval),
@@ -234,6 +245,11 @@ class Controller:
         self.configure_timeout = configure_timeout
         self.command_timeout = command_timeout
         self.status_ttl = status_ttl
+        self.failure_settle = (
+            status_ttl + poll_interval if failure_settle is None else failure_settle
+        )
+        if self.failure_settle < 0:
+            raise ValueError(f"Controller failure_settle must be >= 0 seconds, got {failure_settle!r}.")
         self._panel: Optional[WorkerControlPanel] = None
 
     def _status_key(self) -> str:
@@ -297,18 +313,26 @@ class Controller:
     ) -> Dict[str, WorkerStatus]:
         done_types = experiment.completion_types or tuple(experiment.workers)
         must_complete = [w for w in worker_names if w.split("/")[0] in done_types]
+        failures: Dict[str, str] = {}
+        settle_until = None
         while True:
             statuses = {
                 w: read_status(self.experiment_name, self.trial_name, w) for w in worker_names
             }
-            failures = {
-                w: self._reason(w, s)
-                for w, s in statuses.items()
-                if s in (WorkerStatus.ERROR, WorkerStatus.LOST)
-            }
+            for w, s in statuses.items():
+                if s in (WorkerStatus.ERROR, WorkerStatus.LOST) and w not in failures:
+                    failures[w] = self._reason(w, s)
+                    logger.error(f"{w}: {failures[w].splitlines()[0]}")
             if failures:
-                raise ExperimentFailed(self.experiment_name, self.trial_name, failures)
-            if all(statuses[w] == WorkerStatus.COMPLETED for w in must_complete):
+                # One failure often causes others: a peer's stream breaks at
+                # once (ERROR) while the dead worker's key takes up to a TTL
+                # to expire (LOST).  Keep watching that long so the report
+                # names the root cause too, then stop everything.
+                if settle_until is None:
+                    settle_until = time.monotonic() + self.failure_settle
+                if time.monotonic() >= settle_until:
+                    raise ExperimentFailed(self.experiment_name, self.trial_name, failures)
+            elif all(statuses[w] == WorkerStatus.COMPLETED for w in must_complete):
                 logger.info(f"all of {must_complete} COMPLETED")
                 return statuses
             if timeout is not None and time.monotonic() - t0 > timeout:
@@ -322,8 +346,8 @@ class Controller:
     def _reason(self, worker: str, status: WorkerStatus) -> str:
         if status == WorkerStatus.LOST:
             return (
-                f"LOST: its status key expired (no heartbeat for {self.status_ttl:g}s "
-                "or more); the process died or was killed. See its log file."
+                "LOST: its status key expired (no heartbeat within its keepalive TTL); "
+                "the process died or was killed. See its log file."
             )
         info = read_error(self.experiment_name, self.trial_name, worker)
         return f"ERROR during {info.handle_name if info else '?'}: {format_error(info)}"
@@ -337,8 +361,9 @@ class Controller:
             )
         if isinstance(e, WorkerLost):
             return ExperimentFailed(self.experiment_name, self.trial_name, {e.worker: f"LOST: {e}"})
+        who = [w for w in (e.waited_for or "").split(", ") if w in worker_names] or ["workers"]
         return ExperimentFailed(
-            self.experiment_name, self.trial_name, {e.waited_for or "workers": f"TIMEOUT: {e}"}
+            self.experiment_name, self.trial_name, {w: f"TIMEOUT: {e}" for w in who}
         )
 
     def _shutdown(self) -> None:
