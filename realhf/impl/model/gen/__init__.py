@@ -1,0 +1,15 @@
+"""The built-in generation engine: continuous batching over ReaLModel with a slot KV cache.
+
+Modules, one concept each: :mod:`.sequence` (one request's state),
+:mod:`.kv_cache` (slot cache, and why slots rather than pages),
+:mod:`.attention` (decode/prefill attention against the cache),
+:mod:`.sampler` (batched sampling), :mod:`.scheduler` (waiting queue and
+running set), :mod:`.engine` (the engine thread), :mod:`.config`,
+:mod:`.loading` (from a HuggingFace directory), :mod:`.http_app` and
+:mod:`.openai_api` (the HTTP server; imported explicitly, they pull in FastAPI).
+"""
+
+from realhf.impl.model.gen.config import EngineConfig
+from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
+
+__all__ = ["EngineConfig", "GenerationEngine", "EngineClosedError"]
