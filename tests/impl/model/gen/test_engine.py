@@ -1,0 +1,237 @@
+"""The engine against the plain model: greedy parity, logprobs, batching, stops, pause, weights."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from realhf.api.core.gen_api import GenerateRequest, InvalidRequestError, SamplingParams
+from realhf.impl.model.gen import EngineClosedError, EngineConfig, GenerationEngine
+from realhf.impl.model.gen.attention import numba_available
+from realhf.impl.model.gen.loading import load_engine, special_token_ids
+
+from .conftest import EOS, PAD, VOCAB, load, recompute_logprobs, reference_greedy
+
+PROMPTS = [[5, 17, 42], [100, 3, 3, 8, 250, 9, 11], [77], [12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
+
+
+def greedy(n, **kw):
+    return SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load(model_dir)
+
+
+@pytest.fixture
+def make_engine(model):
+    engines = []
+
+    def make(**cfg):
+        cfg.setdefault("max_running_requests", 4)
+        cfg.setdefault("context_length", 256)
+        e = GenerationEngine(model, EngineConfig(**cfg), eos_token_ids=[EOS], pad_token_id=PAD).start()
+        engines.append(e)
+        return e
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+impls = ["padded"] + (["numba"] if numba_available() else [])
+
+
+@pytest.mark.parametrize("impl", impls)
+def test_greedy_equals_token_by_token_decoding_and_logprobs_match(model, make_engine, impl):
+    eng = make_engine(decode_attn_impl=impl)
+    reqs = [GenerateRequest(input_ids=p, sampling=greedy(12 + 3 * i)) for i, p in enumerate(PROMPTS)]
+    outs = eng.generate(reqs, timeout=120)
+    for p, r, o in zip(PROMPTS, reqs, outs):
+        assert list(o.output_ids) == reference_greedy(model, p, r.sampling.max_new_tokens)
+        assert o.finish_reason.type == "length" and o.finish_reason.length == len(o.output_ids)
+        ref = recompute_logprobs(model, p, o.output_ids)
+        assert torch.allclose(torch.tensor(o.output_logprobs), ref, atol=1e-4)
+    assert len(set(outs[1].output_ids)) > 3  # the fixture model does not degenerate
+
+
+def test_sampled_logprobs_are_under_the_sampling_temperature(model, make_engine):
+    eng = make_engine()
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=20, ignore_eos=True, sampling_seed=3)
+    o = eng.generate([GenerateRequest(input_ids=PROMPTS[1], sampling=sp)])[0]
+    ref = recompute_logprobs(model, PROMPTS[1], o.output_ids, temperature=0.7)
+    assert torch.allclose(torch.tensor(o.output_logprobs), ref, atol=1e-4)
+
+
+def test_more_requests_than_slots_join_and_leave_every_step(model, make_engine):
+    eng = make_engine(max_running_requests=3, max_prefill_tokens=8)
+    lens = [3, 17, 1, 9, 25, 4, 12, 2, 30, 7]
+    reqs = [GenerateRequest(input_ids=PROMPTS[i % 4] + [i], sampling=greedy(n)) for i, n in enumerate(lens)]
+    outs = eng.generate(reqs, timeout=120)
+    for r, o in zip(reqs, outs):
+        assert list(o.output_ids) == reference_greedy(model, list(r.input_ids), len(o.output_ids))
+        assert len(o.output_ids) == r.sampling.max_new_tokens
+    assert eng.cache.n_free == 3 and eng.scheduler.idle
+    st = eng.stats()
+    assert st["generation_tokens_total"] == sum(lens) and st["num_requests_total"] == len(lens)
+
+
+def test_stop_tokens_min_new_tokens_and_ignore_eos(model, make_engine):
+    eng = make_engine()
+    p = PROMPTS[1]
+    ref = reference_greedy(model, p, 20)
+    stop = ref[5]
+    first = ref.index(stop)
+    o = eng.generate([GenerateRequest(input_ids=p, sampling=greedy(20, stop_token_ids=[stop]))])[0]
+    assert list(o.output_ids) == ref[: first + 1]  # the stop token is kept
+    assert o.finish_reason.to_json() == {"type": "stop", "matched": stop}
+    # min_new_tokens masks the stop token, so it cannot come first
+    o = eng.generate([GenerateRequest(input_ids=p, sampling=greedy(20, stop_token_ids=[stop], min_new_tokens=first + 2))])[0]
+    assert stop not in o.output_ids[: first + 2]
+    assert len(o.output_ids) >= first + 2
+    # EOS and pad stop by default; ignore_eos turns that off
+    eos_like = SamplingParams(temperature=0.0, max_new_tokens=20)
+    eng2 = GenerationEngine(model, EngineConfig(max_running_requests=2, context_length=256),
+                            eos_token_ids=[ref[2]], pad_token_id=ref[3]).start()
+    try:
+        o = eng2.generate([GenerateRequest(input_ids=p, sampling=eos_like)])[0]
+        assert o.finish_reason.type == "stop" and o.output_ids[-1] in (ref[2], ref[3])
+        assert len(o.output_ids) == min(ref.index(ref[2]), ref.index(ref[3])) + 1
+        o = eng2.generate([GenerateRequest(input_ids=p, sampling=greedy(20))])[0]
+        assert list(o.output_ids) == ref
+    finally:
+        eng2.close()
+
+
+def test_seeded_sampling_is_reproducible_under_other_traffic(make_engine):
+    eng = make_engine(max_running_requests=6)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=25, ignore_eos=True, sampling_seed=1234)
+    alone = eng.generate([GenerateRequest(input_ids=PROMPTS[0], sampling=sp)])[0]
+    noise = [GenerateRequest(input_ids=p, sampling=SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in PROMPTS]
+    mixed = eng.generate(noise[:2] + [GenerateRequest(input_ids=PROMPTS[0], sampling=sp)] + noise[2:])[2]
+    assert mixed.output_ids == alone.output_ids
+    other = eng.generate([GenerateRequest(input_ids=PROMPTS[0], sampling=sp.for_sample(1))])[0]
+    assert other.output_ids != alone.output_ids
+
+
+def test_pause_aborts_with_partial_outputs_and_resubmission_continues(model, make_engine):
+    eng = make_engine(max_running_requests=2)
+    n = 150
+    futs = [eng.submit(GenerateRequest(input_ids=p, sampling=greedy(n))) for p in PROMPTS[:3]]
+    while eng.stats()["generation_tokens_total"] < 20:
+        time.sleep(0.005)
+    aborted = eng.pause()
+    outs = [f.result(timeout=30) for f in futs]
+    assert {o.rid for o in aborted} == {o.rid for o in outs}
+    assert all(o.finish_reason.type == "abort" for o in outs)
+    running, queued = outs[:2], outs[2]
+    assert all(0 < len(o.output_ids) < n for o in running)
+    assert all(len(o.output_logprobs) == len(o.output_ids) for o in outs)
+    assert len(queued.output_ids) == 0  # it was still waiting for a slot
+    # while paused, new requests wait; after resume they run
+    late = eng.submit(GenerateRequest(input_ids=PROMPTS[3], sampling=greedy(3)))
+    time.sleep(0.2)
+    assert not late.done()
+    eng.resume()
+    assert len(late.result(timeout=30).output_ids) == 3
+    # the rollout protocol: resubmit prompt + generated prefix with the rest of the budget
+    o = running[0]
+    p = PROMPTS[0]
+    rest = eng.generate([GenerateRequest(input_ids=p + list(o.output_ids), sampling=greedy(n - len(o.output_ids)))])[0]
+    assert list(o.output_ids) + list(rest.output_ids) == reference_greedy(model, p, n)
+    assert rest.finish_reason.type == "length"
+
+
+def test_update_weights_while_paused(model_dir, model_dir_b):
+    eng = load_engine(model_dir, EngineConfig(max_running_requests=2, context_length=256)).start()
+    try:
+        req = GenerateRequest(input_ids=PROMPTS[1], sampling=greedy(10))
+        before = eng.generate([req])[0].output_ids
+        assert list(before) == reference_greedy(load(model_dir), PROMPTS[1], 10)
+        eng.pause()
+        assert eng.update_weights_from_disk(model_dir_b) == 1
+        eng.resume()
+        after = eng.generate([req])[0]
+        assert list(after.output_ids) == reference_greedy(load(model_dir_b), PROMPTS[1], 10)
+        assert after.output_ids != before
+        with pytest.raises(Exception):
+            eng.update_weights_from_disk("/nonexistent/dir")
+        assert eng.generate([req])[0].output_ids == after.output_ids  # still serving
+    finally:
+        eng.close()
+
+
+def test_abort_by_rid(make_engine):
+    eng = make_engine(max_running_requests=1)
+    f1 = eng.submit(GenerateRequest(input_ids=[1, 2], sampling=greedy(200), rid="long"))
+    f2 = eng.submit(GenerateRequest(input_ids=[1, 2], sampling=greedy(2), rid="queued"))
+    while eng.stats()["generation_tokens_total"] < 3:
+        time.sleep(0.005)
+    assert eng.abort("long") is True
+    o = f1.result(timeout=30)
+    assert o.finish_reason.to_json() == {"type": "abort", "message": "aborted by request"}
+    assert 0 < len(o.output_ids) < 200
+    assert len(f2.result(timeout=30).output_ids) == 2
+    assert eng.abort("unknown") is False
+
+
+def test_invalid_requests_fail_at_submit(make_engine):
+    eng = make_engine(context_length=32)
+    with pytest.raises(InvalidRequestError, match="context length 32"):
+        eng.submit(GenerateRequest(input_ids=[1] * 20, sampling=greedy(20)))
+    with pytest.raises(InvalidRequestError, match="prompt has 40 tokens"):
+        eng.submit(GenerateRequest(input_ids=[1] * 40, sampling=greedy(1)))
+    with pytest.raises(InvalidRequestError, match=f"vocabulary of {VOCAB}"):
+        eng.submit(GenerateRequest(input_ids=[1, VOCAB], sampling=greedy(1)))
+    o = eng.submit(GenerateRequest(input_ids=[1], sampling=greedy(0))).result(timeout=5)
+    assert o.output_ids == () and o.finish_reason.type == "length"
+    # max_new_tokens=None fills the context
+    o = eng.generate([GenerateRequest(input_ids=[1] * 30, sampling=SamplingParams(temperature=0, max_new_tokens=None, ignore_eos=True))])[0]
+    assert len(o.output_ids) == 2
+
+
+def test_close_fails_in_flight_requests(model):
+    eng = GenerationEngine(model, EngineConfig(max_running_requests=1, context_length=512)).start()
+    futs = [eng.submit(GenerateRequest(input_ids=[3], sampling=greedy(500))) for _ in range(2)]
+    while eng.stats()["generation_tokens_total"] < 2:
+        time.sleep(0.005)
+    eng.close()
+    for f in futs:
+        with pytest.raises(EngineClosedError):
+            f.result(timeout=5)
+    with pytest.raises(EngineClosedError):
+        eng.submit(GenerateRequest(input_ids=[3], sampling=greedy(1)))
+    with pytest.raises(EngineClosedError):
+        eng.pause()
+
+
+def test_special_token_ids_from_the_directory(model_dir, model_dir_no_tokenizer):
+    from realhf.impl.model.gen.loading import load_tokenizer
+
+    assert special_token_ids(model_dir_no_tokenizer) == ([EOS], PAD)
+    tok = load_tokenizer(model_dir)
+    assert tok is not None and load_tokenizer(model_dir_no_tokenizer) is None
+    eos, pad = special_token_ids(model_dir, tok)
+    assert EOS in eos and pad == PAD
+
+
+def test_concurrent_submitters(model, make_engine):
+    eng = make_engine(max_running_requests=4)
+    results = {}
+
+    def client(i):
+        p = PROMPTS[i % 4] + [i]
+        results[i] = (p, eng.generate([GenerateRequest(input_ids=p, sampling=greedy(5 + i % 7))])[0])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 24
+    for i, (p, o) in results.items():
+        assert list(o.output_ids) == reference_greedy(model, p, 5 + i % 7)
