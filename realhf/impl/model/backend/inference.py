@@ -1,0 +1,127 @@
+"""Gradient-free forward passes over a `SequenceSample`, micro-batch by micro-batch.
+
+The engine contract (shared with :class:`~realhf.impl.model.backend.train.TrainEngine`,
+which subclasses this engine): a model worker wraps each ReaLModel it hosts in an engine
+and hands interfaces a :class:`~realhf.api.core.model_api.Model` whose ``module`` is the
+engine. Interfaces then call
+
+- ``model.module.forward(sample, mb_spec, post_hook)`` for inference,
+- ``model.module.train_batch(...)`` for training (train engines only),
+- ``model.module.model`` for the raw ReaLModel (e.g. to generate from it).
+
+Every sample must carry ``packed_input_ids`` (one or more sequences per item); the network
+runs as ``model(input_ids [T], cu_seqlens [B+1])`` on each micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, List, Optional
+
+import torch
+
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+
+__all__ = ["InferenceEngine", "PostHook", "mb_inputs"]
+
+#: ``post_hook(output, mb) -> tensor``: turns the network output of one micro-batch
+#: (``[T, vocab]`` logits or ``[T]`` values) into the tensor to return, packed item after
+#: item along dim 0 (e.g. next-token log-probs, ``L - 1`` per sequence).
+PostHook = Callable[[torch.Tensor, SequenceSample], torch.Tensor]
+
+
+def mb_inputs(mb: SequenceSample, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids [T] long, cu_seqlens [B+1] int32)`` of a (micro-)batch, on ``device``."""
+    if "packed_input_ids" not in mb.keys or mb.data is None or mb.data["packed_input_ids"] is None:
+        raise KeyError(
+            f"the model engines run on key 'packed_input_ids', which this sample lacks "
+            f"(keys {sorted(mb.keys)}); select or remap the token key to 'packed_input_ids'"
+        )
+    ids = mb.data["packed_input_ids"].to(device=device, dtype=torch.long)
+    cu = mb.cu_seqlens("packed_input_ids").to(device)
+    return ids, cu
+
+
+class InferenceEngine:
+    """Runs a ReaLModel without gradients over micro-batches of a `SequenceSample`.
+
+    Args:
+        model: the ReaLModel (already on its device and in its dtype).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"the engine wraps a torch module (a ReaLModel), got {type(model).__name__}")
+        self.model = model
+
+    # ---- module-like surface (``Model`` reads parameters() for its dtype) ----
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        """The wrapped model's parameters."""
+        return self.model.parameters()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model's parameters live."""
+        return next(iter(self.model.parameters())).device
+
+    def train(self, mode: bool = True) -> "InferenceEngine":
+        """Set the wrapped model's training mode."""
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "InferenceEngine":
+        """Put the wrapped model in eval mode."""
+        return self.train(False)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        sample: SequenceSample,
+        mb_spec: MicroBatchSpec,
+        post_hook: Optional[PostHook] = None,
+        output_seqlens: Optional[List[List[int]]] = None,
+    ) -> torch.Tensor:
+        """Forward every micro-batch and return the outputs in the sample's item order.
+
+        Args:
+            sample: the batch; its items are cut into micro-batches by ``mb_spec``
+                (first-fit-decreasing, items never cut) and the results put back in order.
+            mb_spec: micro-batch count / token budget.
+            post_hook: maps ``(network output, micro-batch)`` to the tensor kept for that
+                micro-batch; default: the raw output (logits ``[T, V]`` or values ``[T]``).
+            output_seqlens: per item, the lengths of its sequences in the hook's output
+                (e.g. ``L - 1`` each for next-token log-probs); default: the
+                ``packed_input_ids`` lengths (one output row per token).
+
+        Returns:
+            The outputs of all items concatenated along dim 0, in the sample's item order.
+        """
+        if output_seqlens is None:
+            output_seqlens = sample.seqlens["packed_input_ids"]
+        if len(output_seqlens) != len(sample):
+            raise ValueError(
+                f"output_seqlens has {len(output_seqlens)} entries for {len(sample)} items"
+            )
+        mbs, forward_idx, backward_idx = sample.split(mb_spec)
+        per_item: List[torch.Tensor] = []
+        device = self.device
+        for mb, start in zip(mbs, _starts([len(m) for m in mbs])):
+            ids, cu = mb_inputs(mb, device)
+            out = self.model(ids, cu)
+            if post_hook is not None:
+                out = post_hook(out, mb)
+            sizes = [sum(output_seqlens[forward_idx[start + j]]) for j in range(len(mb))]
+            if out.shape[0] != sum(sizes):
+                raise ValueError(
+                    f"the forward output of a micro-batch has {out.shape[0]} rows but output_seqlens "
+                    f"give {sum(sizes)} for its items; pass output_seqlens that match the post_hook"
+                )
+            per_item.extend(torch.split(out, sizes, dim=0))
+        return torch.cat([per_item[i] for i in backward_idx], dim=0)
+
+
+def _starts(counts: List[int]) -> List[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

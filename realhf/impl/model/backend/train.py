@@ -1,0 +1,271 @@
+"""Data-parallel training of a ReaLModel: micro-batches, global token-mean loss, AdamW.
+
+One :meth:`TrainEngine.train_batch` call is one optimizer step::
+
+    split the batch into micro-batches        (same count on every data-parallel rank)
+    for each micro-batch: forward, loss, scaled backward    (grads accumulate in one flat buffer)
+    all-reduce the flat gradient (average over data-parallel ranks)
+    clip the global norm; skip the step if it is not finite
+    set the learning rate of this step, AdamW step
+
+Loss scaling. Each micro-batch loss (a mean over its own tokens) is multiplied by
+``w_mb / W * dp_size``, where ``w_mb = loss_weight_fn(mb)`` (its token count) and ``W`` the
+sum of the weights of all micro-batches on all ranks. After the gradient average over
+ranks this is the gradient of the mean over every token of the global batch, however the
+batch was cut into ranks and micro-batches.
+
+Gradients live in one flat buffer laid out like ``model.flat_params`` (each ``p.grad`` is a
+view into it), so the data-parallel reduction is a single all-reduce and the grad norm one
+vector norm. Build the engine after the model is on its final device and dtype.
+
+Contract with interfaces: see :mod:`realhf.impl.model.backend.inference`. A train engine
+is also an inference engine (``forward``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from realhf.api.cli_args import OptimizerConfig
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.model_api import FinetuneSpec
+from realhf.base import logging
+from realhf.impl.model.backend.inference import InferenceEngine, mb_inputs
+from realhf.impl.model.backend.lr_schedule import LRSchedule
+from realhf.impl.model.nn.flat_param import flat_view
+
+logger = logging.getLogger("train_engine")
+
+__all__ = ["TrainEngine", "LossFn", "LossWeightFn"]
+
+#: ``loss_fn(output, mb) -> (loss, stats)``: the mean loss of one micro-batch (a scalar with
+#: grad) and a dict of scalar statistics (floats or 0-d tensors, same keys for every
+#: micro-batch). The engine reports each statistic averaged over micro-batches and ranks,
+#: weighted like the loss.
+LossFn = Callable[[torch.Tensor, SequenceSample], Tuple[torch.Tensor, Dict[str, Any]]]
+#: ``loss_weight_fn(mb) -> number``: how much a micro-batch counts (its token count).
+LossWeightFn = Callable[[SequenceSample], Any]
+
+
+def _resolve_group(group):
+    """``(group, size, rank)``; None means the default group when torch.distributed runs."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("a data-parallel group was given but torch.distributed is not initialised")
+        return None, 1, 0
+    return group, dist.get_world_size(group), dist.get_rank(group)
+
+
+class TrainEngine(InferenceEngine):
+    """AdamW training of a ReaLModel over data-parallel ranks (see the module docstring).
+
+    Args:
+        model: the ReaLModel (on its final device/dtype).
+        optimizer: AdamW hyper-parameters, LR schedule and gradient clipping.
+        ft_spec: run length; the LR schedule spans ``ft_spec.total_train_steps`` steps
+            (needed for linear/cosine schedules and for warm-up).
+        dp_group: the data-parallel process group. None: the default group when
+            torch.distributed is initialised, otherwise a single process.
+        gradient_checkpointing: set the model's activation recomputation (None keeps
+            the model's setting).
+
+    Weight decay applies to matrices only (embeddings, projections); biases and norm
+    weights (1-D parameters) are not decayed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Optional[OptimizerConfig] = None,
+        ft_spec: Optional[FinetuneSpec] = None,
+        dp_group=None,
+        *,
+        gradient_checkpointing: Optional[bool] = None,
+    ):
+        super().__init__(model)
+        if not hasattr(model, "flat_params") or not hasattr(model, "param_spec"):
+            raise TypeError(
+                "TrainEngine needs a ReaLModel (flat_params + param_spec); got "
+                f"{type(model).__name__}"
+            )
+        self.config = optimizer if optimizer is not None else OptimizerConfig()
+        if not isinstance(self.config, OptimizerConfig):
+            raise TypeError(f"optimizer must be an OptimizerConfig, got {type(self.config).__name__}")
+        self.ft_spec = ft_spec
+        self.dp_group, self.dp_size, self.dp_rank = _resolve_group(dp_group)
+        if gradient_checkpointing is not None:
+            model.gradient_checkpointing = bool(gradient_checkpointing)
+        self.lr_schedule = LRSchedule.from_config(
+            self.config, None if ft_spec is None else ft_spec.total_train_steps
+        )
+        self._bind_grad_buffer()
+        decay, no_decay = [], []
+        for p in model.parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": self.config.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=self.lr_schedule(0),
+            betas=(self.config.beta1, self.config.beta2),
+            eps=self.config.eps,
+        )
+        self.n_steps = 0  # train_batch calls (optimizer steps attempted)
+        self.n_skipped = 0  # steps skipped for a non-finite grad norm or no tokens
+
+    # ------------------------------------------------------------------ gradients
+    def _bind_grad_buffer(self) -> None:
+        """Point every ``p.grad`` at its slice of one zeroed flat buffer."""
+        m = self.model
+        self.flat_grad = torch.zeros_like(m.flat_params)
+        self._grad_views: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+        for name, p in m.named_parameters():
+            view = flat_view(self.flat_grad, m.param_spec[name])
+            p.grad = view
+            self._grad_views.append((p, view))
+
+    def _check_grad_views(self) -> None:
+        # Autograd accumulates in place into an existing .grad, but anything that replaces
+        # a grad (a hook, set_to_none) would silently cut it from the flat buffer.
+        for p, view in self._grad_views:
+            if p.grad is None:
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+                p.grad = view
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient buffer (the grads stay views into it)."""
+        self.flat_grad.zero_()
+        self._check_grad_views()
+
+    def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        if self.dp_size == 1:
+            return t
+        on = t
+        if dist.get_backend(self.dp_group) == "nccl" and t.device.type != "cuda":
+            on = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on, op=op or dist.ReduceOp.SUM, group=self.dp_group)
+        if on is not t:
+            t.copy_(on)
+        return t
+
+    # ------------------------------------------------------------------ training
+    def train_batch(
+        self,
+        sample: SequenceSample,
+        mb_spec: MicroBatchSpec,
+        loss_fn: LossFn,
+        loss_weight_fn: LossWeightFn,
+        version_steps: Optional[int] = None,
+    ) -> Dict[str, float]:
+        """One optimizer step on ``sample`` (this rank's share of the global batch).
+
+        Every data-parallel rank must call it (it runs collectives). ``version_steps``
+        indexes the learning-rate schedule (the run's global step, so that several
+        optimizer steps of one training step share its learning rate); None uses the
+        number of ``train_batch`` calls so far.
+
+        Returns (identical on every rank): ``loss`` (global token mean), ``grad_norm``
+        (before clipping), ``lr``, ``n_tokens`` (total loss weight over ranks),
+        ``n_mbs``, ``skipped`` (1.0 if this step was skipped), ``n_skipped_steps``, and
+        the loss function's statistics, weighted like the loss.
+        """
+        self.model.train()
+        mbs, _, _ = sample.synced_data_parallel_split(mb_spec, group=self.dp_group)
+        weights = [float(loss_weight_fn(mb)) for mb in mbs]
+        if any(not math.isfinite(w) or w < 0 for w in weights):
+            raise ValueError(f"loss_weight_fn must return finite numbers >= 0, got {weights}")
+        total = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64))[0])
+
+        self.zero_grad()
+        loss_sum = 0.0
+        stat_sums: Dict[str, float] = {}
+        keys: Optional[List[str]] = None
+        device = self.device
+        for mb, w in zip(mbs, weights):
+            ids, cu = mb_inputs(mb, device)
+            loss, stats = loss_fn(self.model(ids, cu), mb)
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise TypeError(f"loss_fn must return a scalar tensor loss, got {loss!r}")
+            if keys is None:
+                keys = sorted(stats)
+            elif sorted(stats) != keys:
+                raise ValueError(
+                    f"loss_fn returned stats {sorted(stats)} for one micro-batch and {keys} for "
+                    "another; return the same keys every time"
+                )
+            scale = w / total * self.dp_size if total > 0 else 0.0
+            # Even a zero-weight micro-batch runs backward, so every rank runs the same
+            # sequence of operations (activation checkpointing, hooks) and stays in step.
+            (loss * scale).backward()
+            frac = w / total if total > 0 else 0.0
+            loss_sum += float(loss.detach()) * frac
+            for k in keys:
+                stat_sums[k] = stat_sums.get(k, 0.0) + float(stats[k]) * frac
+        self._check_grad_views()
+
+        keys = keys or []
+        packed = torch.tensor([loss_sum] + [stat_sums[k] for k in keys], dtype=torch.float64)
+        self._all_reduce(packed)
+        if self.dp_size > 1:
+            self._all_reduce(self.flat_grad)
+            self.flat_grad.div_(self.dp_size)
+
+        step = self.n_steps if version_steps is None else int(version_steps)
+        lr = self.lr_schedule(step)
+        grad_norm = float(torch.linalg.vector_norm(self.flat_grad.float()))
+        skipped = False
+        if total <= 0:
+            logger.warning("train_batch: the global batch has no tokens to train on (loss weight 0); skipping the step")
+            skipped = True
+        elif not math.isfinite(grad_norm):
+            # After the all-reduce every rank holds the same gradient, hence takes the same decision.
+            warnings.warn(f"train_batch: gradient norm is {grad_norm}; skipping optimizer step {step}")
+            logger.warning(f"non-finite gradient norm {grad_norm}: optimizer step {step} skipped")
+            skipped = True
+        else:
+            clip = self.config.gradient_clipping
+            if clip > 0 and grad_norm > clip:
+                self.flat_grad.mul_(clip / (grad_norm + 1e-6))
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr
+            self.optimizer.step()
+        self.n_steps += 1
+        self.n_skipped += int(skipped)
+        out = {
+            "loss": float(packed[0]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "n_tokens": total,
+            "n_mbs": float(len(mbs)),
+            "skipped": float(skipped),
+            "n_skipped_steps": float(self.n_skipped),
+        }
+        for k, v in zip(keys, packed[1:].tolist()):
+            out.setdefault(k, v)
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> Dict[str, Any]:
+        """Optimizer moments and step counters (the weights are saved as an HF directory)."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "n_steps": self.n_steps,
+            "n_skipped": self.n_skipped,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after loading the weights into the model)."""
+        missing = {"optimizer", "n_steps", "n_skipped"} - set(state)
+        if missing:
+            raise KeyError(f"TrainEngine.load_state_dict: state lacks {sorted(missing)}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.n_steps = int(state["n_steps"])
+        self.n_skipped = int(state["n_skipped"])
