@@ -1,0 +1,123 @@
+"""Launch a quickstart experiment locally and recover it after failures.
+
+`run(name, cfg)` is what `python -m realhf.apps.quickstart <name>` calls:
+
+1. resolve names and paths, create ``{fileroot}/{experiment}/{trial}/`` and save the
+   resolved config there as ``config.yaml``;
+2. clear the trial's name-resolve keys (stale keys of an earlier run would mislead);
+3. compile the config into workers and launch them with the local scheduler;
+4. on a failure with ``recover_mode=auto``, relaunch up to ``recover_retries`` times —
+   the workers resume from the last complete recover checkpoint in the run directory;
+5. at the end, plot the metrics curve to ``{run_dir}/curve.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from realhf.api.quickstart.cli import to_yaml
+from realhf.api.quickstart.entrypoint import get_quickstart_exp
+from realhf.base import constants, logging, name_resolve, names
+from realhf.scheduler.local import JobFailure, launch_experiment
+
+logger = logging.getLogger("main")
+
+#: keys plotted from metrics.jsonl when present (first match of each pattern wins)
+PLOT_PATTERNS = ("eval/greedy_acc", "accuracy", "reward", "loss")
+
+
+def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
+    """(experiment, trial, fileroot, name-resolve spec) with defaults filled in."""
+    experiment = cfg.experiment_name or name
+    fileroot = os.path.abspath(os.path.expanduser(cfg.fileroot or constants.get_fileroot()))
+    constants.ensure_writable(fileroot)
+    spec = cfg.name_resolve or f"file://{os.path.join(fileroot, 'name_resolve')}"
+    return experiment, cfg.trial_name, fileroot, spec
+
+
+def _clear_trial(spec: str, experiment: str, trial: str) -> None:
+    repo = name_resolve.from_spec(spec)
+    try:
+        repo.clear_subtree(names.trial_root(experiment, trial))
+    finally:
+        repo.close()
+
+
+def run(name: str, cfg, timeout: Optional[float] = None) -> int:
+    """Run quickstart experiment `name` with config `cfg`; return a process exit code."""
+    qs = get_quickstart_exp(name)
+    experiment, trial, fileroot, spec = resolve_names(name, cfg)
+    run_dir = os.path.join(fileroot, experiment, trial)
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write(f"# quickstart {name}\n" + to_yaml(cfg))
+    attempts = 1 + (cfg.recover_retries if cfg.recover_mode == "auto" else 0)
+    t0 = time.monotonic()
+    for attempt in range(attempts):
+        _clear_trial(spec, experiment, trial)
+        experiment_cfg = qs.build(cfg)
+        logger.info(
+            f"{name}: launching {len(experiment_cfg.worker_names()) + 1} processes "
+            f"(attempt {attempt + 1}/{attempts}); run dir {run_dir}"
+        )
+        try:
+            launch_experiment(
+                experiment_cfg, experiment, trial,
+                run_dir=run_dir,
+                name_resolve_spec=spec,
+                experiment_type=name,
+                experiment_args={"cfg": cfg},
+                imports=[qs.build.__module__],
+                timeout=timeout,
+                fileroot=fileroot,
+            )
+            break
+        except (JobFailure, TimeoutError) as e:
+            if attempt + 1 < attempts:
+                logger.warning(f"{name}: run failed; recovering from the last checkpoint:\n{e}")
+                continue
+            print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
+            return 1
+    png = plot_metrics(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curve.png"))
+    print(f"{name}: finished in {time.monotonic() - t0:.0f}s; outputs in {run_dir}" + (f"; curve {png}" if png else ""))
+    return 0
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> Optional[str]:
+    """Plot reward/accuracy/loss against step from metrics.jsonl; return the PNG path."""
+    if not os.path.isfile(metrics_path):
+        return None
+    rows = []
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+    series = {}
+    for pattern in PLOT_PATTERNS:
+        keys = sorted({k for r in rows for k, v in r.items() if pattern in k and isinstance(v, (int, float))})
+        if keys:
+            k = keys[0]
+            series[k] = [(r.get("step", i), r[k]) for i, r in enumerate(rows) if k in r]
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.5), squeeze=False)
+    for ax, (k, pts) in zip(axes[0], series.items()):
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
+        ax.set_xlabel("step")
+        ax.set_title(k)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
