@@ -53,36 +53,63 @@ def _parser() -> argparse.ArgumentParser:
     def common(sp):
         sp.add_argument("--experiment", "-e", required=True, help="experiment name (keys, run dir)")
         sp.add_argument("--trial", "-f", required=True, help="trial name")
-        sp.add_argument("--name-resolve", default=None,
-                        help="name-resolve spec, e.g. file:///tmp/nr or etcd3://host:2379 "
-                        "(default: $REALHF_NAME_RESOLVE, else the file backend)")
-        sp.add_argument("--import", dest="imports", action="append", default=[],
-                        metavar="MODULE", help="module to import first (registers types)")
-        sp.add_argument("--status-ttl", type=float, default=worker_base.DEFAULT_STATUS_TTL,
-                        help="keepalive TTL (s) of status keys")
+        sp.add_argument(
+            "--name-resolve",
+            default=None,
+            help="name-resolve spec, e.g. file:///tmp/nr or etcd3://host:2379 "
+            "(default: $REALHF_NAME_RESOLVE, else the file backend)",
+        )
+        sp.add_argument(
+            "--import",
+            dest="imports",
+            action="append",
+            default=[],
+            metavar="MODULE",
+            help="module to import first (registers types)",
+        )
+        sp.add_argument(
+            "--status-ttl",
+            type=float,
+            default=worker_base.DEFAULT_STATUS_TTL,
+            help="keepalive TTL (s) of status keys",
+        )
 
     c = sub.add_parser("controller", help="configure, start and watch the workers")
     common(c)
-    c.add_argument("--experiment-type", default=None,
-                   help="registered experiment to build (default: --experiment)")
-    c.add_argument("--experiment-args", default=None, metavar="PATH",
-                   help="pickle of the keyword arguments of the experiment factory")
-    c.add_argument("--summary", default=None, metavar="PATH",
-                   help="write the outcome as JSON here")
+    c.add_argument(
+        "--experiment-type",
+        default=None,
+        help="registered experiment to build (default: --experiment)",
+    )
+    c.add_argument(
+        "--experiment-args",
+        default=None,
+        metavar="PATH",
+        help="pickle of the keyword arguments of the experiment factory",
+    )
+    c.add_argument("--summary", default=None, metavar="PATH", help="write the outcome as JSON here")
     c.add_argument("--poll-interval", type=float, default=1.0)
     c.add_argument("--connect-timeout", type=float, default=120.0)
     c.add_argument("--configure-timeout", type=float, default=600.0)
-    c.add_argument("--failure-settle", type=float, default=None,
-                   help="after a failure, keep watching this long for related failures "
-                   "(default: status TTL + poll interval)")
+    c.add_argument(
+        "--failure-settle",
+        type=float,
+        default=None,
+        help="after a failure, keep watching this long for related failures "
+        "(default: status TTL + poll interval)",
+    )
     c.add_argument("--timeout", type=float, default=None, help="fail after this many seconds")
 
     w = sub.add_parser("worker", help="run one worker")
     common(w)
     w.add_argument("--type", "-w", required=True, dest="worker_type")
     w.add_argument("--index", "-i", required=True, type=int)
-    w.add_argument("--controller-watch-interval", type=float, default=5.0,
-                   help="exit when the controller has been gone this long (s)")
+    w.add_argument(
+        "--controller-watch-interval",
+        type=float,
+        default=5.0,
+        help="exit when the controller has been gone this long (s)",
+    )
     return p
 
 
@@ -107,8 +134,14 @@ def _setup(args) -> None:
     if args.name_resolve:
         # The module builds its repository from this variable on first use.
         os.environ[name_resolve.ENV_VAR] = args.name_resolve
-    name_resolve.repository()  # fail now, naming the spec, if it is unusable
-    constants.set_experiment_trial_names(args.experiment, args.trial)
+    try:
+        name_resolve.repository()  # fail now, naming the spec, if it is unusable
+    except (ValueError, ConnectionError, PermissionError) as e:
+        raise SystemExit(f"realhf.apps.remote: name resolution is unusable: {e}") from e
+    try:
+        constants.set_experiment_trial_names(args.experiment, args.trial)
+    except ValueError as e:
+        raise SystemExit(f"realhf.apps.remote: {e}") from e
     for module in args.imports:
         try:
             importlib.import_module(module)
@@ -123,9 +156,13 @@ def run_controller(args) -> int:
         with open(args.experiment_args, "rb") as f:
             kwargs = pickle.load(f)
     exp_type = args.experiment_type or args.experiment
-    experiment = system_api.make_experiment(exp_type, **kwargs)
+    try:
+        experiment = system_api.make_experiment(exp_type, **kwargs)
+    except (ValueError, TypeError) as e:  # unknown name or bad factory arguments
+        raise SystemExit(f"realhf.apps.remote controller: {e}") from e
     controller = Controller(
-        args.experiment, args.trial,
+        args.experiment,
+        args.trial,
         poll_interval=args.poll_interval,
         connect_timeout=args.connect_timeout,
         configure_timeout=args.configure_timeout,
@@ -159,12 +196,20 @@ def run_controller(args) -> int:
 
 def run_worker(args) -> int:
     """Build worker ``--type/--index`` and serve until told to exit."""
-    worker = worker_base.make_worker(
-        args.worker_type,
-        args.experiment, args.trial, args.worker_type, args.index,
-        status_ttl=args.status_ttl,
-        controller_watch_interval=args.controller_watch_interval,
-    )
+    if args.index < 0:
+        raise SystemExit(f"realhf.apps.remote worker: --index must be >= 0, got {args.index}.")
+    try:
+        worker = worker_base.make_worker(
+            args.worker_type,
+            args.experiment,
+            args.trial,
+            args.worker_type,
+            args.index,
+            status_ttl=args.status_ttl,
+            controller_watch_interval=args.controller_watch_interval,
+        )
+    except ValueError as e:  # unknown worker type
+        raise SystemExit(f"realhf.apps.remote worker: {e}") from e
     control = worker_base.WorkerControlServer(
         args.experiment, args.trial, worker.worker_name, keepalive_ttl=args.status_ttl
     )

@@ -26,7 +26,7 @@ import time
 from typing import List, Optional
 
 from realhf.api.core import system_api
-from realhf.base import name_resolve, names
+from realhf.base import name_resolve
 from realhf.experiments import smoke as smoke_exp
 from realhf.scheduler.local import JobFailure, launch_experiment
 
@@ -34,12 +34,20 @@ EXPERIMENT = "smoke"
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m realhf.apps.smoke", description=__doc__.split("\n\n")[0])
-    p.add_argument("--fileroot", default=None,
-                   help="where the run directory goes (default: a new temporary directory)")
+    p = argparse.ArgumentParser(
+        prog="python -m realhf.apps.smoke", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--fileroot",
+        default=None,
+        help="where the run directory goes (default: a new temporary directory)",
+    )
     p.add_argument("--trial", default="demo", help="trial name (default: demo)")
-    p.add_argument("--name-resolve", default=None,
-                   help="name-resolve spec (default: file:///{fileroot}/name_resolve)")
+    p.add_argument(
+        "--name-resolve",
+        default=None,
+        help="name-resolve spec (default: file:///{fileroot}/name_resolve)",
+    )
     p.add_argument("--n-rounds", type=int, default=3, help="request/reply rounds")
     p.add_argument("--n-messages", type=int, default=20, help="messages per producer")
     p.add_argument("--n-model-workers", type=int, default=2)
@@ -80,11 +88,17 @@ def summarize(run_dir: str, result_dir: str, elapsed: float, spec: str) -> List[
     for path in sorted(glob.glob(os.path.join(result_dir, "smoke_producer_*.json"))):
         r = _load(path) or {}
         who = "smoke_producer/" + path[:-5].rsplit("_", 1)[1]
-        lines.append(f"  {who:<15} pushed {r.get('pushed')} typed Rollout messages to consumer(s) {r.get('consumers')}")
+        lines.append(
+            f"  {who:<15} pushed {r.get('pushed')} typed Rollout messages "
+            f"to consumer(s) {r.get('consumers')}"
+        )
     for path in sorted(glob.glob(os.path.join(result_dir, "smoke_consumer_*.json"))):
         r = _load(path) or {}
         who = "smoke_consumer/" + path[:-5].rsplit("_", 1)[1]
-        lines.append(f"  {who:<15} received {r.get('received')} from producer(s) {r.get('producers')}, in order per producer")
+        lines.append(
+            f"  {who:<15} received {r.get('received')} from producer(s) "
+            f"{r.get('producers')}, in order per producer"
+        )
     lines.append(f"  logs            {os.path.join(run_dir, 'logs')}")
     return lines
 
@@ -97,12 +111,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     result_dir = os.path.join(run_dir, "results")
     spec = args.name_resolve or f"file://{os.path.join(fileroot, 'name_resolve')}"
     try:
-        # Start from a clean trial: stale keys of an earlier run would mislead.
-        repo = name_resolve.from_spec(spec)
-        try:
-            repo.clear_subtree(names.trial_root(EXPERIMENT, args.trial))
-        finally:
-            repo.close()
+        name_resolve.from_spec(spec).close()
     except Exception as e:
         print(f"smoke: name resolution {spec!r} is unusable: {e}", file=sys.stderr)
         return 1
@@ -121,7 +130,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     t0 = time.monotonic()
     try:
         launch_experiment(
-            experiment, EXPERIMENT, args.trial,
+            experiment,
+            EXPERIMENT,
+            args.trial,
             run_dir=run_dir,
             fileroot=fileroot,
             name_resolve_spec=spec,

@@ -144,7 +144,10 @@ class SmokeModelWorker(_Crashable):
     def _poll(self) -> PollResult:
         if self.server is None:  # the master binds after we are configured
             self.server = ReplyServer(
-                self.experiment_name, self.trial_name, REQUEST_STREAM, self.worker_name,
+                self.experiment_name,
+                self.trial_name,
+                REQUEST_STREAM,
+                self.worker_name,
                 connect_timeout=self.config.connect_timeout,
             )
         try:
@@ -155,7 +158,9 @@ class SmokeModelWorker(_Crashable):
         if req.handle_name == "square":
             self._count_work()
             data: SquareRequest = req.data
-            self.server.reply(req, SquareReply(self.worker_name, data.round, tuple(v * v for v in data.values)))
+            self.server.reply(
+                req, SquareReply(self.worker_name, data.round, tuple(v * v for v in data.values))
+            )
         elif req.handle_name == "fail":
             try:
                 raise ValueError(f"requested failure (data={req.data!r})")
@@ -183,8 +188,12 @@ class SmokeMasterWorker(_Crashable):
     def _configure(self, config: SmokeMasterConfig) -> None:
         # Bind and publish now; the model workers connect once started.
         self.client = RequestClient(
-            self.experiment_name, self.trial_name, REQUEST_STREAM, list(config.handlers),
-            reply_timeout=config.reply_timeout, wait=False,
+            self.experiment_name,
+            self.trial_name,
+            REQUEST_STREAM,
+            list(config.handlers),
+            reply_timeout=config.reply_timeout,
+            wait=False,
         )
         self.round = 0
         self.pending: Optional[List[str]] = None
@@ -245,17 +254,25 @@ class SmokeMasterWorker(_Crashable):
         except RemoteError as e:
             if e.info.worker != target or "ValueError" not in e.info.traceback:
                 raise RuntimeError(f"remote error lacks worker/traceback: {e}") from e
-            remote_error = {"worker": e.info.worker, "handle": e.info.handle_name, "error": e.info.summary()}
+            remote_error = {
+                "worker": e.info.worker,
+                "handle": e.info.handle_name,
+                "error": e.info.summary(),
+            }
         else:
             raise RuntimeError(f"{target} did not raise on the 'fail' request")
         served = self.client.call(self.config.handlers, "finish")
-        _write_result(self.config.result_dir, self.worker_name, {
-            "rounds": self.round,
-            "handlers": list(self.config.handlers),
-            "log": self.log,
-            "remote_error": remote_error,
-            "served": dict(zip(self.config.handlers, served)),
-        })
+        _write_result(
+            self.config.result_dir,
+            self.worker_name,
+            {
+                "rounds": self.round,
+                "handlers": list(self.config.handlers),
+                "log": self.log,
+                "remote_error": remote_error,
+                "served": dict(zip(self.config.handlers, served)),
+            },
+        )
         return PollResult(batch_count=1, completed=True)
 
     def _exit_hook(self) -> None:
@@ -277,18 +294,30 @@ class SmokeProducerWorker(_Crashable):
         cfg = self.config
         if self.pusher is None:
             self.pusher = PusherStream(
-                self.experiment_name, self.trial_name, PUSH_STREAM, self.worker_index,
-                cfg.n_producers, cfg.n_consumers, connect_timeout=cfg.connect_timeout,
+                self.experiment_name,
+                self.trial_name,
+                PUSH_STREAM,
+                self.worker_index,
+                cfg.n_producers,
+                cfg.n_consumers,
+                connect_timeout=cfg.connect_timeout,
             )
         if self.seq < cfg.n_messages:
             self._count_work()
-            self.pusher.push(Rollout(self.worker_index, self.seq, tuple(range(self.seq % 7 + 1))), timeout=30)
+            self.pusher.push(
+                Rollout(self.worker_index, self.seq, tuple(range(self.seq % 7 + 1))), timeout=30
+            )
             self.seq += 1
             return PollResult(sample_count=1)
         self.pusher.close()
-        _write_result(cfg.result_dir, self.worker_name, {
-            "pushed": self.seq, "consumers": self.pusher.consumers,
-        })
+        _write_result(
+            cfg.result_dir,
+            self.worker_name,
+            {
+                "pushed": self.seq,
+                "consumers": self.pusher.consumers,
+            },
+        )
         return PollResult(completed=True)
 
     def _exit_hook(self) -> None:
@@ -304,7 +333,10 @@ class SmokeConsumerWorker(_Crashable):
 
     def _configure(self, config: SmokeConsumerConfig) -> None:
         self.puller = PullerStream(
-            self.experiment_name, self.trial_name, PUSH_STREAM, self.worker_index,
+            self.experiment_name,
+            self.trial_name,
+            PUSH_STREAM,
+            self.worker_index,
             message_types=[Rollout],
         )
         self.producers = producers_of(self.worker_index, config.n_producers, config.n_consumers)
@@ -331,9 +363,14 @@ class SmokeConsumerWorker(_Crashable):
         expected = sum(e.n_sent for p, e in self.puller.ended.items() if p in self.producers)
         if self.received != expected:
             raise RuntimeError(f"received {self.received} rollouts, producers sent {expected}")
-        _write_result(self.config.result_dir, self.worker_name, {
-            "received": self.received, "producers": self.producers,
-        })
+        _write_result(
+            self.config.result_dir,
+            self.worker_name,
+            {
+                "received": self.received,
+                "producers": self.producers,
+            },
+        )
         return PollResult(completed=True)
 
     def _exit_hook(self) -> None:
@@ -358,9 +395,13 @@ def smoke_experiment(
     crash_after: int = 1,
 ) -> ExperimentConfig:
     """Build the smoke experiment (see the module docstring)."""
-    for name, v in (("n_model_workers", n_model_workers), ("n_rounds", n_rounds),
-                    ("n_producers", n_producers), ("n_consumers", n_consumers),
-                    ("n_messages", n_messages)):
+    for name, v in (
+        ("n_model_workers", n_model_workers),
+        ("n_rounds", n_rounds),
+        ("n_producers", n_producers),
+        ("n_consumers", n_consumers),
+        ("n_messages", n_messages),
+    ):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"smoke experiment: {name} must be an int >= 1, got {v!r}.")
     handlers = tuple(f"smoke_model/{i}" for i in range(n_model_workers))

@@ -28,7 +28,7 @@ import weakref
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.base import logging
+from realhf.base import logging, name_resolve, names
 
 logger = logging.getLogger("local_scheduler", "system")
 
@@ -169,7 +169,9 @@ class LocalScheduler:
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"submit({worker_type!r}): count must be an int >= 1, got {count!r}.")
         if not cmd or not all(isinstance(a, str) for a in cmd):
-            raise ValueError(f"submit({worker_type!r}): cmd must be a non-empty list of str, got {cmd!r}.")
+            raise ValueError(
+                f"submit({worker_type!r}): cmd must be a non-empty list of str, got {cmd!r}."
+            )
         if gpus_per_process > len(self.gpu_devices):
             raise ValueError(
                 f"submit({worker_type!r}) asks for {gpus_per_process} GPU(s) per process but "
@@ -259,7 +261,9 @@ class LocalScheduler:
         finally:
             restore()
 
-    def _wait(self, timeout, main_type, failure_grace, exit_grace, check_interval) -> Dict[str, int]:
+    def _wait(
+        self, timeout, main_type, failure_grace, exit_grace, check_interval
+    ) -> Dict[str, int]:
         t0 = time.monotonic()
         mains = [j for j in self.jobs if j.worker_type == main_type] or list(self.jobs)
         first_failure: Optional[float] = None
@@ -271,7 +275,8 @@ class LocalScheduler:
                     raise JobFailure(failed_mains + [j for j in failed if j not in failed_mains])
                 self._drain_others(exit_grace)
                 failed = [
-                    j for j in self.jobs
+                    j
+                    for j in self.jobs
                     if j.returncode not in (None, 0) and not j.stopped_as_straggler
                 ]
                 if failed:
@@ -285,7 +290,11 @@ class LocalScheduler:
                     f"{[j.name for j in mains]} up to {failure_grace:g}s to report"
                 )
             if first_failure is not None and now - first_failure > failure_grace:
-                raise JobFailure(failed, f"processes failed and {[j.name for j in mains]} did not finish within {failure_grace:g}s")
+                raise JobFailure(
+                    failed,
+                    f"processes failed and {[j.name for j in mains]} did not finish "
+                    f"within {failure_grace:g}s",
+                )
             if timeout is not None and now - t0 > timeout:
                 running = [j.name for j in self.jobs if j.returncode is None]
                 raise TimeoutError(
@@ -300,7 +309,10 @@ class LocalScheduler:
             time.sleep(0.05)
         stragglers = [j for j in self.jobs if j.returncode is None]
         if stragglers:
-            logger.warning(f"{[j.name for j in stragglers]} still running {grace:g}s after the controller finished; stopping them")
+            logger.warning(
+                f"{[j.name for j in stragglers]} still running {grace:g}s after the "
+                "controller finished; stopping them"
+            )
             for j in stragglers:
                 j.stopped_as_straggler = True
         self.stop_all()
@@ -377,9 +389,18 @@ def remote_worker_cmd(
 ) -> List[str]:
     """``python -m realhf.apps.remote worker ...`` with ``{index}`` for submit()."""
     cmd = [
-        sys.executable, "-m", "realhf.apps.remote", "worker",
-        "--type", worker_type, "--index", "{index}",
-        "--experiment", experiment_name, "--trial", trial_name,
+        sys.executable,
+        "-m",
+        "realhf.apps.remote",
+        "worker",
+        "--type",
+        worker_type,
+        "--index",
+        "{index}",
+        "--experiment",
+        experiment_name,
+        "--trial",
+        trial_name,
     ]
     for m in imports:
         cmd += ["--import", m]
@@ -398,8 +419,14 @@ def remote_controller_cmd(
 ) -> List[str]:
     """``python -m realhf.apps.remote controller ...``."""
     cmd = [
-        sys.executable, "-m", "realhf.apps.remote", "controller",
-        "--experiment", experiment_name, "--trial", trial_name,
+        sys.executable,
+        "-m",
+        "realhf.apps.remote",
+        "controller",
+        "--experiment",
+        experiment_name,
+        "--trial",
+        trial_name,
     ]
     if experiment_type:
         cmd += ["--experiment-type", experiment_type]
@@ -431,7 +458,8 @@ def launch_experiment(
 ) -> Dict[str, int]:
     """Run ``experiment`` locally: controller + every worker, wait, stop all.
 
-    The controller rebuilds ``experiment`` from ``experiment_type`` (default
+    The trial's name-resolve keys are cleared first.  The controller rebuilds
+    ``experiment`` from ``experiment_type`` (default
     ``experiment_name``) and ``experiment_args`` (pickled to
     ``{run_dir}/experiment_args.pkl``); ``imports`` are modules that register
     the experiment and its worker types.  The controller's outcome is written
@@ -441,6 +469,13 @@ def launch_experiment(
     Raises:
         JobFailure, TimeoutError, KeyboardInterrupt: see :meth:`LocalScheduler.wait`.
     """
+    # Start from a clean trial: stale keys of an earlier run (e.g. the ERROR
+    # status a failed worker leaves behind) would mislead the new one.
+    repo = name_resolve.from_spec(name_resolve_spec)
+    try:
+        repo.clear_subtree(names.trial_root(experiment_name, trial_name))
+    finally:
+        repo.close()
     os.makedirs(run_dir, exist_ok=True)
     args_path = os.path.join(run_dir, "experiment_args.pkl")
     with open(args_path, "wb") as f:
@@ -455,7 +490,8 @@ def launch_experiment(
     sched.submit(
         CONTROLLER_TYPE,
         remote_controller_cmd(
-            experiment_name, trial_name,
+            experiment_name,
+            trial_name,
             experiment_type=experiment_type,
             experiment_args_path=args_path,
             summary_path=os.path.join(run_dir, "controller_summary.json"),
@@ -467,7 +503,9 @@ def launch_experiment(
         sch = experiment.scheduling_of(wtype)
         sched.submit(
             wtype,
-            remote_worker_cmd(wtype, experiment_name, trial_name, imports=imports, extra=worker_extra),
+            remote_worker_cmd(
+                wtype, experiment_name, trial_name, imports=imports, extra=worker_extra
+            ),
             count=len(experiment.workers[wtype]),
             env=dict(sch.env),
             gpus_per_process=sch.gpu,

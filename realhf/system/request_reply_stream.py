@@ -401,7 +401,9 @@ class RequestClient:
             NoMessage: ``timeout == 0`` and the reply has not arrived.
             StreamTimeout: no reply within ``timeout`` (names the handler).
         """
-        return self.gather([request_id], timeout=timeout, raise_remote=False, _nowait_raises=True)[0]
+        return self.gather([request_id], timeout=timeout, raise_remote=False, _nowait_raises=True)[
+            0
+        ]
 
     def gather(
         self,

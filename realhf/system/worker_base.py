@@ -324,17 +324,25 @@ class Worker:
         try:
             inspect.signature(fn).bind(**kwargs)
         except TypeError as e:
-            raise ControlCommandError(f"bad arguments for control command {command!r}: {e}.") from None
+            raise ControlCommandError(
+                f"bad arguments for control command {command!r}: {e}."
+            ) from None
         return fn(**kwargs)
 
     def _cmd_configure(self, worker_info: WorkerInformation, config: Any) -> None:
         if self.worker_info is not None:
             raise ControlCommandError(f"{self.worker_name} is already configured.")
         if not isinstance(worker_info, WorkerInformation):
-            raise ControlCommandError(f"configure needs a WorkerInformation, got {type(worker_info).__name__}.")
+            raise ControlCommandError(
+                f"configure needs a WorkerInformation, got {type(worker_info).__name__}."
+            )
         mine = (self.experiment_name, self.trial_name, self.worker_type, self.worker_index)
-        theirs = (worker_info.experiment_name, worker_info.trial_name,
-                  worker_info.worker_type, worker_info.worker_index)
+        theirs = (
+            worker_info.experiment_name,
+            worker_info.trial_name,
+            worker_info.worker_type,
+            worker_info.worker_index,
+        )
         if mine != theirs:
             raise ControlCommandError(
                 f"configure for {theirs} reached worker {mine}; the controller and the "
@@ -354,7 +362,9 @@ class Worker:
         if self.worker_info is None:
             raise ControlCommandError(f"{self.worker_name} cannot start before configure.")
         if self.status in (WorkerStatus.COMPLETED, WorkerStatus.ERROR):
-            raise ControlCommandError(f"{self.worker_name} cannot start: it is {self.status.value}.")
+            raise ControlCommandError(
+                f"{self.worker_name} cannot start: it is {self.status.value}."
+            )
         self._on_start()
         self._set_status(WorkerStatus.RUNNING)
 
@@ -386,15 +396,29 @@ class Worker:
         if req is None:
             return
         if not isinstance(req, ControlRequest):
-            control.send(ControlReply(self.worker_name, "?", error=ErrorInfo.from_exception(
-                TypeError(f"not a ControlRequest: {req!r}"), worker=self.worker_name)))
+            control.send(
+                ControlReply(
+                    self.worker_name,
+                    "?",
+                    error=ErrorInfo.from_exception(
+                        TypeError(f"not a ControlRequest: {req!r}"), worker=self.worker_name
+                    ),
+                )
+            )
             return
         try:
             result = self.handle_control(req.command, **dict(req.kwargs))
         except ControlCommandError as e:
             # Bad request from the controller: refuse it and carry on.
-            control.send(ControlReply(self.worker_name, req.command, error=ErrorInfo.from_exception(
-                e, worker=self.worker_name, handle_name=req.command)))
+            control.send(
+                ControlReply(
+                    self.worker_name,
+                    req.command,
+                    error=ErrorInfo.from_exception(
+                        e, worker=self.worker_name, handle_name=req.command
+                    ),
+                )
+            )
             return
         except Exception as e:
             info = self._fail(e, during=req.command)
@@ -419,7 +443,8 @@ class Worker:
         self.poll_count += 1
         if not isinstance(result, PollResult):
             raise TypeError(
-                f"{type(self).__name__}._poll must return a PollResult, got {type(result).__name__}."
+                f"{type(self).__name__}._poll must return a PollResult, "
+                f"got {type(result).__name__}."
             )
         if result.completed:
             self._set_status(WorkerStatus.COMPLETED)

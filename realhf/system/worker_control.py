@@ -31,7 +31,13 @@ import zmq
 
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names
-from realhf.system.errors import ErrorInfo, ExperimentFailed, RemoteError, StreamTimeout, format_error
+from realhf.system.errors import (
+    ErrorInfo,
+    ExperimentFailed,
+    RemoteError,
+    StreamTimeout,
+    format_error,
+)
 from realhf.system.worker_base import (
     CONTROLLER_NAME,
     DEFAULT_STATUS_TTL,
@@ -88,7 +94,8 @@ class WorkerControlPanel:
                 )
             except TimeoutError:
                 missing = [
-                    x for x in self.worker_names
+                    x
+                    for x in self.worker_names
                     if x not in self._addresses and not self.is_alive(x)
                 ]
                 raise StreamTimeout(
@@ -169,8 +176,10 @@ class WorkerControlPanel:
             # A worker that answered and then exited (``exit``) has no key any
             # more: read a pending answer before calling it lost.
             lost = [
-                w for w in workers
-                if w not in replies and not self.is_alive(w)
+                w
+                for w in workers
+                if w not in replies
+                and not self.is_alive(w)
                 and not self._socks[w].poll(0, zmq.POLLIN)
             ]
             if lost:
@@ -237,7 +246,9 @@ class Controller:
             ("status_ttl", status_ttl),
         ):
             if not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"Controller {name} must be a positive number of seconds, got {v!r}.")
+                raise ValueError(
+                    f"Controller {name} must be a positive number of seconds, got {v!r}."
+                )
         self.experiment_name = experiment_name
         self.trial_name = trial_name
         self.poll_interval = poll_interval
@@ -249,7 +260,9 @@ class Controller:
             status_ttl + poll_interval if failure_settle is None else failure_settle
         )
         if self.failure_settle < 0:
-            raise ValueError(f"Controller failure_settle must be >= 0 seconds, got {failure_settle!r}.")
+            raise ValueError(
+                f"Controller failure_settle must be >= 0 seconds, got {failure_settle!r}."
+            )
         self._panel: Optional[WorkerControlPanel] = None
 
     def _status_key(self) -> str:
@@ -263,13 +276,18 @@ class Controller:
             TimeoutError: the run exceeded ``timeout`` seconds (workers are stopped).
         """
         name_resolve.add(
-            self._status_key(), WorkerStatus.RUNNING.value, keepalive_ttl=self.status_ttl, replace=True
+            self._status_key(),
+            WorkerStatus.RUNNING.value,
+            keepalive_ttl=self.status_ttl,
+            replace=True,
         )
         worker_names = experiment.worker_names()
         t0 = time.monotonic()
         try:
             self._panel = WorkerControlPanel(
-                self.experiment_name, self.trial_name, worker_names,
+                self.experiment_name,
+                self.trial_name,
+                worker_names,
                 connect_timeout=self.connect_timeout,
             )
             self._configure_all(experiment)
@@ -278,8 +296,12 @@ class Controller:
             logger.info(f"started {len(worker_names)} workers")
             statuses = self._watch(experiment, worker_names, timeout, t0)
             return RunSummary(
-                self.experiment_name, self.trial_name, experiment.ordered_types,
-                {w: s.value for w, s in statuses.items()}, t_conf, time.monotonic() - t0,
+                self.experiment_name,
+                self.trial_name,
+                experiment.ordered_types,
+                {w: s.value for w, s in statuses.items()},
+                t_conf,
+                time.monotonic() - t0,
             )
         except (RemoteError, WorkerLost, StreamTimeout) as e:
             raise self._failure_from(e, worker_names) from None
@@ -295,7 +317,9 @@ class Controller:
             group = [f"{wtype}/{i}" for i in range(len(experiment.workers[wtype]))]
             kwargs = {
                 f"{wtype}/{i}": dict(
-                    worker_info=experiment.worker_info(self.experiment_name, self.trial_name, wtype, i),
+                    worker_info=experiment.worker_info(
+                        self.experiment_name, self.trial_name, wtype, i
+                    ),
                     config=cfg,
                 )
                 for i, cfg in enumerate(experiment.workers[wtype])
@@ -356,7 +380,8 @@ class Controller:
         if isinstance(e, RemoteError):
             w = e.info.worker
             return ExperimentFailed(
-                self.experiment_name, self.trial_name,
+                self.experiment_name,
+                self.trial_name,
                 {w: f"ERROR during {e.info.handle_name}: {format_error(e.info)}"},
             )
         if isinstance(e, WorkerLost):

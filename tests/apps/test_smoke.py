@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 def _run_demo(tmp_path, *extra):
     out = subprocess.run(
         [sys.executable, "-m", "realhf.apps.smoke", "--fileroot", str(tmp_path), *extra],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     return out
 
@@ -46,8 +48,12 @@ def test_demo_over_file_name_resolve(tmp_path, no_leftover_processes):
     assert time.monotonic() - t0 < 30
     logs = sorted(os.listdir(tmp_path / "smoke" / "demo" / "logs"))
     assert logs == [
-        "controller_0.log", "smoke_consumer_0.log", "smoke_master_0.log",
-        "smoke_model_0.log", "smoke_model_1.log", "smoke_producer_0.log",
+        "controller_0.log",
+        "smoke_consumer_0.log",
+        "smoke_master_0.log",
+        "smoke_model_0.log",
+        "smoke_model_1.log",
+        "smoke_producer_0.log",
     ]
     # Every key of the trial was removed by its owner on exit.
     repo = name_resolve.make_repository("file", root=str(tmp_path / "name_resolve"))
@@ -78,9 +84,17 @@ def _launch_in_thread(tmp_path, trial, controller_extra=(), **exp_kwargs):
     def target():
         try:
             outcome["codes"] = launch_experiment(
-                exp, "smoke", trial, run_dir=str(run_dir), name_resolve_spec=spec,
-                experiment_args=kwargs, imports=[smoke_exp.__name__], timeout=90,
-                scheduler=sched, fileroot=str(tmp_path), controller_extra=controller_extra,
+                exp,
+                "smoke",
+                trial,
+                run_dir=str(run_dir),
+                name_resolve_spec=spec,
+                experiment_args=kwargs,
+                imports=[smoke_exp.__name__],
+                timeout=90,
+                scheduler=sched,
+                fileroot=str(tmp_path),
+                controller_extra=controller_extra,
             )
         except BaseException as e:  # handed to the test thread
             outcome["error"] = e
@@ -141,8 +155,11 @@ def test_killed_worker_is_reported_lost_and_everything_stops(tmp_path, no_leftov
 
 def test_worker_error_is_reported_with_remote_traceback(tmp_path, no_leftover_processes):
     sched, t, outcome, run_dir = _launch_in_thread(
-        tmp_path, "crash", controller_extra=["--failure-settle", "0.5"],
-        crash_worker="smoke_model/0", crash_after=2,
+        tmp_path,
+        "crash",
+        controller_extra=["--failure-settle", "0.5"],
+        crash_worker="smoke_model/0",
+        crash_after=2,
     )
     t.join(timeout=90)
     assert not t.is_alive()

@@ -36,7 +36,14 @@ def _pids_alive(pids):
 @pytest.mark.slow
 def test_success_logs_and_index_substitution(tmp_path, no_leftover_processes):
     s = LocalScheduler(str(tmp_path), env={"GREETING": "hi"})
-    s.submit("worker", _py("import os,sys; print(os.environ['GREETING'], sys.argv[1], os.environ['REALHF_WORKER_INDEX'])") + ["idx={index}"], count=2)
+    s.submit(
+        "worker",
+        _py(
+            "import os,sys; print(os.environ['GREETING'], sys.argv[1], os.environ['REALHF_WORKER_INDEX'])"
+        )
+        + ["idx={index}"],
+        count=2,
+    )
     s.submit("controller", _py("print('controller done')"))
     codes = s.wait(timeout=30)
     assert codes == {"worker/0": 0, "worker/1": 0, "controller/0": 0}
@@ -90,12 +97,15 @@ def test_stragglers_after_controller_success_are_stopped(tmp_path, no_leftover_p
 def test_grandchildren_die_with_their_group(tmp_path, no_leftover_processes):
     pidfile = tmp_path / "grandchild.pid"
     s = LocalScheduler(str(tmp_path))
-    s.submit("worker", _py(f"""
+    s.submit(
+        "worker",
+        _py(f"""
         import subprocess, sys, time
         p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         open({str(pidfile)!r}, "w").write(str(p.pid))
         time.sleep(60)
-    """))
+    """),
+    )
     deadline = time.monotonic() + 10
     while not pidfile.exists() or not pidfile.read_text():
         assert time.monotonic() < deadline
@@ -162,7 +172,12 @@ def test_bad_input(tmp_path):
 @pytest.mark.slow
 def test_gpus_are_assigned_round_robin(tmp_path, no_leftover_processes):
     s = LocalScheduler(str(tmp_path), gpu_devices=["0", "1", "2"])
-    s.submit("w", _py("import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"), count=3, gpus_per_process=2)
+    s.submit(
+        "w",
+        _py("import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"),
+        count=3,
+        gpus_per_process=2,
+    )
     s.wait(timeout=30)
     got = [(tmp_path / "logs" / f"w_{i}.log").read_text().strip() for i in range(3)]
     assert got == ["0,1", "2,0", "1,2"]

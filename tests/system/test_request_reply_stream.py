@@ -58,8 +58,9 @@ def two_workers(trial):
 
 def test_call_returns_typed_replies_in_handler_order(two_workers):
     client, names = two_workers
-    out = client.call(names, "double", [1, 2], pre_hooks=[["data_transfer"], []],
-                      post_hook_data=[[], []])
+    out = client.call(
+        names, "double", [1, 2], pre_hooks=[["data_transfer"], []], post_hook_data=[[], []]
+    )
     assert out == [("w/0", 2, ("data_transfer",), ()), ("w/1", 4, (), ())]
 
 
@@ -148,7 +149,9 @@ def test_syn_ack_holds_requests_until_every_handler_synced(trial):
     try:
         result = {}
         sender = threading.Thread(
-            target=lambda: result.setdefault("ids", client.request(["w/0", "w/1"], "go", [0, 1], no_syn=False, timeout=5)),
+            target=lambda: result.setdefault(
+                "ids", client.request(["w/0", "w/1"], "go", [0, 1], no_syn=False, timeout=5)
+            ),
             daemon=True,
         )
         sender.start()

@@ -95,7 +95,11 @@ def test_lifecycle_and_status_in_name_resolve(trial):
     assert read_status(EXP, trial, name) == WorkerStatus.COMPLETED
     assert w.step() is None  # completed workers stop polling
     ping = w.handle_control("ping")
-    assert ping["worker"] == "test_count/0" and ping["status"] == "COMPLETED" and ping["poll_count"] == 3
+    assert (
+        ping["worker"] == "test_count/0"
+        and ping["status"] == "COMPLETED"
+        and ping["poll_count"] == 3
+    )
     assert w.events == ["start", "pause", "start"]
     w.handle_control("exit")
     assert w.exit_code == 0 and w.exiting
@@ -148,7 +152,9 @@ def test_configure_checks_identity_and_config_type(trial):
     with pytest.raises(ControlCommandError, match="expects a CountConfig config, got dict"):
         w.handle_control("configure", worker_info=_info(trial), config={"n": 1})
     with pytest.raises(ControlCommandError, match="reached worker"):
-        w.handle_control("configure", worker_info=_info(trial, index=1, count=2), config=CountConfig(1))
+        w.handle_control(
+            "configure", worker_info=_info(trial, index=1, count=2), config=CountConfig(1)
+        )
     w.handle_control("configure", worker_info=_info(trial), config=CountConfig(1))
     with pytest.raises(ControlCommandError, match="already configured"):
         w.handle_control("configure", worker_info=_info(trial), config=CountConfig(1))
@@ -197,9 +203,16 @@ def test_run_loop_over_control_socket(trial, cls):
     t.start()
     panel = WorkerControlPanel(EXP, trial, [w.worker_name], connect_timeout=5)
     try:
-        panel.request("configure", kwargs={w.worker_name: dict(
-            worker_info=_info(trial, wtype=wtype), config=CountConfig(n=3) if cls is CountWorker else None)},
-            timeout=5)
+        panel.request(
+            "configure",
+            kwargs={
+                w.worker_name: dict(
+                    worker_info=_info(trial, wtype=wtype),
+                    config=CountConfig(n=3) if cls is CountWorker else None,
+                )
+            },
+            timeout=5,
+        )
         panel.request("start", timeout=5)
         for _ in range(100):
             if read_status(EXP, trial, w.worker_name) == WorkerStatus.COMPLETED:
@@ -221,3 +234,17 @@ def test_run_loop_over_control_socket(trial, cls):
         if t.is_alive():
             w.exit_code = 1
             t.join(timeout=5)
+
+
+def test_worker_exits_when_the_controller_is_gone(trial):
+    """A worker configured by a controller leaves once the controller's status key is gone."""
+    w = CountWorker(EXP, trial, "test_count", 0, controller_watch_interval=0.0)
+    controller_key = names.worker_status(EXP, trial, "controller/0")
+    name_resolve.add(controller_key, "RUNNING")
+    w.handle_control("configure", worker_info=_info(trial), config=CountConfig(n=10**6))
+    w.handle_control("start")
+    w._check_controller()
+    assert not w.exiting
+    name_resolve.delete(controller_key)
+    w._check_controller()
+    assert w.exit_code == 1

@@ -68,7 +68,9 @@ class Fleet:
                 w = StepWorker(EXP, trial, wtype, i)
                 control = WorkerControlServer(EXP, trial, w.worker_name)
                 t = threading.Thread(
-                    target=lambda w=w, c=control: self.codes.__setitem__(w.worker_name, w.run(c, idle_wait=0.01)),
+                    target=lambda w=w, c=control: self.codes.__setitem__(
+                        w.worker_name, w.run(c, idle_wait=0.01)
+                    ),
                     daemon=True,
                 )
                 t.start()
@@ -184,7 +186,9 @@ def test_panel_timeout_resets_socket_and_names_worker(trial):
     server = WorkerControlServer(EXP, trial, "mute/0")
     panel = WorkerControlPanel(EXP, trial, ["mute/0"], connect_timeout=5)
     try:
-        with pytest.raises(StreamTimeout, match=r"\['mute/0'\] did not answer control command 'ping'"):
+        with pytest.raises(
+            StreamTimeout, match=r"\['mute/0'\] did not answer control command 'ping'"
+        ):
             panel.request("ping", timeout=0.3)
         # The REQ socket was recreated: sending again is possible.
         with pytest.raises(StreamTimeout):

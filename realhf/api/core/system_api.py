@@ -61,7 +61,8 @@ class WorkerInformation:
             raise ValueError(f"worker_count must be an int >= 1, got {self.worker_count!r}.")
         if not isinstance(self.worker_index, int) or not 0 <= self.worker_index < self.worker_count:
             raise ValueError(
-                f"worker_index must be an int in [0, {self.worker_count}), got {self.worker_index!r}."
+                f"worker_index must be an int in [0, {self.worker_count}), "
+                f"got {self.worker_index!r}."
             )
 
     @property
@@ -146,7 +147,9 @@ class ExperimentConfig:
         """All worker names (``type/index``) in configure order."""
         return [f"{t}/{i}" for t in self.ordered_types for i in range(len(self.workers[t]))]
 
-    def worker_info(self, experiment_name: str, trial_name: str, worker_type: str, index: int) -> WorkerInformation:
+    def worker_info(
+        self, experiment_name: str, trial_name: str, worker_type: str, index: int
+    ) -> WorkerInformation:
         """The :class:`WorkerInformation` of worker ``worker_type/index``."""
         return WorkerInformation(
             experiment_name, trial_name, worker_type, index, len(self.workers[worker_type])
@@ -171,7 +174,9 @@ def register_experiment(name: str, factory: Callable[..., ExperimentConfig]) -> 
     if not callable(factory):
         raise TypeError(f"experiment factory for {name!r} must be callable, got {factory!r}.")
     old = _EXPERIMENTS.get(name)
-    if old is not None and getattr(old, "__qualname__", None) != getattr(factory, "__qualname__", None):
+    if old is not None and getattr(old, "__qualname__", None) != getattr(
+        factory, "__qualname__", None
+    ):
         raise ValueError(
             f"experiment {name!r} is already registered (by {old!r}); pick another name."
         )
