@@ -114,9 +114,7 @@ def partition_balanced(
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"partition_balanced: k must be an integer >= 1, got {k!r}")
     if not isinstance(min_size, (int, np.integer)) or min_size < 1:
-        raise ValueError(
-            f"partition_balanced: min_size must be an integer >= 1, got {min_size!r}"
-        )
+        raise ValueError(f"partition_balanced: min_size must be an integer >= 1, got {min_size!r}")
     if arr.size < k * min_size:
         raise ValueError(
             f"partition_balanced: cannot cut {arr.size} items into {k} groups of at "
@@ -196,9 +194,7 @@ def ffd_allocate(
     """
     arr = _as_lengths(lengths, "ffd_allocate")
     if not isinstance(min_groups, (int, np.integer)) or min_groups < 1:
-        raise ValueError(
-            f"ffd_allocate: min_groups must be an integer >= 1, got {min_groups!r}"
-        )
+        raise ValueError(f"ffd_allocate: min_groups must be an integer >= 1, got {min_groups!r}")
     if capacity < 1:
         raise ValueError(f"ffd_allocate: capacity must be >= 1, got {capacity!r}")
     if arr.size == 0:
