@@ -19,6 +19,7 @@ import os
 import sys
 from typing import List, Optional
 
+from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
 from realhf.impl.model.gen.config import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
@@ -27,6 +28,7 @@ from realhf.impl.model.gen.loading import load_engine, load_tokenizer
 logger = logging.getLogger("serve")
 
 READY_LINE = "realhf generation server ready"
+_WARMUP = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -104,6 +106,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     engine.start()
     try:
+        # One tiny request before the ready line: the first step loads compiled
+        # kernels, which should not land on a client's latency.
+        engine.generate([GenerateRequest(input_ids=(0,), sampling=_WARMUP)], timeout=config.request_timeout_s)
         asyncio.run(_serve(server, args.host, args.port))
     except KeyboardInterrupt:
         pass

@@ -1,0 +1,85 @@
+"""`python -m realhf.apps.serve`: argument errors, and a real server process end to end."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from realhf.apps.serve import READY_LINE, main
+
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "realhf", "assets", "tiny")
+
+
+def test_missing_model_dir_is_a_clear_error(tmp_path, capsys):
+    assert main(["--model-path", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_dir_without_config_is_a_clear_error(tmp_path, capsys):
+    assert main(["--model-path", str(tmp_path)]) == 2
+    assert "no config.json" in capsys.readouterr().err
+
+
+def test_bad_engine_option_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["--model-path", str(tmp_path), "--dtype", "int3"]) == 2
+    assert "EngineConfig.dtype='int3'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_cli_subprocess_exit_code(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "realhf.apps.serve", "--model-path", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--model-path" in p.stderr
+
+
+@pytest.mark.slow
+def test_serve_process_end_to_end(tmp_path):
+    from realhf.impl.model.testing import make_tiny_hf_model
+
+    model = make_tiny_hf_model("qwen2", tmp_path / "m", vocab_size=268, perturb=0.3)
+    for f in glob.glob(os.path.join(ASSETS, "*.j*")):
+        shutil.copy(f, model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "realhf.apps.serve", "--model-path", model, "--port", str(port),
+         "--max-running-requests", "4", "--context-length", "128"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        lines = []
+        while True:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if READY_LINE in line:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        url = f"http://127.0.0.1:{port}"
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+        d = requests.post(url + "/generate", json={"text": "Compute 1+2.", "sampling_params": {"max_new_tokens": 4},
+                                                  "return_logprob": True}, timeout=60).json()
+        assert len(d["meta_info"]["output_token_logprobs"]) == len(d["output_ids"]) <= 4
+        assert isinstance(d["text"], str)
+        r = requests.post(url + "/generate", json={"input_ids": [1] * 200}, timeout=60)
+        assert r.status_code == 400
+        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "m"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode is not None

@@ -1,0 +1,279 @@
+"""The HTTP server over real sockets: SGLang protocol, OpenAI client, errors, load, pause, weights."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import aiohttp
+import openai
+import psutil
+import pytest
+import requests
+
+from realhf.impl.model.gen import EngineConfig
+from realhf.impl.model.gen.http_app import ServerThread, create_app, prometheus_text
+from realhf.impl.model.gen.loading import load_engine, load_tokenizer
+
+from .conftest import EOS, PAD, load, recompute_logprobs, reference_greedy
+
+MAX_RUNNING = 8
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return load(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tokenizer):
+    engine = load_engine(model_dir, EngineConfig(max_running_requests=MAX_RUNNING, context_length=400),
+                         tokenizer=tokenizer).start()
+    app = create_app(engine, tokenizer=tokenizer, model_path=model_dir, served_model_name="tiny")
+    srv = ServerThread(app).start()
+    srv.engine = engine
+    yield srv
+    srv.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def bare_server(model_dir_no_tokenizer):
+    engine = load_engine(model_dir_no_tokenizer, EngineConfig(max_running_requests=2, context_length=64)).start()
+    srv = ServerThread(create_app(engine, model_path=model_dir_no_tokenizer)).start()
+    yield srv
+    srv.stop()
+    engine.close()
+
+
+def post(srv, path, body, timeout=60):
+    return requests.post(srv.url + path, json=body, timeout=timeout)
+
+
+def greedy_params(n, **kw):
+    return {"max_new_tokens": n, "temperature": 0, **kw}
+
+
+def test_generate_input_ids_with_logprobs(server, model, tokenizer):
+    prompt = [5, 17, 42, 9]
+    r = post(server, "/generate", {"input_ids": prompt, "sampling_params": greedy_params(12, ignore_eos=True),
+                                   "return_logprob": True})
+    assert r.status_code == 200
+    d = r.json()
+    ref = reference_greedy(model, prompt, 12)
+    assert d["output_ids"] == ref
+    assert d["text"] == tokenizer.decode(ref, skip_special_tokens=True)
+    meta = d["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["prompt_tokens"] == 4 and meta["completion_tokens"] == 12
+    entries = meta["output_token_logprobs"]
+    assert [e[1] for e in entries] == ref and all(e[2] is None for e in entries)
+    lps = recompute_logprobs(model, prompt, ref)
+    assert max(abs(e[0] - float(l)) for e, l in zip(entries, lps)) < 1e-4
+
+
+def test_generate_text_batch_and_n(server, model, tokenizer):
+    r = post(server, "/generate", {"text": "Compute 3+4.", "sampling_params": greedy_params(5, ignore_eos=True)})
+    ids = tokenizer.encode("Compute 3+4.")
+    assert r.json()["output_ids"] == reference_greedy(model, ids, 5)
+    r = post(server, "/generate", {"input_ids": [[3, 4], [5]], "sampling_params": {"n": 2, "max_new_tokens": 3},
+                                   "return_logprob": [True, False], "return_text_in_logprobs": True})
+    outs = r.json()
+    assert isinstance(outs, list) and len(outs) == 4
+    assert all(len(o["output_ids"]) <= 3 for o in outs)
+    assert isinstance(outs[0]["meta_info"]["output_token_logprobs"][0][2], str)
+    assert "output_token_logprobs" not in outs[3]["meta_info"]
+    assert outs[0]["meta_info"]["prompt_tokens"] == 2 and outs[2]["meta_info"]["prompt_tokens"] == 1
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"input_ids": [1, 2], "unknown_field": 3}, "unknown_field"),
+        ({"input_ids": [1] * 399, "sampling_params": {"max_new_tokens": 5}}, "context length 400"),
+        ({"input_ids": [1] * 401}, "prompt has 401 tokens"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature=-1"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 2}}, "top_p=2"),
+        ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}}, "min_new_tokens=9"),
+        ({"input_ids": [1, 99999]}, "outside the vocabulary"),
+        ({"input_ids": [1], "stream": True}, "streaming"),
+    ],
+)
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle):
+    r = post(server, "/generate", body)
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
+    assert post(server, "/generate", {"input_ids": [3], "sampling_params": greedy_params(1)}).status_code == 200
+
+
+def test_invalid_json_is_400(server):
+    r = requests.post(server.url + "/generate", data=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_no_tokenizer_server(bare_server):
+    r = post(bare_server, "/generate", {"text": "hello"})
+    assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+    d = post(bare_server, "/generate", {"input_ids": [3, 4], "sampling_params": greedy_params(2)}).json()
+    assert "text" not in d and len(d["output_ids"]) <= 2
+    r = post(bare_server, "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
+
+
+def test_health_models_metrics_info(server):
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    models = requests.get(server.url + "/v1/models", timeout=10).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 400
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    for name in ("num_running_reqs", "num_used_tokens", "num_queue_reqs", "token_usage", "gen_throughput"):
+        assert re.search(rf'^sglang:{name}{{model_name="tiny"}} [0-9.e+-]+$', text, re.M), name
+    assert "# TYPE sglang:num_used_tokens gauge" in text
+    assert requests.get(server.url + "/get_model_info", timeout=10).json()["is_generation"] is True
+    assert requests.post(server.url + "/flush_cache", timeout=10).status_code == 200
+
+
+def test_prometheus_text_counts():
+    st = {"num_running_reqs": 3, "num_used_tokens": 50, "num_queue_reqs": 1, "max_total_num_tokens": 100,
+          "gen_throughput": 12.5, "prompt_tokens_total": 7, "generation_tokens_total": 9, "num_requests_total": 2}
+    text = prometheus_text(st, "m")
+    assert 'sglang:num_running_reqs{model_name="m"} 3.0' in text
+    assert 'sglang:token_usage{model_name="m"} 0.5' in text
+
+
+def test_hundreds_of_concurrent_clients(server, model):
+    prompts = [[10 + i, 20 + (i * 7) % 200, 3] for i in range(20)]
+    budgets = [4 + i % 9 for i in range(20)]
+    refs = [reference_greedy(model, p, b) for p, b in zip(prompts, budgets)]
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    seen_running = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen_running.append(server.engine.stats()["num_running_reqs"])
+            time.sleep(0.01)
+
+    async def main():
+        async with aiohttp.ClientSession() as sess:
+            async def one(k):
+                i = k % 20
+                body = {"input_ids": prompts[i], "sampling_params": greedy_params(budgets[i], ignore_eos=True)}
+                async with sess.post(server.url + "/generate", json=body, timeout=aiohttp.ClientTimeout(300)) as r:
+                    assert r.status == 200
+                    return i, (await r.json())["output_ids"]
+
+            return await asyncio.gather(*[one(k) for k in range(300)])
+
+    t = threading.Thread(target=watch)
+    t.start()
+    try:
+        results = asyncio.run(main())
+    finally:
+        stop.set()
+        t.join()
+    assert len(results) == 300
+    for i, ids in results:
+        assert ids == refs[i]
+    assert max(seen_running) <= MAX_RUNNING and max(seen_running) > 1
+    assert server.engine.cache.n_free == MAX_RUNNING
+    # bounded memory: the cache is preallocated; a few hundred requests add little
+    assert proc.memory_info().rss - rss0 < 300 * 2**20
+
+
+def _rollout(server, prompt, budget, chunk, pause_after=None):
+    """PartialRolloutManager's loop: n=1 chunks, stop on [pad, eos], resubmit after length/abort."""
+    acc_ids, acc_lps, reasons = [], [], []
+    while len(acc_ids) < budget:
+        body = {
+            "input_ids": prompt + acc_ids,
+            "sampling_params": {"n": 1, "top_p": 1.0, "top_k": -1, "temperature": 0.0,
+                                "max_new_tokens": min(chunk, budget - len(acc_ids)),
+                                "stop_token_ids": [PAD, EOS]},
+            "return_logprob": True,
+            "stream": False,
+        }
+        if pause_after is not None and not reasons:
+            box = {}
+            th = threading.Thread(target=lambda: box.update(r=post(server, "/generate", body)))
+            th.start()
+            while server.engine.stats()["generation_tokens_total"] < pause_after:
+                time.sleep(0.002)
+            assert post(server, "/pause_generation", {}).json()["status"] == "ok"
+            th.join(30)
+            assert post(server, "/continue_generation", {}).json()["status"] == "ok"
+            d = box["r"].json()
+        else:
+            d = post(server, "/generate", body).json()
+        meta = d["meta_info"]
+        acc_ids += [e[1] for e in meta["output_token_logprobs"]]
+        acc_lps += [e[0] for e in meta["output_token_logprobs"]]
+        reasons.append(meta["finish_reason"]["type"])
+        if reasons[-1] == "stop":
+            break
+    return acc_ids, acc_lps, reasons
+
+
+def test_rollout_protocol_chunks_and_resubmission_after_pause(server, model):
+    prompt = [31, 32, 33, 34]
+    ref = reference_greedy(model, prompt, 60, stop=(PAD, EOS))
+    ids, lps, reasons = _rollout(server, prompt, 60, chunk=16)
+    assert ids == ref
+    before = server.engine.stats()["generation_tokens_total"]
+    ids2, lps2, reasons2 = _rollout(server, prompt, 60, chunk=60, pause_after=before + 10)
+    assert reasons2[0] == "abort" and ids2 == ref
+    assert max(abs(a - b) for a, b in zip(lps, lps2)) < 1e-4
+
+
+def test_update_weights_from_disk(server, model_dir, model_dir_b):
+    prompt = [8, 9, 10]
+    body = {"input_ids": prompt, "sampling_params": greedy_params(8, ignore_eos=True)}
+    assert post(server, "/pause_generation", {}).status_code == 200
+    r = post(server, "/update_weights_from_disk", {"model_path": model_dir_b})
+    assert r.status_code == 200 and r.json()["success"] is True
+    post(server, "/continue_generation", {})
+    try:
+        assert post(server, "/generate", body).json()["output_ids"] == reference_greedy(load(model_dir_b), prompt, 8)
+        r = post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+        assert r.status_code == 400 and r.json()["success"] is False and r.json()["message"]
+        assert post(server, "/update_weights_from_disk", {"path": "x"}).status_code == 400
+    finally:
+        assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()["success"]
+
+
+def test_openai_completions_and_chat(server, model, tokenizer):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    c = client.completions.create(model="tiny", prompt="Compute 3+4.", max_tokens=6, temperature=0,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    ids = tokenizer.encode("Compute 3+4.")
+    ref = reference_greedy(model, ids, 6)
+    assert c.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert c.choices[0].finish_reason == "length"
+    assert c.usage.prompt_tokens == len(ids) and c.usage.completion_tokens == 6
+    lps = recompute_logprobs(model, ids, ref)
+    assert max(abs(a - float(b)) for a, b in zip(c.choices[0].logprobs.token_logprobs, lps)) < 1e-4
+    c = client.completions.create(model="tiny", prompt=[[5, 6], [7]], max_tokens=3, n=2)
+    assert len(c.choices) == 4 and [ch.index for ch in c.choices] == [0, 1, 2, 3]
+
+    msgs = [{"role": "user", "content": "Compute 12+30."}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                          logprobs=True, extra_body={"ignore_eos": True})
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
+    ref = reference_greedy(model, chat_ids, 8)
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == tokenizer.decode(ref, skip_special_tokens=True)
+    assert len(chat.choices[0].logprobs.content) == 8
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.chat.completions.create(model="tiny", messages=msgs, stream=True)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty"):
+        client.completions.create(model="tiny", prompt="x", presence_penalty=1.0)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model="tiny", prompt=[1] * 390, max_tokens=20)
