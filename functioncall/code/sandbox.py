@@ -1,0 +1,446 @@
+"""Run untrusted Python programs with the host out of reach.
+
+Every run happens in a fresh subprocess, as a dedicated unprivileged uid, with
+resource limits (CPU seconds, address space, file size, number of processes,
+open files, no core dumps), a wall-clock timeout, a fresh writable directory and
+a minimal environment. Two modes, chosen once per process and logged:
+
+* ``bwrap`` (preferred): bubblewrap puts the program in new mount, pid, network,
+  ipc and uts namespaces. The sandbox sees read-only ``/usr`` and the Python
+  installation, the program at ``/code`` (read-only), and size-limited tmpfs at
+  ``/sandbox`` (its working directory) and ``/tmp``: nothing of the host's files,
+  no network interface but a down loopback. bwrap runs as root (it must, to read
+  a Python under ``/root``) and execs ``setpriv`` to drop to the sandbox uid with
+  no capabilities before the program starts.
+* ``rlimit`` (fallback when bwrap is missing or cannot create namespaces): the
+  same uid drop and limits and a fresh working directory on the host. Weaker:
+  world-readable host files are readable, and world-writable directories
+  (``/tmp``, ``/dev/shm``) writable, though what the uid leaves there is removed
+  after the run.
+
+Sockets: the test-case runner (:mod:`functioncall.code.runner`) installs a
+seccomp filter that makes socket(2) fail before the program starts, in both
+modes; in rlimit mode that is the only network defence, so code run through
+:func:`run_python` without the runner has network there.
+
+Why a dedicated uid: root ignores RLIMIT_NPROC, so a fork bomb run as root takes
+the machine down. The limit is counted per uid across the machine, so each
+concurrent run takes its own uid from a small range (``REALHF_SANDBOX_UID_BASE``,
+default 61000, ``REALHF_SANDBOX_SLOTS`` uids, default 16), held with a file lock;
+after each run every process of that uid is killed and its files in the shared
+temp directories are removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import logging
+import math
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional
+
+logger = logging.getLogger(__name__)
+
+MODES = ("bwrap", "rlimit")
+_LOCK_DIR = "/tmp/realhf-sandbox-locks"
+_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+@dataclasses.dataclass
+class SandboxLimits:
+    """Resource limits of one sandboxed run.
+
+    Worst-case memory of one run is ``max_processes × memory_mb`` (RLIMIT_AS is
+    per process); keep the product well under the host's memory.
+    """
+
+    wall_timeout_s: float = 6.0
+    memory_mb: int = 1024
+    max_processes: int = 8
+    max_file_mb: int = 16
+    max_open_files: int = 256
+    tmpfs_mb: int = 64
+
+    def __post_init__(self):
+        checks = {
+            "wall_timeout_s": (self.wall_timeout_s, 0.1, 3600),
+            "memory_mb": (self.memory_mb, 64, 1 << 20),
+            "max_processes": (self.max_processes, 1, 4096),
+            "max_file_mb": (self.max_file_mb, 1, 1 << 20),
+            "max_open_files": (self.max_open_files, 16, 1 << 20),
+            "tmpfs_mb": (self.tmpfs_mb, 1, 1 << 20),
+        }
+        for name, (value, lo, hi) in checks.items():
+            if not isinstance(value, (int, float)) or not lo <= value <= hi:
+                raise ValueError(
+                    f"SandboxLimits.{name}={value!r} is out of range; use a number in [{lo}, {hi}]"
+                )
+
+    @property
+    def cpu_s(self) -> int:
+        """CPU-seconds limit: the wall timeout rounded up, plus one."""
+        return int(math.ceil(self.wall_timeout_s)) + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """What a sandboxed run did. ``returncode`` is negative for a signal (-9: killed)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    mode: str
+    wall_s: float
+    uid: int
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+# --------------------------------------------------------------------- uid slots
+
+
+class _UidSlot:
+    """A dedicated uid held (by flock) for the length of one run."""
+
+    def __init__(self, wait_s: float = 120.0):
+        base = int(os.environ.get("REALHF_SANDBOX_UID_BASE", "61000"))
+        slots = int(os.environ.get("REALHF_SANDBOX_SLOTS", "16"))
+        if base < 1000 or slots < 1:
+            raise ValueError(
+                f"REALHF_SANDBOX_UID_BASE={base} / REALHF_SANDBOX_SLOTS={slots}: need a base "
+                ">= 1000 of uids no account uses and at least one slot"
+            )
+        os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
+        deadline = time.monotonic() + wait_s
+        while True:
+            for uid in range(base, base + slots):
+                if _uid_has_account(uid):
+                    continue  # never borrow a real account's uid
+                fd = os.open(os.path.join(_LOCK_DIR, f"uid-{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self.uid, self._fd = uid, fd
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {wait_s:.0f}s for a free sandbox uid in {base}..{base + slots - 1} "
+                    "(all held by other runs); raise REALHF_SANDBOX_SLOTS or run fewer at once"
+                )
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        os.close(self._fd)  # closing drops the flock
+
+
+def _uid_has_account(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+        return True
+    except KeyError:
+        return False
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``: kill(-1) sent *as that uid* reaches only its own.
+
+    setpriv switches uid before exec and exits with an error if it cannot, so the
+    kill never runs as root (where kill(-1) would end every process on the host).
+    """
+    if uid < 1000:
+        raise ValueError(f"refusing to sweep uid {uid}: not a sandbox uid")
+    sweep = "import os\ntry:\n os.kill(-1, 9)\nexcept ProcessLookupError:\n pass"
+    subprocess.run(
+        _setpriv(uid) + [os.path.realpath(sys.executable), "-I", "-S", "-c", sweep],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={}, timeout=10, check=False,
+    )
+
+
+def _wait_uid_gone(uid: int, timeout: float = 3.0) -> None:
+    """Wait until no process of ``uid`` is left, zombies included.
+
+    Killed orphans stay zombies until the host's init reaps them, and zombies still
+    count against RLIMIT_NPROC: the next run on this uid must not inherit them.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if os.stat(f"/proc/{name}").st_uid == uid:
+                        left.append(name)
+                except OSError:
+                    pass
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            logger.warning("sandbox uid %d still has %d process(es) after %.0fs: %s",
+                           uid, len(left), timeout, ",".join(left[:8]))
+            return
+        time.sleep(0.05)
+
+
+def _remove_files_of(uid: int) -> None:
+    """Delete what ``uid`` left in world-writable directories (rlimit mode has no private /tmp)."""
+    for d in _SHARED_TMP_DIRS:
+        try:
+            entries = list(os.scandir(d))
+        except OSError:
+            continue
+        for e in entries:
+            try:
+                if e.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path, ignore_errors=True)
+                else:
+                    os.unlink(e.path)
+            except OSError:
+                pass
+
+
+# -------------------------------------------------------------------- commands
+
+
+def _python_roots() -> List[str]:
+    """Directories holding the interpreter and its stdlib, to bind read-only."""
+    exe_root = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    roots = []
+    for p in (sys.base_prefix, sys.prefix, exe_root):
+        p = os.path.realpath(p)
+        if p not in roots and not (p == "/usr" or p.startswith("/usr/")):
+            roots.append(p)
+    return roots
+
+
+def _prlimit_prefix(limits: SandboxLimits) -> List[str]:
+    mb = 1 << 20
+    return [
+        "/usr/bin/prlimit",
+        f"--cpu={limits.cpu_s}",
+        f"--as={limits.memory_mb * mb}",
+        f"--fsize={limits.max_file_mb * mb}",
+        f"--nproc={limits.max_processes}",
+        f"--nofile={limits.max_open_files}",
+        "--core=0",
+        "--",
+    ]
+
+
+def _setpriv(uid: int) -> List[str]:
+    return [
+        "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+    ]
+
+
+def _bwrap_command(uid: int, code_dir: str, limits: SandboxLimits) -> List[str]:
+    tmpfs = str(limits.tmpfs_mb << 20)
+    cmd = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+        "--die-with-parent", "--new-session", "--hostname", "sandbox",
+        "--ro-bind", "/usr", "/usr",
+    ]
+    for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(d):
+            cmd += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            cmd += ["--ro-bind", d, d]
+    for root in _python_roots():
+        cmd += ["--ro-bind", root, root]
+    cmd += [
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", tmpfs, "--perms", "1777", "--tmpfs", "/tmp",
+        "--size", tmpfs, "--perms", "1777", "--tmpfs", "/dev/shm",
+        "--size", tmpfs, "--perms", "1777", "--tmpfs", "/sandbox",
+        "--ro-bind", code_dir, "/code",
+        "--chdir", "/sandbox",
+        "--clearenv",
+        "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox",
+        "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp",
+        # bwrap drops every capability by default; setpriv needs these two to switch uid,
+        # and drops them (and the bounding set) before the program runs.
+        "--cap-add", "CAP_SETUID,CAP_SETGID",
+        "--",
+    ]
+    return _prlimit_prefix(limits) + cmd + _setpriv(uid)
+
+
+def _rlimit_command(uid: int, limits: SandboxLimits) -> List[str]:
+    return _prlimit_prefix(limits) + _setpriv(uid)
+
+
+# ------------------------------------------------------------------------- modes
+
+_mode_lock = threading.Lock()
+_mode: Optional[str] = None
+
+
+def sandbox_mode() -> str:
+    """The mode this process runs sandboxes in, decided (and logged) on first call.
+
+    ``REALHF_SANDBOX_MODE`` = ``auto`` (default), ``bwrap`` or ``rlimit`` forces it;
+    forcing ``bwrap`` where it cannot work is an error, not a silent fallback.
+    """
+    global _mode
+    with _mode_lock:
+        if _mode is not None:
+            return _mode
+        if os.geteuid() != 0:
+            raise RuntimeError(
+                "the code sandbox must start as root to run programs as a dedicated uid "
+                "(RLIMIT_NPROC is what stops a fork bomb, and it counts per uid); run the "
+                "verifier as root, e.g. inside the project's container"
+            )
+        wanted = os.environ.get("REALHF_SANDBOX_MODE", "auto")
+        if wanted not in ("auto",) + MODES:
+            raise ValueError(
+                f"REALHF_SANDBOX_MODE={wanted!r}; use one of auto, bwrap, rlimit"
+            )
+        if wanted == "rlimit":
+            _mode = "rlimit"
+            logger.warning("code sandbox mode: rlimit (forced by REALHF_SANDBOX_MODE)")
+            return _mode
+        reason = _probe_bwrap()
+        if reason is None:
+            _mode = "bwrap"
+            logger.info(
+                "code sandbox mode: bwrap (pid/net/mount/ipc/uts namespaces, dedicated uid, rlimits)"
+            )
+        elif wanted == "bwrap":
+            raise RuntimeError(f"REALHF_SANDBOX_MODE=bwrap but bwrap cannot run: {reason}")
+        else:
+            _mode = "rlimit"
+            logger.warning(
+                "code sandbox mode: rlimit — bwrap unusable (%s); programs run as a dedicated "
+                "uid with rlimits and Python-level socket blocking, without namespaces", reason,
+            )
+        return _mode
+
+
+def _probe_bwrap() -> Optional[str]:
+    """None if a bwrap sandbox starts and runs Python here, else why not."""
+    if shutil.which("bwrap") is None:
+        return "bwrap is not installed (Debian package bubblewrap)"
+    try:
+        res = _run(["-c", "pass"], {}, b"", SandboxLimits(wall_timeout_s=20), "bwrap")
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    if res.returncode != 0:
+        return f"exit code {res.returncode}: {res.stderr.strip()[-300:]}"
+    return None
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run_python(
+    args: List[str],
+    files: Dict[str, str],
+    stdin: bytes = b"",
+    limits: Optional[SandboxLimits] = None,
+    mode: Optional[str] = None,
+) -> RunResult:
+    """Run ``python -I <args>`` in a sandbox, with ``files`` placed in the code directory.
+
+    In ``args``, ``{code}`` stands for the code directory (``/code`` under bwrap,
+    a host path in rlimit mode). A run that overstays ``limits.wall_timeout_s``
+    is killed (all its processes) and reported with ``timed_out=True``. ``mode``
+    defaults to :func:`sandbox_mode`; pass ``"rlimit"`` to test the fallback.
+    """
+    default = sandbox_mode()  # also checks that we may switch uids
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"run_python: mode={mode!r}; use one of {MODES} or None")
+    return _run(args, files, stdin, limits or SandboxLimits(), mode or default)
+
+
+def _run(args, files, stdin, limits, mode) -> RunResult:
+    slot = _UidSlot()
+    host_dir = tempfile.mkdtemp(prefix="realhf-sbx-")
+    try:
+        os.chmod(host_dir, 0o711)  # rlimit mode: others may reach code/ and work/, not list
+        code_dir = os.path.join(host_dir, "code")
+        os.mkdir(code_dir, 0o755)
+        for name, content in files.items():
+            path = os.path.join(code_dir, name)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(content)
+            os.chmod(path, 0o644)
+        if mode == "bwrap":
+            cmd = _bwrap_command(slot.uid, code_dir, limits)
+            sandbox_code, cwd, env = "/code", host_dir, None
+        else:
+            cmd = _rlimit_command(slot.uid, limits)
+            sandbox_code = code_dir
+            cwd = os.path.join(host_dir, "work")
+            os.mkdir(cwd, 0o700)
+            os.chown(cwd, slot.uid, slot.uid)
+            env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8", "TMPDIR": cwd}
+        argv = [a.replace("{code}", sandbox_code) for a in args]
+        cmd = cmd + [os.path.realpath(sys.executable), "-I"] + argv
+        return _execute(cmd, cwd, env, stdin, limits, mode, slot.uid, host_dir)
+    finally:
+        try:
+            _kill_uid(slot.uid)
+            _wait_uid_gone(slot.uid)
+            if mode == "rlimit":
+                _remove_files_of(slot.uid)
+        finally:
+            shutil.rmtree(host_dir, ignore_errors=True)
+            slot.release()
+
+
+def _execute(cmd, cwd, env, stdin, limits, mode, uid, host_dir) -> RunResult:
+    # Output goes to files, not pipes: RLIMIT_FSIZE then caps how much a program
+    # can print, and no reader thread can be flooded.
+    io_dir = os.path.join(host_dir, "io")
+    os.mkdir(io_dir, 0o700)  # root only: the program gets these as open fds, not paths
+    paths = {k: os.path.join(io_dir, k) for k in ("stdin", "stdout", "stderr")}
+    with open(paths["stdin"], "wb") as f:
+        f.write(stdin)
+    t0 = time.monotonic()
+    timed_out = False
+    with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, open(
+        paths["stderr"], "wb"
+    ) as ferr:
+        proc = subprocess.Popen(
+            cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env or {},
+            close_fds=True, start_new_session=True,
+        )
+        try:
+            proc.wait(timeout=limits.wall_timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(proc.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.wait(timeout=30)
+    wall = time.monotonic() - t0
+    cap = limits.max_file_mb << 20
+
+    def read(p):
+        with open(p, "rb") as f:
+            return f.read(cap).decode("utf-8", errors="replace")
+
+    return RunResult(
+        returncode=proc.returncode, stdout=read(paths["stdout"]), stderr=read(paths["stderr"]),
+        timed_out=timed_out, mode=mode, wall_s=wall, uid=uid,
+    )
