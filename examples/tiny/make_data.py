@@ -106,7 +106,8 @@ def split_problems(
     rng = random.Random(seed)
     pools = {kind: all_problems(kind) for kind in KINDS}
     n_eval_of = {
-        kind: n_eval // len(KINDS) + (1 if i < n_eval % len(KINDS) else 0) for i, kind in enumerate(KINDS)
+        kind: n_eval // len(KINDS) + (1 if i < n_eval % len(KINDS) else 0)
+        for i, kind in enumerate(KINDS)
     }
     room = min(len(pools[k]) - n_eval_of[k] for k in KINDS)
     if n_train_per_kind > room:
@@ -161,10 +162,14 @@ def main(argv=None):
         help="second copy of eval.jsonl for evaluation/ ('' to skip)",
     )
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--n-eval", type=int, default=500, help="held-out problems (>= 500 for stable accuracy)")
+    p.add_argument(
+        "--n-eval", type=int, default=500, help="held-out problems (>= 500 for stable accuracy)"
+    )
     p.add_argument("--n-train-per-kind", type=int, default=1400)
     args = p.parse_args(argv)
-    sizes = make_data(args.out_dir, args.eval_copy or None, args.seed, args.n_eval, args.n_train_per_kind)
+    sizes = make_data(
+        args.out_dir, args.eval_copy or None, args.seed, args.n_eval, args.n_train_per_kind
+    )
     print(f"wrote {sizes} to {args.out_dir}")
 
 

@@ -34,7 +34,16 @@ import json
 import os
 from typing import Iterator, List
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_OUT_DIR = os.path.join(REPO_ROOT, "realhf", "assets", "tiny")
@@ -154,7 +163,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data-dir", default=DEFAULT_DATA_DIR, help="directory holding sft.jsonl")
     p.add_argument("--out-dir", default=DEFAULT_OUT_DIR, help="where the tokenizer files go")
-    p.add_argument("--vocab-size", type=int, default=270, help="upper bound; training stops when no pair is left")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=270,
+        help="upper bound; training stops when no pair is left",
+    )
     args = p.parse_args(argv)
     tok = make_tokenizer(args.data_dir, args.out_dir, args.vocab_size)
     print(f"wrote a {tok.get_vocab_size()}-token tokenizer to {args.out_dir}")

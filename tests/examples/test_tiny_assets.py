@@ -20,11 +20,18 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "realhf" / "assets" / "tiny"
 DATA = ASSETS / "data"
 EVAL_COPY = ROOT / "evaluation" / "data" / "tiny_arith" / "test.jsonl"
-TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
 
 
 def _load_script(name):
-    spec = importlib.util.spec_from_file_location(f"tiny_{name}", ROOT / "examples" / "tiny" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        f"tiny_{name}", ROOT / "examples" / "tiny" / f"{name}.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -73,7 +80,9 @@ def test_splits_sizes_balance_and_disjointness():
     assert len(set(train_ids)) == len(train_ids) and len(set(eval_ids)) == len(eval_ids)
     assert not set(train_ids) & set(eval_ids)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
-    kinds = lambda recs: collections.Counter(r["query_id"].split("-")[0] for r in recs)  # noqa: E731
+    kinds = lambda recs: collections.Counter(
+        r["query_id"].split("-")[0] for r in recs
+    )  # noqa: E731
     assert set(kinds(train).values()) == {len(train) // 3}
     assert sorted(kinds(held_out).values()) == [166, 167, 167]
     # kinds interleave (shuffled), not in blocks
@@ -139,7 +148,9 @@ def test_vocabulary_size_specials_and_single_digit_tokens(raw_tokenizer):
     assert vocab["<|endoftext|>"] == 0 and vocab["<|pad|>"] == 1
     for d in "0123456789":
         assert d in vocab
-    multi_char_with_digit = [t for t in vocab if len(t) > 1 and any(c.isdigit() for c in t) and not t.startswith("<|")]
+    multi_char_with_digit = [
+        t for t in vocab if len(t) > 1 and any(c.isdigit() for c in t) and not t.startswith("<|")
+    ]
     assert not multi_char_with_digit
     enc = raw_tokenizer.encode("Compute 37+48.")
     assert enc.tokens == ["Compute", "Ġ", "3", "7", "+", "4", "8", "."]
@@ -160,7 +171,9 @@ def test_autotokenizer_gives_exactly_the_trained_ids(tmp_path, raw_tokenizer, wi
     if with_qwen2_config:
         # A checkpoint directory: transformers picks the tokenizer class from the model type.
         (tmp_path / "config.json").write_text(
-            json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 268})
+            json.dumps(
+                {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "vocab_size": 268}
+            )
         )
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
     assert tok.eos_token_id == 0 and tok.pad_token_id == 1 and tok.bos_token_id is None
@@ -176,7 +189,10 @@ def test_chat_template_renders_bare_prompt_and_eos_after_answer():
 
     tok = AutoTokenizer.from_pretrained(str(ASSETS))
     user = [{"role": "user", "content": "Compute 37+48."}]
-    assert tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == "Compute 37+48."
+    assert (
+        tok.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+        == "Compute 37+48."
+    )
     convo = user + [{"role": "assistant", "content": "\\boxed{85}"}]
     text = tok.apply_chat_template(convo, tokenize=False)
     assert text == "Compute 37+48.\\boxed{85}<|endoftext|>"

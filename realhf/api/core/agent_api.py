@@ -40,4 +40,6 @@ class Agent:
         Returns an empty list when the trajectories are to be dropped (e.g. a group whose
         answers all got the same reward).
         """
-        raise NotImplementedError(f"agent {type(self).__name__} does not implement collect_trajectory()")
+        raise NotImplementedError(
+            f"agent {type(self).__name__} does not implement collect_trajectory()"
+        )

@@ -62,7 +62,9 @@ class _Abstraction:
     def __post_init__(self):
         kind = type(self).__name__
         if not isinstance(self.type_, str) or not self.type_:
-            raise ValueError(f"{kind}.type_ must be a non-empty registered name, got {self.type_!r}")
+            raise ValueError(
+                f"{kind}.type_ must be a non-empty registered name, got {self.type_!r}"
+            )
         if self.args is None:
             self.args = {}
         if not isinstance(self.args, dict) or not all(isinstance(k, str) for k in self.args):
@@ -156,7 +158,9 @@ class Registry(Generic[T]):
         if isinstance(cfg, str):
             cfg = self.abstraction(cfg)
         if not isinstance(cfg, _Abstraction):
-            raise RegistryError(f"make_{self.kind} expects a {self.abstraction.__name__} or a name, got {cfg!r}")
+            raise RegistryError(
+                f"make_{self.kind} expects a {self.abstraction.__name__} or a name, got {cfg!r}"
+            )
         factory = self.get(cfg.type_)
         both = sorted(set(kwargs) & set(cfg.args))
         if both:

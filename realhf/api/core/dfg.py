@@ -47,8 +47,14 @@ class ModelName:
         if "@" in self.role:
             # '@' separates the fields of model-shard names ("actor@pp0@tp0@dp0").
             raise DFGError(f"ModelName.role {self.role!r} may not contain '@'")
-        if not isinstance(self.replica_id, int) or isinstance(self.replica_id, bool) or self.replica_id < 0:
-            raise DFGError(f"ModelName({self.role!r}).replica_id must be an integer >= 0, got {self.replica_id!r}")
+        if (
+            not isinstance(self.replica_id, int)
+            or isinstance(self.replica_id, bool)
+            or self.replica_id < 0
+        ):
+            raise DFGError(
+                f"ModelName({self.role!r}).replica_id must be an integer >= 0, got {self.replica_id!r}"
+            )
 
     def __str__(self) -> str:
         return self.role if self.replica_id == 0 else f"{self.role}[{self.replica_id}]"
@@ -70,7 +76,9 @@ def _mb_spec_default():
 
 def _key_tuple(mfc: str, field: str, keys: Any) -> Tuple[str, ...]:
     if isinstance(keys, str):
-        raise DFGError(f"MFC {mfc!r}: {field} must be a list of keys, got the string {keys!r}; write [{keys!r}]")
+        raise DFGError(
+            f"MFC {mfc!r}: {field} must be a list of keys, got the string {keys!r}; write [{keys!r}]"
+        )
     keys = tuple(keys)
     for k in keys:
         if not isinstance(k, str) or not k:
@@ -114,21 +122,33 @@ class MFCDef:
     log_return_value: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "@/ \t\n"):
-            raise DFGError(f"MFC name {self.name!r} must be a non-empty string without '@', '/' or spaces")
+        if (
+            not isinstance(self.name, str)
+            or not self.name
+            or any(c in self.name for c in "@/ \t\n")
+        ):
+            raise DFGError(
+                f"MFC name {self.name!r} must be a non-empty string without '@', '/' or spaces"
+            )
         n = self.name
         if isinstance(self.model_name, str):
             self.model_name = ModelName(self.model_name, 0)
         if not isinstance(self.model_name, ModelName):
-            raise DFGError(f"MFC {n!r}: model_name must be a ModelName or a role string, got {self.model_name!r}")
+            raise DFGError(
+                f"MFC {n!r}: model_name must be a ModelName or a role string, got {self.model_name!r}"
+            )
         if isinstance(self.interface_type, str):
             try:
                 self.interface_type = ModelInterfaceType(self.interface_type)
             except ValueError:
                 valid = [t.value for t in ModelInterfaceType]
-                raise DFGError(f"MFC {n!r}: interface_type {self.interface_type!r} is not one of {valid}") from None
+                raise DFGError(
+                    f"MFC {n!r}: interface_type {self.interface_type!r} is not one of {valid}"
+                ) from None
         if not isinstance(self.interface_type, ModelInterfaceType):
-            raise DFGError(f"MFC {n!r}: interface_type must be a ModelInterfaceType, got {self.interface_type!r}")
+            raise DFGError(
+                f"MFC {n!r}: interface_type must be a ModelInterfaceType, got {self.interface_type!r}"
+            )
         if isinstance(self.interface_impl, str):
             self.interface_impl = InterfaceAbstraction(self.interface_impl)
         if not isinstance(self.interface_impl, InterfaceAbstraction):
@@ -151,8 +171,12 @@ class MFCDef:
                 f"MFC {n!r} ({self.interface_type.value}) has no output_keys; only train_step calls may "
                 f"produce nothing"
             )
-        self._check_remap("input_key_remap", self.input_key_remap, keys_in=self.input_keys, side="keys")
-        self._check_remap("output_key_remap", self.output_key_remap, keys_in=self.output_keys, side="values")
+        self._check_remap(
+            "input_key_remap", self.input_key_remap, keys_in=self.input_keys, side="keys"
+        )
+        self._check_remap(
+            "output_key_remap", self.output_key_remap, keys_in=self.output_keys, side="values"
+        )
         if self.mb_spec is None:
             self.mb_spec = _mb_spec_default()
         for f in ("n_mbs", "max_tokens_per_mb"):
@@ -160,10 +184,14 @@ class MFCDef:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise DFGError(f"MFC {n!r}: mb_spec.{f} must be an integer >= 1, got {v!r}")
         if not isinstance(self.log_return_value, bool):
-            raise DFGError(f"MFC {n!r}: log_return_value must be true or false, got {self.log_return_value!r}")
+            raise DFGError(
+                f"MFC {n!r}: log_return_value must be true or false, got {self.log_return_value!r}"
+            )
 
     def _check_remap(self, field: str, remap: Dict[str, str], keys_in: Tuple[str, ...], side: str):
-        if not isinstance(remap, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in remap.items()):
+        if not isinstance(remap, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in remap.items()
+        ):
             raise DFGError(f"MFC {self.name!r}: {field} must map strings to strings, got {remap!r}")
         buffer_names = remap.keys() if side == "keys" else remap.values()
         unknown = sorted(set(buffer_names) - set(keys_in))
@@ -298,7 +326,9 @@ class DataFlowGraph:
             by_role.setdefault(m.role, set()).add(m.model_name.replica_id)
         for role, ids in by_role.items():
             if sorted(ids) != list(range(len(ids))):
-                raise DFGError(f"role {role!r} uses replica ids {sorted(ids)}; replica ids of a role must be 0..k-1")
+                raise DFGError(
+                    f"role {role!r} uses replica ids {sorted(ids)}; replica ids of a role must be 0..k-1"
+                )
 
     # ------------------------------------------------------------- ordering
     def _toposort(self) -> List[str]:
@@ -314,7 +344,9 @@ class DataFlowGraph:
                     ready.append(c)
             ready.sort(key=self._order.__getitem__)
         if len(order) < len(self.mfcs):
-            raise DFGError(f"the MFCs form a cycle: {self._describe_cycle(set(self.mfcs) - set(order))}")
+            raise DFGError(
+                f"the MFCs form a cycle: {self._describe_cycle(set(self.mfcs) - set(order))}"
+            )
         return order
 
     def _describe_cycle(self, stuck: set) -> str:
@@ -325,7 +357,7 @@ class DataFlowGraph:
         while node not in path:
             path.append(node)
             node = next(p for p in self.parents(node) if p in stuck)
-        cycle = path[path.index(node):][::-1] + [path[path.index(node):][::-1][0]]
+        cycle = path[path.index(node) :][::-1] + [path[path.index(node) :][::-1][0]]
         hops = [f"{a} -[{', '.join(self.edge_keys(a, b))}]-> {b}" for a, b in zip(cycle, cycle[1:])]
         return "; ".join(hops) + " (break it by renaming one of these keys)"
 
@@ -406,4 +438,3 @@ def build_graph(mfcs: Sequence[MFCDef]) -> DataFlowGraph:
     if not mfcs:
         raise DFGError("build_graph needs at least one MFC")
     return DataFlowGraph(mfcs)
-

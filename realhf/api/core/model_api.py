@@ -80,7 +80,9 @@ class GenerationHyperparameters:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise bad("max_new_tokens", "use an integer >= 1")
         if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise bad("min_new_tokens", f"use an integer in [0, max_new_tokens={self.max_new_tokens}]")
+            raise bad(
+                "min_new_tokens", f"use an integer in [0, max_new_tokens={self.max_new_tokens}]"
+            )
         if not isinstance(self.greedy, bool):
             raise bad("greedy", "use true or false")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -223,11 +225,15 @@ class ModelInterface:
     the interface and the method.
     """
 
-    def inference(self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec") -> Optional["SequenceSample"]:
+    def inference(
+        self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec"
+    ) -> Optional["SequenceSample"]:
         """A gradient-free forward pass producing new keys (logprobs, values, rewards)."""
         raise self._missing("inference")
 
-    def generate(self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec") -> Optional["SequenceSample"]:
+    def generate(
+        self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec"
+    ) -> Optional["SequenceSample"]:
         """Sample answers for the prompts in ``data``."""
         raise self._missing("generate")
 
@@ -237,7 +243,9 @@ class ModelInterface:
         """Update the model's weights on ``data``; returns training statistics."""
         raise self._missing("train_step")
 
-    def evaluate(self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec") -> Dict[str, Any]:
+    def evaluate(
+        self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec"
+    ) -> Dict[str, Any]:
         """Evaluate the model on held-out ``data``; returns metrics."""
         raise self._missing("evaluate")
 
@@ -250,4 +258,3 @@ class ModelInterface:
             f"interface {type(self).__name__} does not implement {method}(); implement it in the "
             f"subclass or use an interface type that {type(self).__name__} supports in the MFC"
         )
-

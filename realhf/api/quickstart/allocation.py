@@ -61,7 +61,9 @@ class ParallelismConfig:
         for name in ("data", "pipe", "tensor"):
             v = getattr(self, name)
             if not _int_ge1(v):
-                raise AllocationError(f"ParallelismConfig.{name} must be an integer >= 1, got {v!r}")
+                raise AllocationError(
+                    f"ParallelismConfig.{name} must be an integer >= 1, got {v!r}"
+                )
 
     @property
     def world_size(self) -> int:
@@ -86,13 +88,19 @@ def parse_parallelism(s: str, what: str = "allocation") -> ParallelismConfig:
                 f"{what} {s!r}: unknown letter {letter!r}; use d (data), p (pipeline) and m (tensor); {_EXAMPLES}"
             )
         if letter in degrees:
-            raise AllocationError(f"{what} {s!r}: {letter!r} appears twice; give each of d, p, m once; {_EXAMPLES}")
+            raise AllocationError(
+                f"{what} {s!r}: {letter!r} appears twice; give each of d, p, m once; {_EXAMPLES}"
+            )
         if int(digits) < 1:
-            raise AllocationError(f"{what} {s!r}: degree {letter}{digits} must be >= 1; {_EXAMPLES}")
+            raise AllocationError(
+                f"{what} {s!r}: degree {letter}{digits} must be >= 1; {_EXAMPLES}"
+            )
         degrees[letter] = int(digits)
     missing = [x for x in "dpm" if x not in degrees]
     if missing:
-        raise AllocationError(f"{what} {s!r}: missing {missing}; give each of d, p, m once; {_EXAMPLES}")
+        raise AllocationError(
+            f"{what} {s!r}: missing {missing}; give each of d, p, m once; {_EXAMPLES}"
+        )
     return ParallelismConfig(**{_LETTERS[k]: v for k, v in degrees.items()})
 
 

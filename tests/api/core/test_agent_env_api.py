@@ -5,7 +5,14 @@ import asyncio
 import pytest
 
 from realhf.api.core.agent_api import Agent
-from realhf.api.core.config import AgentAbstraction, EnvAbstraction, make_agent, make_env, register_agent, register_env
+from realhf.api.core.config import (
+    AgentAbstraction,
+    EnvAbstraction,
+    make_agent,
+    make_env,
+    register_agent,
+    register_env,
+)
 from realhf.api.core.env_api import EnvironmentService, StepResult
 
 
@@ -31,7 +38,9 @@ class EchoAgent(Agent):
         await obs_queue.put((prompt, obs))
         action = await asyncio.wait_for(act_queue.get(), timeout=5)
         _, reward, terminated, truncated, info = await env.step(action)
-        return [{"prompt": prompt, "action": action, "reward": reward, "done": terminated, "info": info}]
+        return [
+            {"prompt": prompt, "action": action, "reward": reward, "done": terminated, "info": info}
+        ]
 
 
 def test_agent_and_env_run_through_queues():
@@ -52,15 +61,27 @@ def test_agent_and_env_run_through_queues():
         return traj
 
     traj = asyncio.run(run())
-    assert traj == [{"prompt": "p0", "action": 7, "reward": 1.0, "done": True, "info": {"correct": True}}]
+    assert traj == [
+        {"prompt": "p0", "action": 7, "reward": 1.0, "done": True, "info": {"correct": True}}
+    ]
 
 
 def test_base_classes_name_what_is_missing():
     res = StepResult("o", 0.5, False, True, {})
     obs, reward, terminated, truncated, info = res
-    assert (obs, reward, terminated, truncated, info) == ("o", 0.5, False, True, {}) and res.truncated
+    assert (obs, reward, terminated, truncated, info) == (
+        "o",
+        0.5,
+        False,
+        True,
+        {},
+    ) and res.truncated
     assert asyncio.run(EnvironmentService().reset()) == (None, {})
-    with pytest.raises(NotImplementedError, match=r"environment EnvironmentService does not implement step\(\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"environment EnvironmentService does not implement step\(\)"
+    ):
         asyncio.run(EnvironmentService().step(1))
-    with pytest.raises(NotImplementedError, match=r"agent Agent does not implement collect_trajectory\(\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"agent Agent does not implement collect_trajectory\(\)"
+    ):
         asyncio.run(Agent().collect_trajectory(None, None, asyncio.Queue(), asyncio.Queue()))

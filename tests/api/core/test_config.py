@@ -50,14 +50,18 @@ def test_unknown_name_lists_registered_and_closest(reg):
 
 def test_duplicate_registration_is_an_error_but_reregistering_is_not(reg):
     reg.register("math_prompt", Scaled)  # same class again (module re-import): fine
-    with pytest.raises(RegistryError, match="already registered to .*Scaled; cannot register .*Other"):
+    with pytest.raises(
+        RegistryError, match="already registered to .*Scaled; cannot register .*Other"
+    ):
         reg.register("math_prompt", Other)
     with pytest.raises(RegistryError, match="not callable"):
         reg.register("x", 3)
 
 
 def test_rejected_args_name_the_class_and_accepted_ones(reg):
-    with pytest.raises(RegistryError, match=r"'code_prompt' \(.*Other\) rejects .*\['scael'\].*accepts \['scale'\]"):
+    with pytest.raises(
+        RegistryError, match=r"'code_prompt' \(.*Other\) rejects .*\['scael'\].*accepts \['scale'\]"
+    ):
         reg.make(DatasetAbstraction("code_prompt", {"scael": 3}))
     with pytest.raises(RegistryError, match=r"arguments \['tokenizer'\] are set by the system"):
         reg.make(DatasetAbstraction("math_prompt", {"tokenizer": "x"}), tokenizer="tok")

@@ -7,14 +7,30 @@ from realhf.api.core.config import InterfaceAbstraction, make_interface, registe
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.dfg import ModelName
 from realhf.api.core.gen_api import SamplingParams
-from realhf.api.core.model_api import FinetuneSpec, GenerationHyperparameters, Model, ModelInterface, StepInfo
+from realhf.api.core.model_api import (
+    FinetuneSpec,
+    GenerationHyperparameters,
+    Model,
+    ModelInterface,
+    StepInfo,
+)
 
 
 def test_generation_defaults_and_greedy():
     g = GenerationHyperparameters()
-    assert (g.n, g.max_new_tokens, g.top_p, g.top_k, g.temperature) == (1, 16384, 1.0, int(1e8), 1.0)
+    assert (g.n, g.max_new_tokens, g.top_p, g.top_k, g.temperature) == (
+        1,
+        16384,
+        1.0,
+        int(1e8),
+        1.0,
+    )
     assert not g.is_greedy
-    assert g.new(temperature=0.0).is_greedy and g.new(greedy=True).is_greedy and g.new(top_k=1).is_greedy
+    assert (
+        g.new(temperature=0.0).is_greedy
+        and g.new(greedy=True).is_greedy
+        and g.new(top_k=1).is_greedy
+    )
 
 
 @pytest.mark.parametrize(
@@ -22,7 +38,10 @@ def test_generation_defaults_and_greedy():
     [
         (dict(n=0), r"\.n=0"),
         (dict(max_new_tokens=0), "max_new_tokens=0"),
-        (dict(min_new_tokens=5, max_new_tokens=4), r"min_new_tokens=5: use an integer in \[0, max_new_tokens=4\]"),
+        (
+            dict(min_new_tokens=5, max_new_tokens=4),
+            r"min_new_tokens=5: use an integer in \[0, max_new_tokens=4\]",
+        ),
         (dict(top_p=0.0), r"top_p=0.0: use a number in \(0, 1\]"),
         (dict(top_k=0), "top_k=0"),
         (dict(temperature=-1.0), "temperature=-1.0"),
@@ -37,8 +56,12 @@ def test_generation_validation(kwargs, match):
 
 
 def test_generation_to_sampling_params():
-    sp = GenerationHyperparameters(n=4, max_new_tokens=16, temperature=0.7, stop_token_ids=[3]).to_sampling_params()
-    assert sp == SamplingParams(n=4, max_new_tokens=16, temperature=0.7, top_p=1.0, top_k=-1, stop_token_ids=(3,))
+    sp = GenerationHyperparameters(
+        n=4, max_new_tokens=16, temperature=0.7, stop_token_ids=[3]
+    ).to_sampling_params()
+    assert sp == SamplingParams(
+        n=4, max_new_tokens=16, temperature=0.7, top_p=1.0, top_k=-1, stop_token_ids=(3,)
+    )
     assert GenerationHyperparameters(greedy=True).to_sampling_params().greedy
     assert GenerationHyperparameters(top_k=300).to_sampling_params(vocab_size=268).top_k == -1
     assert GenerationHyperparameters(top_k=20).to_sampling_params(vocab_size=268).top_k == 20
@@ -48,7 +71,9 @@ def test_finetune_spec_steps():
     assert FinetuneSpec(2, 10, 4).steps_per_epoch == 3
     assert FinetuneSpec(2, 10, 4).total_train_steps == 6
     assert FinetuneSpec(3, 8, 4).total_train_steps == 6
-    with pytest.raises(ValueError, match="FinetuneSpec.train_batch_size must be an integer >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match="FinetuneSpec.train_batch_size must be an integer >= 1, got 0"
+    ):
         FinetuneSpec(1, 10, 0)
 
 
@@ -90,7 +115,9 @@ def test_interface_subclass_registered_and_called():
     model = Model("actor", torch.nn.Linear(1, 1), None, "cpu")
     stats = iface.train_step(model, data, MicroBatchSpec(n_mbs=2))
     assert sorted(s["n_tokens"] for s in stats) == [5, 5]
-    with pytest.raises(NotImplementedError, match=r"interface CountTokens does not implement generate\(\)"):
+    with pytest.raises(
+        NotImplementedError, match=r"interface CountTokens does not implement generate\(\)"
+    ):
         iface.generate(model, data, MicroBatchSpec())
     for method in ("inference", "evaluate"):
         with pytest.raises(NotImplementedError, match=method):

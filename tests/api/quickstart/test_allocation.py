@@ -56,17 +56,26 @@ def test_decoupled_mode(backend):
 def test_malformed_strings_name_the_bad_part_and_show_examples(s, match):
     with pytest.raises(AllocationError, match=match) as e:
         parse_allocation_mode(s)
-    assert "valid examples" in str(e.value) or "use d1p1m1" in str(e.value) or "non-empty" in str(e.value)
+    assert (
+        "valid examples" in str(e.value)
+        or "use d1p1m1" in str(e.value)
+        or "non-empty" in str(e.value)
+    )
 
 
 def test_check_supported():
     parse_allocation_mode("d2p1m1").check_supported()
     parse_allocation_mode("gen.d2p1m1+d4p1m1").check_supported()
-    for s, part in [("d1p2m1", "trainer layout d1p2m1"), ("sglang.d1p1m2+d1p1m1", "generation layout d1p1m2")]:
+    for s, part in [
+        ("d1p2m1", "trainer layout d1p2m1"),
+        ("sglang.d1p1m2+d1p1m1", "generation layout d1p1m2"),
+    ]:
         with pytest.raises(NotImplementedError, match=part) as e:
             parse_allocation_mode(s).check_supported()
-        assert "tensor/pipeline parallelism > 1 is not yet supported (coming with the parallelism milestone); " \
-               "use d<N>p1m1" in str(e.value)
+        assert (
+            "tensor/pipeline parallelism > 1 is not yet supported (coming with the parallelism milestone); "
+            "use d<N>p1m1" in str(e.value)
+        )
 
 
 def test_typed_configs_validate():

@@ -27,11 +27,18 @@ __all__ = [
 ]
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: Optional[int] = None, min_len: int = 1, name: str = "cu_seqlens"):
+def check_cu_seqlens(
+    cu_seqlens: torch.Tensor,
+    total: Optional[int] = None,
+    min_len: int = 1,
+    name: str = "cu_seqlens",
+):
     """Validate a cumulative-lengths vector: 1-D, starts at 0, every length >= ``min_len``,
     and ends at ``total`` when given."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or int(cu_seqlens[0]) != 0:
-        raise ValueError(f"{name} must be a 1-D tensor [B+1] starting at 0, got {cu_seqlens.tolist()}")
+        raise ValueError(
+            f"{name} must be a 1-D tensor [B+1] starting at 0, got {cu_seqlens.tolist()}"
+        )
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     if lens.numel() and int(lens.min()) < min_len:
         raise ValueError(
@@ -39,12 +46,16 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: Optional[int] = None, min_
             f"needs at least {min_len} token(s)"
         )
     if total is not None and int(cu_seqlens[-1]) != total:
-        raise ValueError(f"{name} ends at {int(cu_seqlens[-1])} but the packed tensor has {total} entries")
+        raise ValueError(
+            f"{name} ends at {int(cu_seqlens[-1])} but the packed tensor has {total} entries"
+        )
 
 
 def short1cu_seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Offsets [B+1] of the shifted tensors (each sequence one entry shorter)."""
-    return cu_seqlens - torch.arange(cu_seqlens.numel(), device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return cu_seqlens - torch.arange(
+        cu_seqlens.numel(), device=cu_seqlens.device, dtype=cu_seqlens.dtype
+    )
 
 
 def shift_one_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -61,7 +72,10 @@ def shift_one_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def gather_packed_shifted_log_probs(
-    logits: torch.Tensor, cu_seqlens: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """Log-probability of each next token, per sequence.
 
@@ -131,7 +145,10 @@ def masked_normalization(
 
 
 def sft_loss(
-    logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, prompt_mask: torch.Tensor
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    prompt_mask: torch.Tensor,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Cross entropy on answer tokens only (packed).
 

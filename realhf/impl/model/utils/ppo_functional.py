@@ -69,7 +69,9 @@ def get_packed_rewards(
     check_cu_seqlens(short1cu_seqlens, total=n, min_len=1, name="short1cu_seqlens")
     bsz = short1cu_seqlens.numel() - 1
     if ref_log_probs.shape != log_probs.shape:
-        raise ValueError(f"ref_log_probs {tuple(ref_log_probs.shape)} must match log_probs {tuple(log_probs.shape)}")
+        raise ValueError(
+            f"ref_log_probs {tuple(ref_log_probs.shape)} must match log_probs {tuple(log_probs.shape)}"
+        )
     if reward_score.shape != (bsz,) or seq_no_eos_mask.shape != (bsz,):
         raise ValueError(
             f"reward_score {tuple(reward_score.shape)} and seq_no_eos_mask {tuple(seq_no_eos_mask.shape)} "
@@ -113,14 +115,24 @@ def compute_gae(
     bsz = short1cu_seqlens.numel() - 1
     check_cu_seqlens(short1cu_seqlens, total=rewards.shape[0], min_len=1, name="short1cu_seqlens")
     if values.shape != (rewards.shape[0] + bsz,):
-        raise ValueError(f"values must be [T' + B] = [{rewards.shape[0] + bsz}], got {tuple(values.shape)}")
+        raise ValueError(
+            f"values must be [T' + B] = [{rewards.shape[0] + bsz}], got {tuple(values.shape)}"
+        )
     return gae_packed(
-        rewards.float(), values.float(), short1cu_seqlens.int(), seq_no_eos_mask.bool(), float(gamma), float(lam)
+        rewards.float(),
+        values.float(),
+        short1cu_seqlens.int(),
+        seq_no_eos_mask.bool(),
+        float(gamma),
+        float(lam),
     )
 
 
 def normalize_advantages(
-    advantages: torch.Tensor, loss_mask: torch.Tensor, eps: float = 1e-5, group: Optional[dist.ProcessGroup] = None
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    eps: float = 1e-5,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """``(A - mean) / (std + eps)`` over valid tokens, in float64, all-reduced over ``group`` if
     given (the data-parallel group), so every rank uses the same global statistics.
@@ -157,7 +169,9 @@ def group_normalize_advantages(
     lens = (short1cu_seqlens[1:] - short1cu_seqlens[:-1]).long()
     gid = torch.repeat_interleave(torch.arange(bsz, device=advantages.device) // group_size, lens)
     mask = loss_mask.bool()
-    x = torch.where(mask, advantages.double(), torch.zeros((), dtype=torch.float64, device=advantages.device))
+    x = torch.where(
+        mask, advantages.double(), torch.zeros((), dtype=torch.float64, device=advantages.device)
+    )
     n_groups = bsz // group_size
     zeros = torch.zeros(n_groups, dtype=torch.float64, device=advantages.device)
     s = zeros.index_add(0, gid, x)
@@ -210,9 +224,13 @@ def actor_loss_fn(
     if not eps_clip > 0:
         raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
     if c_clip is not None and not c_clip > 1.0:
-        raise ValueError(f"c_clip must be > 1 (dual clip bounds the loss by c_clip*|A|), got {c_clip}")
+        raise ValueError(
+            f"c_clip must be > 1 (dual clip bounds the loss by c_clip*|A|), got {c_clip}"
+        )
     if behav_imp_weight_cap is not None and proximal_logprobs is None:
-        raise ValueError("behav_imp_weight_cap needs proximal_logprobs (it is a decoupled-loss option)")
+        raise ValueError(
+            "behav_imp_weight_cap needs proximal_logprobs (it is a decoupled-loss option)"
+        )
     mask = loss_mask.bool()
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
         raise ValueError(
@@ -237,7 +255,9 @@ def actor_loss_fn(
     behav_w = torch.ones_like(prox)
     dropped = torch.zeros_like(mask)
     if proximal_logprobs is not None:
-        behav_w = torch.exp(torch.where(mask, prox - old_logprobs.detach().float(), torch.zeros_like(prox)))
+        behav_w = torch.exp(
+            torch.where(mask, prox - old_logprobs.detach().float(), torch.zeros_like(prox))
+        )
         if behav_imp_weight_cap is not None:
             dropped = mask & (behav_w > behav_imp_weight_cap)
             mask = mask & ~dropped
@@ -247,7 +267,9 @@ def actor_loss_fn(
     loss = torch.where(mask, pg, torch.zeros_like(pg)).sum() / n_valid.clamp(min=1)
 
     with torch.no_grad():
-        ratio_stats = torch.stack([torch.where(mask, ratio, torch.zeros_like(ratio)).sum(), n_valid.float()]).double()
+        ratio_stats = torch.stack(
+            [torch.where(mask, ratio, torch.zeros_like(ratio)).sum(), n_valid.float()]
+        ).double()
         if group is not None:
             dist.all_reduce(ratio_stats, group=group)
         mean_ratio = (ratio_stats[0] / ratio_stats[1].clamp(min=1)).float()
@@ -315,7 +337,9 @@ class ExponentialRunningMeanStd(torch.nn.Module):
         clip: normalised values are clipped to ``[-clip, clip]``.
     """
 
-    def __init__(self, beta: float = 0.99995, eps: float = 1e-5, var_min: float = 1e-2, clip: float = 5.0):
+    def __init__(
+        self, beta: float = 0.99995, eps: float = 1e-5, var_min: float = 1e-2, clip: float = 5.0
+    ):
         super().__init__()
         if not 0.0 < beta < 1.0:
             raise ValueError(f"beta must be in (0, 1), got {beta}")
@@ -324,7 +348,12 @@ class ExponentialRunningMeanStd(torch.nn.Module):
             self.register_buffer(name, torch.zeros((), dtype=torch.float64))
 
     @torch.no_grad()
-    def update(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None, group: Optional[dist.ProcessGroup] = None):
+    def update(
+        self,
+        x: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        group: Optional[dist.ProcessGroup] = None,
+    ):
         """Fold the valid entries of ``x`` [N] (all-reduced over ``group`` if given) into the EMAs."""
         mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
         xd = torch.where(mask, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))

@@ -19,7 +19,9 @@ def test_packed_rewards_kl_and_terminal_score():
     kl, tot = F.get_packed_rewards(0.5, 5.0, lp, ref, score, s1cu, no_eos)
     assert kl.tolist() == pytest.approx([-0.25, 0.0, 0.25, 0.0, 1.0])
     assert tot.tolist() == pytest.approx([-0.25, 3.0, 0.25, 0.0, -4.0])  # -10 clipped to -5
-    _, tot = F.get_packed_rewards(0.5, 5.0, lp, ref, score, s1cu, no_eos, mask_no_eos_with_zero=True)
+    _, tot = F.get_packed_rewards(
+        0.5, 5.0, lp, ref, score, s1cu, no_eos, mask_no_eos_with_zero=True
+    )
     assert tot.tolist() == pytest.approx([-0.25, 3.0, 0.25, 0.0, 1.0])
     mask = torch.tensor([False, True, True, True, True])
     kl, tot = F.get_packed_rewards(0.5, 5.0, lp, ref, score, s1cu, no_eos, loss_mask=mask)
@@ -32,7 +34,9 @@ def test_packed_rewards_kl_and_terminal_score():
 
 
 def test_gae_two_sequences_one_truncated():
-    pytest.importorskip("realhf.impl.kernels", reason="realhf.impl.kernels (gae_packed) has not landed yet")
+    pytest.importorskip(
+        "realhf.impl.kernels", reason="realhf.impl.kernels (gae_packed) has not landed yet"
+    )
     # seq A ends with EOS: rewards [1, 2], values [0.5, 1, 3]; gamma 0.9, lam 0.8 (gamma*lam = 0.72)
     #   t=1: delta = 2 + 0 - 1 = 1            A1 = 1
     #   t=0: delta = 1 + 0.9*1 - 0.5 = 1.4    A0 = 1.4 + 0.72*1 = 2.12
@@ -42,11 +46,15 @@ def test_gae_two_sequences_one_truncated():
     #   t=0: delta = 0.5 + 0.9*2 - 1 = 1.3    A0 = 1.3 + 0.72*1.402 = 2.30944
     rewards = torch.tensor([1.0, 2.0, 0.5, 0.0, 1.0])
     values = torch.tensor([0.5, 1.0, 3.0, 1.0, 2.0, 0.5, 4.0])
-    adv, ret = F.compute_gae(rewards, values, torch.tensor([0, 2, 5]), torch.tensor([False, True]), 0.9, 0.8)
+    adv, ret = F.compute_gae(
+        rewards, values, torch.tensor([0, 2, 5]), torch.tensor([False, True]), 0.9, 0.8
+    )
     assert adv.tolist() == pytest.approx([2.12, 1.0, 2.30944, 1.402, 4.1], abs=1e-5)
     assert ret.tolist() == pytest.approx([2.62, 2.0, 3.30944, 3.402, 4.6], abs=1e-5)
     with pytest.raises(ValueError, match=r"values must be \[T' \+ B\] = \[7\]"):
-        F.compute_gae(rewards, values[:6], torch.tensor([0, 2, 5]), torch.tensor([False, True]), 0.9, 0.8)
+        F.compute_gae(
+            rewards, values[:6], torch.tensor([0, 2, 5]), torch.tensor([False, True]), 0.9, 0.8
+        )
 
 
 def test_global_advantage_normalisation():
@@ -119,7 +127,9 @@ def test_decoupled_loss_weights_and_caps_behaviour_ratio():
     lp = prox + torch.log(rho)
     loss, st = F.actor_loss_fn(lp, mu_b, adv, 0.2, mask, proximal_logprobs=prox)
     assert loss.item() == pytest.approx((-1.2 * 1 + 1.6 * 2 - 0.55 * 0.5 + 5.0 * 10) / 4, rel=1e-5)
-    loss, st = F.actor_loss_fn(lp, mu_b, adv, 0.2, mask, proximal_logprobs=prox, behav_imp_weight_cap=5.0)
+    loss, st = F.actor_loss_fn(
+        lp, mu_b, adv, 0.2, mask, proximal_logprobs=prox, behav_imp_weight_cap=5.0
+    )
     assert loss.item() == pytest.approx((-1.2 + 1.6 * 2 - 0.55 * 0.5) / 3, rel=1e-5)
     assert st["behave_mask_dropped"].item() == 1 and st["n_valid_tokens"].item() == 3
     assert st["behave_imp_weight"].item() == pytest.approx((1 + 2 + 0.5) / 3, rel=1e-5)
@@ -141,7 +151,9 @@ def test_critic_loss_hand_computed():
     loss, st = F.critic_loss_fn(v, old, ret, 0.5, mask)
     assert loss.item() == pytest.approx((0.125 + 2.0) / 2) and st["clip_ratio"].item() == 0.5
     loss.backward()
-    assert v.grad.tolist() == pytest.approx([(1.0 - 1.5) / 2, 0.0, 0.0])  # clipped term has no grad in V
+    assert v.grad.tolist() == pytest.approx(
+        [(1.0 - 1.5) / 2, 0.0, 0.0]
+    )  # clipped term has no grad in V
 
 
 def test_value_normaliser_ema_debiased_floor_clip_and_state():
@@ -217,8 +229,12 @@ def test_statistics_all_reduce_over_two_gloo_ranks(tmp_path):
 
     init = tmp_path / "pg_init"
     procs = [
-        subprocess.Popen([sys.executable, "-c", _DIST_CHILD, str(r), str(init)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _DIST_CHILD, str(r), str(init)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     outs = []
@@ -232,5 +248,7 @@ def test_statistics_all_reduce_over_two_gloo_ranks(tmp_path):
     assert outs[0]["adv"] + outs[1]["adv"] == pytest.approx(expect, abs=1e-6)
     valid = full[mask].double()
     for o in outs:
-        assert o["value_norm"] == pytest.approx([valid.mean().item(), valid.std(unbiased=False).item()])
+        assert o["value_norm"] == pytest.approx(
+            [valid.mean().item(), valid.std(unbiased=False).item()]
+        )
         assert o["early_stopped"] == 1.0 and o["importance_weight"] == pytest.approx(2.0)
