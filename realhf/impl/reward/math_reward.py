@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import threading
 import time
+from concurrent.futures.process import BrokenProcessPool
 from typing import Dict, List, Optional, Sequence
 
 from realhf.impl.reward.math_grader import math_equal, quick_equal
@@ -95,7 +96,8 @@ def get_pool(max_workers: Optional[int] = None):
 
     ``max_workers`` defaults to ``$REALHF_MATH_VERIFY_WORKERS`` or min(4, CPUs).
     Workers are spawned, not forked: the caller may be a trainer with live
-    threads (torch, zmq) whose locks a fork would copy mid-use.
+    threads (torch, zmq) whose locks a fork would copy mid-use. As with any spawn
+    pool, the caller's main script must be import-safe (``if __name__ == "__main__":``).
     """
     global _pool, _pool_pid, _pool_workers, _atexit_registered
     import pebble
@@ -165,6 +167,13 @@ def _triage(text: str, solutions: Sequence[str]):
     return (None if heavy else False), pred, heavy
 
 
+def _schedule(pred: str, golds: List[str], timeout: float):
+    try:
+        return get_pool().schedule(_grade_heavy, args=(pred, golds), timeout=timeout)
+    except RuntimeError:  # another thread shut the pool down between get and schedule
+        return get_pool().schedule(_grade_heavy, args=(pred, golds), timeout=timeout)
+
+
 def verify_batch(
     texts: Sequence[str],
     solutions_list: Sequence[Sequence[str]],
@@ -199,7 +208,7 @@ def verify_batch(
         if decided is not None:
             results[i] = decided
             continue
-        futures[i] = get_pool().schedule(_grade_heavy, args=(pred, heavy), timeout=timeout)
+        futures[i] = _schedule(pred, heavy, timeout)
         preds[i] = (pred, heavy)
     if not futures:
         return results
@@ -217,6 +226,12 @@ def verify_batch(
                 "math verify timed out after %.1fs, counted as wrong: pred=%r golds=%r",
                 timeout, _short(pred), [_short(g) for g in golds],
             )
+        except BrokenProcessPool as e:
+            # Workers cannot start or keep dying (e.g. the main module is not
+            # import-safe under spawn): drop the pool so the next call retries.
+            logger.error("math verifier pool is broken (%s); it will be recreated on the next "
+                         "call. Items of this batch count as wrong.", e)
+            shutdown_pool()
         except Exception as e:  # worker died (memory, signal) or the grader raised
             logger.warning(
                 "math verify failed (%s: %s), counted as wrong: pred=%r golds=%r",
