@@ -69,8 +69,9 @@ def _per_seq(q, k, v, bounds: List[int], scale, window) -> torch.Tensor:
     for s, e in zip(bounds[:-1], bounds[1:]):
         if e == s:
             continue
-        # [L, H, D] -> [H, L, D]: SDPA wants heads before the sequence dim.
-        qq, kk, vv = (t[s:e].transpose(0, 1) for t in (q, k, v))
+        # [L, H, D] -> [1, H, L, D]: SDPA wants heads before the sequence dim, and
+        # only 4-D inputs reach torch's fused CPU kernel (3-D falls back to math).
+        qq, kk, vv = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
         if window is not None and e - s > window:
             mask = _window_mask(e - s, window, q.device)
             o = F.scaled_dot_product_attention(
@@ -80,7 +81,7 @@ def _per_seq(q, k, v, bounds: List[int], scale, window) -> torch.Tensor:
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True
             )
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     if not outs:
         return q.new_empty(q.shape)
     return torch.cat(outs, dim=0)
