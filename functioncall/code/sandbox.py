@@ -23,22 +23,17 @@ seccomp filter that makes socket(2) fail before the program starts, in both
 modes; in rlimit mode that is the only network defence, so code run through
 :func:`run_python` without the runner has network there.
 
-Why a dedicated uid: root ignores RLIMIT_NPROC, so a fork bomb run as root takes
-the machine down. The limit is counted per uid across the machine, so each
-concurrent run takes its own uid from a small range (``REALHF_SANDBOX_UID_BASE``,
-default 61000, ``REALHF_SANDBOX_SLOTS`` uids, default 16), held with a file lock;
-after each run every process of that uid is killed and its files in the shared
-temp directories are removed.
+Each run takes a dedicated uid (:mod:`functioncall.code.uid_slots`): root
+ignores RLIMIT_NPROC, so only an unprivileged uid of its own makes the process
+limit hold; after the run all its processes are killed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import logging
 import math
 import os
-import pwd
 import shutil
 import subprocess
 import sys
@@ -47,11 +42,16 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from functioncall.code.uid_slots import (
+    UidSlot,
+    remove_files_of,
+    setpriv,
+    sweep_uid,
+)
+
 logger = logging.getLogger(__name__)
 
 MODES = ("bwrap", "rlimit")
-_LOCK_DIR = "/tmp/realhf-sandbox-locks"
-_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
 @dataclasses.dataclass
@@ -107,113 +107,6 @@ class RunResult:
         return self.returncode == 0 and not self.timed_out
 
 
-# --------------------------------------------------------------------- uid slots
-
-
-class _UidSlot:
-    """A dedicated uid held (by flock) for the length of one run."""
-
-    def __init__(self, wait_s: float = 120.0):
-        base = int(os.environ.get("REALHF_SANDBOX_UID_BASE", "61000"))
-        slots = int(os.environ.get("REALHF_SANDBOX_SLOTS", "16"))
-        if base < 1000 or slots < 1:
-            raise ValueError(
-                f"REALHF_SANDBOX_UID_BASE={base} / REALHF_SANDBOX_SLOTS={slots}: need a base "
-                ">= 1000 of uids no account uses and at least one slot"
-            )
-        os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
-        deadline = time.monotonic() + wait_s
-        while True:
-            for uid in range(base, base + slots):
-                if _uid_has_account(uid):
-                    continue  # never borrow a real account's uid
-                fd = os.open(os.path.join(_LOCK_DIR, f"uid-{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    os.close(fd)
-                    continue
-                self.uid, self._fd = uid, fd
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"waited {wait_s:.0f}s for a free sandbox uid in {base}..{base + slots - 1} "
-                    "(all held by other runs); raise REALHF_SANDBOX_SLOTS or run fewer at once"
-                )
-            time.sleep(0.05)
-
-    def release(self) -> None:
-        os.close(self._fd)  # closing drops the flock
-
-
-def _uid_has_account(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-        return True
-    except KeyError:
-        return False
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid``: kill(-1) sent *as that uid* reaches only its own.
-
-    setpriv switches uid before exec and exits with an error if it cannot, so the
-    kill never runs as root (where kill(-1) would end every process on the host).
-    """
-    if uid < 1000:
-        raise ValueError(f"refusing to sweep uid {uid}: not a sandbox uid")
-    sweep = "import os\ntry:\n os.kill(-1, 9)\nexcept ProcessLookupError:\n pass"
-    subprocess.run(
-        _setpriv(uid) + [os.path.realpath(sys.executable), "-I", "-S", "-c", sweep],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={}, timeout=10, check=False,
-    )
-
-
-def _wait_uid_gone(uid: int, timeout: float = 3.0) -> None:
-    """Wait until no process of ``uid`` is left, zombies included.
-
-    Killed orphans stay zombies until the host's init reaps them, and zombies still
-    count against RLIMIT_NPROC: the next run on this uid must not inherit them.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        left = []
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    if os.stat(f"/proc/{name}").st_uid == uid:
-                        left.append(name)
-                except OSError:
-                    pass
-        if not left:
-            return
-        if time.monotonic() > deadline:
-            logger.warning("sandbox uid %d still has %d process(es) after %.0fs: %s",
-                           uid, len(left), timeout, ",".join(left[:8]))
-            return
-        time.sleep(0.05)
-
-
-def _remove_files_of(uid: int) -> None:
-    """Delete what ``uid`` left in world-writable directories (rlimit mode has no private /tmp)."""
-    for d in _SHARED_TMP_DIRS:
-        try:
-            entries = list(os.scandir(d))
-        except OSError:
-            continue
-        for e in entries:
-            try:
-                if e.stat(follow_symlinks=False).st_uid != uid:
-                    continue
-                if e.is_dir(follow_symlinks=False):
-                    shutil.rmtree(e.path, ignore_errors=True)
-                else:
-                    os.unlink(e.path)
-            except OSError:
-                pass
-
-
 # -------------------------------------------------------------------- commands
 
 
@@ -239,13 +132,6 @@ def _prlimit_prefix(limits: SandboxLimits) -> List[str]:
         f"--nofile={limits.max_open_files}",
         "--core=0",
         "--",
-    ]
-
-
-def _setpriv(uid: int) -> List[str]:
-    return [
-        "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
     ]
 
 
@@ -279,11 +165,11 @@ def _bwrap_command(uid: int, code_dir: str, limits: SandboxLimits) -> List[str]:
         "--cap-add", "CAP_SETUID,CAP_SETGID",
         "--",
     ]
-    return _prlimit_prefix(limits) + cmd + _setpriv(uid)
+    return _prlimit_prefix(limits) + cmd + setpriv(uid)
 
 
 def _rlimit_command(uid: int, limits: SandboxLimits) -> List[str]:
-    return _prlimit_prefix(limits) + _setpriv(uid)
+    return _prlimit_prefix(limits) + setpriv(uid)
 
 
 # ------------------------------------------------------------------------- modes
@@ -371,9 +257,10 @@ def run_python(
 
 
 def _run(args, files, stdin, limits, mode) -> RunResult:
-    slot = _UidSlot()
+    slot = UidSlot()
     host_dir = tempfile.mkdtemp(prefix="realhf-sbx-")
     try:
+        sweep_uid(slot.uid)  # leftovers of a verifier that died mid-run
         os.chmod(host_dir, 0o711)  # rlimit mode: others may reach code/ and work/, not list
         code_dir = os.path.join(host_dir, "code")
         os.mkdir(code_dir, 0o755)
@@ -397,10 +284,9 @@ def _run(args, files, stdin, limits, mode) -> RunResult:
         return _execute(cmd, cwd, env, stdin, limits, mode, slot.uid, host_dir)
     finally:
         try:
-            _kill_uid(slot.uid)
-            _wait_uid_gone(slot.uid)
+            sweep_uid(slot.uid)
             if mode == "rlimit":
-                _remove_files_of(slot.uid)
+                remove_files_of(slot.uid)
         finally:
             shutil.rmtree(host_dir, ignore_errors=True)
             slot.release()

@@ -31,9 +31,16 @@ import math
 import re
 import threading
 from fractions import Fraction
-from typing import List, Optional, Tuple, Union
+from typing import Optional, Tuple
 
 from realhf.impl.reward.math_normalize import choice_letter, normalize_answer
+from realhf.impl.reward.math_structure import (
+    as_vector,
+    match_unordered,
+    parse_matrix,
+    parse_sequence,
+    split_top_level,
+)
 
 REL_TOL = 1e-4
 # No reference answer in a math dataset is this long; longer predictions are
@@ -135,129 +142,6 @@ def numbers_equal(pred: Number, gold: Number, *, percent: bool, exact: bool) -> 
         if abs(pred - c) <= Fraction(REL_TOL) * max(abs(pred), abs(c)):
             return True
     return False
-
-
-# --------------------------------------------------------------------- structure
-
-_OPEN = {"(": ")", "[": "]", "{": "}"}
-
-
-def split_top_level(s: str, sep: str = ",") -> List[str]:
-    """Split ``s`` at ``sep`` where it is not nested inside brackets or braces."""
-    parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        if s.startswith("\\{", i) or s.startswith("\\}", i):
-            depth += 1 if s[i + 1] == "{" else -1
-            i += 2
-            continue
-        c = s[i]
-        if c in "([{":
-            depth += 1
-        elif c in ")]}":
-            depth -= 1
-        elif depth == 0 and s.startswith(sep, i):
-            parts.append(s[start:i])
-            start = i + len(sep)
-            i = start
-            continue
-        i += 1
-    parts.append(s[start:])
-    return parts
-
-
-def _enclosed(s: str) -> bool:
-    """True if the bracket opening ``s`` closes at its very end (``(1,2)`` yes, ``(1)+(2)`` no)."""
-    depth = 0
-    i = 0
-    while i < len(s):
-        if s.startswith("\\{", i) or s.startswith("\\}", i):
-            depth += 1 if s[i + 1] == "{" else -1
-            i += 2
-        else:
-            depth += 1 if s[i] in "([{" else -1 if s[i] in ")]}" else 0
-            i += 1
-        if depth == 0 and i < len(s):
-            return False
-    return depth == 0
-
-
-def _enclosed_mixed(s: str) -> bool:
-    """Like :func:`_enclosed` but treats ( and [ alike, for intervals such as ``(1,2]``."""
-    t = s.replace("\\{", "{").replace("\\}", "}")
-    t = re.sub(r"[\[]", "(", re.sub(r"[\]]", ")", t))
-    return _enclosed(t)
-
-
-def parse_sequence(s: str) -> Optional[Tuple[str, str, List[str]]]:
-    """Split a set / tuple / interval / bare list into (kind, brackets, items).
-
-    kind is ``"set"`` (``\\{...\\}``), ``"seq"`` (``(..)``, ``[..]``, ``(..]``...),
-    or ``"bare"`` (``1,2`` with no brackets). Returns None for a scalar.
-    """
-    if s.startswith("\\{") and s.endswith("\\}") and _enclosed(s):
-        return "set", "{}", split_top_level(s[2:-2])
-    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]" and _enclosed_mixed(s):
-        items = split_top_level(s[1:-1])
-        if len(items) >= 2:
-            return "seq", s[0] + s[-1], items
-        return None
-    items = split_top_level(s)
-    if len(items) >= 2:
-        return "bare", "", items
-    return None
-
-
-_MATRIX = re.compile(r"^\\begin\{([pbvBV]?matrix|array)\}(?:\{[^}]*\})?(.*)\\end\{\1\}$", re.DOTALL)
-
-
-def parse_matrix(s: str) -> Optional[Tuple[bool, List[List[str]]]]:
-    """(is_vector_tuple, cells) of a ``pmatrix``/``bmatrix``/... or of a tuple (a vector).
-
-    None when ``s`` is neither.
-    """
-    m = _MATRIX.match(s)
-    if m:
-        rows = [r for r in re.split(r"\\\\", m.group(2)) if r.strip()]
-        return False, [[c.strip() for c in r.split("&")] for r in rows]
-    seq = parse_sequence(s)
-    if seq is not None and seq[0] != "set":
-        return True, [[item] for item in seq[2]]
-    return None
-
-
-def _as_vector(cells: List[List[str]]) -> Optional[List[str]]:
-    """The entries of a one-row or one-column matrix, else None."""
-    if len(cells) == 1:
-        return cells[0]
-    if all(len(r) == 1 for r in cells):
-        return [r[0] for r in cells]
-    return None
-
-
-def _match_unordered(preds: List[str], golds: List[str], eq) -> bool:
-    """A perfect matching between the two lists under ``eq`` (small lists: DFS)."""
-    if len(preds) != len(golds):
-        return False
-    used = [False] * len(golds)
-    cache = {}
-
-    def same(i, j):
-        if (i, j) not in cache:
-            cache[(i, j)] = eq(preds[i], golds[j])
-        return cache[(i, j)]
-
-    def assign(i):
-        if i == len(preds):
-            return True
-        for j in range(len(golds)):
-            if not used[j] and same(i, j):
-                used[j] = True
-                if assign(i + 1):
-                    return True
-                used[j] = False
-        return False
-
-    return assign(0)
 
 
 # ----------------------------------------------------------------------- symbolic
@@ -382,7 +266,7 @@ def _structural_equal(p: str, g: str, percent: bool, depth: int) -> Optional[boo
     if "\\cup" in p or "\\cup" in g:
         ps, gs = split_top_level(p, "\\cup"), split_top_level(g, "\\cup")
         if len(ps) > 1 and len(gs) > 1:
-            return _match_unordered(ps, gs, eq)
+            return match_unordered(ps, gs, eq)
         if len(ps) > 1 or len(gs) > 1:
             return None  # a union against another form ("x \\neq 1"): symbolic
     if "\\begin{" in p or "\\begin{" in g:
@@ -391,7 +275,7 @@ def _structural_equal(p: str, g: str, percent: bool, depth: int) -> Optional[boo
             return None
         (p_tuple, pcells), (g_tuple, gcells) = pm, gm
         if p_tuple or g_tuple:  # a tuple matches a row or a column vector
-            pv, gv = _as_vector(pcells), _as_vector(gcells)
+            pv, gv = as_vector(pcells), as_vector(gcells)
             if pv is None or gv is None or len(pv) != len(gv):
                 return False
             return all(eq(a, b) for a, b in zip(pv, gv))
@@ -414,7 +298,7 @@ def _structural_equal(p: str, g: str, percent: bool, depth: int) -> Optional[boo
     if "set" in (pk, gk) or (pk == "bare" and gk == "bare"):
         if {pk, gk} == {"set", "seq"}:
             return False  # a set is not a tuple
-        return _match_unordered(pitems, gitems, eq)
+        return match_unordered(pitems, gitems, eq)
     if pk == "seq" and gk == "seq" and pb != gb:
         return False  # (1,2) is not [1,2]
     return all(eq(a, b) for a, b in zip(pitems, gitems))
