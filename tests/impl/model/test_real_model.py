@@ -103,6 +103,17 @@ def test_to_dtype_keeps_views_and_values(model):
     assert torch.allclose(model.flat_params.float(), ref, atol=1e-2, rtol=1e-2)
 
 
+def test_deepcopy_keeps_parameters_in_the_copy_flat_buffer(model):
+    import copy
+
+    clone = copy.deepcopy(model)
+    assert torch.equal(clone.flat_params, model.flat_params)
+    assert clone.flat_params.data_ptr() != model.flat_params.data_ptr()
+    base = clone.flat_params.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in clone.parameters())
+    assert clone.training == model.training
+
+
 def test_meta_device_builds_spec_without_memory():
     m = ReaLModel(tiny_config(), device="meta")
     assert m.flat_params.is_meta and len(m.param_spec) > 0

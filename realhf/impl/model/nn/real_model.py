@@ -166,6 +166,24 @@ class ReaLModel(nn.Module):
         with torch.no_grad():
             self.flat_params.copy_(flat)
 
+    def __deepcopy__(self, memo):
+        # The default deepcopy clones every parameter separately, which would
+        # leave the copy's parameters outside its flat buffer.
+        new = type(self)(
+            self.config,
+            dtype=self.dtype,
+            device=self.device,
+            init_weights=False,
+            gradient_checkpointing=self.gradient_checkpointing,
+            attn_impl=self.attn_impl,
+        )
+        new.load_flat(self.flat_params.detach())
+        for (_, src), (_, dst) in zip(self.named_parameters(), new.named_parameters()):
+            dst.requires_grad_(src.requires_grad)
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
+
     def _apply(self, fn, recurse=True):
         # Module._apply would convert each parameter separately and break the
         # views; convert the buffer once and re-point every parameter instead.
