@@ -234,7 +234,8 @@ class LocalScheduler:
         """Wait for the jobs; stop them all on failure; return exit codes by name.
 
         Jobs of ``main_type`` (the controller) decide the outcome: when they
-        exit 0 the others get ``exit_grace`` s to finish and are then killed.
+        have exited, the others get ``exit_grace`` s to finish and are then
+        killed (as stragglers, not counted as failures).
         When any job fails, the main jobs get ``failure_grace`` s to notice
         and report (the controller's report is the better error) before
         everything is killed.  Ctrl-C (SIGINT) and SIGTERM are forwarded to
@@ -270,15 +271,17 @@ class LocalScheduler:
         while True:
             failed = [j for j in self.jobs if j.returncode not in (None, 0)]
             if all(j.returncode is not None for j in mains):
-                failed_mains = [j for j in mains if j.returncode != 0]
-                if failed_mains:
-                    raise JobFailure(failed_mains + [j for j in failed if j not in failed_mains])
+                # Whatever the outcome, the controller has told the workers to
+                # exit: let them finish doing so before stopping the rest.
                 self._drain_others(exit_grace)
                 failed = [
                     j
                     for j in self.jobs
                     if j.returncode not in (None, 0) and not j.stopped_as_straggler
                 ]
+                failed_mains = [j for j in mains if j.returncode != 0]
+                if failed_mains:
+                    raise JobFailure(failed_mains + [j for j in failed if j not in failed_mains])
                 if failed:
                     raise JobFailure(failed, "the controller succeeded but these processes failed")
                 return {j.name: j.returncode for j in self.jobs}

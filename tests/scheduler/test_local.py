@@ -75,7 +75,7 @@ def test_controller_failure_is_reported_first(tmp_path, no_leftover_processes):
     s.submit("worker", _py("import time; time.sleep(60)"))
     s.submit("controller", _py("import sys; print('worker X failed: ValueError'); sys.exit(1)"))
     with pytest.raises(JobFailure) as ei:
-        s.wait(timeout=30)
+        s.wait(timeout=30, exit_grace=0.5)
     assert ei.value.failed[0].name == "controller/0"
     assert "worker X failed: ValueError" in str(ei.value)
     no_leftover_processes()
