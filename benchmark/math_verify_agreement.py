@@ -85,8 +85,10 @@ def main():
     print(f"{'category':<16}{'lines':>6}{'ours':>8}{'math-verify':>13}")
     for cat, (k, a, b) in sorted(by_cat.items()):
         print(f"{cat:<16}{k:>6}{a:>8}{b:>13}")
-    print(f"accuracy vs expected: ours {acc_ours}/{n} ({100 * acc_ours / n:.1f}%), "
-          f"math-verify {acc_mv}/{n} ({100 * acc_mv / n:.1f}%)")
+    print(
+        f"accuracy vs expected: ours {acc_ours}/{n} ({100 * acc_ours / n:.1f}%), "
+        f"math-verify {acc_mv}/{n} ({100 * acc_mv / n:.1f}%)"
+    )
     print(f"agreement ours vs math-verify: {agree}/{n} ({100 * agree / n:.1f}%)")
     # Round 2 lines were written after our verifier passed round 1 and were graded
     # before any fix, so they are the less biased sample of our accuracy.
@@ -100,18 +102,24 @@ def main():
     for r, o, m, e in zip(rows, ours, mv, expected):
         if o != m or (args.show_all and o != e):
             who = "ours" if o == e else "math-verify" if m == e else "neither"
-            print(f"  {r['id']:<18} expected={e!s:<5} ours={o!s:<5} math-verify={m!s:<5} "
-                  f"right: {who:<11} gen={r['generation'][-70:]!r} sol={r['solutions']}")
-    print(json.dumps({
-        "benchmark": "math_verify_agreement",
-        "lines": n,
-        "ours_correct": acc_ours,
-        "math_verify_correct": acc_mv,
-        "agree": agree,
-        "agree_pct": round(100 * agree / n, 1),
-        "ours_s": round(t_ours, 3),
-        "math_verify_s": round(t_mv, 3),
-    }))
+            print(
+                f"  {r['id']:<18} expected={e!s:<5} ours={o!s:<5} math-verify={m!s:<5} "
+                f"right: {who:<11} gen={r['generation'][-70:]!r} sol={r['solutions']}"
+            )
+    print(
+        json.dumps(
+            {
+                "benchmark": "math_verify_agreement",
+                "lines": n,
+                "ours_correct": acc_ours,
+                "math_verify_correct": acc_mv,
+                "agree": agree,
+                "agree_pct": round(100 * agree / n, 1),
+                "ours_s": round(t_ours, 3),
+                "math_verify_s": round(t_mv, 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

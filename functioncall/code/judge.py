@@ -128,8 +128,13 @@ def _expected_value(case_output: Any) -> Any:
 # ------------------------------------------------------------------------ verify
 
 
-def run_case(code: str, case_input: Any, fn_name: Optional[str], limits: SandboxLimits,
-             mode: Optional[str] = None) -> RunResult:
+def run_case(
+    code: str,
+    case_input: Any,
+    fn_name: Optional[str],
+    limits: SandboxLimits,
+    mode: Optional[str] = None,
+) -> RunResult:
     """One sandboxed run of ``code`` on one test case."""
     mode = mode or sandbox_mode()
     with open(_RUNNER, encoding="utf-8") as f:
@@ -181,8 +186,13 @@ def verify(
             return False
         res = run_case(code, case_in, fn_name, limits, mode=mode)
         if not _passed(res, case_out, fn_name):
-            logger.debug("code verify: case %d failed (rc=%s, timed_out=%s): %s",
-                         i, res.returncode, res.timed_out, res.stderr[-300:])
+            logger.debug(
+                "code verify: case %d failed (rc=%s, timed_out=%s): %s",
+                i,
+                res.returncode,
+                res.timed_out,
+                res.stderr[-300:],
+            )
             return False
     return True
 
@@ -215,5 +225,8 @@ def verify_batch(
         )
     workers = max_workers or min(4, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="code-verify") as ex:
-        return list(ex.map(lambda pair: verify(pair[0], pair[1], **kwargs),
-                           zip(generated_texts, input_outputs)))
+        return list(
+            ex.map(
+                lambda pair: verify(pair[0], pair[1], **kwargs), zip(generated_texts, input_outputs)
+            )
+        )

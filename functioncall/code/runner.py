@@ -25,7 +25,6 @@ import os
 import sys
 import traceback
 
-
 # seccomp-BPF: the kernel refuses socket(2) whatever way the program calls it
 # (ctypes included), and io_uring, which can open sockets too. socketpair(2)
 # stays allowed: it reaches nothing outside and multiprocessing uses it.
@@ -52,20 +51,24 @@ def _install_seccomp():
         return (code, jt, jf, k)
 
     prog = [
-        insn(ld, 0, 0, 4),                      # 0: A = arch
-        insn(jeq, 1, 0, arch),                  # 1: native? go on : deny (i386 int 0x80 too)
-        insn(ret, 0, 0, _RET_EACCES),           # 2
-        insn(ld, 0, 0, 0),                      # 3: A = syscall nr
-        insn(jge, 3, 0, 0x40000000),            # 4: x32 ABI -> deny
-        insn(jeq, 2, 0, nr_socket),             # 5: socket -> deny
-        insn(jeq, 1, 0, _NR_IO_URING_SETUP),    # 6: io_uring_setup -> deny
-        insn(ret, 0, 0, _RET_ALLOW),            # 7
-        insn(ret, 0, 0, _RET_EACCES),           # 8
+        insn(ld, 0, 0, 4),  # 0: A = arch
+        insn(jeq, 1, 0, arch),  # 1: native? go on : deny (i386 int 0x80 too)
+        insn(ret, 0, 0, _RET_EACCES),  # 2
+        insn(ld, 0, 0, 0),  # 3: A = syscall nr
+        insn(jge, 3, 0, 0x40000000),  # 4: x32 ABI -> deny
+        insn(jeq, 2, 0, nr_socket),  # 5: socket -> deny
+        insn(jeq, 1, 0, _NR_IO_URING_SETUP),  # 6: io_uring_setup -> deny
+        insn(ret, 0, 0, _RET_ALLOW),  # 7
+        insn(ret, 0, 0, _RET_EACCES),  # 8
     ]
 
     class SockFilter(ctypes.Structure):
-        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8),
-                    ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(SockFilter))]
@@ -86,8 +89,10 @@ def block_sockets():
     machine, replace Python's socket constructors instead (weaker: ctypes gets by)."""
     if _install_seccomp():
         return
-    print("runner: no seccomp filter for this machine; sockets blocked in Python only",
-          file=sys.stderr)
+    print(
+        "runner: no seccomp filter for this machine; sockets blocked in Python only",
+        file=sys.stderr,
+    )
     import _socket
     import socket
 
@@ -95,8 +100,16 @@ def block_sockets():
         raise PermissionError("network access is disabled in the sandbox")
 
     for mod in (socket, _socket):
-        for name in ("socket", "socketpair", "fromfd", "create_connection", "create_server",
-                     "getaddrinfo", "gethostbyname", "gethostbyname_ex"):
+        for name in (
+            "socket",
+            "socketpair",
+            "fromfd",
+            "create_connection",
+            "create_server",
+            "getaddrinfo",
+            "gethostbyname",
+            "gethostbyname_ex",
+        ):
             if hasattr(mod, name):
                 setattr(mod, name, refuse)
 

@@ -139,9 +139,18 @@ def _bwrap_command(uid: int, code_dir: str, limits: SandboxLimits) -> List[str]:
     tmpfs = str(limits.tmpfs_mb << 20)
     cmd = [
         shutil.which("bwrap") or "bwrap",
-        "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-        "--die-with-parent", "--new-session", "--hostname", "sandbox",
-        "--ro-bind", "/usr", "/usr",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+        "--ro-bind",
+        "/usr",
+        "/usr",
     ]
     for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(d):
@@ -151,18 +160,50 @@ def _bwrap_command(uid: int, code_dir: str, limits: SandboxLimits) -> List[str]:
     for root in _python_roots():
         cmd += ["--ro-bind", root, root]
     cmd += [
-        "--proc", "/proc", "--dev", "/dev",
-        "--size", tmpfs, "--perms", "1777", "--tmpfs", "/tmp",
-        "--size", tmpfs, "--perms", "1777", "--tmpfs", "/dev/shm",
-        "--size", tmpfs, "--perms", "1777", "--tmpfs", "/sandbox",
-        "--ro-bind", code_dir, "/code",
-        "--chdir", "/sandbox",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        tmpfs,
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/tmp",
+        "--size",
+        tmpfs,
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/dev/shm",
+        "--size",
+        tmpfs,
+        "--perms",
+        "1777",
+        "--tmpfs",
+        "/sandbox",
+        "--ro-bind",
+        code_dir,
+        "/code",
+        "--chdir",
+        "/sandbox",
         "--clearenv",
-        "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/sandbox",
-        "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/sandbox",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+        "--setenv",
+        "TMPDIR",
+        "/tmp",
         # bwrap drops every capability by default; setpriv needs these two to switch uid,
         # and drops them (and the bounding set) before the program runs.
-        "--cap-add", "CAP_SETUID,CAP_SETGID",
+        "--cap-add",
+        "CAP_SETUID,CAP_SETGID",
         "--",
     ]
     return _prlimit_prefix(limits) + cmd + setpriv(uid)
@@ -196,9 +237,7 @@ def sandbox_mode() -> str:
             )
         wanted = os.environ.get("REALHF_SANDBOX_MODE", "auto")
         if wanted not in ("auto",) + MODES:
-            raise ValueError(
-                f"REALHF_SANDBOX_MODE={wanted!r}; use one of auto, bwrap, rlimit"
-            )
+            raise ValueError(f"REALHF_SANDBOX_MODE={wanted!r}; use one of auto, bwrap, rlimit")
         if wanted == "rlimit":
             _mode = "rlimit"
             logger.warning("code sandbox mode: rlimit (forced by REALHF_SANDBOX_MODE)")
@@ -215,7 +254,8 @@ def sandbox_mode() -> str:
             _mode = "rlimit"
             logger.warning(
                 "code sandbox mode: rlimit — bwrap unusable (%s); programs run as a dedicated "
-                "uid with rlimits and Python-level socket blocking, without namespaces", reason,
+                "uid with rlimits and Python-level socket blocking, without namespaces",
+                reason,
             )
         return _mode
 
@@ -306,8 +346,14 @@ def _execute(cmd, cwd, env, stdin, limits, mode, uid, host_dir) -> RunResult:
         paths["stderr"], "wb"
     ) as ferr:
         proc = subprocess.Popen(
-            cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=cwd, env=env or {},
-            close_fds=True, start_new_session=True,
+            cmd,
+            stdin=fin,
+            stdout=fout,
+            stderr=ferr,
+            cwd=cwd,
+            env=env or {},
+            close_fds=True,
+            start_new_session=True,
         )
         try:
             proc.wait(timeout=limits.wall_timeout_s)
@@ -327,6 +373,11 @@ def _execute(cmd, cwd, env, stdin, limits, mode, uid, host_dir) -> RunResult:
             return f.read(cap).decode("utf-8", errors="replace")
 
     return RunResult(
-        returncode=proc.returncode, stdout=read(paths["stdout"]), stderr=read(paths["stderr"]),
-        timed_out=timed_out, mode=mode, wall_s=wall, uid=uid,
+        returncode=proc.returncode,
+        stdout=read(paths["stdout"]),
+        stderr=read(paths["stderr"]),
+        timed_out=timed_out,
+        mode=mode,
+        wall_s=wall,
+        uid=uid,
     )

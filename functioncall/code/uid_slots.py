@@ -43,7 +43,9 @@ class UidSlot:
             for uid in range(base, base + slots):
                 if _uid_has_account(uid):
                     continue  # never borrow a real account's uid
-                fd = os.open(os.path.join(_LOCK_DIR, f"uid-{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
+                fd = os.open(
+                    os.path.join(_LOCK_DIR, f"uid-{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600
+                )
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -81,8 +83,12 @@ def kill_uid(uid: int) -> None:
     sweep = "import os\ntry:\n os.kill(-1, 9)\nexcept ProcessLookupError:\n pass"
     subprocess.run(
         setpriv(uid) + [os.path.realpath(sys.executable), "-I", "-S", "-c", sweep],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={}, timeout=10, check=False,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={},
+        timeout=10,
+        check=False,
     )
 
 
@@ -116,8 +122,13 @@ def sweep_uid(uid: int, timeout: float = 3.0) -> None:
         if not left:
             return
         if time.monotonic() > deadline:
-            logger.warning("sandbox uid %d still has %d process(es) after %.0fs: %s",
-                           uid, len(left), timeout, ",".join(left[:8]))
+            logger.warning(
+                "sandbox uid %d still has %d process(es) after %.0fs: %s",
+                uid,
+                len(left),
+                timeout,
+                ",".join(left[:8]),
+            )
             return
         time.sleep(0.05)
 
@@ -144,6 +155,12 @@ def remove_files_of(uid: int) -> None:
 def setpriv(uid: int) -> List[str]:
     """Command prefix that execs as ``uid`` with no groups, no capabilities, no new privileges."""
     return [
-        "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-        "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
+        "/usr/bin/setpriv",
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--no-new-privs",
+        "--",
     ]

@@ -98,8 +98,9 @@ def tcp_server():
 
 
 def expect_fail(program, expected_output, mode, stdin=""):
-    ok = verify(fenced(program), {"inputs": [stdin], "outputs": [expected_output]},
-                limits=LIMITS, mode=mode)
+    ok = verify(
+        fenced(program), {"inputs": [stdin], "outputs": [expected_output]}, limits=LIMITS, mode=mode
+    )
     assert ok is False
 
 
@@ -111,9 +112,13 @@ def test_fork_bomb(mode, host_watch):
     )
     res = run_python(["{code}/p.py"], {"p.py": probe}, limits=LIMITS, mode=mode)
     if not res.ok or int(res.stdout) > LIMITS.max_processes - 1:
-        pytest.fail(f"process limit does not hold ({res.stdout!r} {res.stderr[-200:]!r}); "
-                    "not running the fork bomb")
-    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+        pytest.fail(
+            f"process limit does not hold ({res.stdout!r} {res.stderr[-200:]!r}); "
+            "not running the fork bomb"
+        )
+    bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    )
     expect_fail(bomb + "print('survived')", "survived", mode)
 
 

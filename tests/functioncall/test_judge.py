@@ -85,7 +85,9 @@ TWO_SUM = (
 def test_stdio_mode(mode):
     io = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
     assert verify(ADD, io, mode=mode) is True
-    assert verify(ADD, {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "13\n"]}, mode=mode) is False
+    assert (
+        verify(ADD, {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "13\n"]}, mode=mode) is False
+    )
     assert verify("no code here", io, mode=mode) is False
 
 
@@ -126,7 +128,8 @@ def test_total_timeout_stops_remaining_cases():
 def test_verify_batch_runs_concurrently_on_separate_uids():
     texts = [ADD, ADD.replace("a + b", "a - b"), ADD, TWO_SUM]
     ios = [{"inputs": ["2 3"], "outputs": ["5"]}] * 3 + [
-        {"fn_name": "twoSum", "inputs": [[[1, 2], 3]], "outputs": [[0, 1]]}]
+        {"fn_name": "twoSum", "inputs": [[[1, 2], 3]], "outputs": [[0, 1]]}
+    ]
     assert verify_batch(texts, ios, max_workers=3) == [True, False, True, True]
     with pytest.raises(ValueError, match="2 texts but 1"):
         verify_batch([ADD, ADD], [ios[0]])

@@ -79,8 +79,12 @@ def test_stdin_stdout_and_exit_code(mode):
 
 @pytest.mark.slow
 def test_wall_timeout_kills_and_reports(mode):
-    res = run_python(["{code}/p.py"], {"p.py": "while True: pass"},
-                     limits=SandboxLimits(wall_timeout_s=1), mode=mode)
+    res = run_python(
+        ["{code}/p.py"],
+        {"p.py": "while True: pass"},
+        limits=SandboxLimits(wall_timeout_s=1),
+        mode=mode,
+    )
     assert res.timed_out and not res.ok
     assert res.wall_s < 5
 

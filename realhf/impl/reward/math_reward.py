@@ -224,18 +224,26 @@ def verify_batch(
             fut.cancel()
             logger.warning(
                 "math verify timed out after %.1fs, counted as wrong: pred=%r golds=%r",
-                timeout, _short(pred), [_short(g) for g in golds],
+                timeout,
+                _short(pred),
+                [_short(g) for g in golds],
             )
         except BrokenProcessPool as e:
             # Workers cannot start or keep dying (e.g. the main module is not
             # import-safe under spawn): drop the pool so the next call retries.
-            logger.error("math verifier pool is broken (%s); it will be recreated on the next "
-                         "call. Items of this batch count as wrong.", e)
+            logger.error(
+                "math verifier pool is broken (%s); it will be recreated on the next "
+                "call. Items of this batch count as wrong.",
+                e,
+            )
             shutdown_pool()
         except Exception as e:  # worker died (memory, signal) or the grader raised
             logger.warning(
                 "math verify failed (%s: %s), counted as wrong: pred=%r golds=%r",
-                type(e).__name__, e, _short(pred), [_short(g) for g in golds],
+                type(e).__name__,
+                e,
+                _short(pred),
+                [_short(g) for g in golds],
             )
     return results
 

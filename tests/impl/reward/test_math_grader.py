@@ -17,12 +17,20 @@ from realhf.impl.reward.math_grader import (
 @pytest.mark.parametrize(
     "s, value",
     [
-        ("42", Fraction(42)), ("-0.5", Fraction(-1, 2)), ("1.5e3", Fraction(1500)),
-        (r"1.5\times10^{3}", Fraction(1500)), ("3/4", Fraction(3, 4)),
-        (r"\frac{3}{4}", Fraction(3, 4)), (r"-\frac{1}{2}", Fraction(-1, 2)),
-        (r"\frac{-1}{2}", Fraction(-1, 2)), (r"2\frac{1}{2}", Fraction(5, 2)),
+        ("42", Fraction(42)),
+        ("-0.5", Fraction(-1, 2)),
+        ("1.5e3", Fraction(1500)),
+        (r"1.5\times10^{3}", Fraction(1500)),
+        ("3/4", Fraction(3, 4)),
+        (r"\frac{3}{4}", Fraction(3, 4)),
+        (r"-\frac{1}{2}", Fraction(-1, 2)),
+        (r"\frac{-1}{2}", Fraction(-1, 2)),
+        (r"2\frac{1}{2}", Fraction(5, 2)),
         (r"\frac{0.5}{2}", Fraction(1, 4)),
-        (r"\sqrt{2}", None), ("x", None), (r"\frac{1}{0}", None), ("1e99999", None),
+        (r"\sqrt{2}", None),
+        ("x", None),
+        (r"\frac{1}{0}", None),
+        ("1e99999", None),
         ("1" * 5000, None),  # longer than any answer: not parsed
     ],
 )
@@ -41,13 +49,24 @@ def test_numbers_equal_tolerance_and_percent():
 
 def test_split_top_level_respects_nesting():
     assert split_top_level(r"\frac{1,2}{3},(4,5),\{6,7\},8") == [
-        r"\frac{1,2}{3}", "(4,5)", r"\{6,7\}", "8"]
+        r"\frac{1,2}{3}",
+        "(4,5)",
+        r"\{6,7\}",
+        "8",
+    ]
 
 
 @pytest.mark.parametrize(
     "s, kind",
-    [(r"\{1,2\}", "set"), ("(1,2]", "seq"), ("[1,2,3]", "seq"), ("1,2", "bare"),
-     ("(1)+(2)", None), ("5", None), ("(5)", None)],
+    [
+        (r"\{1,2\}", "set"),
+        ("(1,2]", "seq"),
+        ("[1,2,3]", "seq"),
+        ("1,2", "bare"),
+        ("(1)+(2)", None),
+        ("5", None),
+        ("(5)", None),
+    ],
 )
 def test_parse_sequence_kind(s, kind):
     got = parse_sequence(s)

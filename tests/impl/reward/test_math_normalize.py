@@ -96,8 +96,19 @@ def test_normalize_answer(raw, text, percent):
 
 @pytest.mark.parametrize(
     "answer, letter",
-    [("A", "A"), ("(B)", "B"), ("C)", "C"), (r"\text{(D)}", "D"), (r"\textbf{(E) } 7", "E"),
-     ("B) 12", "B"), ("A. 5", "A"), ("a", None), ("12", None), ("AB", None), ("x", None)],
+    [
+        ("A", "A"),
+        ("(B)", "B"),
+        ("C)", "C"),
+        (r"\text{(D)}", "D"),
+        (r"\textbf{(E) } 7", "E"),
+        ("B) 12", "B"),
+        ("A. 5", "A"),
+        ("a", None),
+        ("12", None),
+        ("AB", None),
+        ("x", None),
+    ],
 )
 def test_choice_letter(answer, letter):
     assert choice_letter(answer) == letter

@@ -36,8 +36,21 @@ def corpus_results():
 def test_corpus_is_large_and_covers_the_formats():
     assert len(ROWS) >= 200
     cats = {r["category"] for r in ROWS}
-    for needed in ("integer", "decimal", "fraction", "root", "interval", "set", "pi",
-                   "percent", "units", "equation", "choice", "matrix", "tuple"):
+    for needed in (
+        "integer",
+        "decimal",
+        "fraction",
+        "root",
+        "interval",
+        "set",
+        "pi",
+        "percent",
+        "units",
+        "equation",
+        "choice",
+        "matrix",
+        "tuple",
+    ):
         assert needed in cats
     assert len({r["id"] for r in ROWS}) == len(ROWS)
     assert any(r["expected"] for r in ROWS) and not all(r["expected"] for r in ROWS)
@@ -46,8 +59,16 @@ def test_corpus_is_large_and_covers_the_formats():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "row",
-    [pytest.param(r, id=r["id"], marks=pytest.mark.xfail(reason=KNOWN_MISSES[r["id"]], strict=True))
-     if r["id"] in KNOWN_MISSES else pytest.param(r, id=r["id"]) for r in ROWS],
+    [
+        (
+            pytest.param(
+                r, id=r["id"], marks=pytest.mark.xfail(reason=KNOWN_MISSES[r["id"]], strict=True)
+            )
+            if r["id"] in KNOWN_MISSES
+            else pytest.param(r, id=r["id"])
+        )
+        for r in ROWS
+    ],
 )
 def test_corpus_line(row, corpus_results):
     assert corpus_results[row["id"]] is row["expected"]
@@ -83,7 +104,9 @@ def test_timeout_counts_as_wrong_is_logged_and_pool_recovers(caplog):
     get_pool()
     verify(r"\boxed{\sqrt{2}}", [r"\boxed{\sqrt 2}"])  # workers up and warm
     t0 = time.monotonic()
-    got = verify_batch([SLOW_PRED, r"\boxed{\sqrt{8}}"], [[SLOW_GOLD], [r"\boxed{2\sqrt{2}}"]], timeout=1.0)
+    got = verify_batch(
+        [SLOW_PRED, r"\boxed{\sqrt{8}}"], [[SLOW_GOLD], [r"\boxed{2\sqrt{2}}"]], timeout=1.0
+    )
     elapsed = time.monotonic() - t0
     assert got == [False, True]
     assert elapsed < 4.0, f"the 1 s timeout took {elapsed:.1f}s"
@@ -94,17 +117,21 @@ def test_timeout_counts_as_wrong_is_logged_and_pool_recovers(caplog):
 
 @pytest.mark.slow
 def test_many_threads_share_the_pool():
-    items = [(r"\boxed{2\sqrt{3}}", [r"\boxed{\sqrt{12}}"], True),
-             (r"\boxed{(1,2]}", [r"\boxed{(1,2)}"], False),
-             (r"\boxed{x^2-1}", [r"\boxed{(x-1)(x+1)}"], True),
-             (r"\boxed{0.5}", [r"\boxed{\frac{1}{2}}"], True)] * 8
+    items = [
+        (r"\boxed{2\sqrt{3}}", [r"\boxed{\sqrt{12}}"], True),
+        (r"\boxed{(1,2]}", [r"\boxed{(1,2)}"], False),
+        (r"\boxed{x^2-1}", [r"\boxed{(x-1)(x+1)}"], True),
+        (r"\boxed{0.5}", [r"\boxed{\frac{1}{2}}"], True),
+    ] * 8
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         got = list(ex.map(lambda it: verify(it[0], it[1]), items))
     assert got == [it[2] for it in items]
 
 
 def _child_verifies(q):
-    q.put((verify(r"\boxed{\sqrt{8}}", [r"\boxed{2\sqrt{2}}"]), math_reward._pool_pid == os.getpid()))
+    q.put(
+        (verify(r"\boxed{\sqrt{8}}", [r"\boxed{2\sqrt{2}}"]), math_reward._pool_pid == os.getpid())
+    )
     shutdown_pool()
 
 
