@@ -394,23 +394,47 @@ class RequestClient:
             parts.append(f"{p.handle_name!r} from {p.handler}" if p else f"request {rid}")
         return "; ".join(parts)
 
+    def _try_collect(self, wanted: Sequence[str], raise_remote: bool) -> Optional[List[Reply]]:
+        """Receive what is queued; return the wanted replies if all have arrived."""
+        self._drain()
+        if raise_remote:
+            for r in wanted:
+                rep = self._replies.get(r)
+                if rep is not None and rep.error is not None:
+                    del self._replies[r]
+                    raise RemoteError(rep.error)
+        if all(r in self._replies for r in wanted):
+            return [self._replies.pop(r) for r in wanted]
+        return None
+
+    def _timeout(self, wanted: Sequence[str], timeout: float) -> StreamTimeout:
+        missing = self._describe(r for r in wanted if r not in self._replies)
+        return StreamTimeout(
+            f"Stream {self.stream_name!r}: no reply within {timeout:g}s for {missing}.",
+            waited_for=missing,
+        )
+
     def poll(self, request_id: str, timeout: Optional[float] = None) -> Reply:
         """The reply to ``request_id`` (waits up to ``timeout``; 0 = don't wait).
+
+        A reply carrying an error is returned, not raised (see :meth:`Reply.result`).
 
         Raises:
             NoMessage: ``timeout == 0`` and the reply has not arrived.
             StreamTimeout: no reply within ``timeout`` (names the handler).
         """
-        return self.gather([request_id], timeout=timeout, raise_remote=False, _nowait_raises=True)[
-            0
-        ]
+        if timeout == 0:
+            got = self._try_collect([request_id], raise_remote=False)
+            if got is None:
+                raise NoMessage(self._describe([request_id]))
+            return got[0]
+        return self.gather([request_id], timeout=timeout, raise_remote=False)[0]
 
     def gather(
         self,
         request_ids: Sequence[str],
         timeout: Optional[float] = None,
         raise_remote: bool = True,
-        _nowait_raises: bool = False,
     ) -> List[Reply]:
         """Wait for the replies to ``request_ids``; return them in that order.
 
@@ -422,32 +446,19 @@ class RequestClient:
         deadline = time.monotonic() + timeout
         wanted = list(request_ids)
         while True:
-            self._drain()
-            if raise_remote:
-                self._raise_first_error(wanted)
-            if all(r in self._replies for r in wanted):
-                return [self._replies.pop(r) for r in wanted]
+            got = self._try_collect(wanted, raise_remote)
+            if got is not None:
+                return got
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [r for r in wanted if r not in self._replies]
-                if timeout == 0 and _nowait_raises:
-                    raise NoMessage(self._describe(missing))
-                raise StreamTimeout(
-                    f"Stream {self.stream_name!r}: no reply within {timeout:g}s for "
-                    f"{self._describe(missing)}.",
-                    waited_for=self._describe(missing),
-                )
+                raise self._timeout(wanted, timeout)
             self._recv_once(min(left, 0.5))
 
-    def _raise_first_error(self, wanted: Sequence[str]) -> None:
-        for r in wanted:
-            rep = self._replies.get(r)
-            if rep is not None and rep.error is not None:
-                del self._replies[r]
-                raise RemoteError(rep.error)
-
     async def gather_async(
-        self, request_ids: Sequence[str], timeout: Optional[float] = None
+        self,
+        request_ids: Sequence[str],
+        timeout: Optional[float] = None,
+        raise_remote: bool = True,
     ) -> List[Reply]:
         """:meth:`gather` for asyncio callers: yields to the loop while waiting.
 
@@ -459,17 +470,11 @@ class RequestClient:
         wanted = list(request_ids)
         sleep = 0.001
         while True:
-            self._drain()
-            self._raise_first_error(wanted)
-            if all(r in self._replies for r in wanted):
-                return [self._replies.pop(r) for r in wanted]
+            got = self._try_collect(wanted, raise_remote)
+            if got is not None:
+                return got
             if time.monotonic() >= deadline:
-                missing = [r for r in wanted if r not in self._replies]
-                raise StreamTimeout(
-                    f"Stream {self.stream_name!r}: no reply within {timeout:g}s for "
-                    f"{self._describe(missing)}.",
-                    waited_for=self._describe(missing),
-                )
+                raise self._timeout(wanted, timeout)
             await asyncio.sleep(sleep)
             # Back off to 10 ms so an idle master does not spin.
             sleep = min(sleep * 2, 0.01)

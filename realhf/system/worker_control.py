@@ -7,7 +7,8 @@ keys), so a worker that dies mid-``configure`` is reported at once.
 
 :class:`Controller` runs an :class:`~realhf.api.core.system_api.ExperimentConfig`:
 
-1. publish its own status (workers exit when it disappears);
+1. publish its own status (workers exit when it disappears) and
+   ``names.experiment_status`` = RUNNING (COMPLETE or ABORTED at the end);
 2. connect to every worker;
 3. ``configure`` worker types in ``configure_order`` (all workers of one type
    at once), sending each its ``WorkerInformation`` and config;
@@ -50,7 +51,20 @@ from realhf.system.worker_base import (
 
 logger = logging.getLogger("controller", "system")
 
-__all__ = ["WorkerControlPanel", "Controller", "RunSummary", "WorkerLost"]
+__all__ = [
+    "WorkerControlPanel",
+    "Controller",
+    "RunSummary",
+    "WorkerLost",
+    "EXPERIMENT_RUNNING",
+    "EXPERIMENT_COMPLETE",
+    "EXPERIMENT_ABORTED",
+]
+
+# Values of ``names.experiment_status`` written by the controller.
+EXPERIMENT_RUNNING = "RUNNING"
+EXPERIMENT_COMPLETE = "COMPLETE"
+EXPERIMENT_ABORTED = "ABORTED"
 
 
 class WorkerLost(ConnectionError):
@@ -283,6 +297,8 @@ class Controller:
         )
         worker_names = experiment.worker_names()
         t0 = time.monotonic()
+        self._set_experiment_status(EXPERIMENT_RUNNING)
+        outcome = EXPERIMENT_ABORTED
         try:
             self._panel = WorkerControlPanel(
                 self.experiment_name,
@@ -295,6 +311,7 @@ class Controller:
             self._panel.request("start", timeout=self.command_timeout)
             logger.info(f"started {len(worker_names)} workers")
             statuses = self._watch(experiment, worker_names, timeout, t0)
+            outcome = EXPERIMENT_COMPLETE
             return RunSummary(
                 self.experiment_name,
                 self.trial_name,
@@ -306,11 +323,22 @@ class Controller:
         except (RemoteError, WorkerLost, StreamTimeout) as e:
             raise self._failure_from(e, worker_names) from None
         finally:
+            self._set_experiment_status(outcome)
             self._shutdown()
             try:
                 name_resolve.delete(self._status_key())
             except Exception:
                 pass
+
+    def _set_experiment_status(self, status: str) -> None:
+        # Kept after exit so launchers (and recovery) can tell a finished run
+        # from an aborted one; launch_experiment clears the trial's keys.
+        name_resolve.add(
+            names.experiment_status(self.experiment_name, self.trial_name),
+            status,
+            replace=True,
+            delete_on_exit=False,
+        )
 
     def _configure_all(self, experiment: ExperimentConfig) -> None:
         for wtype in experiment.ordered_types:

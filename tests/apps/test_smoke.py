@@ -55,10 +55,12 @@ def test_demo_over_file_name_resolve(tmp_path, no_leftover_processes):
         "smoke_model_1.log",
         "smoke_producer_0.log",
     ]
-    # Every key of the trial was removed by its owner on exit.
+    # Every key of the trial was removed by its owner on exit, except the outcome.
     repo = name_resolve.make_repository("file", root=str(tmp_path / "name_resolve"))
     try:
-        assert repo.find_subtree(names.trial_root("smoke", "demo")) == []
+        status_key = names.experiment_status("smoke", "demo")
+        assert repo.find_subtree(names.trial_root("smoke", "demo")) == [status_key]
+        assert repo.get(status_key) == "COMPLETE"
     finally:
         repo.close()
     no_leftover_processes()

@@ -110,8 +110,9 @@ def test_successful_run_configures_in_order_and_exits_everyone(trial):
     assert summary.configure_order == ["servers", "trainers"]
     assert set(summary.statuses.values()) == {"COMPLETED"}
     assert fleet.join() == {"servers/0": 0, "trainers/0": 0, "trainers/1": 0}
-    # The controller withdrew its own status.
+    # The controller withdrew its own status and recorded the outcome.
     assert read_status(EXP, trial, "controller/0") == WorkerStatus.LOST
+    assert name_resolve.get(names.experiment_status(EXP, trial)) == "COMPLETE"
 
 
 def test_error_in_poll_is_reported_with_traceback_and_others_stopped(trial):
@@ -127,6 +128,7 @@ def test_error_in_poll_is_reported_with_traceback_and_others_stopped(trial):
     assert "Traceback" in err.failures["trainers/1"]
     codes = fleet.join()
     assert codes["trainers/1"] == 1 and codes["servers/0"] == 0
+    assert name_resolve.get(names.experiment_status(EXP, trial)) == "ABORTED"
 
 
 def test_configure_error_stops_before_start(trial):
