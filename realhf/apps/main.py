@@ -4,11 +4,10 @@
 
 1. resolve names and paths, create ``{fileroot}/{experiment}/{trial}/`` and save the
    resolved config there as ``config.yaml``;
-2. clear the trial's name-resolve keys (stale keys of an earlier run would mislead);
-3. compile the config into workers and launch them with the local scheduler;
-4. on a failure with ``recover_mode=auto``, relaunch up to ``recover_retries`` times —
+2. compile the config into workers and launch them with the local scheduler;
+3. on a failure with ``recover_mode=auto``, relaunch up to ``recover_retries`` times —
    the workers resume from the last complete recover checkpoint in the run directory;
-5. at the end, plot the metrics curve to ``{run_dir}/curve.png``.
+4. at the end, plot the metrics curve to ``{run_dir}/curve.png``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from typing import Optional
 
 from realhf.api.quickstart.cli import to_yaml
 from realhf.api.quickstart.entrypoint import get_quickstart_exp
-from realhf.base import constants, logging, name_resolve, names
+from realhf.base import constants, logging
 from realhf.scheduler.local import JobFailure, launch_experiment
 
 logger = logging.getLogger("main")
@@ -39,14 +38,6 @@ def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
     return experiment, cfg.trial_name, fileroot, spec
 
 
-def _clear_trial(spec: str, experiment: str, trial: str) -> None:
-    repo = name_resolve.from_spec(spec)
-    try:
-        repo.clear_subtree(names.trial_root(experiment, trial))
-    finally:
-        repo.close()
-
-
 def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     """Run quickstart experiment `name` with config `cfg`; return a process exit code."""
     qs = get_quickstart_exp(name)
@@ -58,7 +49,6 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     attempts = 1 + (cfg.recover_retries if cfg.recover_mode == "auto" else 0)
     t0 = time.monotonic()
     for attempt in range(attempts):
-        _clear_trial(spec, experiment, trial)
         experiment_cfg = qs.build(cfg)
         logger.info(
             f"{name}: launching {len(experiment_cfg.worker_names()) + 1} processes "
