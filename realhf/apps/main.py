@@ -49,7 +49,11 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     attempts = 1 + (cfg.recover_retries if cfg.recover_mode == "auto" else 0)
     t0 = time.monotonic()
     for attempt in range(attempts):
-        experiment_cfg = qs.build(cfg)
+        try:
+            experiment_cfg = qs.build(cfg)
+        except (ValueError, FileNotFoundError) as e:  # bad paths, rows, allocation: the user's to fix
+            print(f"{name}: {e}", file=sys.stderr)
+            return 2
         logger.info(
             f"{name}: launching {len(experiment_cfg.worker_names()) + 1} processes "
             f"(attempt {attempt + 1}/{attempts}); run dir {run_dir}"

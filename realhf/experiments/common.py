@@ -58,7 +58,7 @@ def allocation(cfg: BaseExperimentConfig, decoupled: Optional[bool] = None) -> A
     try:
         alloc = parse_allocation_mode(cfg.allocation_mode)
         alloc.check_supported()
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         raise ExperimentSetupError(f"allocation_mode: {e}") from None
     if decoupled is False and alloc.is_decoupled:
         raise ExperimentSetupError(
