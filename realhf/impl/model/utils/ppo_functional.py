@@ -118,13 +118,9 @@ def compute_gae(
         raise ValueError(
             f"values must be [T' + B] = [{rewards.shape[0] + bsz}], got {tuple(values.shape)}"
         )
+    # The kernel computes float16/bfloat16 in float32 and returns rewards' dtype.
     return gae_packed(
-        rewards.float(),
-        values.float(),
-        short1cu_seqlens.int(),
-        seq_no_eos_mask.bool(),
-        float(gamma),
-        float(lam),
+        rewards, values, short1cu_seqlens, seq_no_eos_mask.bool(), float(gamma), float(lam)
     )
 
 

@@ -34,9 +34,6 @@ def test_packed_rewards_kl_and_terminal_score():
 
 
 def test_gae_two_sequences_one_truncated():
-    pytest.importorskip(
-        "realhf.impl.kernels", reason="realhf.impl.kernels (gae_packed) has not landed yet"
-    )
     # seq A ends with EOS: rewards [1, 2], values [0.5, 1, 3]; gamma 0.9, lam 0.8 (gamma*lam = 0.72)
     #   t=1: delta = 2 + 0 - 1 = 1            A1 = 1
     #   t=0: delta = 1 + 0.9*1 - 0.5 = 1.4    A0 = 1.4 + 0.72*1 = 2.12
@@ -51,6 +48,10 @@ def test_gae_two_sequences_one_truncated():
     )
     assert adv.tolist() == pytest.approx([2.12, 1.0, 2.30944, 1.402, 4.1], abs=1e-5)
     assert ret.tolist() == pytest.approx([2.62, 2.0, 3.30944, 3.402, 4.6], abs=1e-5)
+    adv64, _ = F.compute_gae(
+        rewards.double(), values.double(), torch.tensor([0, 2, 5]), torch.tensor([0, 1]), 0.9, 0.8
+    )
+    assert adv64.dtype == torch.float64 and adv64.tolist() == pytest.approx(adv.tolist(), abs=1e-5)
     with pytest.raises(ValueError, match=r"values must be \[T' \+ B\] = \[7\]"):
         F.compute_gae(
             rewards, values[:6], torch.tensor([0, 2, 5]), torch.tensor([False, True]), 0.9, 0.8
