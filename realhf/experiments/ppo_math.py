@@ -1,0 +1,193 @@
+"""Synchronous PPO / GRPO on math prompts with the verifier's reward.
+
+    python -m realhf.apps.quickstart ppo-math                    # embedded tiny model + data
+    python -m realhf.apps.quickstart ppo-math ppo.kl_ctl=0.05 ppo.disable_value=false
+
+The dataflow graph (MFCs), pruned by the options:
+
+    actor_gen ─┬─ rew_inf ────┐
+               ├─ ref_inf ────┤   (kl_ctl > 0)
+               ├─ critic_inf ─┤   (unless disable_value)
+               ├─ actor_inf ──┤   (recompute_logprob: proximal log-probs)
+               └──────────────┴─ actor_train, critic_train
+
+The defaults are GRPO for the embedded tiny task (no critic, no KL, group-normalised
+advantages over ``group_size`` answers per prompt, one optimizer step per batch), the
+setting ../shared/reference/tiny_task_notes.md found to learn on 2 CPU cores.
+The reward MFC runs on the actor's model role: it only needs the tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+
+from realhf.api.cli_args import BaseExperimentConfig, ExperimentControlConfig, MicroBatchConfig, ModelConfig, OptimizerConfig
+from realhf.api.core.config import DatasetAbstraction, InterfaceAbstraction
+from realhf.api.core.data_api import MicroBatchSpec
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.model_api import FinetuneSpec, GenerationHyperparameters
+from realhf.api.core.system_api import ExperimentConfig
+from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
+from realhf.api.quickstart.entrypoint import register_quickstart_exp
+from realhf.experiments import common
+from realhf.impl.dataset.jsonl import DatasetError
+from realhf.impl.dataset.math_dataset import MathPromptDataset
+from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+
+GEN_KEYS = ("packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version_start", "version_end")
+
+
+@dataclasses.dataclass
+class MathDatasetConfig:
+    path: str = field(default="", metadata={"help": "math jsonl ({query_id, prompt, task, solutions}); empty = embedded tiny data"})
+    eval_path: str = field(default="", metadata={"help": "held-out math jsonl for greedy accuracy; empty = embedded eval split"})
+    max_prompt_len: int = field(default=1024, metadata={"help": "drop prompts longer than this many tokens"})
+    eval_max_new_tokens: int = field(default=16, metadata={"help": "most tokens of a greedy eval answer"})
+
+
+def _tiny_ppo() -> PPOHyperparameters:
+    return PPOHyperparameters(
+        group_size=8,
+        ppo_n_minibatches=1,
+        kl_ctl=0.0,
+        disable_value=True,
+        group_adv_norm=True,
+        gen=GenerationHyperparameters(max_new_tokens=16, temperature=1.0),
+    )
+
+
+@dataclasses.dataclass
+class PPOMathConfig(BaseExperimentConfig):
+    """PPO / GRPO on math prompts, rewarded by the math verifier (sync generate → train)."""
+
+    actor: ModelConfig = field(
+        default_factory=lambda: ModelConfig(optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0))
+    )
+    critic: ModelConfig = field(
+        default_factory=lambda: ModelConfig(optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0))
+    )
+    ref: ModelConfig = field(default_factory=ModelConfig)
+    dataset: MathDatasetConfig = field(default_factory=MathDatasetConfig)
+    train_batch_size: int = field(default=32, metadata={"help": "prompts per step (each with group_size answers)"})
+    ppo: PPOHyperparameters = field(default_factory=_tiny_ppo)
+    mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
+    exp_ctrl: ExperimentControlConfig = field(
+        default_factory=lambda: ExperimentControlConfig(benchmark_steps=60, eval_freq_steps=10)
+    )
+    eval: bool = field(default=True, metadata={"help": "measure greedy accuracy on the eval split at exp_ctrl.eval_freq_*"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.train_batch_size < 1:
+            raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
+
+
+def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = True) -> list:
+    """The MFCs of PPO for `cfg` (without actor_gen for async PPO)."""
+    hp = dataclasses.replace(cfg.ppo, seed=cfg.seed)  # one seed for the whole run
+    n = cfg.train_batch_size
+    actor = InterfaceAbstraction("ppo_actor", {"hparams": hp})
+    train_keys = ["packed_input_ids", "prompt_mask", "packed_logprobs", "rewards", "seq_no_eos_mask"]
+    mfcs = []
+    if include_gen:
+        mfcs.append(MFCDef(name="actor_gen", model_name="actor", interface_type="generate", interface_impl=actor,
+                           n_seqs=n, input_keys=("packed_prompts",), output_keys=GEN_KEYS, mb_spec=mb_spec))
+        mfcs.append(MFCDef(
+            name="rew_inf", model_name="actor", interface_type="inference",
+            interface_impl=InterfaceAbstraction("math_reward", {
+                "output_scaling": hp.reward_output_scaling, "output_bias": hp.reward_output_bias}),
+            n_seqs=n, input_keys=("packed_input_ids", "prompt_mask"), output_keys=("rewards",), mb_spec=mb_spec))
+    if hp.kl_ctl > 0:
+        mfcs.append(MFCDef(name="ref_inf", model_name="ref", interface_type="inference", interface_impl=actor,
+                           n_seqs=n, input_keys=("packed_input_ids",), output_keys=("packed_ref_logprobs",),
+                           output_key_remap={"logprobs": "packed_ref_logprobs"}, mb_spec=mb_spec))
+        train_keys.append("packed_ref_logprobs")
+    if hp.recompute_logprob or hp.use_decoupled_loss:
+        mfcs.append(MFCDef(name="actor_inf", model_name="actor", interface_type="inference", interface_impl=actor,
+                           n_seqs=n, input_keys=("packed_input_ids",), output_keys=("proximal_logprobs",),
+                           output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=mb_spec))
+        train_keys.append("proximal_logprobs")
+    if not hp.disable_value:
+        critic = InterfaceAbstraction("ppo_critic", {"hparams": hp})
+        mfcs.append(MFCDef(name="critic_inf", model_name="critic", interface_type="inference", interface_impl=critic,
+                           n_seqs=n, input_keys=("packed_input_ids", "seq_no_eos_mask"), output_keys=("values",),
+                           mb_spec=mb_spec))
+        train_keys.append("values")
+        mfcs.append(MFCDef(name="critic_train", model_name="critic", interface_type="train_step",
+                           interface_impl=critic, n_seqs=n, input_keys=tuple(train_keys), mb_spec=mb_spec,
+                           log_return_value=True))
+    mfcs.append(MFCDef(name="actor_train", model_name="actor", interface_type="train_step", interface_impl=actor,
+                       n_seqs=n, input_keys=tuple(train_keys), mb_spec=mb_spec, log_return_value=True))
+    return mfcs
+
+
+def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = False) -> list:
+    """Model roles of PPO: actor (trained), ref (kl_ctl > 0), critic (unless disable_value)."""
+    specs = [common.model_spec("actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights)]
+    if cfg.ppo.kl_ctl > 0:
+        specs.append(common.model_spec("ref", cfg.ref, common.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
+                                       trainable=False))
+    if not cfg.ppo.disable_value:
+        critic_path = common.model_path(cfg.critic, "critic") if cfg.critic.path else actor_path
+        specs.append(common.model_spec("critic", cfg.critic, critic_path, trainable=True, is_critic=True))
+    return specs
+
+
+def checked_math_data(cfg: PPOMathConfig, tokenizer) -> tuple:
+    """(train path, eval path, train size), loading both files once to fail early."""
+    train = common.data_path(cfg.dataset.path, common.TINY_TRAIN, "dataset.path")
+    eval_ = common.data_path(cfg.dataset.eval_path, common.TINY_EVAL, "dataset.eval_path")
+    try:
+        size = len(MathPromptDataset(train, tokenizer, max_prompt_len=cfg.dataset.max_prompt_len))
+        if cfg.eval:
+            MathPromptDataset(eval_, tokenizer, max_prompt_len=cfg.dataset.max_prompt_len)
+    except DatasetError as e:
+        raise common.ExperimentSetupError(str(e)) from None
+    return train, eval_, size
+
+
+def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
+    """Compile a PPOMathConfig into one master and `data`-parallel model workers."""
+    alloc = common.allocation(cfg, decoupled=False)
+    n_workers = alloc.train.data
+    actor_path = common.model_path(cfg.actor, "actor")
+    tok = common.load_tokenizer(actor_path)
+    train, eval_, size = checked_math_data(cfg, tok)
+    ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
+    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mfcs = ppo_mfcs(cfg, mb_spec)
+    data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
+    worker = ModelWorkerConfig(
+        seed=cfg.seed,
+        models=model_specs(cfg, actor_path),
+        mfcs=mfcs,
+        dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
+        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args)) if cfg.eval else None,
+        evaluation=EvalSpec(role="actor", interface_impl=InterfaceAbstraction(
+            "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens})) if cfg.eval else None,
+        tokenizer_path=actor_path,
+        dataset_batch_size=cfg.train_batch_size,
+        timeout=cfg.worker_timeout,
+        ft_spec=ft_spec,
+        imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
+    )
+    master = MasterWorkerConfig(
+        seed=cfg.seed,
+        mfcs=mfcs,
+        exp_ctrl=cfg.exp_ctrl,
+        n_model_workers=n_workers,
+        train_batch_size=cfg.train_batch_size,
+        ft_spec=ft_spec,
+        timeout=cfg.worker_timeout,
+        recover_mode=cfg.recover_mode,
+        log_stats_keys=("reward", "accuracy", "greedy_acc"),
+        eval=cfg.eval,
+    )
+    return ExperimentConfig(
+        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
+        completion_types=("master_worker",),
+    )
+
+
+register_quickstart_exp("ppo-math", PPOMathConfig, build_ppo_math)

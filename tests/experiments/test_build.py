@@ -1,0 +1,74 @@
+"""Experiment builders: the DAG each option set compiles to, and early errors."""
+
+import pytest
+
+from realhf.api.core.dfg import build_graph
+from realhf.api.quickstart.cli import parse_config
+from realhf.experiments import common
+from realhf.experiments.ppo_math import PPOMathConfig, build_ppo_math
+from realhf.experiments.sft import SFTConfig, build_sft
+
+
+@pytest.fixture(scope="module")
+def init_model(tmp_path_factory):
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("init") / "m"
+    subprocess.run([sys.executable, "examples/tiny/make_model.py", "--out", str(out)], check=True,
+                   capture_output=True)
+    return str(out)
+
+
+def _mfc_names(exp):
+    return sorted(m.name for m in exp.workers["master_worker"][0].mfcs)
+
+
+def test_default_ppo_is_grpo_without_critic_or_ref(init_model):
+    exp = build_ppo_math(parse_config(PPOMathConfig, [f"actor.path={init_model}"]))
+    assert _mfc_names(exp) == ["actor_gen", "actor_train", "rew_inf"]
+    roles = [m.role for m in exp.workers["model_worker"][0].models]
+    assert roles == ["actor"]
+
+
+def test_full_ppo_graph(init_model):
+    cfg = parse_config(PPOMathConfig, [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "ppo.disable_value=false",
+                                       "ppo.use_decoupled_loss=true", "allocation_mode=d2p1m1"])
+    exp = build_ppo_math(cfg)
+    assert _mfc_names(exp) == ["actor_gen", "actor_inf", "actor_train", "critic_inf", "critic_train", "ref_inf", "rew_inf"]
+    assert len(exp.workers["model_worker"]) == 2
+    g = build_graph(exp.workers["master_worker"][0].mfcs)
+    assert g.dataset_keys == {"packed_prompts"} or set(g.dataset_keys) == {"packed_prompts"}
+    train = next(m for m in exp.workers["master_worker"][0].mfcs if m.name == "actor_train")
+    assert {"packed_ref_logprobs", "values", "proximal_logprobs", "rewards"} <= set(train.input_keys)
+
+
+def test_sft_single_mfc(init_model):
+    exp = build_sft(parse_config(SFTConfig, [f"model.path={init_model}"]))
+    assert _mfc_names(exp) == ["trainDefault"]
+    assert exp.workers["master_worker"][0].ft_spec.dataset_size == 4200
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["model.path=/no/such/dir"], "model directory '/no/such/dir' does not exist"),
+        (["dataset.path=/no/such.jsonl"], "dataset file '/no/such.jsonl' does not exist"),
+        (["allocation_mode=d1p2m1"], "not yet supported"),
+        (["allocation_mode=banana"], "allocation_mode"),
+        (["allocation_mode=gen.d1p1m1+d1p1m1"], "has generation servers"),
+    ],
+)
+def test_sft_setup_errors(init_model, args, needle):
+    args = [a if "model.path" in a else a for a in args]
+    if not any(a.startswith("model.path") for a in args):
+        args = [f"model.path={init_model}"] + args
+    with pytest.raises(common.ExperimentSetupError, match=needle):
+        build_sft(parse_config(SFTConfig, args))
+
+
+def test_malformed_dataset_row_named(init_model, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query_id": "a", "prompt": "x", "solutions": ["1"]}\n{"query_id": "b"}\n')
+    with pytest.raises(common.ExperimentSetupError, match=r"bad.jsonl:2: missing field 'prompt'"):
+        build_ppo_math(parse_config(PPOMathConfig, [f"actor.path={init_model}", f"dataset.path={bad}"]))
