@@ -1,0 +1,380 @@
+"""Configs of the DAG workers: the master worker and the model workers.
+
+An experiment (``realhf.experiments``) compiles to one :class:`MasterWorkerConfig` and
+``n_model_workers`` :class:`ModelWorkerConfig` s (worker type ``master_worker`` /
+``model_worker``).  In this milestone every model worker hosts *every* model role as
+data-parallel rank ``worker_index`` of that role (no tensor/pipeline parallelism), so all
+model workers get the same config; each learns its index from its ``WorkerInformation``.
+
+All configs are frozen dataclasses that check themselves on construction and raise
+``ValueError`` naming the field, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence, Tuple
+
+from realhf.api.cli_args import DTYPES, RECOVER_MODES, ExperimentControlConfig, OptimizerConfig
+from realhf.api.core.config import DatasetAbstraction, InterfaceAbstraction
+from realhf.api.core.data_api import MicroBatchSpec
+from realhf.api.core.dfg import MFCDef, build_graph
+from realhf.api.core.model_api import FinetuneSpec
+
+__all__ = ["ModelSpec", "EvalSpec", "ModelWorkerConfig", "MasterWorkerConfig", "call_sizes"]
+
+
+def _bad(cls: str, field: str, value, fix: str) -> ValueError:
+    return ValueError(f"{cls}.{field}={value!r}: {fix}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_pos_number(cls: str, field: str, v) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+        raise _bad(cls, field, v, "use a number of seconds > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """One model role, hosted on every model worker (DP rank = worker index).
+
+    Attributes:
+        role: the role name MFCs refer to (``actor``, ``critic``, ``ref``...).
+        path: HuggingFace directory the weights are loaded from (``ReaLModel.from_hf``).
+        dtype: parameter dtype, one of ``float32``, ``bfloat16``, ``float16``.
+        is_critic: load with a scalar value head instead of the LM head.
+        trainable: wrap in a ``TrainEngine`` (AdamW); MFCs of type ``train_step`` need it.
+        optimizer: AdamW / LR schedule settings of a trainable role (None: defaults).
+            Must stay None for a role that is not trainable.
+        gradient_checkpointing: recompute activations in backward.
+        publish_weights: after each ``train_step`` of this role write an HF directory to
+            ``constants.weight_publication_dir(role, version)`` and set
+            ``names.model_version(exp, trial, role)`` (for generation servers).
+    """
+
+    role: str
+    path: str
+    dtype: str = "float32"
+    is_critic: bool = False
+    trainable: bool = False
+    optimizer: Optional[OptimizerConfig] = None
+    gradient_checkpointing: bool = False
+    publish_weights: bool = False
+
+    def __post_init__(self):
+        c = "ModelSpec"
+        if not isinstance(self.role, str) or not self.role or any(ch in self.role for ch in "/@ "):
+            raise _bad(
+                c,
+                "role",
+                self.role,
+                "use a non-empty name without '/', '@' or spaces, e.g. 'actor'",
+            )
+        if not isinstance(self.path, str) or not self.path:
+            raise _bad(
+                c, "path", self.path, f"give the HuggingFace directory of role {self.role!r}"
+            )
+        if self.dtype not in DTYPES:
+            raise _bad(c, "dtype", self.dtype, f"use one of {DTYPES}")
+        for f in ("is_critic", "trainable", "gradient_checkpointing", "publish_weights"):
+            if not isinstance(getattr(self, f), bool):
+                raise _bad(c, f, getattr(self, f), "use true or false")
+        if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
+            raise _bad(c, "optimizer", self.optimizer, "use an OptimizerConfig or None")
+        if not self.trainable and self.optimizer is not None:
+            raise _bad(
+                c,
+                "optimizer",
+                self.optimizer,
+                f"role {self.role!r} is not trainable; set trainable=True or drop the optimizer",
+            )
+        if self.publish_weights and not self.trainable:
+            raise _bad(
+                c,
+                "publish_weights",
+                True,
+                f"only a trainable role publishes weights; role {self.role!r} is not",
+            )
+
+    @property
+    def optimizer_config(self) -> OptimizerConfig:
+        """The optimizer of a trainable role (defaults when ``optimizer`` is None)."""
+        return self.optimizer if self.optimizer is not None else OptimizerConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """What ``evaluate`` runs on each model worker: ``interface.evaluate`` of one role.
+
+    The interface's ``evaluate(model, data, mb_spec)`` receives this worker's shard of the
+    eval dataset (all items gathered in one ``SequenceSample``) and returns a dict of
+    numbers that are *means over those items*; the worker combines the ranks by an
+    item-weighted average, so every rank reports the global mean.
+    """
+
+    role: str
+    interface_impl: InterfaceAbstraction
+    mb_spec: MicroBatchSpec = dataclasses.field(default_factory=MicroBatchSpec)
+
+    def __post_init__(self):
+        if isinstance(self.interface_impl, str):
+            object.__setattr__(self, "interface_impl", InterfaceAbstraction(self.interface_impl))
+        if not isinstance(self.interface_impl, InterfaceAbstraction):
+            raise _bad(
+                "EvalSpec",
+                "interface_impl",
+                self.interface_impl,
+                "use an InterfaceAbstraction or a registered name",
+            )
+        if not isinstance(self.mb_spec, MicroBatchSpec):
+            raise _bad("EvalSpec", "mb_spec", self.mb_spec, "use a MicroBatchSpec")
+
+
+def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
+    mfcs = tuple(mfcs)
+    if not mfcs or not all(isinstance(m, MFCDef) for m in mfcs):
+        raise _bad(cls, "mfcs", mfcs, "give a non-empty list of MFCDef")
+    build_graph(mfcs)  # raises DFGError naming a cycle / double producer
+    for m in mfcs:
+        if m.model_name.replica_id != 0:
+            raise _bad(
+                cls,
+                "mfcs",
+                m.name,
+                f"MFC {m.name!r} uses replica {m.model_name.replica_id} of role {m.role!r}; this "
+                "version hosts one replica per role (parameter reallocation comes later): use replica 0",
+            )
+        if m.is_train and m.output_keys:
+            raise _bad(
+                cls,
+                "mfcs",
+                m.name,
+                f"train_step MFC {m.name!r} lists output_keys {list(m.output_keys)}; a train_step returns "
+                "statistics, not data: drop the output keys",
+            )
+    return mfcs
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelWorkerConfig:
+    """Config of one model worker (the same for every index).
+
+    Attributes:
+        seed: experiment seed; per-call randomness derives from (seed, MFC, global step),
+            the data order from (seed, epoch).
+        models: the roles this worker hosts.
+        mfcs: the dataflow graph (the worker runs the MFCs the master names).
+        dataset: the training dataset; worker i loads shard i of ``n`` (its ``dp_rank``).
+        eval_dataset: the held-out dataset ``evaluate`` runs on (sharded the same way).
+        evaluation: which role/interface ``evaluate`` runs (needs ``eval_dataset``).
+        tokenizer_path: HF tokenizer directory (empty: no tokenizer; datasets that need one fail).
+        dataset_batch_size: most items one ``fetch`` call returns (per worker).
+        timeout: seconds any blocking wait may take (process-group setup, data transfer).
+        ft_spec: the planned run length; the master's ``initialize`` sends the one measured
+            from the loaded datasets, which replaces it.
+        imports: modules imported on configure (they register interfaces/datasets).
+        torch_num_threads: intra-op threads of this process (None: torch's default).
+    """
+
+    seed: int
+    models: Sequence[ModelSpec]
+    mfcs: Sequence[MFCDef]
+    dataset: Optional[DatasetAbstraction]
+    ft_spec: FinetuneSpec
+    eval_dataset: Optional[DatasetAbstraction] = None
+    evaluation: Optional[EvalSpec] = None
+    tokenizer_path: str = ""
+    dataset_batch_size: int = 64
+    timeout: float = 600.0
+    imports: Sequence[str] = ()
+    torch_num_threads: Optional[int] = None
+
+    def __post_init__(self):
+        c = "ModelWorkerConfig"
+        if not _is_int(self.seed) or self.seed < 0:
+            raise _bad(c, "seed", self.seed, "use an integer >= 0")
+        models = tuple(self.models)
+        if not models or not all(isinstance(m, ModelSpec) for m in models):
+            raise _bad(c, "models", self.models, "give a non-empty list of ModelSpec")
+        roles = [m.role for m in models]
+        dup = sorted({r for r in roles if roles.count(r) > 1})
+        if dup:
+            raise _bad(c, "models", dup, "each role may appear once")
+        object.__setattr__(self, "models", models)
+        mfcs = _check_mfcs(c, self.mfcs)
+        object.__setattr__(self, "mfcs", mfcs)
+        by_role = {m.role: m for m in models}
+        for m in mfcs:
+            if m.role not in by_role:
+                raise _bad(
+                    c,
+                    "mfcs",
+                    m.name,
+                    f"MFC {m.name!r} runs on role {m.role!r}, which is not in models {roles}",
+                )
+            if m.is_train and not by_role[m.role].trainable:
+                raise _bad(
+                    c,
+                    "models",
+                    m.role,
+                    f"MFC {m.name!r} trains role {m.role!r}; set ModelSpec(role={m.role!r}, trainable=True)",
+                )
+        for f in ("dataset", "eval_dataset"):
+            v = getattr(self, f)
+            if v is not None and not isinstance(v, DatasetAbstraction):
+                raise _bad(c, f, v, "use a DatasetAbstraction or None")
+        if self.evaluation is not None:
+            if not isinstance(self.evaluation, EvalSpec):
+                raise _bad(c, "evaluation", self.evaluation, "use an EvalSpec or None")
+            if self.evaluation.role not in by_role:
+                raise _bad(
+                    c, "evaluation", self.evaluation.role, f"evaluate a role in models {roles}"
+                )
+            if self.eval_dataset is None:
+                raise _bad(c, "eval_dataset", None, "evaluation needs an eval_dataset")
+        if not isinstance(self.ft_spec, FinetuneSpec):
+            raise _bad(c, "ft_spec", self.ft_spec, "use a FinetuneSpec")
+        if not isinstance(self.tokenizer_path, str):
+            raise _bad(c, "tokenizer_path", self.tokenizer_path, "use a directory path or ''")
+        if not _is_int(self.dataset_batch_size) or self.dataset_batch_size < 1:
+            raise _bad(c, "dataset_batch_size", self.dataset_batch_size, "use an integer >= 1")
+        _check_pos_number(c, "timeout", self.timeout)
+        imports = tuple(self.imports)
+        if not all(isinstance(x, str) and x for x in imports):
+            raise _bad(c, "imports", self.imports, "give module names as strings")
+        object.__setattr__(self, "imports", imports)
+        if self.torch_num_threads is not None and (
+            not _is_int(self.torch_num_threads) or self.torch_num_threads < 1
+        ):
+            raise _bad(
+                c, "torch_num_threads", self.torch_num_threads, "use an integer >= 1 or None"
+            )
+
+    def model_spec(self, role: str) -> ModelSpec:
+        """The :class:`ModelSpec` of ``role``."""
+        for m in self.models:
+            if m.role == role:
+                return m
+        raise KeyError(f"no model role {role!r}; roles: {[m.role for m in self.models]}")
+
+
+def call_sizes(step_items: int, n_seqs: int) -> list:
+    """How many items each call of an MFC with ``n_seqs`` gets in a step of ``step_items``.
+
+    A step's items go through every MFC in calls of ``n_seqs`` items, oldest first; the
+    last call takes what is left.
+    """
+    full, rest = divmod(step_items, n_seqs)
+    return [n_seqs] * full + ([rest] if rest else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterWorkerConfig:
+    """Config of the master worker.
+
+    Attributes:
+        seed: experiment seed (checked against a recover checkpoint).
+        mfcs: the dataflow graph; the same list the model workers got.
+        exp_ctrl: run length and save / recover-checkpoint / eval frequencies.
+        n_model_workers: how many model workers (= data-parallel degree).
+        train_batch_size: items per training step (the last step of an epoch may hold fewer).
+        ft_spec: the planned run length (the dataset size is re-measured on start).
+        timeout: seconds to wait for any model-worker reply before failing, naming them.
+        recover_mode: ``disabled``; ``auto`` (resume from the latest complete recover
+            checkpoint if there is one); ``resume`` (there must be one).
+        recover_dir: root of recover checkpoints; None: ``{run_dir}/checkpoints/recover``.
+        max_recover_checkpoints: complete recover checkpoints kept (older ones are deleted).
+        log_stats_keys: substrings of stats keys shown in the progress display / log lines
+            (every stat always goes to metrics.jsonl and tensorboard); empty: keys that
+            contain ``reward`` or ``loss``.
+        eval: run ``evaluate`` on the model workers at the eval frequency.
+        progress_interval: seconds between plain progress log lines when stdout is no TTY.
+        plot_curves: draw ``curves.png`` (the selected stats and eval metrics) at the end.
+    """
+
+    seed: int
+    mfcs: Sequence[MFCDef]
+    exp_ctrl: ExperimentControlConfig
+    n_model_workers: int
+    train_batch_size: int
+    ft_spec: FinetuneSpec
+    timeout: float = 600.0
+    recover_mode: str = "disabled"
+    recover_dir: Optional[str] = None
+    max_recover_checkpoints: int = 1
+    log_stats_keys: Sequence[str] = ()
+    eval: bool = False
+    progress_interval: float = 0.0
+    plot_curves: bool = True
+
+    def __post_init__(self):
+        c = "MasterWorkerConfig"
+        if not _is_int(self.seed) or self.seed < 0:
+            raise _bad(c, "seed", self.seed, "use an integer >= 0")
+        mfcs = _check_mfcs(c, self.mfcs)
+        object.__setattr__(self, "mfcs", mfcs)
+        if not isinstance(self.exp_ctrl, ExperimentControlConfig):
+            raise _bad(c, "exp_ctrl", self.exp_ctrl, "use an ExperimentControlConfig")
+        for f in ("n_model_workers", "train_batch_size", "max_recover_checkpoints"):
+            v = getattr(self, f)
+            if not _is_int(v) or v < 1:
+                raise _bad(c, f, v, "use an integer >= 1")
+        if not isinstance(self.ft_spec, FinetuneSpec):
+            raise _bad(c, "ft_spec", self.ft_spec, "use a FinetuneSpec")
+        for m in mfcs:
+            if m.n_seqs > self.train_batch_size:
+                raise _bad(
+                    c,
+                    "train_batch_size",
+                    self.train_batch_size,
+                    f"MFC {m.name!r} takes n_seqs={m.n_seqs} items per call, more than a step holds; "
+                    f"raise train_batch_size to >= {m.n_seqs} or lower n_seqs",
+                )
+        self.check_call_sizes(self.ft_spec.dataset_size)
+        _check_pos_number(c, "timeout", self.timeout)
+        if self.recover_mode not in RECOVER_MODES:
+            raise _bad(c, "recover_mode", self.recover_mode, f"use one of {RECOVER_MODES}")
+        if self.recover_dir is not None and (
+            not isinstance(self.recover_dir, str) or not self.recover_dir
+        ):
+            raise _bad(c, "recover_dir", self.recover_dir, "use a directory path or None")
+        keys = tuple(self.log_stats_keys)
+        if not all(isinstance(k, str) and k for k in keys):
+            raise _bad(c, "log_stats_keys", self.log_stats_keys, "give non-empty strings")
+        object.__setattr__(self, "log_stats_keys", keys)
+        for f in ("eval", "plot_curves"):
+            if not isinstance(getattr(self, f), bool):
+                raise _bad(c, f, getattr(self, f), "use true or false")
+        if not isinstance(self.progress_interval, (int, float)) or self.progress_interval < 0:
+            raise _bad(c, "progress_interval", self.progress_interval, "use seconds >= 0")
+
+    def check_call_sizes(self, dataset_size: int) -> None:
+        """Raise if some MFC call would get fewer items than there are data-parallel ranks.
+
+        Every rank needs at least one item per call (a rank with nothing to train on
+        could not take part in the gradient all-reduce).  Steps hold
+        ``train_batch_size`` items except the last of an epoch, which holds the rest.
+        """
+        step_sizes = {min(self.train_batch_size, dataset_size)}
+        if dataset_size % self.train_batch_size:
+            step_sizes.add(dataset_size % self.train_batch_size)
+        for m in self.mfcs:
+            for s in sorted(step_sizes):
+                small = [n for n in call_sizes(s, m.n_seqs) if n < self.n_model_workers]
+                if small:
+                    raise ValueError(
+                        f"MasterWorkerConfig: with dataset_size={dataset_size}, "
+                        f"train_batch_size={self.train_batch_size} and n_seqs={m.n_seqs}, MFC "
+                        f"{m.name!r} would get a call of {small[0]} item(s) for "
+                        f"{self.n_model_workers} data-parallel ranks; every rank needs one. "
+                        "Pick train_batch_size and n_seqs so that every call (including the "
+                        "last, partial step of an epoch) holds at least n_model_workers items."
+                    )
+
+    @property
+    def graph(self):
+        """The :class:`~realhf.api.core.dfg.DataFlowGraph` of :attr:`mfcs`."""
+        return build_graph(self.mfcs)

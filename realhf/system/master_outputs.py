@@ -1,0 +1,287 @@
+"""What the master writes while a run goes: metrics, tensorboard, trace, progress, curves.
+
+* ``metrics.jsonl`` — one flat JSON object per step (:class:`MetricsLog`); a resumed run
+  first drops the lines of steps after its checkpoint, so every step appears once.
+* ``tensorboard/`` — the same numbers as scalars (``SummaryWriter``, purged past the
+  checkpoint on resume).
+* ``trace.json`` — Chrome trace events (open in Perfetto or chrome://tracing): one
+  complete ("X") event per MFC call per worker (:class:`TraceLog`).
+* progress — a rich progress bar on a terminal, plain log lines otherwise
+  (:class:`ProgressDisplay`).
+* ``curves.png`` — the selected statistics against the step, drawn at the end
+  (:func:`plot_curves`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from realhf.base import logging
+
+logger = logging.getLogger("master_worker", "system")
+
+__all__ = [
+    "MetricsLog",
+    "TensorBoardLog",
+    "TraceLog",
+    "ProgressDisplay",
+    "plot_curves",
+    "select_keys",
+]
+
+DEFAULT_PROGRESS_KEYS = ("reward", "loss")
+
+
+def select_keys(keys: Iterable[str], patterns: Sequence[str]) -> List[str]:
+    """Keys containing any of ``patterns`` (default: ``reward`` or ``loss``), sorted."""
+    patterns = tuple(patterns) or DEFAULT_PROGRESS_KEYS
+    return sorted(k for k in keys if any(p in k for p in patterns))
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per step (key ``step`` is the global step, from 1).
+
+    Args:
+        path: the file.
+        resume_step: on resume, the checkpoint's step: lines of later steps (written by the
+            run that died) are dropped.  None: a fresh run, the file starts empty.
+    """
+
+    def __init__(self, path: str, resume_step: Optional[int] = None):
+        self.path = path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        kept: List[str] = []
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= resume_step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError):  # a line cut by the crash
+                        continue
+        with open(path, "w") as f:
+            f.writelines(kept)
+
+    def write(self, record: Dict[str, Any]) -> None:
+        """Append one step's record."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, allow_nan=True) + "\n")
+
+
+class TensorBoardLog:
+    """Every number of a step's record as a tensorboard scalar under ``tensorboard/``."""
+
+    def __init__(self, log_dir: str, resume_step: Optional[int] = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_step is None else resume_step + 1
+        self.writer = SummaryWriter(log_dir=log_dir, purge_step=purge)
+
+    def write(self, step: int, record: Dict[str, Any]) -> None:
+        """Add every finite number of ``record`` at ``step``."""
+        for k, v in record.items():
+            if k != "step" and _finite(v):
+                self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Flush and close."""
+        self.writer.close()
+
+
+class TraceLog:
+    """``trace.json`` in Chrome's JSON-array format, appended as events come.
+
+    Processes are numbered: 0 is the master, ``i + 1`` is ``model_worker/i``.  The file is
+    closed with ``]`` by :meth:`close`; a resumed run reopens and continues it.
+    """
+
+    def __init__(self, path: str, process_names: Sequence[str], resume: bool = False):
+        self.path = path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.pids = {name: i for i, name in enumerate(process_names)}
+        prefix = "[\n"
+        if resume and os.path.exists(path):
+            with open(path) as f:
+                text = f.read().rstrip()
+            if text.endswith("]"):
+                text = text[:-1].rstrip()
+            text = text.rstrip(",")
+            if text.startswith("["):
+                prefix = text + (",\n" if text.rstrip().endswith("}") else "\n")
+        self._f = open(path, "w")
+        self._f.write(prefix)
+        for name, pid in self.pids.items():
+            self._event(
+                {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}}
+            )
+        self._f.flush()
+
+    def _event(self, ev: Dict[str, Any]) -> None:
+        self._f.write(json.dumps(ev) + ",\n")
+
+    def complete(
+        self, name: str, process: str, start: float, end: float, tid: str = "main", **args
+    ) -> None:
+        """One "X" event: ``name`` ran on ``process`` from ``start`` to ``end`` (wall seconds)."""
+        self._event(
+            {
+                "name": name,
+                "ph": "X",
+                "pid": self.pids.get(process, 0),
+                "tid": tid,
+                "ts": round(start * 1e6),
+                "dur": max(0, round((end - start) * 1e6)),
+                "args": args,
+            }
+        )
+
+    def flush(self) -> None:
+        """Push events to the file."""
+        self._f.flush()
+
+    def close(self) -> None:
+        """Finish the JSON array."""
+        if self._f.closed:
+            return
+        self._f.write(
+            json.dumps(
+                {
+                    "name": "trace_end",
+                    "ph": "i",
+                    "s": "g",
+                    "pid": 0,
+                    "tid": "main",
+                    "ts": round(time.time() * 1e6),
+                }
+            )
+            + "\n]\n"
+        )
+        self._f.close()
+
+
+class ProgressDisplay:
+    """Step progress: a rich bar when stdout is a terminal, else a log line per step.
+
+    Shows the step, epoch, the selected statistics (``reward``/``loss`` by default), the
+    last eval accuracy, tokens/s and the time left.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int,
+        patterns: Sequence[str],
+        tty: Optional[bool] = None,
+        interval: float = 0.0,
+    ):
+        self.total = total_steps
+        self.start_step = start_step
+        self.patterns = tuple(patterns)
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self.interval = interval
+        self.t0 = time.monotonic()
+        self._last_line = 0.0
+        self.accuracy: Optional[float] = None
+        self._progress = None
+        if self.tty:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.description}"),
+                TimeRemainingColumn(),
+            )
+            self._task = self._progress.add_task("", total=total_steps, completed=start_step)
+            self._progress.start()
+
+    def summary(self, record: Dict[str, Any]) -> str:
+        """The text shown for one step's record."""
+        parts = [f"epoch {record.get('epoch')}"]
+        for k in select_keys(record, self.patterns):
+            if _finite(record[k]):
+                parts.append(f"{k}={record[k]:.4g}")
+        for k, v in record.items():
+            if k.startswith("eval/") and "accuracy" in k and _finite(v):
+                self.accuracy = v
+        if self.accuracy is not None:
+            parts.append(f"accuracy={self.accuracy:.3f}")
+        if _finite(record.get("tokens_per_s")):
+            parts.append(f"{record['tokens_per_s']:.0f} tok/s")
+        return " | ".join(parts)
+
+    def update(self, record: Dict[str, Any]) -> None:
+        """Show step ``record['step']``."""
+        step = record["step"]
+        text = self.summary(record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=text)
+            return
+        now = time.monotonic()
+        if now - self._last_line < self.interval and step < self.total:
+            return
+        self._last_line = now
+        done = step - self.start_step
+        eta = (now - self.t0) / done * (self.total - step) if done > 0 else float("nan")
+        eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "?"
+        logger.info(f"step {step}/{self.total} | {text} | ETA {eta_s}")
+
+    def close(self) -> None:
+        """Stop the bar."""
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def plot_curves(metrics_path: str, out_path: str, patterns: Sequence[str]) -> Optional[str]:
+    """Draw the selected statistics (and eval metrics) of ``metrics.jsonl`` against the step.
+
+    Returns ``out_path``, or None when there is nothing to draw.
+    """
+    records = []
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+    keys = sorted(
+        set(select_keys({k for r in records for k in r}, patterns))
+        | {k for r in records for k in r if k.startswith("eval/")}
+    )
+    if not records or not keys:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), squeeze=False)
+    for ax, k in zip(axes[:, 0], keys):
+        pts = [(r["step"], r[k]) for r in records if _finite(r.get(k))]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if len(pts) < 50 else None)
+        ax.set_ylabel(k, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

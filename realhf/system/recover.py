@@ -1,0 +1,211 @@
+"""Recover checkpoints: what is saved, where, and how a checkpoint becomes valid atomically.
+
+Layout under the root (default ``{run_dir}/checkpoints/recover``)::
+
+    step{N}.tmp/                  being written; ignored (and removed) if a run dies here
+    step{N}/
+        models/{role}/            HF directory of each trainable role (rank 0 writes)
+        optimizer/{role}/rank{r}.pt   optimizer + step counters of each rank's engine
+        data/rank{r}.json         each rank's data loader: epoch and ids used in it
+        master.json               the master's counters (written last, then the rename)
+    latest                        text: "step{N}", replaced atomically after the rename
+
+A checkpoint is complete once ``latest`` names it: the master writes ``master.json`` into
+the ``.tmp`` directory after every model worker has replied, renames the directory, then
+replaces ``latest``.  A crash at any point leaves the previous complete checkpoint as the
+one :func:`find_latest` returns.
+
+Randomness is derived from ``(seed, global step)`` and ``(seed, epoch)``, never from a
+process-global stream, so no RNG state needs saving: a resumed run draws the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from realhf.base import constants, logging
+
+logger = logging.getLogger("recover", "system")
+
+__all__ = [
+    "LATEST",
+    "MASTER_STATE",
+    "RecoverError",
+    "recover_root",
+    "prepare_tmp_dir",
+    "commit",
+    "find_latest",
+    "read_master_state",
+    "model_dir",
+    "optimizer_path",
+    "data_state_path",
+    "save_worker_state",
+    "load_worker_state",
+]
+
+LATEST = "latest"
+MASTER_STATE = "master.json"
+_STEP_DIR = re.compile(r"^step(\d+)$")
+
+
+class RecoverError(RuntimeError):
+    """A recover checkpoint that is missing, incomplete or does not fit this run."""
+
+
+def recover_root(override: Optional[str] = None) -> str:
+    """``override`` or ``{run_dir}/checkpoints/recover``."""
+    return override or os.path.join(constants.checkpoint_dir(), "recover")
+
+
+def _step_name(step: int) -> str:
+    return f"step{int(step)}"
+
+
+def prepare_tmp_dir(root: str, step: int) -> str:
+    """An empty ``{root}/step{step}.tmp`` (a leftover of a dead run is removed first)."""
+    path = os.path.join(root, _step_name(step) + ".tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def commit(
+    root: str, tmp_dir: str, step: int, master_state: Mapping[str, Any], keep: int = 1
+) -> str:
+    """Make ``tmp_dir`` the complete checkpoint of ``step``; returns its final path.
+
+    Writes ``master.json`` into it, renames it to ``step{step}``, points ``latest`` at it,
+    then deletes all but the ``keep`` newest complete checkpoints and stale ``.tmp`` dirs.
+    """
+    _write_atomic(os.path.join(tmp_dir, MASTER_STATE), json.dumps(dict(master_state), indent=1))
+    final = os.path.join(root, _step_name(step))
+    if os.path.exists(final):  # the same step checkpointed again after a resume
+        shutil.rmtree(final)
+    os.rename(tmp_dir, final)
+    _write_atomic(os.path.join(root, LATEST), _step_name(step))
+    steps = sorted(
+        (int(m.group(1)), name)
+        for name in os.listdir(root)
+        if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))
+    )
+    for _, name in steps[:-keep]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for name in os.listdir(root):
+        if name.endswith(".tmp") and os.path.isdir(os.path.join(root, name)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    logger.info(f"recover checkpoint of step {step} committed at {final}")
+    return final
+
+
+def find_latest(root: str) -> Optional[str]:
+    """The directory ``latest`` names if it is complete, else None."""
+    pointer = os.path.join(root, LATEST)
+    try:
+        with open(pointer) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    path = os.path.join(root, name)
+    if not _STEP_DIR.match(name) or not os.path.isfile(os.path.join(path, MASTER_STATE)):
+        raise RecoverError(
+            f"{pointer} names {name!r}, which is not a complete recover checkpoint (no "
+            f"{MASTER_STATE}); delete {root} to start afresh or restore the directory"
+        )
+    return path
+
+
+def read_master_state(ckpt_dir: str) -> Dict[str, Any]:
+    """The master's state saved in ``ckpt_dir``."""
+    with open(os.path.join(ckpt_dir, MASTER_STATE)) as f:
+        return json.load(f)
+
+
+# ---- model worker side --------------------------------------------------------
+
+
+def model_dir(ckpt_dir: str, role: str) -> str:
+    """HF directory of ``role`` inside a checkpoint."""
+    return os.path.join(ckpt_dir, "models", role)
+
+
+def optimizer_path(ckpt_dir: str, role: str, rank: int) -> str:
+    """Optimizer state of ``role`` on ``rank``."""
+    return os.path.join(ckpt_dir, "optimizer", role, f"rank{rank}.pt")
+
+
+def data_state_path(ckpt_dir: str, rank: int) -> str:
+    """Data loader state of ``rank``."""
+    return os.path.join(ckpt_dir, "data", f"rank{rank}.json")
+
+
+def save_worker_state(
+    ckpt_dir: str,
+    rank: int,
+    trainable: Mapping[str, Tuple[Any, Any]],
+    loader_state: Optional[Dict[str, Any]],
+) -> List[str]:
+    """Write one model worker's part of a checkpoint; returns the paths written.
+
+    Args:
+        trainable: ``role -> (ReaLModel, TrainEngine)``; rank 0 writes the weights, every
+            rank its engine's ``state_dict()``.
+        loader_state: the data loader's ``state_dict()`` (None: no dataset).
+    """
+    written = []
+    for role, (model, engine) in trainable.items():
+        if rank == 0:
+            model.save_hf(model_dir(ckpt_dir, role))
+            written.append(model_dir(ckpt_dir, role))
+        path = optimizer_path(ckpt_dir, role, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(engine.state_dict(), path)
+        written.append(path)
+    if loader_state is not None:
+        path = data_state_path(ckpt_dir, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        _write_atomic(path, json.dumps(loader_state))
+        written.append(path)
+    return written
+
+
+def load_worker_state(
+    ckpt_dir: str,
+    rank: int,
+    trainable: Mapping[str, Tuple[Any, Any]],
+    loader=None,
+) -> None:
+    """Restore what :func:`save_worker_state` wrote (weights, optimizer, data position)."""
+    for role, (model, engine) in trainable.items():
+        mdir = model_dir(ckpt_dir, role)
+        opath = optimizer_path(ckpt_dir, role, rank)
+        for p in (mdir, opath):
+            if not os.path.exists(p):
+                raise RecoverError(
+                    f"recover checkpoint {ckpt_dir} lacks {p}; it was written by a run with other "
+                    "trainable roles or fewer model workers — resume with the same experiment config"
+                )
+        model.load_hf_weights(mdir)
+        engine.load_state_dict(torch.load(opath, map_location="cpu", weights_only=False))
+    if loader is not None:
+        path = data_state_path(ckpt_dir, rank)
+        if not os.path.exists(path):
+            raise RecoverError(
+                f"recover checkpoint {ckpt_dir} lacks {path}; resume with the same number of model workers"
+            )
+        with open(path) as f:
+            loader.load_state_dict(json.load(f))
