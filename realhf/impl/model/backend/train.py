@@ -53,11 +53,16 @@ LossWeightFn = Callable[[SequenceSample], Any]
 
 
 def _resolve_group(group):
-    """``(group, size, rank)``; None means the default group when torch.distributed runs."""
+    """``(group, size, rank)``; None means the default group when torch.distributed runs.
+
+    The returned group is never None under torch.distributed, so callers can hand it to
+    functions where None means "do not reduce" (advantage normalisation, early stop)."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
             raise ValueError("a data-parallel group was given but torch.distributed is not initialised")
         return None, 1, 0
+    if group is None:
+        group = dist.group.WORLD
     return group, dist.get_world_size(group), dist.get_rank(group)
 
 
@@ -70,7 +75,9 @@ class TrainEngine(InferenceEngine):
         ft_spec: run length; the LR schedule spans ``ft_spec.total_train_steps`` steps
             (needed for linear/cosine schedules and for warm-up).
         dp_group: the data-parallel process group. None: the default group when
-            torch.distributed is initialised, otherwise a single process.
+            torch.distributed is initialised, otherwise a single process. The resolved
+            group is :attr:`dp_group` (None only without torch.distributed), with
+            :attr:`dp_size` and :attr:`dp_rank`.
         gradient_checkpointing: set the model's activation recomputation (None keeps
             the model's setting).
 

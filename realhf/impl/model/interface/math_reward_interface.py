@@ -1,0 +1,101 @@
+"""Math reward (``math_reward``, alias ``rw-math``): grade answers with the verifier.
+
+``inference(model, data, mb_spec)`` reads ``packed_input_ids`` and ``prompt_mask`` (the
+answer is every non-prompt token, special tokens such as EOS dropped when decoding) and
+the item metadata ``solutions`` (per item, the list of reference solutions of its prompt,
+as in the math jsonl format; every answer of the item is graded against them). The
+verifier's verdict becomes +1 / -1, then ``(r - output_bias) * output_scaling`` (default
+scaling 5: +5 for a correct answer, -5 otherwise). Output key ``rewards``: one float32
+per sequence. The accuracy is recorded in the process stats tracker
+(``math_reward/accuracy``, exported with the next ``train_step`` statistics).
+
+The "model" has no weights: only ``model.tokenizer`` is used (``module`` may be None).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+
+from realhf.api.core.config import register_interface
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.model_api import Model, ModelInterface
+from realhf.base import logging, stats_tracker
+from realhf.impl.model.interface.common import require_keys
+from realhf.impl.reward.math_reward import verify_batch
+
+logger = logging.getLogger("math_reward")
+
+__all__ = ["MathRewardInterface", "decode_answers"]
+
+
+def decode_answers(data: SequenceSample, tokenizer) -> List[str]:
+    """The text of each sequence's non-prompt tokens (special tokens skipped)."""
+    ids = data.data["packed_input_ids"]
+    mask = data.data["prompt_mask"].bool()
+    texts, start = [], 0
+    for length in data.flat_seqlens("packed_input_ids"):
+        seq, pm = ids[start : start + length], mask[start : start + length]
+        texts.append(tokenizer.decode(seq[~pm].tolist(), skip_special_tokens=True))
+        start += length
+    return texts
+
+
+class MathRewardInterface(ModelInterface):
+    """Verifier reward for math answers (see the module docstring).
+
+    Args:
+        output_scaling: multiplies ``r - output_bias``.
+        output_bias: subtracted from the ±1 verdict.
+        timeout_s: seconds each answer may spend in the symbolic checks (then it is wrong).
+    """
+
+    def __init__(self, output_scaling: float = 5.0, output_bias: float = 0.0, timeout_s: float = 15.0):
+        for name, v in (("output_scaling", output_scaling), ("output_bias", output_bias), ("timeout_s", timeout_s)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"math_reward {name}={v!r}: use a finite number")
+        if timeout_s <= 0:
+            raise ValueError(f"math_reward timeout_s={timeout_s!r}: use a positive number of seconds")
+        self.output_scaling = float(output_scaling)
+        self.output_bias = float(output_bias)
+        self.timeout_s = float(timeout_s)
+
+    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        """Key ``rewards`` (one per sequence)."""
+        require_keys(data, ["packed_input_ids", "prompt_mask"], "math_reward")
+        if "solutions" not in data.metadata:
+            raise KeyError(
+                "math_reward needs the dataset's reference answers as item metadata 'solutions' "
+                f"(metadata keys present: {sorted(data.metadata)})"
+            )
+        if model.tokenizer is None:
+            raise ValueError(f"math_reward needs a tokenizer on model {model.name} to decode the answers")
+        texts = decode_answers(data, model.tokenizer)
+        solutions = []
+        for item_id, sols, lens in zip(data.ids, data.metadata["solutions"], data.seqlens["packed_input_ids"]):
+            sols = [sols] if isinstance(sols, str) else list(sols)
+            if not sols:
+                raise ValueError(f"math_reward: item {item_id!r} has no reference solutions")
+            solutions.extend([sols] * len(lens))
+        correct = torch.tensor(verify_batch(texts, solutions, timeout=self.timeout_s), dtype=torch.bool)
+        verdict = torch.where(correct, 1.0, -1.0)
+        rewards = ((verdict - self.output_bias) * self.output_scaling).float()
+        with stats_tracker.scope("math_reward"):
+            stats_tracker.denominator(n_seqs=torch.ones_like(correct))
+            stats_tracker.stat(denominator="n_seqs", accuracy=correct.float(), reward=rewards)
+        logger.info(f"math_reward: {int(correct.sum())}/{len(correct)} answers correct")
+        lens = [[1] * len(item) for item in data.seqlens["packed_input_ids"]]
+        return SequenceSample(
+            keys={"rewards"},
+            trailing_shapes={"rewards": ()},
+            dtypes={"rewards": torch.float32},
+            ids=list(data.ids),
+            seqlens={"rewards": lens},
+            data={"rewards": rewards},
+        )
+
+
+register_interface("math_reward", MathRewardInterface)
+register_interface("rw-math", MathRewardInterface)

@@ -1,0 +1,238 @@
+"""From a batch of scored generations to per-token PPO targets (shared by actor and critic).
+
+Input: a `SequenceSample` whose items are prompts, each carrying its answers (``group_size``
+sequences, prompt + answer tokens each) with keys
+
+=====================  ==============  ==================================================
+key                    per sequence    meaning
+=====================  ==============  ==================================================
+packed_input_ids       L               prompt + answer tokens
+prompt_mask            L               True on prompt tokens
+packed_logprobs        L - 1           behaviour log-probs (0 over the prompt)
+rewards                1               task reward (from the reward interface)
+seq_no_eos_mask        1               True when the answer was cut before EOS
+packed_ref_logprobs    L - 1           reference log-probs (needed when kl_ctl > 0)
+values                 L               critic values, denormalised (unless disable_value)
+proximal_logprobs      L - 1           trainer recompute (recompute_logprob / decoupled loss)
+=====================  ==============  ==================================================
+
+:func:`prepare_ppo_batch` computes the loss mask (answer tokens, minus truncated
+sequences with ``mask_too_long``, minus prompts filtered by success rate), the rewards
+(KL penalty per token + clipped score at the last step), GAE advantages and returns, and
+normalised advantages. Success-rate filtering lives here (the step that has every
+group's rewards): a group whose share of answers with reward > 0 lies outside
+``[success_rate_lb, success_rate_ub]`` is masked out of the loss rather than dropped, so
+every data-parallel rank keeps its batch shape and collectives stay in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.base import stats_tracker
+from realhf.impl.model.interface.common import (
+    all_reduce_sum,
+    optional,
+    require_keys,
+    sequence_ids,
+    seqs_per_item,
+)
+from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+from realhf.impl.model.utils import ppo_functional as F
+from realhf.impl.model.utils.functional import short1cu_seqlens, shift_one_indices
+
+__all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key"]
+
+
+def anchor_logprobs_key(hp: PPOHyperparameters) -> str:
+    """The key holding the log-probs PPO's ratio is taken against (pi_old)."""
+    if hp.recompute_logprob and not hp.use_decoupled_loss:
+        return "proximal_logprobs"
+    return "packed_logprobs"
+
+
+@dataclasses.dataclass
+class PPOBatch:
+    """Per-token PPO targets of B sequences (T tokens, T' = T - B shifted entries).
+
+    Attributes:
+        seq_ids: ``"{item}@{j}"`` per sequence.
+        seqlens: L per sequence.
+        input_ids: [T]; cu_seqlens: [B+1] int32.
+        loss_mask: [T'] bool, tokens that train.
+        old_logp: [T'] the PPO anchor (behaviour, or recomputed without the decoupled loss).
+        proximal_logp: [T'] or None (decoupled loss only).
+        values: [T] float32 (zeros with disable_value).
+        kl_rewards, rewards, advantages, returns: [T'] float32 (advantages normalised).
+        mean_kl: global mean of ``old_logp - ref_logp`` over valid tokens.
+        n_seqs_global: sequences over all data-parallel ranks.
+    """
+
+    seq_ids: List[str]
+    seqlens: List[int]
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logp: torch.Tensor
+    proximal_logp: Optional[torch.Tensor]
+    values: torch.Tensor
+    kl_rewards: torch.Tensor
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    mean_kl: float
+    n_seqs_global: int
+
+    def to_sample(self, **extra: torch.Tensor) -> SequenceSample:
+        """One item per sequence with the keys the actor loss needs (``packed_input_ids``,
+        ``ppo_loss_mask``, ``old_logp``, ``advantages``, ``proximal_logprobs`` when
+        decoupled) plus ``extra`` keys (standard names, e.g. ``values``, ``returns``)."""
+        data: Dict[str, torch.Tensor] = {
+            "packed_input_ids": self.input_ids,
+            "ppo_loss_mask": self.loss_mask,
+            "old_logp": self.old_logp,
+            "advantages": self.advantages,
+        }
+        if self.proximal_logp is not None:
+            data["proximal_logprobs"] = self.proximal_logp
+        data.update(extra)
+        return SequenceSample.from_default(ids=self.seq_ids, seqlens=self.seqlens, data=data)
+
+
+def prepare_ppo_batch(
+    hp: PPOHyperparameters, data: SequenceSample, kl_coef: float, dp_group=None, record_stats: bool = True
+) -> PPOBatch:
+    """Loss mask, rewards, GAE and normalised advantages (see the module docstring).
+
+    Every data-parallel rank must call it (global advantage normalisation and the KL
+    mean are all-reduced over ``dp_group``). With ``record_stats`` it records reward,
+    KL, advantage and length statistics into the process stats tracker (scope ``ppo``).
+    """
+    needed = ["packed_input_ids", "prompt_mask", "rewards", "seq_no_eos_mask", anchor_logprobs_key(hp)]
+    if hp.use_decoupled_loss:
+        needed.append("proximal_logprobs")
+    if kl_coef > 0:
+        needed.append("packed_ref_logprobs")
+    if not hp.disable_value:
+        needed.append("values")
+    require_keys(data, needed, "PPO training")
+
+    ids = data.data["packed_input_ids"]
+    cu = data.cu_seqlens("packed_input_ids")
+    seqlens = data.flat_seqlens("packed_input_ids")
+    if min(seqlens) < 2:
+        raise ValueError(f"PPO needs sequences of at least 2 tokens (prompt + answer), got lengths {seqlens}")
+    short1 = short1cu_seqlens(cu)
+    shift = shift_one_indices(cu)
+    n_seq = len(seqlens)
+    shifted_lens = torch.tensor([l - 1 for l in seqlens])
+
+    no_eos = data.data["seq_no_eos_mask"].bool().view(-1)
+    raw_reward = data.data["rewards"].float().view(-1)
+    if no_eos.numel() != n_seq or raw_reward.numel() != n_seq:
+        raise ValueError(
+            f"rewards ({raw_reward.numel()}) and seq_no_eos_mask ({no_eos.numel()}) need one entry per "
+            f"sequence ({n_seq})"
+        )
+
+    loss_mask = data.data["prompt_mask"].bool()[shift + 1].logical_not()
+    keep_seq = torch.ones(n_seq, dtype=torch.bool)
+    if hp.mask_too_long:
+        keep_seq &= ~no_eos
+    n_filtered = 0
+    if hp.filters_by_success_rate:
+        keep_seq, n_filtered = _filter_groups(hp, data, raw_reward, keep_seq)
+    loss_mask &= torch.repeat_interleave(keep_seq, shifted_lens)
+
+    old_logp = data.data[anchor_logprobs_key(hp)].float()
+    prox = data.data["proximal_logprobs"].float() if hp.use_decoupled_loss else None
+    ref = optional(data, "packed_ref_logprobs")
+    ref = torch.zeros_like(old_logp) if kl_coef == 0 or ref is None else ref.float()
+    score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
+    kl_rewards, rewards = F.get_packed_rewards(
+        kl_coef, hp.max_reward_clip, old_logp, ref, score, short1, no_eos,
+        mask_no_eos_with_zero=hp.mask_no_eos_with_zero, loss_mask=loss_mask,
+    )
+    if hp.disable_value:
+        values = torch.zeros(ids.shape[0], dtype=torch.float32)
+    else:
+        values = data.data["values"].float()
+    advantages, returns = F.compute_gae(rewards, values, short1, no_eos, hp.discount, hp.gae_lambda)
+    raw_adv = advantages
+    if hp.adv_norm:
+        if hp.group_adv_norm:
+            _check_groups(hp, data)
+            advantages = F.group_normalize_advantages(advantages, loss_mask, short1, hp.group_size)
+        else:
+            advantages = F.normalize_advantages(advantages, loss_mask, group=dp_group)
+
+    kl = torch.where(loss_mask, old_logp - ref, torch.zeros_like(old_logp))
+    totals = all_reduce_sum(
+        torch.tensor([kl.double().sum(), loss_mask.sum(), n_seq], dtype=torch.float64), dp_group
+    )
+    mean_kl = float(totals[0] / totals[1].clamp(min=1))
+
+    if record_stats:
+        with stats_tracker.scope("ppo"):
+            seq_mask = torch.ones(n_seq, dtype=torch.bool)
+            stats_tracker.denominator(n_seqs=seq_mask, n_valid_tokens=loss_mask)
+            stats_tracker.stat(
+                denominator="n_seqs",
+                task_reward=raw_reward,
+                no_eos_ratio=no_eos.float(),
+                seq_len=torch.tensor(seqlens, dtype=torch.float32),
+                kept_seq_ratio=keep_seq.float(),
+            )
+            stats_tracker.stat(
+                denominator="n_valid_tokens",
+                advantages=raw_adv,
+                kl_rewards=kl_rewards,
+                ref_kl=kl,
+                returns=returns,
+            )
+            stats_tracker.scalar(reduce_type="sum", n_filtered_groups=n_filtered)
+            stats_tracker.scalar(kl_coef=kl_coef)
+    return PPOBatch(
+        seq_ids=sequence_ids(data),
+        seqlens=seqlens,
+        input_ids=ids,
+        cu_seqlens=cu,
+        loss_mask=loss_mask,
+        old_logp=old_logp,
+        proximal_logp=prox,
+        values=values,
+        kl_rewards=kl_rewards,
+        rewards=rewards,
+        advantages=advantages.float(),
+        returns=returns.float(),
+        mean_kl=mean_kl,
+        n_seqs_global=int(totals[2]),
+    )
+
+
+def _check_groups(hp: PPOHyperparameters, data: SequenceSample) -> None:
+    counts = seqs_per_item(data)
+    bad = [(i, c) for i, c in zip(data.ids, counts) if c != hp.group_size]
+    if bad:
+        raise ValueError(
+            f"group_adv_norm normalises over the group_size={hp.group_size} answers of each prompt, but item "
+            f"{bad[0][0]!r} holds {bad[0][1]} sequences; generate group_size answers per prompt"
+        )
+
+
+def _filter_groups(hp: PPOHyperparameters, data: SequenceSample, reward: torch.Tensor, keep: torch.Tensor):
+    """Mask every sequence of the items whose success rate is outside [lb, ub]."""
+    counts = seqs_per_item(data)
+    keep = keep.clone()
+    n_filtered, start = 0, 0
+    for c in counts:
+        rate = float((reward[start : start + c] > 0).float().mean())
+        if not hp.success_rate_lb <= rate <= hp.success_rate_ub:
+            keep[start : start + c] = False
+            n_filtered += 1
+        start += c
+    return keep, n_filtered

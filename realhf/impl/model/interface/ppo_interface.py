@@ -1,0 +1,209 @@
+"""The PPO actor (``ppo_actor``): generate answers, recompute log-probs, train the policy.
+
+Methods (the model worker calls them with a :class:`~realhf.api.core.model_api.Model`
+whose ``module`` is a backend engine wrapping the actor's ReaLModel):
+
+- ``generate(model, data, mb_spec)``: ``packed_prompts`` → ``group_size`` answers per prompt
+  with the built-in engine over the live weights (see
+  :mod:`realhf.impl.model.interface.offline_generation` for the output keys).
+- ``inference(model, data, mb_spec)``: ``packed_input_ids`` → ``logprobs`` [L-1 per
+  sequence], computed at the generation temperature. The MFC maps the key with
+  ``output_key_remap``: ``{"logprobs": "packed_ref_logprobs"}`` on the reference model,
+  ``{"logprobs": "proximal_logprobs"}`` for the trainer's recompute.
+- ``train_step(model, data, mb_spec)``: rewards, GAE and advantages
+  (:func:`~realhf.impl.model.interface.ppo_data.prepare_ppo_batch`, which documents the
+  input keys), then ``ppo_n_minibatches`` optimizer steps (× ``sample_reuse``) over the
+  shuffled sequences, each one ``TrainEngine.train_batch`` with the PPO loss. Returns the
+  step's statistics (reduced over data-parallel ranks) and advances ``model.version`` by
+  one step — the model worker must not increment it again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Union
+
+import numpy as np
+import torch
+
+from realhf.api.core.config import register_interface
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.model_api import Model, ModelInterface
+from realhf.base import logging, stats_tracker
+from realhf.impl.model.interface.common import (
+    all_reduce_min,
+    engine_of,
+    network_of,
+    require_keys,
+    stable_seed,
+)
+from realhf.impl.model.interface.offline_generation import generate_offline
+from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
+from realhf.impl.model.utils import ppo_functional as F
+from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
+
+logger = logging.getLogger("ppo_actor")
+
+__all__ = ["PPOActorInterface", "make_kl_controller", "run_minibatches", "INFERENCE_KEY"]
+
+#: The key ``PPOActorInterface.inference`` writes (remap it in the MFC).
+INFERENCE_KEY = "logprobs"
+
+
+def make_kl_controller(hp: PPOHyperparameters):
+    """A fixed or adaptive KL controller as ``hp`` asks."""
+    if hp.adaptive_kl_ctl:
+        return F.AdaptiveKLController(hp.kl_ctl, hp.adaptive_kl_target, hp.adaptive_kl_horizon)
+    return F.FixedKLController(hp.kl_ctl)
+
+
+def run_minibatches(
+    hp: PPOHyperparameters, model: Model, sample: SequenceSample, mb_spec: MicroBatchSpec, loss_fn, weight_fn, scope: str
+) -> None:
+    """``sample_reuse`` passes of ``ppo_n_minibatches`` optimizer steps over ``sample``.
+
+    Each pass shuffles the sequences (seeded by seed, global step, pass and rank) and deals
+    them round-robin into the minibatches. Engine statistics go to the stats tracker
+    under ``scope``. Every data-parallel rank must call it.
+    """
+    engine = engine_of(model, train=True)
+    n = len(sample)
+    fewest = all_reduce_min(n, engine.dp_group)
+    if fewest < hp.ppo_n_minibatches:
+        # Every rank sees the same minimum, so every rank raises: no rank is left waiting.
+        raise ValueError(
+            f"ppo_n_minibatches={hp.ppo_n_minibatches} but a data-parallel rank holds only {fewest} sequences "
+            f"(this rank: {n}); lower ppo_n_minibatches or raise the batch size"
+        )
+    step = model.version.global_step
+    for r in range(hp.sample_reuse):
+        rng = np.random.default_rng(stable_seed(hp.seed, "ppo-minibatches", step, r, engine.dp_rank))
+        perm = rng.permutation(n)
+        for k in range(hp.ppo_n_minibatches):
+            stats = engine.train_batch(
+                sample.select_items(perm[k :: hp.ppo_n_minibatches].tolist()),
+                mb_spec,
+                loss_fn,
+                weight_fn,
+                version_steps=step,
+            )
+            skipped = stats.pop("skipped")
+            stats.pop("n_skipped_steps")
+            with stats_tracker.scope(scope):
+                stats_tracker.scalar(**stats)
+                stats_tracker.scalar(reduce_type="sum", skipped_steps=skipped)
+
+
+def _loss_weight(mb: SequenceSample) -> int:
+    return int(mb.data["ppo_loss_mask"].count_nonzero())
+
+
+class PPOActorInterface(ModelInterface):
+    """PPO / GRPO / decoupled-PPO policy (see the module docstring).
+
+    Args:
+        hparams: a :class:`PPOHyperparameters` or a dict of its fields; or pass the fields
+            as keyword arguments (``PPOActorInterface(eps_clip=0.1, group_size=4)``).
+    """
+
+    def __init__(self, hparams: Union[PPOHyperparameters, Dict[str, Any], None] = None, **fields):
+        self.hp = PPOHyperparameters.coerce(hparams, fields)
+        self.kl_ctl = make_kl_controller(self.hp)
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        """``group_size`` answers per prompt of ``packed_prompts`` (``mb_spec`` is unused:
+        the engine batches continuously)."""
+        hp = self.hp
+        out = generate_offline(
+            network_of(model),
+            data,
+            hp.generation,
+            model.tokenizer,
+            seed=hp.seed,
+            version=model.version.global_step,
+            max_running_requests=hp.gen_max_running_requests,
+            timeout_s=hp.gen_timeout_s,
+        )
+        with stats_tracker.scope("gen"):
+            lens = torch.tensor(out.flat_seqlens("packed_input_ids"), dtype=torch.float32)
+            mask = torch.ones(len(lens), dtype=torch.bool)
+            stats_tracker.denominator(n_seqs=mask)
+            stats_tracker.stat(denominator="n_seqs", seq_len=lens, no_eos_ratio=out.data["seq_no_eos_mask"].float())
+        return out
+
+    # ------------------------------------------------------------------ inference
+    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+        """Log-probs of every next token (key ``logprobs``, L - 1 per sequence, float32)."""
+        require_keys(data, ["packed_input_ids"], "ppo_actor inference")
+        return logprobs_sample(model, data, mb_spec, self.hp.logprob_temperature)
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> Dict[str, float]:
+        """PPO update on ``data`` (see the module docstring); returns reduced statistics."""
+        hp = self.hp
+        engine = engine_of(model, train=True)
+        group = engine.dp_group
+        batch = prepare_ppo_batch(hp, data, self.kl_ctl.value, group)
+        self.kl_ctl.update(batch.mean_kl, batch.n_seqs_global)
+        temperature = hp.logprob_temperature
+
+        def loss_fn(logits: torch.Tensor, mb: SequenceSample):
+            dev = logits.device
+            d = {k: v.to(dev) for k, v in mb.data.items()}
+            logp = gather_packed_shifted_log_probs(
+                logits, mb.cu_seqlens("packed_input_ids").to(dev), d["packed_input_ids"], temperature
+            )
+            loss, st = F.actor_loss_fn(
+                logp,
+                d["old_logp"],
+                d["advantages"],
+                hp.eps_clip,
+                d["ppo_loss_mask"],
+                c_clip=hp.c_clip,
+                proximal_logprobs=d.get("proximal_logprobs"),
+                behav_imp_weight_cap=hp.behav_imp_weight_cap,
+                early_stop_imp_ratio=hp.early_stop_imp_ratio,
+                group=group,
+            )
+            st.pop("n_valid_tokens")
+            return loss, st
+
+        run_minibatches(hp, model, batch.to_sample(), mb_spec, loss_fn, _loss_weight, "ppo_actor")
+        model.inc_version()
+        return stats_tracker.export(reduce_group=group)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """The interface's own state (the KL coefficient), for recovery checkpoints."""
+        return {"kl_coef": self.kl_ctl.value}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.kl_ctl.value = float(state["kl_coef"])
+
+
+def logprobs_sample(
+    model: Model, data: SequenceSample, mb_spec: MicroBatchSpec, temperature: float, key: str = INFERENCE_KEY
+) -> SequenceSample:
+    """A sample with ``key`` = next-token log-probs (L - 1 per sequence) of ``data``."""
+    engine = engine_of(model)
+
+    def hook(logits: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
+        ids = mb.data["packed_input_ids"].to(logits.device)
+        cu = mb.cu_seqlens("packed_input_ids").to(logits.device)
+        return gather_packed_shifted_log_probs(logits, cu, ids, temperature)
+
+    lens = [[l - 1 for l in item] for item in data.seqlens["packed_input_ids"]]
+    logp = engine.forward(data.select(["packed_input_ids"]), mb_spec, hook, lens).float().cpu()
+    return SequenceSample(
+        keys={key},
+        trailing_shapes={key: ()},
+        dtypes={key: torch.float32},
+        ids=list(data.ids),
+        seqlens={key: lens},
+        data={key: logp},
+    )
+
+
+register_interface("ppo_actor", PPOActorInterface)

@@ -1,0 +1,67 @@
+"""math_reward: verifier verdicts become ±scaling rewards, one per sequence."""
+
+import pytest
+import torch
+
+from realhf.api.core.config import make_interface
+from realhf.api.core.data_api import MicroBatchSpec
+from realhf.api.core.model_api import Model
+from realhf.base import stats_tracker
+from realhf.impl.model.interface import MathRewardInterface
+
+PAIRS = [
+    ("Compute 2+3.", "The sum is \\boxed{5}"),
+    ("Compute 2+3.", "\\boxed{6}"),
+    ("Compute 7*6.", "\\boxed{42}"),
+    ("Compute 7*6.", "no idea"),
+]
+SOLUTIONS = [["\\boxed{5}"], ["\\boxed{42}"]]
+
+
+def _reward_model(tokenizer):
+    return Model("reward", None, tokenizer, device="cpu")
+
+
+def test_rewards_are_plus_minus_scaling_per_sequence(tokenizer, pa_sample):
+    data = pa_sample(PAIRS, group=2, solutions=SOLUTIONS)
+    stats_tracker.reset()
+    out = make_interface("rw-math").inference(_reward_model(tokenizer), data, MicroBatchSpec())
+    assert out.keys == {"rewards"} and out.ids == data.ids
+    assert out.seqlens["rewards"] == [[1, 1], [1, 1]]
+    assert out.data["rewards"].tolist() == [5.0, -5.0, 5.0, -5.0]
+    stats = stats_tracker.export()
+    assert stats["math_reward/accuracy"] == 0.5
+    assert stats["math_reward/n_seqs"] == 4
+
+
+def test_bias_and_scaling(tokenizer, pa_sample):
+    data = pa_sample(PAIRS, group=2, solutions=SOLUTIONS)
+    out = MathRewardInterface(output_scaling=2.0, output_bias=0.5).inference(
+        _reward_model(tokenizer), data, MicroBatchSpec()
+    )
+    assert out.data["rewards"].tolist() == [1.0, -3.0, 1.0, -3.0]
+    stats_tracker.reset()
+
+
+def test_prompt_tokens_are_not_graded(tokenizer, pa_sample):
+    # The prompt contains the right answer; the answer does not.
+    data = pa_sample([("\\boxed{5}", "\\boxed{4}")], solutions=[["5"]])
+    out = MathRewardInterface().inference(_reward_model(tokenizer), data, MicroBatchSpec())
+    assert out.data["rewards"].tolist() == [-5.0]
+    stats_tracker.reset()
+
+
+def test_errors_name_what_is_missing(tokenizer, pa_sample):
+    data = pa_sample(PAIRS[:1])
+    with pytest.raises(KeyError, match="solutions"):
+        MathRewardInterface().inference(_reward_model(tokenizer), data, MicroBatchSpec())
+    with pytest.raises(KeyError, match="prompt_mask"):
+        MathRewardInterface().inference(
+            _reward_model(tokenizer), data.select(["packed_input_ids"]), MicroBatchSpec()
+        )
+    with pytest.raises(ValueError, match="timeout_s"):
+        MathRewardInterface(timeout_s=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        MathRewardInterface().inference(
+            Model("reward", None, None, device="cpu"), pa_sample(PAIRS[:1], solutions=[["5"]]), MicroBatchSpec()
+        )

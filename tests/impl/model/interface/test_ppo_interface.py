@@ -1,0 +1,155 @@
+"""ppo_actor: the sync PPO dataflow end to end, and the policy moves the right way."""
+
+import pytest
+import torch
+
+from interface_testlib import MB, answer_logprob_sums, on_policy
+from realhf.api.core.config import InterfaceAbstraction, make_interface
+from realhf.api.core.model_api import Model
+from realhf.base import stats_tracker
+from realhf.impl.model.interface import PPOActorInterface
+
+GEN = {"max_new_tokens": 6}
+PAIRS = [("Compute 2+3.", "\\boxed{5}"), ("Compute 2+3.", "\\boxed{7}")]
+
+
+@pytest.fixture(autouse=True)
+def _clean_tracker():
+    stats_tracker.reset()
+    yield
+    stats_tracker.reset()
+
+
+def test_sync_ppo_dataflow_generate_reward_ref_critic_train(make_model, prompts, tokenizer):
+    actor_m, ref_m = make_model("actor"), make_model("ref", train=False)
+    critic_m = make_model("critic", is_critic=True)
+    hp = dict(group_size=2, ppo_n_minibatches=2, gen=GEN, kl_ctl=0.1)
+    actor = make_interface(InterfaceAbstraction("ppo_actor", hp))
+    critic = make_interface(InterfaceAbstraction("ppo_critic", hp))
+
+    data = actor.generate(actor_m, prompts, MB)
+    data.update_(make_interface("rw-math").inference(Model("reward", None, tokenizer, "cpu"), data, MB))
+    ref = actor.inference(ref_m, data, MB)
+    ref.remap_keys_({"logprobs": "packed_ref_logprobs"})
+    data.update_(ref)
+    data.update_(critic.inference(critic_m, data, MB))
+    assert data.seqlens["values"] == data.seqlens["packed_input_ids"]
+    assert set(data.data["rewards"].tolist()) <= {5.0, -5.0}
+
+    a0, c0 = actor_m.module.model.flat_params.clone(), critic_m.module.model.flat_params.clone()
+    stats = actor.train_step(actor_m, data, MB)
+    cstats = critic.train_step(critic_m, data, MB)
+    assert not torch.equal(a0, actor_m.module.model.flat_params)
+    assert not torch.equal(c0, critic_m.module.model.flat_params)
+    assert actor_m.version.global_step == 1 and critic_m.version.global_step == 1
+    for key in ("ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/importance_weight", "ppo_actor/clip_ratio",
+                "ppo/task_reward", "ppo/ref_kl", "ppo/advantages", "math_reward/accuracy", "gen/seq_len"):
+        assert key in stats, key
+    assert stats["ppo_actor/skipped_steps"] == 0.0
+    # On-policy data: the first minibatch starts at ratio 1; both minibatches stay near it.
+    assert stats["ppo_actor/importance_weight"] == pytest.approx(1.0, abs=0.05)
+    assert stats["ppo/ref_kl"] == pytest.approx(0.0, abs=1e-5)  # ref == actor's initial weights
+    assert "ppo_critic/loss" in cstats and "ppo_critic/value_clip_ratio" in cstats
+
+
+@pytest.mark.parametrize("reward", [1.0, -1.0])
+def test_advantage_sign_moves_the_sequence_logprob(make_model, pa_sample, reward):
+    """One sequence, no value, no normalisation: A = reward on every answer token."""
+    model = make_model(lr=1e-3)
+    actor = PPOActorInterface(disable_value=True, adv_norm=False, kl_ctl=0.0, ppo_n_minibatches=1)
+    data = on_policy(actor, model, pa_sample(PAIRS[:1]), rewards=[reward])
+    before = answer_logprob_sums(actor, model, data)
+    stats = actor.train_step(model, data, MB)
+    after = answer_logprob_sums(actor, model, data)
+    assert (after[0] - before[0]) * reward > 0.05, (before, after)
+    assert stats["ppo_actor/importance_weight"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["ppo/advantages"] == pytest.approx(reward)
+
+
+def test_grpo_group_norm_separates_good_from_bad(make_model, pa_sample):
+    model = make_model(lr=1e-3)
+    actor = PPOActorInterface(group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1)
+    data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[5.0, -5.0])
+    before = answer_logprob_sums(actor, model, data)
+    actor.train_step(model, data, MB)
+    after = answer_logprob_sums(actor, model, data)
+    assert (after[0] - after[1]) - (before[0] - before[1]) > 0.05, (before, after)
+
+
+def test_decoupled_loss_with_proximal_recompute(make_model, pa_sample):
+    model = make_model(lr=1e-3)
+    actor = PPOActorInterface(
+        group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1,
+        recompute_logprob=True, use_decoupled_loss=True, behav_imp_weight_cap=5.0,
+    )
+    data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[1.0, -1.0])
+    # Behaviour log-probs from "an older policy": shifted, so the behaviour weight is not 1.
+    data.data["packed_logprobs"] = data.data["packed_logprobs"] - 0.1
+    prox = actor.inference(model, data, MB)
+    prox.remap_keys_({"logprobs": "proximal_logprobs"})
+    data.update_(prox)
+    before = answer_logprob_sums(actor, model, data)
+    stats = actor.train_step(model, data, MB)
+    after = answer_logprob_sums(actor, model, data)
+    assert stats["ppo_actor/behave_imp_weight"] == pytest.approx(torch.exp(torch.tensor(0.1)).item(), rel=1e-4)
+    assert stats["ppo_actor/importance_weight"] == pytest.approx(1.0, abs=1e-5)  # ratio against proximal
+    assert (after[0] - after[1]) - (before[0] - before[1]) > 0.05, (before, after)
+
+
+def test_success_rate_filter_masks_solved_groups(make_model, pa_sample):
+    model = make_model()
+    actor = PPOActorInterface(group_size=2, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, success_rate_ub=0.9)
+    data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[5.0, 5.0])  # all solved
+    before = model.module.model.flat_params.clone()
+    stats = actor.train_step(model, data, MB)
+    assert stats["ppo/n_filtered_groups"] == 1.0
+    assert stats["ppo/kept_seq_ratio"] == 0.0
+    assert stats["ppo_actor/skipped_steps"] == 1.0  # nothing left to train on
+    assert torch.equal(before, model.module.model.flat_params)
+
+
+def test_mask_too_long_drops_truncated_answers(make_model, pa_sample):
+    model = make_model(lr=1e-2)
+    actor = PPOActorInterface(disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, adv_norm=False, mask_too_long=True)
+    data = on_policy(actor, model, pa_sample(PAIRS, group=1), rewards=[1.0, 1.0], no_eos=[False, True])
+    stats = actor.train_step(model, data, MB)
+    n_answer_first = int((~data.data["prompt_mask"][: data.flat_seqlens("packed_input_ids")[0]]).sum())
+    assert stats["ppo/n_valid_tokens"] == n_answer_first
+    assert stats["ppo/no_eos_ratio"] == 0.5
+
+
+def test_adaptive_kl_moves_beta_and_round_trips(make_model, pa_sample):
+    model, ref_m = make_model(), make_model("ref", train=False)
+    with torch.no_grad():
+        ref_m.module.model.flat_params.add_(torch.randn_like(ref_m.module.model.flat_params) * 0.5)
+    actor = PPOActorInterface(
+        disable_value=True, ppo_n_minibatches=1, kl_ctl=0.2, adaptive_kl_ctl=True, adaptive_kl_target=0.01,
+        adaptive_kl_horizon=10.0,
+    )
+    data = on_policy(actor, model, pa_sample(PAIRS), rewards=[1.0, -1.0])
+    ref = actor.inference(ref_m, data, MB)
+    ref.remap_keys_({"logprobs": "packed_ref_logprobs"})
+    data.update_(ref)
+    stats = actor.train_step(model, data, MB)
+    assert stats["ppo/ref_kl"] > 0.01
+    assert actor.kl_ctl.value == pytest.approx(0.2 * (1 + 0.2 * 2 / 10.0))  # clipped error 0.2, 2 sequences
+    other = PPOActorInterface(kl_ctl=0.2, adaptive_kl_ctl=True)
+    other.load_state_dict(actor.state_dict())
+    assert other.kl_ctl.value == actor.kl_ctl.value
+
+
+def test_errors_are_clear(make_model, pa_sample):
+    model = make_model()
+    actor = PPOActorInterface(disable_value=True, kl_ctl=0.0, ppo_n_minibatches=4)
+    data = on_policy(actor, model, pa_sample(PAIRS), rewards=[1.0, -1.0])
+    with pytest.raises(ValueError, match="ppo_n_minibatches=4"):
+        actor.train_step(model, data, MB)
+    with pytest.raises(KeyError, match="packed_ref_logprobs"):
+        PPOActorInterface(disable_value=True, ppo_n_minibatches=1).train_step(model, data, MB)
+    with pytest.raises(KeyError, match="values"):
+        PPOActorInterface(kl_ctl=0.0, ppo_n_minibatches=1).train_step(model, data, MB)
+    with pytest.raises(TypeError, match="TrainEngine"):
+        actor.train_step(make_model(train=False), data, MB)
+    with pytest.raises(ValueError, match="group_size=2"):
+        PPOActorInterface(group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0,
+                          ppo_n_minibatches=1).train_step(model, data, MB)
