@@ -13,12 +13,15 @@ earlier tokens of its own sequence.  Three implementations:
 - ``"sdpa_masked"``: a single SDPA call over the whole pack with a
   ``[T, T]`` block-diagonal causal mask.  Kept for comparison and tests.
 
-Why per-sequence is the CPU default: on the 2-core CPU VM, for 16 sequences of
-51–512 tokens (3,922 tokens, 4 q heads / 2 kv heads, head_dim 64) forward +
-backward took 0.094 s per sequence versus 0.584 s with the block-diagonal mask
-(no-grad forward 0.026 s vs 0.207 s); for 64 sequences of 3–32 tokens it was
-0.038 s vs 0.061 s.  The mask costs O(T^2) memory and compute across sequence
-boundaries, which dominates whenever the pack is longer than one sequence.
+Why per-sequence is the CPU default: on the 2-core CPU VM, attention alone
+(forward + backward, 4 q / 2 kv heads of 64) on ``benchmark/train_step.py``'s
+lengths (8 sequences, 10-100% of 1,024 tokens, T = 4,145) took 0.258 s with one
+call per sequence vs 2.161 s with the block-diagonal mask; for 16 sequences of 51-512
+tokens 0.094 s vs 0.584 s, and for 64 sequences of 3-32 tokens 0.038 s vs
+0.061 s (see benchmark/results/train_step.md).  The mask makes SDPA score all
+T^2 pairs across sequence boundaries.  Inputs go to SDPA as 4-D
+``[1, heads, L, head_dim]`` because torch's fused CPU kernel only takes 4-D
+inputs (3-D falls back to the unfused math path).
 """
 
 from __future__ import annotations
