@@ -48,15 +48,13 @@ def test_auto_on_cpu_is_per_sequence():
 
 
 def test_flash_without_package_says_how_to_fix():
-    pytest.importorskip("torch")
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        q, k, v, cu = _qkv([3])
-        with pytest.raises(RuntimeError, match="flash_attn is not installed"):
-            packed_causal_attention(q, k, v, cu, impl="flash")
-    else:
+    from realhf.impl.model.modules.attention import flash_attn_available
+
+    if flash_attn_available():
         pytest.skip("flash_attn is installed; the missing-package error cannot occur")
+    q, k, v, cu = _qkv([3])
+    with pytest.raises(RuntimeError, match="flash_attn is not installed"):
+        packed_causal_attention(q, k, v, cu, impl="flash")
 
 
 def test_backward_flows_to_qkv():
