@@ -1,0 +1,564 @@
+"""Asynchronous RL: configs of the rollout-side workers and the messages they exchange.
+
+Processes and what travels between them::
+
+    rollout_worker --HTTP--> gserver_manager   AllocateRequest/Reply, ScheduleRequest/Reply,
+                                               FinishRequest/Reply, HeartbeatRequest/Reply,
+                                               ServerFailureReport
+    rollout_worker --HTTP--> generation_server SGLang's /generate (realhf.api.core.gen_api)
+    gserver_manager --HTTP--> generation_server /pause_generation, /update_weights_from_disk,
+                                               /continue_generation, /health, /metrics
+    agent <--queues--> rollout_worker          GenerateGroupRequest -> GroupGeneration
+    rollout_worker --ZMQ push--> trainer       Trajectory (one per accepted rollout)
+
+HTTP messages are frozen dataclasses sent as JSON objects (:meth:`to_json` /
+:func:`from_json`, which rejects unknown or missing fields naming them).  Configs validate
+themselves and name the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
+
+from realhf.api.core.config import AgentAbstraction, DatasetAbstraction, EnvAbstraction
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import GenerationHyperparameters
+
+__all__ = [
+    "GENERATION_BACKENDS",
+    "SCHEDULE_POLICIES",
+    "GenerationServerConfig",
+    "GserverManagerConfig",
+    "RolloutWorkerConfig",
+    "MessageError",
+    "from_json",
+    "AllocateRequest",
+    "AllocateReply",
+    "ScheduleRequest",
+    "ScheduleReply",
+    "FinishRequest",
+    "FinishReply",
+    "HeartbeatRequest",
+    "HeartbeatReply",
+    "ServerFailureReport",
+    "GenerateGroupRequest",
+    "GroupGeneration",
+    "Trajectory",
+    "TRAJECTORY_KEYS",
+]
+
+GENERATION_BACKENDS = ("auto", "builtin", "sglang")
+SCHEDULE_POLICIES = ("round_robin", "least_requests", "least_token_usage")
+#: keys of every trajectory's SequenceSample (see :class:`Trajectory`)
+TRAJECTORY_KEYS = (
+    "packed_input_ids",
+    "prompt_mask",
+    "packed_logprobs",
+    "seq_no_eos_mask",
+    "packed_prompts",
+    "version_start",
+    "version_end",
+    "rewards",
+)
+
+
+def _bad(cls: str, field: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"{cls}.{field}={value!r} is invalid: {fix}")
+
+
+def _int(cls: str, obj: Any, field: str, lo: int, allow_none: bool = False) -> None:
+    v = getattr(obj, field)
+    if v is None and allow_none:
+        return
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise _bad(cls, field, v, f"use an integer >= {lo}" + (" or None" if allow_none else ""))
+
+
+def _secs(cls: str, obj: Any, *fields: str) -> None:
+    for f in fields:
+        v = getattr(obj, f)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (0 < v < math.inf):
+            raise _bad(cls, f, v, "use a positive, finite number of seconds")
+
+
+# ---------------------------------------------------------------- configs
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationServerConfig:
+    """One generation server (worker type ``generation_server``).
+
+    Attributes:
+        model_path: HuggingFace directory with the initial weights (version 0).
+        backend: ``builtin`` (our engine, CPU or GPU), ``sglang`` (needs CUDA and the
+            ``sglang`` package) or ``auto`` (SGLang when both are present, else builtin).
+        host: address to listen on; None = this host's IP.
+        port: TCP port; 0 picks a free one.
+        max_running_requests, context_length, dtype, device, seed, num_threads,
+            request_timeout_s: the built-in engine's settings (``EngineConfig``).
+        sglang_args: extra ``SGLangConfig`` fields for the SGLang backend.
+        health_timeout_s: most seconds to wait for the server to answer ``/health``.
+        registration_ttl_s: keepalive TTL of its ``names.gen_servers`` entry: the manager
+            stops routing to a server whose entry expired.
+        poll_interval_s: how often the worker checks the backend and the experiment status.
+    """
+
+    model_path: str
+    backend: str = "auto"
+    host: Optional[str] = None
+    port: int = 0
+    max_running_requests: int = 64
+    context_length: Optional[int] = None
+    dtype: str = "float32"
+    device: str = "auto"
+    seed: int = 1
+    num_threads: Optional[int] = None
+    request_timeout_s: float = 3600.0
+    sglang_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    health_timeout_s: float = 600.0
+    registration_ttl_s: float = 10.0
+    poll_interval_s: float = 0.5
+
+    def __post_init__(self):
+        c = "GenerationServerConfig"
+        if not isinstance(self.model_path, str) or not self.model_path:
+            raise _bad(c, "model_path", self.model_path, "give the HuggingFace directory to serve")
+        if self.backend not in GENERATION_BACKENDS:
+            raise _bad(c, "backend", self.backend, f"use one of {GENERATION_BACKENDS}")
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise _bad(c, "port", self.port, "use 0 (any free port) or a port in 1..65535")
+        _int(c, self, "max_running_requests", 1)
+        _int(c, self, "context_length", 2, allow_none=True)
+        _int(c, self, "num_threads", 1, allow_none=True)
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise _bad(c, "dtype", self.dtype, "use float32, bfloat16 or float16")
+        if not isinstance(self.sglang_args, Mapping):
+            raise _bad(c, "sglang_args", self.sglang_args, "use a mapping of SGLangConfig fields")
+        _secs(c, self, "request_timeout_s", "health_timeout_s", "registration_ttl_s", "poll_interval_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class GserverManagerConfig:
+    """The gserver manager (worker type ``gserver_manager``, one per experiment).
+
+    Attributes:
+        model_role: the trained role whose published versions are pushed to the servers.
+        n_servers: generation servers to wait for before serving.
+        schedule_policy: ``round_robin``, ``least_requests`` (fewest running + queued
+            requests) or ``least_token_usage`` (fewest KV tokens in use).
+        max_head_offpolicyness: ``η``: no trajectory is trained by a step more than η
+            versions newer than the version that started it (see realhf.system.staleness).
+        train_batch_size: trajectories (prompts) the trainer consumes per step.
+        max_concurrent_rollouts: most rollouts running at once; None = train_batch_size.
+        host, port: where the HTTP service listens (None = this host's IP; 0 = free port).
+        weight_poll_interval_s: how often the trainer's version is checked.
+        weight_update_timeout_s: limit of each server call of a weight update (pause,
+            update, continue); a server that misses it fails the manager, naming its URL.
+        server_wait_timeout_s: most seconds to wait for ``n_servers`` healthy servers.
+        health_check_interval_s, health_timeout_s, max_health_failures: a server that fails
+            this many health checks in a row (or whose registration expired) gets no more
+            requests.
+        lease_ttl_s: a rollout worker that sends no heartbeat for this long loses its
+            rollouts (their slots are released).
+        token_usage_budget_ratio: ``least_token_usage`` counts a scheduled request as
+            ``prompt_len + ratio * new_token_budget`` tokens until the next metrics read.
+        keep_weight_versions: published weight directories kept after an update (older ones
+            are deleted); None keeps all.
+        state_path: JSON file for the manager's counters (saved every
+            ``state_save_interval_s`` and at exit, loaded at start when present).
+    """
+
+    model_role: str = "actor"
+    n_servers: int = 1
+    schedule_policy: str = "round_robin"
+    max_head_offpolicyness: int = 0
+    train_batch_size: int = 1
+    max_concurrent_rollouts: Optional[int] = None
+    host: Optional[str] = None
+    port: int = 0
+    weight_poll_interval_s: float = 1.0
+    weight_update_timeout_s: float = 300.0
+    server_wait_timeout_s: float = 300.0
+    health_check_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    max_health_failures: int = 2
+    lease_ttl_s: float = 30.0
+    token_usage_budget_ratio: float = 0.4
+    keep_weight_versions: Optional[int] = 2
+    state_path: Optional[str] = None
+    state_save_interval_s: float = 30.0
+
+    def __post_init__(self):
+        c = "GserverManagerConfig"
+        if not isinstance(self.model_role, str) or not self.model_role or "/" in self.model_role:
+            raise _bad(c, "model_role", self.model_role, "use the trained role's name, e.g. 'actor'")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise _bad(c, "schedule_policy", self.schedule_policy, f"use one of {SCHEDULE_POLICIES}")
+        _int(c, self, "n_servers", 1)
+        _int(c, self, "max_head_offpolicyness", 0)
+        _int(c, self, "train_batch_size", 1)
+        _int(c, self, "max_concurrent_rollouts", 1, allow_none=True)
+        _int(c, self, "max_health_failures", 1)
+        _int(c, self, "keep_weight_versions", 1, allow_none=True)
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise _bad(c, "port", self.port, "use 0 (any free port) or a port in 1..65535")
+        _secs(c, self, "weight_poll_interval_s", "weight_update_timeout_s", "server_wait_timeout_s",
+              "health_check_interval_s", "health_timeout_s", "lease_ttl_s", "state_save_interval_s")
+        r = self.token_usage_budget_ratio
+        if not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise _bad(c, "token_usage_budget_ratio", r, "use a fraction in [0, 1]")
+
+    @property
+    def concurrency(self) -> int:
+        """The effective cap on running rollouts."""
+        return self.max_concurrent_rollouts or self.train_batch_size
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutWorkerConfig:
+    """One rollout worker (worker type ``rollout_worker``).
+
+    Attributes:
+        agent: registered agent; built as ``make_agent(agent, tokenizer=tokenizer)``.
+        env: registered environment; built as ``make_env(env)``.
+        dataset: registered prompt dataset; built with ``seed``, ``dp_rank`` = worker index,
+            ``world_size`` = number of rollout workers and ``tokenizer``.
+        tokenizer_path: HuggingFace tokenizer directory.
+        n_pullers: the trainer's data heads (consumers of the trajectory stream).
+        stream_name: push/pull stream the trajectories travel on.
+        seed: experiment seed (dataset order, sampling seeds).
+        new_tokens_per_chunk: tokens per ``/generate`` call; a rollout longer than this is
+            generated in chunks, so a weight update interrupts it at most one chunk.
+        max_concurrent_rollouts: this worker's own cap on running rollouts.
+        rollout_request_timeout_s: limit of one ``/generate`` call.
+        manager_timeout_s: limit of one call to the manager.
+        manager_wait_timeout_s: most seconds to wait for the manager's address.
+        allocate_retry_interval_s: pause after a refused allocation.
+        heartbeat_interval_s: how often the worker renews its leases (keep it well below the
+            manager's ``lease_ttl_s``).
+        finish_wait_s: long-poll length of a held ``/finish_rollout``.
+        push_timeout_s: most seconds a trajectory push may block.
+        max_server_failures: failed ``/generate`` calls one sequence may survive (each is
+            rescheduled on another server) before the rollout fails.
+        max_rollouts: stop (COMPLETED) after this many finished rollouts; None runs until
+            the experiment ends.
+        imports: modules to import first (they register custom agents/envs/datasets).
+    """
+
+    agent: AgentAbstraction
+    env: EnvAbstraction
+    dataset: DatasetAbstraction
+    tokenizer_path: str
+    n_pullers: int = 1
+    stream_name: str = "rollout"
+    seed: int = 1
+    new_tokens_per_chunk: int = 1 << 30
+    max_concurrent_rollouts: int = 64
+    rollout_request_timeout_s: float = 3600.0
+    manager_timeout_s: float = 60.0
+    manager_wait_timeout_s: float = 300.0
+    allocate_retry_interval_s: float = 0.1
+    heartbeat_interval_s: float = 5.0
+    finish_wait_s: float = 10.0
+    push_timeout_s: float = 300.0
+    max_server_failures: int = 3
+    max_rollouts: Optional[int] = None
+    imports: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        c = "RolloutWorkerConfig"
+        for f, kind in (("agent", AgentAbstraction), ("env", EnvAbstraction), ("dataset", DatasetAbstraction)):
+            if not isinstance(getattr(self, f), kind):
+                raise _bad(c, f, getattr(self, f), f"use a {kind.__name__}(type_, args)")
+        if not isinstance(self.tokenizer_path, str) or not self.tokenizer_path:
+            raise _bad(c, "tokenizer_path", self.tokenizer_path, "give a HuggingFace tokenizer directory")
+        if not isinstance(self.stream_name, str) or not self.stream_name or "/" in self.stream_name:
+            raise _bad(c, "stream_name", self.stream_name, "use a non-empty name without '/'")
+        _int(c, self, "n_pullers", 1)
+        _int(c, self, "new_tokens_per_chunk", 1)
+        _int(c, self, "max_concurrent_rollouts", 1)
+        _int(c, self, "max_server_failures", 0)
+        _int(c, self, "max_rollouts", 1, allow_none=True)
+        _secs(c, self, "rollout_request_timeout_s", "manager_timeout_s", "manager_wait_timeout_s",
+              "allocate_retry_interval_s", "heartbeat_interval_s", "finish_wait_s", "push_timeout_s")
+        object.__setattr__(self, "imports", tuple(self.imports))
+
+
+# ---------------------------------------------------------------- HTTP messages
+
+
+class MessageError(ValueError):
+    """A JSON message does not match its dataclass (servers answer it with HTTP 400)."""
+
+
+M = TypeVar("M")
+
+
+def from_json(cls: Type[M], d: Any) -> M:
+    """Build message ``cls`` from a JSON object; unknown or missing fields are errors."""
+    if not isinstance(d, dict):
+        raise MessageError(f"{cls.__name__}: expected a JSON object, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise MessageError(f"{cls.__name__}: unknown fields {unknown}; accepted: {sorted(fields)}")
+    missing = [
+        n for n, f in fields.items()
+        if n not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise MessageError(f"{cls.__name__}: missing fields {missing}")
+    try:
+        return cls(**d)
+    except MessageError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise MessageError(f"{cls.__name__}: {e}") from None
+
+
+class _Message:
+    def to_json(self) -> Dict[str, Any]:
+        """The JSON object of this message."""
+        return dataclasses.asdict(self)
+
+
+def _check_types(obj: Any) -> None:
+    """Light type check of JSON-decoded fields (int/float/str/bool annotations)."""
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        ok = {
+            "str": isinstance(v, str),
+            "int": isinstance(v, int) and not isinstance(v, bool),
+            "float": isinstance(v, (int, float)) and not isinstance(v, bool),
+            "bool": isinstance(v, bool),
+        }.get(t, True)
+        if not ok:
+            raise MessageError(f"{type(obj).__name__}.{f.name}={v!r} must be of type {t}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocateRequest(_Message):
+    """Rollout worker -> manager: may I start a rollout for prompt ``qid``?
+
+    ``worker`` names the rollout worker and ``incarnation`` its process (a fresh id per
+    start): the slot is leased to that process and released if its heartbeats stop or a new
+    incarnation of the same worker shows up.
+    """
+
+    worker: str
+    incarnation: str
+    qid: str = ""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class AllocateReply(_Message):
+    """``success``: a slot ``rollout_id`` started at ``version`` (train it by step ``deadline``).
+
+    Otherwise ``reason`` is ``capacity`` (too many running) or ``staleness`` (wait for the
+    trainer).
+    """
+
+    success: bool
+    rollout_id: str = ""
+    version: int = 0
+    deadline: int = 0
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleRequest(_Message):
+    """Rollout worker -> manager: which server should run the next chunk of ``rollout_id``?
+
+    A continuation names the server and version of its previous chunk; it goes back to that
+    server when its version is unchanged (cached prefix).  ``exclude`` lists servers that
+    just failed this sequence.
+    """
+
+    rollout_id: str
+    prompt_len: int
+    new_token_budget: int
+    previous_server_url: str = ""
+    previous_version: int = -1
+    exclude: Tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_types(self)
+        object.__setattr__(self, "exclude", tuple(self.exclude))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleReply(_Message):
+    """The server to use and the weight version it runs."""
+
+    url: str
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishRequest(_Message):
+    """Rollout worker -> manager: ``rollout_id`` is done.
+
+    ``accepted=False`` releases the slot (filtered group or failure).  ``accepted=True`` asks
+    for the trajectory's index; the manager may hold the answer up to ``wait_s`` seconds and
+    then reply ``wait`` (ask again).
+    """
+
+    rollout_id: str
+    accepted: bool
+    wait_s: float = 10.0
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishReply(_Message):
+    """``status``: ``accepted`` (with ``index``), ``rejected`` or ``wait``."""
+
+    status: str
+    index: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatRequest(_Message):
+    """Rollout worker -> manager: renew every lease of this worker incarnation."""
+
+    worker: str
+    incarnation: str
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeartbeatReply(_Message):
+    """How many rollouts the manager holds for this incarnation."""
+
+    n_rollouts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerFailureReport(_Message):
+    """Rollout worker -> manager: a call to ``url`` failed with ``error`` (connection, 5xx)."""
+
+    url: str
+    error: str = ""
+
+    def __post_init__(self):
+        _check_types(self)
+
+
+# ---------------------------------------------------------------- agent <-> worker
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateGroupRequest:
+    """Agent -> rollout worker (``obs_queue``): generate ``gconfig.n`` answers to ``prompt_ids``."""
+
+    qid: str
+    prompt_ids: Tuple[int, ...]
+    gconfig: GenerationHyperparameters
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if not self.prompt_ids:
+            raise ValueError(f"GenerateGroupRequest {self.qid!r}: prompt_ids is empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupGeneration:
+    """Rollout worker -> agent (``act_queue``): the answers, one entry per group member.
+
+    ``output_logprobs[j]`` has one logprob per token of ``output_ids[j]`` (chunks of a
+    resubmitted sequence concatenated); ``no_eos[j]`` is True when member j hit the token
+    budget; ``version_start[j]`` / ``version_end[j]`` are the weight versions of its first
+    and last chunk.
+    """
+
+    qid: str
+    prompt_ids: Tuple[int, ...]
+    output_ids: Tuple[Tuple[int, ...], ...]
+    output_logprobs: Tuple[Tuple[float, ...], ...]
+    no_eos: Tuple[bool, ...]
+    version_start: Tuple[int, ...]
+    version_end: Tuple[int, ...]
+
+    def __post_init__(self):
+        n = len(self.output_ids)
+        for f in ("output_logprobs", "no_eos", "version_start", "version_end"):
+            if len(getattr(self, f)) != n:
+                raise ValueError(f"GroupGeneration {self.qid!r}: {f} has {len(getattr(self, f))} entries for {n} members")
+        for j, (ids, lps) in enumerate(zip(self.output_ids, self.output_logprobs)):
+            if len(ids) != len(lps):
+                raise ValueError(
+                    f"GroupGeneration {self.qid!r}: member {j} has {len(ids)} tokens and {len(lps)} logprobs"
+                )
+
+    @property
+    def group_size(self) -> int:
+        return len(self.output_ids)
+
+
+# ---------------------------------------------------------------- rollout worker -> trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """A finished rollout on its way to the trainer (one prompt and its group of answers).
+
+    Attributes:
+        index: position in the manager's acceptance order.  The trainer must train index k in
+            step ``k // train_batch_size`` (consume in index order, never skip one; see
+            :class:`realhf.system.staleness.IndexOrderBatcher`), which makes the staleness
+            bound exact.
+        sample: one item with ``group_size`` sequences and keys :data:`TRAJECTORY_KEYS`
+            (``packed_input_ids`` [L], ``prompt_mask`` [L] bool, ``packed_logprobs`` [L-1]
+            float32 zero over the prompt, ``seq_no_eos_mask`` [1] bool, ``packed_prompts``
+            [prompt_len] once per item, ``version_start``/``version_end`` [1] int64,
+            ``rewards`` [1] float32), metadata from the prompt.
+        rollout_id, worker: who produced it.
+        birth_time: wall-clock seconds when it was accepted.
+    """
+
+    index: int
+    sample: SequenceSample
+    rollout_id: str
+    worker: str
+    birth_time: float = dataclasses.field(default_factory=time.time)
+
+    def __post_init__(self):
+        if not isinstance(self.index, int) or self.index < 0:
+            raise ValueError(f"Trajectory.index={self.index!r} must be an integer >= 0")
+        if not isinstance(self.sample, SequenceSample) or len(self.sample) != 1:
+            raise ValueError("Trajectory.sample must be a one-item SequenceSample (one prompt and its answers)")
+        missing = sorted(set(TRAJECTORY_KEYS) - self.sample.keys)
+        if missing:
+            raise ValueError(f"Trajectory {self.sample.ids[0]!r} lacks keys {missing}")
+
+    @property
+    def qid(self) -> str:
+        return self.sample.ids[0]
+
+    @property
+    def version_start(self) -> int:
+        """Oldest weight version any answer started with."""
+        return int(self.sample.data["version_start"].min())
+
+    @property
+    def version_end(self) -> int:
+        """Newest weight version any answer ended with."""
+        return int(self.sample.data["version_end"].max())
+
+    def to_sequence_sample(self) -> SequenceSample:
+        """The sample with ``index`` and ``birth_time`` added to its metadata."""
+        meta = {k: list(v) for k, v in self.sample.metadata.items()}
+        meta["index"] = [self.index]
+        meta["birth_time"] = [self.birth_time]
+        return dataclasses.replace(self.sample, metadata=meta)

@@ -1,0 +1,168 @@
+"""``math-single-step``: answer a prompt ``group_size`` times, grade every answer, emit one trajectory.
+
+One episode::
+
+    obs_queue <- GenerateGroupRequest(qid, prompt, gconfig)      the worker generates
+    act_queue -> GroupGeneration (answers, logprobs, versions)
+    env.step(MathCodeAction(answer, ...)) for every answer        +1 correct / -1 wrong
+    reward = (verdict - reward_bias) * reward_scaling
+
+A group whose success rate (share of correct answers) lies outside
+``[success_rate_lb, success_rate_ub]`` is dropped (an empty list): e.g. ``ub = 0.99``
+drops groups that every answer solved, which carry no learning signal under group-
+normalised advantages.  The rollout worker then releases the group's staleness slot.
+
+The trajectory is a one-item :class:`SequenceSample` with ``group_size`` sequences; see
+:func:`build_trajectory` for its keys.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, List, Optional, Sequence, Union
+
+import torch
+
+from realhf.api.core.agent_api import Agent
+from realhf.api.core.config import register_agent
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
+from realhf.impl.environment.math_code_single_step import MathCodeAction
+
+__all__ = ["MathSingleStepAgent", "build_trajectory"]
+
+
+def build_trajectory(
+    prompt: SequenceSample, gen: GroupGeneration, rewards: Sequence[float], extra_metadata: Optional[dict] = None
+) -> SequenceSample:
+    """Pack one prompt's group of answers into a one-item SequenceSample.
+
+    Keys (per sequence j of length ``L_j`` = prompt + answer):
+    ``packed_input_ids`` [L_j] int64, ``prompt_mask`` [L_j] bool (True on the prompt),
+    ``packed_logprobs`` [L_j − 1] float32 (the server's logprob of each answer token, zero
+    over the prompt), ``seq_no_eos_mask`` [1] bool (True when the answer hit the token
+    budget), ``version_start`` / ``version_end`` [1] int64, ``rewards`` [1] float32; and
+    ``packed_prompts`` [prompt_len] once per item.  Metadata: the prompt's, plus
+    ``extra_metadata``.
+    """
+    plen = len(gen.prompt_ids)
+    n = gen.group_size
+    if len(rewards) != n:
+        raise ValueError(f"build_trajectory {gen.qid!r}: {len(rewards)} rewards for {n} answers")
+    ids, pmask, lps, lens = [], [], [], []
+    for out, lp in zip(gen.output_ids, gen.output_logprobs):
+        ids += list(gen.prompt_ids) + list(out)
+        pmask += [True] * plen + [False] * len(out)
+        lps += [0.0] * (plen - 1) + list(lp)
+        lens.append(plen + len(out))
+    one = [[1] * n]
+    seqlens = {
+        "packed_input_ids": [lens],
+        "prompt_mask": [lens],
+        "packed_logprobs": [[L - 1 for L in lens]],
+        "seq_no_eos_mask": one,
+        "version_start": one,
+        "version_end": one,
+        "rewards": one,
+        "packed_prompts": [[plen]],
+    }
+    data = {
+        "packed_input_ids": torch.tensor(ids, dtype=torch.long),
+        "prompt_mask": torch.tensor(pmask, dtype=torch.bool),
+        "packed_logprobs": torch.tensor(lps, dtype=torch.float32),
+        "seq_no_eos_mask": torch.tensor(gen.no_eos, dtype=torch.bool),
+        "version_start": torch.tensor(gen.version_start, dtype=torch.long),
+        "version_end": torch.tensor(gen.version_end, dtype=torch.long),
+        "rewards": torch.tensor(list(rewards), dtype=torch.float32),
+        "packed_prompts": torch.tensor(gen.prompt_ids, dtype=torch.long),
+    }
+    metadata = {k: list(v) for k, v in prompt.metadata.items()}
+    for k, v in (extra_metadata or {}).items():
+        metadata[k] = [v]
+    return SequenceSample(
+        keys=set(data),
+        trailing_shapes={k: () for k in data},
+        dtypes={k: v.dtype for k, v in data.items()},
+        ids=[gen.qid],
+        seqlens=seqlens,
+        data=data,
+        metadata=metadata,
+    )
+
+
+class MathSingleStepAgent(Agent):
+    """See the module docstring.
+
+    Args:
+        tokenizer: decodes answers for grading (supplied by the rollout worker).
+        gconfig: sampling settings (a GenerationHyperparameters or its fields as a dict).
+        group_size: answers per prompt; overrides ``gconfig.n`` when given.
+        reward_scaling, reward_bias: reward = (±1 − bias) · scaling.
+        success_rate_lb, success_rate_ub: keep groups whose success rate lies in this range.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        gconfig: Union[GenerationHyperparameters, dict, None] = None,
+        group_size: Optional[int] = None,
+        reward_scaling: float = 5.0,
+        reward_bias: float = 0.0,
+        success_rate_lb: float = 0.0,
+        success_rate_ub: float = 1.0,
+    ):
+        if gconfig is None:
+            gconfig = GenerationHyperparameters()
+        elif isinstance(gconfig, dict):
+            gconfig = GenerationHyperparameters(**gconfig)
+        elif not isinstance(gconfig, GenerationHyperparameters):
+            raise TypeError(f"math-single-step: gconfig must be a GenerationHyperparameters or a dict, got {gconfig!r}")
+        if group_size is not None:
+            if not isinstance(group_size, int) or group_size < 1:
+                raise ValueError(f"math-single-step: group_size={group_size!r} must be an integer >= 1")
+            if gconfig.n not in (1, group_size):
+                raise ValueError(
+                    f"math-single-step: group_size={group_size} contradicts gconfig.n={gconfig.n}; set one of them"
+                )
+            gconfig = gconfig.new(n=group_size)
+        if not (0.0 <= success_rate_lb <= success_rate_ub <= 1.0):
+            raise ValueError(
+                f"math-single-step: need 0 <= success_rate_lb <= success_rate_ub <= 1, got "
+                f"[{success_rate_lb}, {success_rate_ub}]"
+            )
+        if tokenizer is None:
+            raise ValueError("math-single-step needs a tokenizer to decode answers for grading")
+        self.tokenizer = tokenizer
+        self.gconfig = gconfig
+        self.reward_scaling = float(reward_scaling)
+        self.reward_bias = float(reward_bias)
+        self.success_rate_lb = float(success_rate_lb)
+        self.success_rate_ub = float(success_rate_ub)
+
+    async def collect_trajectory(self, prompt, env, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> List[SequenceSample]:
+        """One prompt -> [trajectory], or [] when the group is filtered out."""
+        if not isinstance(prompt, SequenceSample) or len(prompt) != 1 or "packed_prompts" not in prompt.keys:
+            raise ValueError("math-single-step: the prompt must be a one-item SequenceSample with key 'packed_prompts'")
+        qid = prompt.ids[0]
+        await obs_queue.put(GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig))
+        gen = await act_queue.get()
+        if not isinstance(gen, GroupGeneration):
+            raise TypeError(f"math-single-step: expected a GroupGeneration on act_queue, got {type(gen).__name__}")
+        meta = {k: v[0] for k, v in prompt.metadata.items()}
+        task = meta.get("task") or "math"
+        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in gen.output_ids]
+        actions = [
+            MathCodeAction(t, task=task, solutions=tuple(meta.get("solutions") or ()), input_output=meta.get("input_output"))
+            for t in texts
+        ]
+        results = await asyncio.gather(*(env.step(a) for a in actions))
+        verdicts = [float(r.reward) for r in results]
+        success = sum(v > 0 for v in verdicts) / len(verdicts)
+        if not self.success_rate_lb <= success <= self.success_rate_ub:
+            return []
+        rewards = [(v - self.reward_bias) * self.reward_scaling for v in verdicts]
+        return [build_trajectory(prompt, gen, rewards)]
+
+
+register_agent("math-single-step", MathSingleStepAgent)
