@@ -38,7 +38,7 @@ from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, ModelInterface
 from realhf.api.core.system_api import ExperimentConfig, register_experiment
-from realhf.api.core.worker_api import MasterWorkerConfig, ModelSpec, ModelWorkerConfig
+from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelSpec, ModelWorkerConfig
 from realhf.base import seeding
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
@@ -58,8 +58,10 @@ class NumbersDataset:
         min_len: int = 3,
         max_len: int = 12,
         vocab_size: int = 128,
+        seed_key: str = "train",
+        prefix: str = "item",
     ):
-        rng = np.random.default_rng(seeding.derive_seed(seed, "dag_test_numbers"))
+        rng = np.random.default_rng(seeding.derive_seed(seed, f"dag_test_numbers:{seed_key}"))
         lens = rng.integers(min_len, max_len + 1, size=n_items)
         self.items = []
         for i in range(n_items):
@@ -68,7 +70,7 @@ class NumbersDataset:
                 continue
             self.items.append(
                 SequenceSample.from_default(
-                    ids=[f"item{i}"],
+                    ids=[f"{prefix}{i}"],
                     seqlens=[int(lens[i])],
                     data={"packed_input_ids": torch.tensor(toks, dtype=torch.long)},
                     metadata={"index": [i]},
@@ -156,6 +158,19 @@ class CheckAndTrainInterface(ModelInterface):
         stats["n_items"] = float(len(data))
         return stats
 
+    def evaluate(self, model, data, mb_spec):
+        """Mean next-token log-probability of ``data`` (this rank's items)."""
+
+        def hook(logits, mb):
+            cu = mb.cu_seqlens("packed_input_ids").to(logits.device)
+            return gather_packed_shifted_log_probs(
+                logits, cu, mb.data["packed_input_ids"].to(logits.device)
+            )
+
+        lens = [[l - 1 for l in ls] for ls in data.seqlens["packed_input_ids"]]
+        logp = model.module.forward(data, mb_spec, hook, output_seqlens=lens)
+        return {"logprob": float(logp.mean()), "n_items": float(len(data))}
+
 
 register_dataset("dag_test_numbers", NumbersDataset)
 register_interface("dag_test_scale", ScaleInterface)
@@ -167,6 +182,7 @@ def dag_test_experiment(
     model_path: str,
     n_model_workers: int = 2,
     n_items: int = 16,
+    max_len: int = 12,
     train_batch_size: int = 4,
     total_train_epochs: int = 1,
     graph: str = "dag",
@@ -175,12 +191,16 @@ def dag_test_experiment(
     log_dir: str = "",
     ckpt_freq_steps: Optional[int] = None,
     save_freq_steps: Optional[int] = None,
+    eval_freq_steps: Optional[int] = None,
     benchmark_steps: Optional[int] = None,
     recover_mode: str = "disabled",
     crash_at_step: Optional[int] = None,
     crash_rank: int = 1,
     timeout: float = 120.0,
     torch_num_threads: Optional[int] = 1,
+    eval: bool = False,
+    publish_weights: bool = False,
+    plot_curves: bool = False,
 ) -> ExperimentConfig:
     """Build the ``dag-test`` experiment (see the module docstring)."""
     if graph not in ("dag", "sft"):
@@ -253,6 +273,7 @@ def dag_test_experiment(
             "actor",
             model_path,
             trainable=True,
+            publish_weights=publish_weights,
             optimizer=OptimizerConfig(lr=lr, weight_decay=0.0, gradient_clipping=1.0),
         )
     ]
@@ -263,7 +284,15 @@ def dag_test_experiment(
         models=models,
         mfcs=mfcs,
         ft_spec=ft_spec,
-        dataset=DatasetAbstraction("dag_test_numbers", {"n_items": n_items}),
+        dataset=DatasetAbstraction("dag_test_numbers", {"n_items": n_items, "max_len": max_len}),
+        eval_dataset=(
+            DatasetAbstraction(
+                "dag_test_numbers", {"n_items": 4, "seed_key": "eval", "prefix": "eval"}
+            )
+            if eval
+            else None
+        ),
+        evaluation=EvalSpec("actor", InterfaceAbstraction("dag_test_train")) if eval else None,
         dataset_batch_size=max(1, bs // 2),
         timeout=timeout,
         imports=(__name__,),
@@ -280,10 +309,13 @@ def dag_test_experiment(
             benchmark_steps=benchmark_steps,
             ckpt_freq_steps=ckpt_freq_steps,
             save_freq_steps=save_freq_steps,
+            eval_freq_steps=eval_freq_steps,
         ),
         timeout=timeout,
         recover_mode=recover_mode,
         log_stats_keys=("loss", "mismatches"),
+        eval=eval,
+        plot_curves=plot_curves,
     )
     return ExperimentConfig(
         workers={"model_worker": [mw] * n_model_workers, "master_worker": [master]},

@@ -20,7 +20,9 @@ One step::
            when their frequency fires
 
 It stops after ``total_train_epochs`` epochs or ``benchmark_steps`` steps, sends the
-model workers ``exit``, writes ``curves.png`` and sets the experiment status COMPLETED.
+model workers ``exit``, writes ``curves.png`` and reports COMPLETED (the controller then
+sets ``names.experiment_status`` to COMPLETE).  After every step it publishes the count of
+consumed samples under ``names.training_samples``.
 """
 
 from __future__ import annotations
@@ -170,12 +172,6 @@ class MasterWorker(AsyncWorker):
             self.step.global_step,
             cfg.log_stats_keys,
             interval=cfg.progress_interval,
-        )
-        name_resolve.add(
-            names.experiment_status(self.experiment_name, self.trial_name),
-            "RUNNING",
-            replace=True,
-            delete_on_exit=False,
         )
         self.logger.info(
             f"{size} items over {self.n} model workers, {self.ft_spec.steps_per_epoch} steps/epoch, "
@@ -479,12 +475,6 @@ class MasterWorker(AsyncWorker):
                 os.path.join(constants.run_dir(), "curves.png"),
                 self.config.log_stats_keys,
             )
-        name_resolve.add(
-            names.experiment_status(self.experiment_name, self.trial_name),
-            "COMPLETED",
-            replace=True,
-            delete_on_exit=False,
-        )
         self.logger.info(
             f"finished {self.step.global_step} steps ({self.counters['samples']} samples, "
             f"{self.counters['seconds']:.1f}s); metrics in {constants.metrics_path()}"

@@ -262,6 +262,10 @@ class ModelWorker(Worker):
     def _initialize(self, req: InitializeRequest) -> DataPosition:
         from realhf.impl.model.backend import InferenceEngine, TrainEngine
 
+        if self.models:
+            raise RuntimeError(
+                f"{self.worker_name} is already initialized; `initialize` comes once"
+            )
         self.ft_spec: FinetuneSpec = req.ft_spec
         for role, spec in self.specs.items():
             module = self.modules[role]
@@ -283,7 +287,9 @@ class ModelWorker(Worker):
                 ft_spec=req.ft_spec if spec.trainable else None,
             )
         if req.recover_dir is not None:
-            recover.load_worker_state(req.recover_dir, self.rank, self._trainable(), self.loader)
+            recover.load_worker_state(
+                req.recover_dir, self.rank, self._trainable(), self.loader, self.interfaces
+            )
             self.logger.info(f"resumed from {req.recover_dir} at data position {self._position()}")
         return self._position()
 
@@ -432,7 +438,9 @@ class ModelWorker(Worker):
 
     def _checkpoint(self, req: CheckpointRequest) -> List[str]:
         state = self.loader.state_dict() if self.loader is not None else None
-        return recover.save_worker_state(req.dir, self.rank, self._trainable(), state)
+        return recover.save_worker_state(
+            req.dir, self.rank, self._trainable(), state, self.interfaces
+        )
 
     def _clear_data_cache(self, ids) -> int:
         return self.store.drop(ids)

@@ -6,6 +6,8 @@ Layout under the root (default ``{run_dir}/checkpoints/recover``)::
     step{N}/
         models/{role}/            HF directory of each trainable role (rank 0 writes)
         optimizer/{role}/rank{r}.pt   optimizer + step counters of each rank's engine
+        interfaces/{mfc}/rank{r}.pt   state of interfaces that have one (e.g. an adaptive
+                                      KL controller): ``state_dict()`` / ``load_state_dict()``
         data/rank{r}.json         each rank's data loader: epoch and ids used in it
         master.json               the master's counters (written last, then the rename)
     latest                        text: "step{N}", replaced atomically after the rename
@@ -45,6 +47,7 @@ __all__ = [
     "model_dir",
     "optimizer_path",
     "data_state_path",
+    "interface_state_path",
     "save_worker_state",
     "load_worker_state",
 ]
@@ -153,11 +156,26 @@ def data_state_path(ckpt_dir: str, rank: int) -> str:
     return os.path.join(ckpt_dir, "data", f"rank{rank}.json")
 
 
+def interface_state_path(ckpt_dir: str, mfc_name: str, rank: int) -> str:
+    """State of the interface of MFC ``mfc_name`` on ``rank``."""
+    return os.path.join(ckpt_dir, "interfaces", mfc_name, f"rank{rank}.pt")
+
+
+def _stateful(interfaces: Mapping[str, Any]) -> Dict[str, Any]:
+    return {
+        n: i
+        for n, i in interfaces.items()
+        if callable(getattr(i, "state_dict", None))
+        and callable(getattr(i, "load_state_dict", None))
+    }
+
+
 def save_worker_state(
     ckpt_dir: str,
     rank: int,
     trainable: Mapping[str, Tuple[Any, Any]],
     loader_state: Optional[Dict[str, Any]],
+    interfaces: Mapping[str, Any] = {},
 ) -> List[str]:
     """Write one model worker's part of a checkpoint; returns the paths written.
 
@@ -165,8 +183,15 @@ def save_worker_state(
         trainable: ``role -> (ReaLModel, TrainEngine)``; rank 0 writes the weights, every
             rank its engine's ``state_dict()``.
         loader_state: the data loader's ``state_dict()`` (None: no dataset).
+        interfaces: ``MFC name -> interface``; those with ``state_dict``/``load_state_dict``
+            are saved.
     """
     written = []
+    for name, iface in _stateful(interfaces).items():
+        path = interface_state_path(ckpt_dir, name, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(iface.state_dict(), path)
+        written.append(path)
     for role, (model, engine) in trainable.items():
         if rank == 0:
             model.save_hf(model_dir(ckpt_dir, role))
@@ -188,8 +213,18 @@ def load_worker_state(
     rank: int,
     trainable: Mapping[str, Tuple[Any, Any]],
     loader=None,
+    interfaces: Mapping[str, Any] = {},
 ) -> None:
-    """Restore what :func:`save_worker_state` wrote (weights, optimizer, data position)."""
+    """Restore what :func:`save_worker_state` wrote (weights, optimizer, data position,
+    interface states)."""
+    for name, iface in _stateful(interfaces).items():
+        path = interface_state_path(ckpt_dir, name, rank)
+        if not os.path.exists(path):
+            raise RecoverError(
+                f"recover checkpoint {ckpt_dir} lacks {path} (state of MFC {name!r}'s interface); "
+                "resume with the same experiment config"
+            )
+        iface.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
     for role, (model, engine) in trainable.items():
         mdir = model_dir(ckpt_dir, role)
         opath = optimizer_path(ckpt_dir, role, rank)

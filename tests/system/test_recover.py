@@ -115,3 +115,29 @@ def test_worker_state_round_trip(tmp_path):
 
     with pytest.raises(recover.RecoverError, match="rank1.pt"):
         recover.load_worker_state(ckpt, 1, {"actor": (model2, engine2)})
+
+
+class _Counter:
+    """An interface with state (like an adaptive KL controller)."""
+
+    def __init__(self):
+        self.value = 0.0
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_interface_states_round_trip(tmp_path):
+    a, plain = _Counter(), object()
+    a.value = 0.25
+    ckpt = str(tmp_path)
+    written = recover.save_worker_state(ckpt, 1, {}, None, {"actor_train": a, "gen": plain})
+    assert written == [recover.interface_state_path(ckpt, "actor_train", 1)]
+    b = _Counter()
+    recover.load_worker_state(ckpt, 1, {}, None, {"actor_train": b, "gen": plain})
+    assert b.value == 0.25
+    with pytest.raises(recover.RecoverError, match="state of MFC 'critic_train'"):
+        recover.load_worker_state(ckpt, 1, {}, None, {"critic_train": _Counter()})
