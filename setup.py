@@ -42,14 +42,17 @@ def _ext_modules():
             extra_link_args=["-fopenmp"],
         )
     ]
+    # CUDA kernels live in csrc/cuda/ with their own host-side bindings (a .cpp, so
+    # pybind11 is compiled by the host compiler, not nvcc) and build `realhf._C_cuda`.
+    cuda_dir = os.path.join(here, "csrc", "cuda")
     cuda_sources = sorted(
-        os.path.join("csrc", f)
-        for f in os.listdir(os.path.join(here, "csrc"))
-        if f.endswith(".cu")
+        os.path.join("csrc", "cuda", f)
+        for f in (os.listdir(cuda_dir) if os.path.isdir(cuda_dir) else [])
+        if f.endswith((".cu", ".cpp"))
     )
     import torch
 
-    if cuda_sources and torch.version.cuda and cpp_extension.CUDA_HOME:
+    if any(f.endswith(".cu") for f in cuda_sources) and torch.version.cuda and cpp_extension.CUDA_HOME:
         exts.append(
             cpp_extension.CUDAExtension(
                 "realhf._C_cuda",

@@ -1,0 +1,19 @@
+// Python bindings of realhf's CPU kernels: the extension module `realhf._C`.
+// The GIL is released while a kernel runs so other Python threads keep going.
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "realhf CPU kernels: packed GAE and flat-buffer interval copies";
+  namespace py = pybind11;
+  m.def("gae_packed", &realhf::gae_packed_cpu, "Packed GAE (see realhf.impl.kernels.gae_packed)",
+        py::arg("rewards"), py::arg("values"), py::arg("cu_seqlens"), py::arg("bootstrap"),
+        py::arg("gamma"), py::arg("lam"), py::call_guard<py::gil_scoped_release>());
+  m.def("slice_intervals", &realhf::slice_intervals_cpu,
+        "Concatenate src[s:e] over intervals [N, 2]", py::arg("src"), py::arg("intervals"),
+        py::arg("out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("set_intervals", &realhf::set_intervals_cpu,
+        "Write consecutive pieces of src into dst[s:e] in place", py::arg("src"), py::arg("dst"),
+        py::arg("intervals"), py::call_guard<py::gil_scoped_release>());
+  m.def("merge_intervals", &realhf::merge_intervals,
+        "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
+}
