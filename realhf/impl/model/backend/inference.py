@@ -50,7 +50,9 @@ class InferenceEngine:
 
     def __init__(self, model: torch.nn.Module):
         if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"the engine wraps a torch module (a ReaLModel), got {type(model).__name__}")
+            raise TypeError(
+                f"the engine wraps a torch module (a ReaLModel), got {type(model).__name__}"
+            )
         self.model = model
 
     # ---- module-like surface (``Model`` reads parameters() for its dtype) ----

@@ -59,7 +59,9 @@ def _resolve_group(group):
     functions where None means "do not reduce" (advantage normalisation, early stop)."""
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError("a data-parallel group was given but torch.distributed is not initialised")
+            raise ValueError(
+                "a data-parallel group was given but torch.distributed is not initialised"
+            )
         return None, 1, 0
     if group is None:
         group = dist.group.WORLD
@@ -102,7 +104,9 @@ class TrainEngine(InferenceEngine):
             )
         self.config = optimizer if optimizer is not None else OptimizerConfig()
         if not isinstance(self.config, OptimizerConfig):
-            raise TypeError(f"optimizer must be an OptimizerConfig, got {type(self.config).__name__}")
+            raise TypeError(
+                f"optimizer must be an OptimizerConfig, got {type(self.config).__name__}"
+            )
         self.ft_spec = ft_spec
         self.dp_group, self.dp_size, self.dp_rank = _resolve_group(dp_group)
         if gradient_checkpointing is not None:
@@ -230,11 +234,15 @@ class TrainEngine(InferenceEngine):
         grad_norm = float(torch.linalg.vector_norm(self.flat_grad.float()))
         skipped = False
         if total <= 0:
-            logger.warning("train_batch: the global batch has no tokens to train on (loss weight 0); skipping the step")
+            logger.warning(
+                "train_batch: the global batch has no tokens to train on (loss weight 0); skipping the step"
+            )
             skipped = True
         elif not math.isfinite(grad_norm):
             # After the all-reduce every rank holds the same gradient, hence takes the same decision.
-            warnings.warn(f"train_batch: gradient norm is {grad_norm}; skipping optimizer step {step}")
+            warnings.warn(
+                f"train_batch: gradient norm is {grad_norm}; skipping optimizer step {step}"
+            )
             logger.warning(f"non-finite gradient norm {grad_norm}: optimizer step {step} skipped")
             skipped = True
         else:

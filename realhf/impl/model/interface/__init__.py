@@ -24,5 +24,11 @@ from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_interface import PPOActorInterface
 from realhf.impl.model.interface.sft_interface import SFTInterface
 
-__all__ = ["PPOActorInterface", "PPOCriticInterface", "PPOHyperparameters", "SFTInterface", "MathRewardInterface",
-           "MathEvalInterface"]
+__all__ = [
+    "PPOActorInterface",
+    "PPOCriticInterface",
+    "PPOHyperparameters",
+    "SFTInterface",
+    "MathRewardInterface",
+    "MathEvalInterface",
+]

@@ -4,7 +4,7 @@ stable seeds, per-sequence views of grouped samples, and collective-safe checks.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, List, Optional
+from typing import List
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,6 @@ __all__ = [
     "all_reduce_sum",
     "sequence_ids",
     "seqs_per_item",
-    "optional",
 ]
 
 
@@ -81,11 +80,12 @@ def all_reduce_min(value: int, group) -> int:
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
-    """Sum a float64 CPU tensor over ``group`` in place (no-op without torch.distributed)."""
+    """Sum ``t`` over ``group`` in place (no-op without torch.distributed); CPU tensors are
+    moved to the GPU and back for nccl."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return t
     on = t
-    if dist.get_backend(group) == "nccl":
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
         on = t.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(on, group=group)
     if on is not t:
@@ -101,10 +101,3 @@ def sequence_ids(data: SequenceSample, key: str = "packed_input_ids") -> List[st
 def seqs_per_item(data: SequenceSample, key: str = "packed_input_ids") -> List[int]:
     """How many sequences each item holds."""
     return [len(lens) for lens in data.seqlens[key]]
-
-
-def optional(data: SequenceSample, key: str) -> Optional[torch.Tensor]:
-    """The data of ``key``, or None when the sample lacks it."""
-    if key not in data.keys or data.data is None:
-        return None
-    return data.data.get(key)

@@ -51,20 +51,27 @@ class PPOCriticInterface(ModelInterface):
                 "ppo_critic was built with disable_value=True; with no value function drop the critic's MFCs"
             )
         self.kl_ctl = make_kl_controller(self.hp)
-        self.rms = F.ExponentialRunningMeanStd(beta=self.hp.value_norm_beta) if self.hp.value_norm else None
+        self.rms = (
+            F.ExponentialRunningMeanStd(beta=self.hp.value_norm_beta)
+            if self.hp.value_norm
+            else None
+        )
 
-    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+    def inference(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> SequenceSample:
         """Values of every token (key ``values``)."""
         require_keys(data, ["packed_input_ids"], "ppo_critic inference")
         engine = engine_of(model)
-        values = engine.forward(data.select(["packed_input_ids"]), mb_spec).float().cpu()
+        values = engine.forward(data.select(["packed_input_ids"]), mb_spec).float()
         if values.dim() != 1:
             raise ValueError(
                 f"ppo_critic got outputs of shape {tuple(values.shape)}; the critic must be a ReaLModel with "
                 "is_critic=True (one value per token)"
             )
         if self.rms is not None:
-            values = self.rms.denormalize(values)
+            values = self.rms.to(values.device).denormalize(values)
+        values = values.cpu()
         lens = [list(item) for item in data.seqlens["packed_input_ids"]]
         return SequenceSample(
             keys={"values"},
@@ -75,15 +82,20 @@ class PPOCriticInterface(ModelInterface):
             data={"values": values},
         )
 
-    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> Dict[str, float]:
+    def train_step(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> Dict[str, float]:
         """One PPO critic update; returns reduced statistics."""
         hp = self.hp
         engine = engine_of(model, train=True)
         group = engine.dp_group
-        batch = prepare_ppo_batch(hp, data, self.kl_ctl.value, group, record_stats=False)
+        batch = prepare_ppo_batch(
+            hp, data, self.kl_ctl.value, group, record_stats=False, device=engine.device
+        )
         self.kl_ctl.update(batch.mean_kl, batch.n_seqs_global)
         old_values, returns = batch.values, batch.returns
         if self.rms is not None:
+            self.rms.to(engine.device)  # nccl reduces its statistics on the GPU
             # Old values were denormalised with the current statistics: undo that first.
             old_values = self.rms.normalize(old_values)
             self.rms.update(returns, batch.loss_mask, group=group)
@@ -95,8 +107,13 @@ class PPOCriticInterface(ModelInterface):
             mask = mb.data["ppo_loss_mask"].to(dev)
             new_v = values.float()[shift]
             old_v = mb.data["values"].to(dev)[shift]
-            loss, st = F.critic_loss_fn(new_v, old_v, mb.data["returns"].to(dev), hp.value_eps_clip, mask)
-            return loss, {"value_clip_ratio": st["clip_ratio"], "value_mean": masked_mean(new_v.detach(), mask)}
+            loss, st = F.critic_loss_fn(
+                new_v, old_v, mb.data["returns"].to(dev), hp.value_eps_clip, mask
+            )
+            return loss, {
+                "value_clip_ratio": st["clip_ratio"],
+                "value_mean": masked_mean(new_v.detach(), mask),
+            }
 
         sample = batch.to_sample(values=old_values, returns=returns)
         run_minibatches(hp, model, sample, mb_spec, loss_fn, _loss_weight, "ppo_critic")
@@ -107,7 +124,11 @@ class PPOCriticInterface(ModelInterface):
         """KL coefficient and value-normaliser statistics, for recovery checkpoints."""
         return {
             "kl_coef": self.kl_ctl.value,
-            "rms": None if self.rms is None else {k: v.clone() for k, v in self.rms.state_dict().items()},
+            "rms": (
+                None
+                if self.rms is None
+                else {k: v.clone() for k, v in self.rms.state_dict().items()}
+            ),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -52,17 +52,27 @@ class MathRewardInterface(ModelInterface):
         timeout_s: seconds each answer may spend in the symbolic checks (then it is wrong).
     """
 
-    def __init__(self, output_scaling: float = 5.0, output_bias: float = 0.0, timeout_s: float = 15.0):
-        for name, v in (("output_scaling", output_scaling), ("output_bias", output_bias), ("timeout_s", timeout_s)):
+    def __init__(
+        self, output_scaling: float = 5.0, output_bias: float = 0.0, timeout_s: float = 15.0
+    ):
+        for name, v in (
+            ("output_scaling", output_scaling),
+            ("output_bias", output_bias),
+            ("timeout_s", timeout_s),
+        ):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
                 raise ValueError(f"math_reward {name}={v!r}: use a finite number")
         if timeout_s <= 0:
-            raise ValueError(f"math_reward timeout_s={timeout_s!r}: use a positive number of seconds")
+            raise ValueError(
+                f"math_reward timeout_s={timeout_s!r}: use a positive number of seconds"
+            )
         self.output_scaling = float(output_scaling)
         self.output_bias = float(output_bias)
         self.timeout_s = float(timeout_s)
 
-    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+    def inference(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> SequenceSample:
         """Key ``rewards`` (one per sequence)."""
         require_keys(data, ["packed_input_ids", "prompt_mask"], "math_reward")
         if "solutions" not in data.metadata:
@@ -71,15 +81,21 @@ class MathRewardInterface(ModelInterface):
                 f"(metadata keys present: {sorted(data.metadata)})"
             )
         if model.tokenizer is None:
-            raise ValueError(f"math_reward needs a tokenizer on model {model.name} to decode the answers")
+            raise ValueError(
+                f"math_reward needs a tokenizer on model {model.name} to decode the answers"
+            )
         texts = decode_answers(data, model.tokenizer)
         solutions = []
-        for item_id, sols, lens in zip(data.ids, data.metadata["solutions"], data.seqlens["packed_input_ids"]):
+        for item_id, sols, lens in zip(
+            data.ids, data.metadata["solutions"], data.seqlens["packed_input_ids"]
+        ):
             sols = [sols] if isinstance(sols, str) else list(sols)
             if not sols:
                 raise ValueError(f"math_reward: item {item_id!r} has no reference solutions")
             solutions.extend([sols] * len(lens))
-        correct = torch.tensor(verify_batch(texts, solutions, timeout=self.timeout_s), dtype=torch.bool)
+        correct = torch.tensor(
+            verify_batch(texts, solutions, timeout=self.timeout_s), dtype=torch.bool
+        )
         verdict = torch.where(correct, 1.0, -1.0)
         rewards = ((verdict - self.output_bias) * self.output_scaling).float()
         with stats_tracker.scope("math_reward"):

@@ -82,7 +82,9 @@ def generate_offline(
             sampling_seed=stable_seed(seed, version, item_id),
         )
         for j in range(gconfig.n):
-            requests.append(GenerateRequest(input_ids=prompt, sampling=sp.for_sample(j), rid=f"{item_id}@{j}"))
+            requests.append(
+                GenerateRequest(input_ids=prompt, sampling=sp.for_sample(j), rid=f"{item_id}@{j}")
+            )
 
     longest = max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
     cfg = EngineConfig(
@@ -95,7 +97,10 @@ def generate_offline(
     )
     eos = _token_id(tokenizer, "eos_token_id")
     engine = GenerationEngine(
-        model, cfg, eos_token_ids=[] if eos is None else [eos], pad_token_id=_token_id(tokenizer, "pad_token_id")
+        model,
+        cfg,
+        eos_token_ids=[] if eos is None else [eos],
+        pad_token_id=_token_id(tokenizer, "pad_token_id"),
     )
     was_training = model.training
     model.eval()
@@ -106,7 +111,9 @@ def generate_offline(
         engine.close()
         model.train(was_training)
     out = outputs_to_sample(prompts.ids, gconfig.n, requests, outputs, version)
-    out.metadata = {k: list(v) for k, v in prompts.metadata.items()}  # e.g. solutions, for the reward
+    out.metadata = {
+        k: list(v) for k, v in prompts.metadata.items()
+    }  # e.g. solutions, for the reward
     return out
 
 
@@ -129,7 +136,9 @@ def outputs_to_sample(
     for req, out in zip(requests, outputs):
         plen, ans = len(req.input_ids), list(out.output_ids)
         if len(out.output_logprobs) != len(ans):
-            raise RuntimeError(f"request {req.rid}: the engine returned {len(out.output_logprobs)} logprobs for {len(ans)} tokens")
+            raise RuntimeError(
+                f"request {req.rid}: the engine returned {len(out.output_logprobs)} logprobs for {len(ans)} tokens"
+            )
         ids.extend(req.input_ids)
         ids.extend(ans)
         pmask.extend([True] * plen + [False] * len(ans))

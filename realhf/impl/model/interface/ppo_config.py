@@ -33,62 +33,148 @@ class PPOHyperparameters:
     """PPO options; each field's ``help`` metadata documents it (shown by ``--help``)."""
 
     # ---- optimisation loop
-    ppo_n_minibatches: int = field(default=4, metadata=_h(
-        "optimizer steps per train_step: the (shuffled) sequences are split round-robin into this many minibatches"))
-    sample_reuse: int = field(default=1, metadata=_h("passes over the batch per train_step (each reshuffled)"))
+    ppo_n_minibatches: int = field(
+        default=4,
+        metadata=_h(
+            "optimizer steps per train_step: the (shuffled) sequences are split round-robin into this many minibatches"
+        ),
+    )
+    sample_reuse: int = field(
+        default=1, metadata=_h("passes over the batch per train_step (each reshuffled)")
+    )
     # ---- actor loss
-    eps_clip: float = field(default=0.2, metadata=_h("PPO ratio clip: ratio is clipped to [1-eps, 1+eps]"))
-    c_clip: Optional[float] = field(default=None, metadata=_h(
-        "dual clip (> 1): for negative advantages the loss is at most c_clip*|A|; None disables"))
-    early_stop_imp_ratio: Optional[float] = field(default=5.0, metadata=_h(
-        "a micro-batch whose data-parallel mean importance ratio exceeds this contributes no gradient; None disables"))
-    use_decoupled_loss: bool = field(default=False, metadata=_h(
-        "decoupled PPO: clip around proximal_logprobs (trainer recompute), weight by exp(prox - behaviour)"))
-    behav_imp_weight_cap: Optional[float] = field(default=None, metadata=_h(
-        "decoupled loss only: tokens whose behaviour weight exp(prox - behaviour) exceeds it are masked"))
-    recompute_logprob: bool = field(default=False, metadata=_h(
-        "the trainer recomputes log-probs before training (actor inference -> proximal_logprobs); without the "
-        "decoupled loss they replace the behaviour log-probs as the PPO anchor"))
-    temperature: Optional[float] = field(default=None, metadata=_h(
-        "logits are divided by it when (re)computing log-probs; None: gen.temperature (1 for greedy)"))
+    eps_clip: float = field(
+        default=0.2, metadata=_h("PPO ratio clip: ratio is clipped to [1-eps, 1+eps]")
+    )
+    c_clip: Optional[float] = field(
+        default=None,
+        metadata=_h(
+            "dual clip (> 1): for negative advantages the loss is at most c_clip*|A|; None disables"
+        ),
+    )
+    early_stop_imp_ratio: Optional[float] = field(
+        default=5.0,
+        metadata=_h(
+            "a micro-batch whose data-parallel mean importance ratio exceeds this contributes no gradient; None disables"
+        ),
+    )
+    use_decoupled_loss: bool = field(
+        default=False,
+        metadata=_h(
+            "decoupled PPO: clip around proximal_logprobs (trainer recompute), weight by exp(prox - behaviour)"
+        ),
+    )
+    behav_imp_weight_cap: Optional[float] = field(
+        default=None,
+        metadata=_h(
+            "decoupled loss only: tokens whose behaviour weight exp(prox - behaviour) exceeds it are masked"
+        ),
+    )
+    recompute_logprob: bool = field(
+        default=False,
+        metadata=_h(
+            "the trainer recomputes log-probs before training (actor inference -> proximal_logprobs); without the "
+            "decoupled loss they replace the behaviour log-probs as the PPO anchor"
+        ),
+    )
+    temperature: Optional[float] = field(
+        default=None,
+        metadata=_h(
+            "logits are divided by it when (re)computing log-probs; None: gen.temperature (1 for greedy)"
+        ),
+    )
     # ---- rewards
-    max_reward_clip: float = field(default=20.0, metadata=_h("task scores are clipped to [-clip, clip]"))
-    reward_output_scaling: float = field(default=1.0, metadata=_h("score = (reward - bias) * scaling"))
+    max_reward_clip: float = field(
+        default=20.0, metadata=_h("task scores are clipped to [-clip, clip]")
+    )
+    reward_output_scaling: float = field(
+        default=1.0, metadata=_h("score = (reward - bias) * scaling")
+    )
     reward_output_bias: float = field(default=0.0, metadata=_h("score = (reward - bias) * scaling"))
-    mask_no_eos_with_zero: bool = field(default=False, metadata=_h(
-        "sequences cut before EOS get score 0 instead of their reward"))
-    mask_too_long: bool = field(default=False, metadata=_h(
-        "sequences cut before EOS are left out of the loss entirely"))
-    kl_ctl: float = field(default=0.1, metadata=_h(
-        "KL penalty coefficient beta: r_t = -beta (logp - ref_logp); 0 needs no reference model"))
-    adaptive_kl_ctl: bool = field(default=False, metadata=_h("adapt beta towards adaptive_kl_target"))
-    adaptive_kl_target: float = field(default=6.0, metadata=_h("target KL of the adaptive controller"))
-    adaptive_kl_horizon: float = field(default=10000.0, metadata=_h("horizon (in sequences) of the adaptive controller"))
-    success_rate_lb: float = field(default=0.0, metadata=_h(
-        "prompts whose answers' success rate (share with score > 0) is below it are left out of the loss"))
-    success_rate_ub: float = field(default=1.0, metadata=_h(
-        "prompts whose answers' success rate is above it are left out of the loss (e.g. 0.99: drop all-solved)"))
+    mask_no_eos_with_zero: bool = field(
+        default=False, metadata=_h("sequences cut before EOS get score 0 instead of their reward")
+    )
+    mask_too_long: bool = field(
+        default=False, metadata=_h("sequences cut before EOS are left out of the loss entirely")
+    )
+    kl_ctl: float = field(
+        default=0.1,
+        metadata=_h(
+            "KL penalty coefficient beta: r_t = -beta (logp - ref_logp); 0 needs no reference model"
+        ),
+    )
+    adaptive_kl_ctl: bool = field(
+        default=False, metadata=_h("adapt beta towards adaptive_kl_target")
+    )
+    adaptive_kl_target: float = field(
+        default=6.0, metadata=_h("target KL of the adaptive controller")
+    )
+    adaptive_kl_horizon: float = field(
+        default=10000.0, metadata=_h("horizon (in sequences) of the adaptive controller")
+    )
+    success_rate_lb: float = field(
+        default=0.0,
+        metadata=_h(
+            "prompts whose answers' success rate (share with score > 0) is below it are left out of the loss"
+        ),
+    )
+    success_rate_ub: float = field(
+        default=1.0,
+        metadata=_h(
+            "prompts whose answers' success rate is above it are left out of the loss (e.g. 0.99: drop all-solved)"
+        ),
+    )
     # ---- advantages
     discount: float = field(default=1.0, metadata=_h("GAE discount gamma"))
     gae_lambda: float = field(default=1.0, metadata=_h("GAE lambda"))
-    adv_norm: bool = field(default=True, metadata=_h(
-        "normalise advantages to zero mean / unit std over valid tokens (global over data-parallel ranks)"))
-    group_adv_norm: bool = field(default=False, metadata=_h(
-        "with adv_norm: normalise per group of group_size answers to one prompt (GRPO), locally"))
-    group_size: int = field(default=1, metadata=_h("answers generated per prompt (one item carries its group)"))
+    adv_norm: bool = field(
+        default=True,
+        metadata=_h(
+            "normalise advantages to zero mean / unit std over valid tokens (global over data-parallel ranks)"
+        ),
+    )
+    group_adv_norm: bool = field(
+        default=False,
+        metadata=_h(
+            "with adv_norm: normalise per group of group_size answers to one prompt (GRPO), locally"
+        ),
+    )
+    group_size: int = field(
+        default=1, metadata=_h("answers generated per prompt (one item carries its group)")
+    )
     # ---- critic
-    disable_value: bool = field(default=False, metadata=_h("no critic: values are 0 (use with group_adv_norm)"))
-    value_eps_clip: float = field(default=0.2, metadata=_h("critic value clip around the old values"))
+    disable_value: bool = field(
+        default=False, metadata=_h("no critic: values are 0 (use with group_adv_norm)")
+    )
+    value_eps_clip: float = field(
+        default=0.2, metadata=_h("critic value clip around the old values")
+    )
     value_norm: bool = field(default=True, metadata=_h("the critic learns EMA-normalised returns"))
-    value_norm_beta: float = field(default=0.99995, metadata=_h("EMA decay of the value normaliser"))
+    value_norm_beta: float = field(
+        default=0.99995, metadata=_h("EMA decay of the value normaliser")
+    )
     # ---- generation
-    gen: GenerationHyperparameters = field(default_factory=GenerationHyperparameters, metadata=_h(
-        "sampling settings of the actor's generate call; gen.n is taken from group_size"))
-    gen_max_running_requests: int = field(default=64, metadata=_h(
-        "sequences the built-in engine decodes together during the actor's generate call"))
-    gen_timeout_s: float = field(default=3600.0, metadata=_h("most seconds one generate call may take"))
-    seed: int = field(default=1, metadata=_h(
-        "base seed of sampling and minibatch shuffling (combined with the global step and item ids)"))
+    gen: GenerationHyperparameters = field(
+        default_factory=GenerationHyperparameters,
+        metadata=_h(
+            "sampling settings of the actor's generate call; gen.n is taken from group_size"
+        ),
+    )
+    gen_max_running_requests: int = field(
+        default=64,
+        metadata=_h(
+            "sequences the built-in engine decodes together during the actor's generate call"
+        ),
+    )
+    gen_timeout_s: float = field(
+        default=3600.0, metadata=_h("most seconds one generate call may take")
+    )
+    seed: int = field(
+        default=1,
+        metadata=_h(
+            "base seed of sampling and minibatch shuffling (combined with the global step and item ids)"
+        ),
+    )
 
     def __post_init__(self):
         if isinstance(self.gen, dict):
@@ -101,8 +187,14 @@ class PPOHyperparameters:
                 self._bad(name, "use an integer >= 1")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             self._bad("seed", "use an integer")
-        positive = ["eps_clip", "value_eps_clip", "max_reward_clip", "adaptive_kl_target", "adaptive_kl_horizon",
-                    "gen_timeout_s"]
+        positive = [
+            "eps_clip",
+            "value_eps_clip",
+            "max_reward_clip",
+            "adaptive_kl_target",
+            "adaptive_kl_horizon",
+            "gen_timeout_s",
+        ]
         for name in positive:
             if not self._finite(name) or getattr(self, name) <= 0:
                 self._bad(name, "use a finite number > 0")
@@ -123,8 +215,13 @@ class PPOHyperparameters:
             if v is not None and not (self._finite(name) and v > 1):
                 self._bad(name, "use a number > 1 or None")
         if self.behav_imp_weight_cap is not None and not self.use_decoupled_loss:
-            self._bad("behav_imp_weight_cap", "it only acts with use_decoupled_loss=True; set that or use None")
-        if self.temperature is not None and not (self._finite("temperature") and self.temperature > 0):
+            self._bad(
+                "behav_imp_weight_cap",
+                "it only acts with use_decoupled_loss=True; set that or use None",
+            )
+        if self.temperature is not None and not (
+            self._finite("temperature") and self.temperature > 0
+        ):
             self._bad("temperature", "use a number > 0 or None (None: gen.temperature)")
         for name in ("success_rate_lb", "success_rate_ub"):
             if not self._finite(name) or not 0 <= getattr(self, name) <= 1:
@@ -132,9 +229,14 @@ class PPOHyperparameters:
         if self.success_rate_lb > self.success_rate_ub:
             self._bad("success_rate_lb", f"must not exceed success_rate_ub={self.success_rate_ub}")
         if self.group_adv_norm and not self.adv_norm:
-            self._bad("group_adv_norm", "needs adv_norm=True (it selects how advantages are normalised)")
+            self._bad(
+                "group_adv_norm", "needs adv_norm=True (it selects how advantages are normalised)"
+            )
         if self.gen.n not in (1, self.group_size):
-            self._bad("gen", f"gen.n={self.gen.n} differs from group_size={self.group_size}; set group_size only")
+            self._bad(
+                "gen",
+                f"gen.n={self.gen.n} differs from group_size={self.group_size}; set group_size only",
+            )
 
     def _finite(self, name: str) -> bool:
         v = getattr(self, name)
@@ -173,7 +275,9 @@ class PPOHyperparameters:
         return cls(**d)
 
     @classmethod
-    def coerce(cls, hparams: Union["PPOHyperparameters", Dict[str, Any], None], fields: Dict[str, Any]) -> "PPOHyperparameters":
+    def coerce(
+        cls, hparams: Union["PPOHyperparameters", Dict[str, Any], None], fields: Dict[str, Any]
+    ) -> "PPOHyperparameters":
         """What an interface constructor accepts: a ``PPOHyperparameters``, a dict, or fields
         as keyword arguments (not both)."""
         if hparams is not None and fields:
@@ -186,4 +290,6 @@ class PPOHyperparameters:
             return cls.from_dict(fields)
         if isinstance(hparams, dict):
             return cls.from_dict(hparams)
-        raise TypeError(f"hparams must be a PPOHyperparameters or a dict, got {type(hparams).__name__}")
+        raise TypeError(
+            f"hparams must be a PPOHyperparameters or a dict, got {type(hparams).__name__}"
+        )

@@ -36,7 +36,6 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.base import stats_tracker
 from realhf.impl.model.interface.common import (
     all_reduce_sum,
-    optional,
     require_keys,
     sequence_ids,
     seqs_per_item,
@@ -45,7 +44,7 @@ from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.utils import ppo_functional as F
 from realhf.impl.model.utils.functional import short1cu_seqlens, shift_one_indices
 
-__all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key"]
+__all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key", "required_keys"]
 
 
 def anchor_logprobs_key(hp: PPOHyperparameters) -> str:
@@ -104,43 +103,49 @@ class PPOBatch:
 
 
 def prepare_ppo_batch(
-    hp: PPOHyperparameters, data: SequenceSample, kl_coef: float, dp_group=None, record_stats: bool = True
+    hp: PPOHyperparameters,
+    data: SequenceSample,
+    kl_coef: float,
+    dp_group=None,
+    record_stats: bool = True,
+    device: Optional[torch.device] = None,
 ) -> PPOBatch:
     """Loss mask, rewards, GAE and normalised advantages (see the module docstring).
 
     Every data-parallel rank must call it (global advantage normalisation and the KL
-    mean are all-reduced over ``dp_group``). With ``record_stats`` it records reward,
-    KL, advantage and length statistics into the process stats tracker (scope ``ppo``).
+    mean are all-reduced over ``dp_group``). The maths runs on ``device`` (the model's:
+    nccl reduces device tensors only) and the returned tensors stay there. With
+    ``record_stats`` it records reward, KL, advantage and length statistics into the
+    process stats tracker (scope ``ppo``).
     """
-    needed = ["packed_input_ids", "prompt_mask", "rewards", "seq_no_eos_mask", anchor_logprobs_key(hp)]
-    if hp.use_decoupled_loss:
-        needed.append("proximal_logprobs")
-    if kl_coef > 0:
-        needed.append("packed_ref_logprobs")
-    if not hp.disable_value:
-        needed.append("values")
-    require_keys(data, needed, "PPO training")
+    require_keys(data, required_keys(hp, kl_coef), "PPO training")
+    # One straight pipeline (mask -> rewards -> GAE -> normalisation -> global KL): its
+    # stages share many intermediate tensors, so it reads best top to bottom in one place.
 
-    ids = data.data["packed_input_ids"]
-    cu = data.cu_seqlens("packed_input_ids")
+    device = torch.device("cpu") if device is None else torch.device(device)
+    tensors = {k: v.to(device) for k, v in data.data.items() if v is not None}
+    ids = tensors["packed_input_ids"]
+    cu = data.cu_seqlens("packed_input_ids").to(device)
     seqlens = data.flat_seqlens("packed_input_ids")
     if min(seqlens) < 2:
-        raise ValueError(f"PPO needs sequences of at least 2 tokens (prompt + answer), got lengths {seqlens}")
+        raise ValueError(
+            f"PPO needs sequences of at least 2 tokens (prompt + answer), got lengths {seqlens}"
+        )
     short1 = short1cu_seqlens(cu)
     shift = shift_one_indices(cu)
     n_seq = len(seqlens)
-    shifted_lens = torch.tensor([l - 1 for l in seqlens])
+    shifted_lens = torch.tensor([l - 1 for l in seqlens], device=device)
 
-    no_eos = data.data["seq_no_eos_mask"].bool().view(-1)
-    raw_reward = data.data["rewards"].float().view(-1)
+    no_eos = tensors["seq_no_eos_mask"].bool().view(-1)
+    raw_reward = tensors["rewards"].float().view(-1)
     if no_eos.numel() != n_seq or raw_reward.numel() != n_seq:
         raise ValueError(
             f"rewards ({raw_reward.numel()}) and seq_no_eos_mask ({no_eos.numel()}) need one entry per "
             f"sequence ({n_seq})"
         )
 
-    loss_mask = data.data["prompt_mask"].bool()[shift + 1].logical_not()
-    keep_seq = torch.ones(n_seq, dtype=torch.bool)
+    loss_mask = tensors["prompt_mask"].bool()[shift + 1].logical_not()
+    keep_seq = torch.ones(n_seq, dtype=torch.bool, device=device)
     if hp.mask_too_long:
         keep_seq &= ~no_eos
     n_filtered = 0
@@ -148,19 +153,26 @@ def prepare_ppo_batch(
         keep_seq, n_filtered = _filter_groups(hp, data, raw_reward, keep_seq)
     loss_mask &= torch.repeat_interleave(keep_seq, shifted_lens)
 
-    old_logp = data.data[anchor_logprobs_key(hp)].float()
-    prox = data.data["proximal_logprobs"].float() if hp.use_decoupled_loss else None
-    ref = optional(data, "packed_ref_logprobs")
+    old_logp = tensors[anchor_logprobs_key(hp)].float()
+    prox = tensors["proximal_logprobs"].float() if hp.use_decoupled_loss else None
+    ref = tensors.get("packed_ref_logprobs")
     ref = torch.zeros_like(old_logp) if kl_coef == 0 or ref is None else ref.float()
     score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
     kl_rewards, rewards = F.get_packed_rewards(
-        kl_coef, hp.max_reward_clip, old_logp, ref, score, short1, no_eos,
-        mask_no_eos_with_zero=hp.mask_no_eos_with_zero, loss_mask=loss_mask,
+        kl_coef,
+        hp.max_reward_clip,
+        old_logp,
+        ref,
+        score,
+        short1,
+        no_eos,
+        mask_no_eos_with_zero=hp.mask_no_eos_with_zero,
+        loss_mask=loss_mask,
     )
     if hp.disable_value:
-        values = torch.zeros(ids.shape[0], dtype=torch.float32)
+        values = torch.zeros(ids.shape[0], dtype=torch.float32, device=device)
     else:
-        values = data.data["values"].float()
+        values = tensors["values"].float()
     advantages, returns = F.compute_gae(rewards, values, short1, no_eos, hp.discount, hp.gae_lambda)
     raw_adv = advantages
     if hp.adv_norm:
@@ -171,31 +183,22 @@ def prepare_ppo_batch(
             advantages = F.normalize_advantages(advantages, loss_mask, group=dp_group)
 
     kl = torch.where(loss_mask, old_logp - ref, torch.zeros_like(old_logp))
-    totals = all_reduce_sum(
-        torch.tensor([kl.double().sum(), loss_mask.sum(), n_seq], dtype=torch.float64), dp_group
+    totals = torch.stack(
+        [
+            kl.double().sum(),
+            loss_mask.sum().double(),
+            torch.tensor(float(n_seq), dtype=torch.float64, device=device),
+        ]
     )
+    totals = all_reduce_sum(totals, dp_group).cpu()
     mean_kl = float(totals[0] / totals[1].clamp(min=1))
 
     if record_stats:
-        with stats_tracker.scope("ppo"):
-            seq_mask = torch.ones(n_seq, dtype=torch.bool)
-            stats_tracker.denominator(n_seqs=seq_mask, n_valid_tokens=loss_mask)
-            stats_tracker.stat(
-                denominator="n_seqs",
-                task_reward=raw_reward,
-                no_eos_ratio=no_eos.float(),
-                seq_len=torch.tensor(seqlens, dtype=torch.float32),
-                kept_seq_ratio=keep_seq.float(),
-            )
-            stats_tracker.stat(
-                denominator="n_valid_tokens",
-                advantages=raw_adv,
-                kl_rewards=kl_rewards,
-                ref_kl=kl,
-                returns=returns,
-            )
-            stats_tracker.scalar(reduce_type="sum", n_filtered_groups=n_filtered)
-            stats_tracker.scalar(kl_coef=kl_coef)
+        _record_stats(
+            seqlens, raw_reward, no_eos, keep_seq, loss_mask, raw_adv, kl_rewards, kl, returns
+        )
+        stats_tracker.scalar(reduce_type="sum", **{"ppo/n_filtered_groups": n_filtered})
+        stats_tracker.scalar(**{"ppo/kl_coef": kl_coef})
     return PPOBatch(
         seq_ids=sequence_ids(data),
         seqlens=seqlens,
@@ -214,6 +217,48 @@ def prepare_ppo_batch(
     )
 
 
+def required_keys(hp: PPOHyperparameters, kl_coef: float) -> List[str]:
+    """The input keys :func:`prepare_ppo_batch` needs under ``hp``."""
+    needed = [
+        "packed_input_ids",
+        "prompt_mask",
+        "rewards",
+        "seq_no_eos_mask",
+        anchor_logprobs_key(hp),
+    ]
+    if hp.use_decoupled_loss:
+        needed.append("proximal_logprobs")
+    if kl_coef > 0:
+        needed.append("packed_ref_logprobs")
+    if not hp.disable_value:
+        needed.append("values")
+    return needed
+
+
+def _record_stats(
+    seqlens, reward, no_eos, keep_seq, loss_mask, adv, kl_rewards, kl, returns
+) -> None:
+    """Per-sequence and per-valid-token statistics under ``ppo/`` (token means are global)."""
+    with stats_tracker.scope("ppo"):
+        stats_tracker.denominator(
+            n_seqs=torch.ones(len(seqlens), dtype=torch.bool), n_valid_tokens=loss_mask
+        )
+        stats_tracker.stat(
+            denominator="n_seqs",
+            task_reward=reward,
+            no_eos_ratio=no_eos.float(),
+            seq_len=torch.tensor(seqlens, dtype=torch.float32),
+            kept_seq_ratio=keep_seq.float(),
+        )
+        stats_tracker.stat(
+            denominator="n_valid_tokens",
+            advantages=adv,
+            kl_rewards=kl_rewards,
+            ref_kl=kl,
+            returns=returns,
+        )
+
+
 def _check_groups(hp: PPOHyperparameters, data: SequenceSample) -> None:
     counts = seqs_per_item(data)
     bad = [(i, c) for i, c in zip(data.ids, counts) if c != hp.group_size]
@@ -224,7 +269,9 @@ def _check_groups(hp: PPOHyperparameters, data: SequenceSample) -> None:
         )
 
 
-def _filter_groups(hp: PPOHyperparameters, data: SequenceSample, reward: torch.Tensor, keep: torch.Tensor):
+def _filter_groups(
+    hp: PPOHyperparameters, data: SequenceSample, reward: torch.Tensor, keep: torch.Tensor
+):
     """Mask every sequence of the items whose success rate is outside [lb, ub]."""
     counts = seqs_per_item(data)
     keep = keep.clone()

@@ -20,7 +20,7 @@ whose ``module`` is a backend engine wrapping the actor's ReaLModel):
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Union
 
 import numpy as np
 import torch
@@ -58,7 +58,13 @@ def make_kl_controller(hp: PPOHyperparameters):
 
 
 def run_minibatches(
-    hp: PPOHyperparameters, model: Model, sample: SequenceSample, mb_spec: MicroBatchSpec, loss_fn, weight_fn, scope: str
+    hp: PPOHyperparameters,
+    model: Model,
+    sample: SequenceSample,
+    mb_spec: MicroBatchSpec,
+    loss_fn,
+    weight_fn,
+    scope: str,
 ) -> None:
     """``sample_reuse`` passes of ``ppo_n_minibatches`` optimizer steps over ``sample``.
 
@@ -77,7 +83,9 @@ def run_minibatches(
         )
     step = model.version.global_step
     for r in range(hp.sample_reuse):
-        rng = np.random.default_rng(stable_seed(hp.seed, "ppo-minibatches", step, r, engine.dp_rank))
+        rng = np.random.default_rng(
+            stable_seed(hp.seed, "ppo-minibatches", step, r, engine.dp_rank)
+        )
         perm = rng.permutation(n)
         for k in range(hp.ppo_n_minibatches):
             stats = engine.train_batch(
@@ -111,7 +119,9 @@ class PPOActorInterface(ModelInterface):
         self.kl_ctl = make_kl_controller(self.hp)
 
     # ------------------------------------------------------------------ generate
-    def generate(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+    def generate(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> SequenceSample:
         """``group_size`` answers per prompt of ``packed_prompts`` (``mb_spec`` is unused:
         the engine batches continuously)."""
         hp = self.hp
@@ -129,22 +139,28 @@ class PPOActorInterface(ModelInterface):
             lens = torch.tensor(out.flat_seqlens("packed_input_ids"), dtype=torch.float32)
             mask = torch.ones(len(lens), dtype=torch.bool)
             stats_tracker.denominator(n_seqs=mask)
-            stats_tracker.stat(denominator="n_seqs", seq_len=lens, no_eos_ratio=out.data["seq_no_eos_mask"].float())
+            stats_tracker.stat(
+                denominator="n_seqs", seq_len=lens, no_eos_ratio=out.data["seq_no_eos_mask"].float()
+            )
         return out
 
     # ------------------------------------------------------------------ inference
-    def inference(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> SequenceSample:
+    def inference(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> SequenceSample:
         """Log-probs of every next token (key ``logprobs``, L - 1 per sequence, float32)."""
         require_keys(data, ["packed_input_ids"], "ppo_actor inference")
         return logprobs_sample(model, data, mb_spec, self.hp.logprob_temperature)
 
     # ------------------------------------------------------------------ train
-    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> Dict[str, float]:
+    def train_step(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> Dict[str, float]:
         """PPO update on ``data`` (see the module docstring); returns reduced statistics."""
         hp = self.hp
         engine = engine_of(model, train=True)
         group = engine.dp_group
-        batch = prepare_ppo_batch(hp, data, self.kl_ctl.value, group)
+        batch = prepare_ppo_batch(hp, data, self.kl_ctl.value, group, device=engine.device)
         self.kl_ctl.update(batch.mean_kl, batch.n_seqs_global)
         temperature = hp.logprob_temperature
 
@@ -152,7 +168,10 @@ class PPOActorInterface(ModelInterface):
             dev = logits.device
             d = {k: v.to(dev) for k, v in mb.data.items()}
             logp = gather_packed_shifted_log_probs(
-                logits, mb.cu_seqlens("packed_input_ids").to(dev), d["packed_input_ids"], temperature
+                logits,
+                mb.cu_seqlens("packed_input_ids").to(dev),
+                d["packed_input_ids"],
+                temperature,
             )
             loss, st = F.actor_loss_fn(
                 logp,
@@ -184,7 +203,11 @@ class PPOActorInterface(ModelInterface):
 
 
 def logprobs_sample(
-    model: Model, data: SequenceSample, mb_spec: MicroBatchSpec, temperature: float, key: str = INFERENCE_KEY
+    model: Model,
+    data: SequenceSample,
+    mb_spec: MicroBatchSpec,
+    temperature: float,
+    key: str = INFERENCE_KEY,
 ) -> SequenceSample:
     """A sample with ``key`` = next-token log-probs (L - 1 per sequence) of ``data``."""
     engine = engine_of(model)

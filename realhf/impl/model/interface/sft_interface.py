@@ -49,13 +49,19 @@ def _loss(logits: torch.Tensor, mb: SequenceSample):
 class SFTInterface(ModelInterface):
     """Answer-only cross entropy (see the module docstring). No options."""
 
-    def train_step(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> Dict[str, float]:
+    def train_step(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> Dict[str, float]:
         """One optimizer step on ``data``; returns the process stats tracker's export
         (reduced over data-parallel ranks), which includes the ``sft/*`` statistics."""
         require_keys(data, _KEYS, "sft train_step")
         engine = engine_of(model, train=True)
         st = engine.train_batch(
-            data.select(_KEYS), mb_spec, _loss, _answer_tokens, version_steps=model.version.global_step
+            data.select(_KEYS),
+            mb_spec,
+            _loss,
+            _answer_tokens,
+            version_steps=model.version.global_step,
         )
         model.inc_version()
         with stats_tracker.scope("sft"):
@@ -69,7 +75,9 @@ class SFTInterface(ModelInterface):
             stats_tracker.scalar(reduce_type="sum", skipped_steps=st["skipped"])
         return stats_tracker.export(reduce_group=engine.dp_group)
 
-    def evaluate(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> Dict[str, float]:
+    def evaluate(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> Dict[str, float]:
         """Answer-token loss and perplexity of ``data`` (token mean over data-parallel ranks)."""
         require_keys(data, _KEYS, "sft evaluate")
         engine = engine_of(model)
@@ -86,7 +94,11 @@ class SFTInterface(ModelInterface):
         totals = all_reduce_sum(rows.sum(0), dp_group_of(model))
         n = float(totals[1])
         loss = float(totals[0]) / n if n > 0 else float("nan")
-        return {"sft_eval/loss": loss, "sft_eval/ppl": math.exp(min(loss, 50.0)), "sft_eval/n_tokens": n}
+        return {
+            "sft_eval/loss": loss,
+            "sft_eval/ppl": math.exp(min(loss, 50.0)),
+            "sft_eval/n_tokens": n,
+        }
 
 
 register_interface("sft", SFTInterface)

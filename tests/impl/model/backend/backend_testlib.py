@@ -22,8 +22,16 @@ SEQLENS = [5, 9, 3, 12, 7, 4, 10, 6]
 def tiny_config(**kw) -> ReaLModelConfig:
     """A 2-layer qwen2-like model of ~20k parameters (with biases and norms)."""
     base = dict(
-        family="qwen2", n_layers=2, hidden_dim=32, n_q_heads=4, n_kv_heads=2, head_dim=8,
-        intermediate_dim=64, vocab_size=VOCAB, n_positions=128, use_attention_bias=True,
+        family="qwen2",
+        n_layers=2,
+        hidden_dim=32,
+        n_q_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        intermediate_dim=64,
+        vocab_size=VOCAB,
+        n_positions=128,
+        use_attention_bias=True,
         tied_embedding=True,
     )
     base.update(kw)
@@ -41,7 +49,9 @@ def batch(seqlens=SEQLENS, seed: int = 1, prefix: str = "s") -> SequenceSample:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (sum(seqlens),), generator=g)
     return SequenceSample.from_default(
-        ids=[f"{prefix}{i}" for i in range(len(seqlens))], seqlens=list(seqlens), data={"packed_input_ids": ids}
+        ids=[f"{prefix}{i}" for i in range(len(seqlens))],
+        seqlens=list(seqlens),
+        data={"packed_input_ids": ids},
     )
 
 
@@ -63,10 +73,15 @@ def optimizer_config(**kw) -> OptimizerConfig:
     return OptimizerConfig(**base)
 
 
-def dp_rank_main(rank: int, world: int, init_file: str, out_file: str, n_steps: int, shards, max_tokens: int):
+def dp_rank_main(
+    rank: int, world: int, init_file: str, out_file: str, n_steps: int, shards, max_tokens: int
+):
     """Train on this rank's shard for ``n_steps`` steps; rank 0 saves the flat weights."""
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=60),
     )
     try:

@@ -32,7 +32,9 @@ def test_post_hook_with_shifted_output_lengths_and_multi_sequence_items():
     g = torch.Generator().manual_seed(3)
     lens = [[4, 6], [3, 9], [5, 2]]
     ids = torch.randint(0, 64, (sum(map(sum, lens)),), generator=g)
-    b = SequenceSample.from_default(ids=["a", "b", "c"], seqlens=lens, data={"packed_input_ids": ids})
+    b = SequenceSample.from_default(
+        ids=["a", "b", "c"], seqlens=lens, data={"packed_input_ids": ids}
+    )
     out_lens = [[l - 1 for l in item] for item in lens]
     engine = TrainEngine(tiny_model())  # a train engine forwards too
     got = engine.forward(b, MicroBatchSpec(max_tokens_per_mb=12), _logprobs, out_lens)
@@ -46,4 +48,6 @@ def test_missing_token_key_is_named():
     b = batch()
     b.remap_keys_({"packed_input_ids": "tokens"})
     with pytest.raises(KeyError, match="packed_input_ids"):
-        InferenceEngine(tiny_model()).forward(b, MicroBatchSpec(), output_seqlens=b.seqlens["tokens"])
+        InferenceEngine(tiny_model()).forward(
+            b, MicroBatchSpec(), output_seqlens=b.seqlens["tokens"]
+        )

@@ -21,7 +21,9 @@ def test_constant_with_warmup():
 
 def test_linear_decay_to_min_lr():
     # W = 2, decay over the remaining 8 steps towards min_lr = 0.2
-    s = LRSchedule(lr=1.0, kind="linear", total_steps=10, warmup_steps_proportion=0.2, min_lr_ratio=0.2)
+    s = LRSchedule(
+        lr=1.0, kind="linear", total_steps=10, warmup_steps_proportion=0.2, min_lr_ratio=0.2
+    )
     assert s(0) == pytest.approx(0.5)
     assert s(1) == pytest.approx(1.0)
     assert s(2) == pytest.approx(1.0)
@@ -39,7 +41,9 @@ def test_cosine():
 
 
 def test_from_optimizer_config():
-    cfg = OptimizerConfig(lr=3e-4, lr_scheduler_type="cosine", warmup_steps_proportion=0.1, min_lr_ratio=0.1)
+    cfg = OptimizerConfig(
+        lr=3e-4, lr_scheduler_type="cosine", warmup_steps_proportion=0.1, min_lr_ratio=0.1
+    )
     s = LRSchedule.from_config(cfg, total_steps=100)
     assert s.warmup_steps == 10
     assert s(9) == pytest.approx(3e-4)

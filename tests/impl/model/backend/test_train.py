@@ -1,9 +1,7 @@
 """TrainEngine: token-mean loss scaling, data-parallel equivalence over 2 gloo ranks,
 skipped steps, clipping, learning rates and exact resumption from state_dict."""
 
-import copy
 import io
-import os
 
 import pytest
 import torch
@@ -35,11 +33,17 @@ def test_loss_is_the_global_token_mean_whatever_the_micro_batches():
     ref = -gather_packed_shifted_log_probs(model(ids, cu), cu, ids).mean()
     assert whole["loss"] == pytest.approx(ref.item(), rel=1e-6)
     assert cut["loss"] == pytest.approx(ref.item(), rel=1e-6)
-    assert whole["n_tokens"] == cut["n_tokens"] == sum(l - 1 for l in b.flat_seqlens("packed_input_ids"))
+    assert (
+        whole["n_tokens"]
+        == cut["n_tokens"]
+        == sum(l - 1 for l in b.flat_seqlens("packed_input_ids"))
+    )
     torch.testing.assert_close(g_cut, g_whole, rtol=1e-5, atol=1e-7)
     ref.backward()
     ref_grad = torch.cat([p.grad.flatten() for p in model.parameters()])
-    ours = torch.cat([p.grad.flatten() for p in _grads_after_one_batch(WHOLE)[0].model.parameters()])
+    ours = torch.cat(
+        [p.grad.flatten() for p in _grads_after_one_batch(WHOLE)[0].model.parameters()]
+    )
     torch.testing.assert_close(ours, ref_grad, rtol=1e-5, atol=1e-7)
 
 
@@ -99,8 +103,12 @@ def test_gradient_clipping_bounds_the_global_norm():
 
 
 def test_learning_rate_follows_the_schedule_by_version_step():
-    cfg = optimizer_config(lr=1.0, lr_scheduler_type="linear", warmup_steps_proportion=0.25, min_lr_ratio=0.0)
-    engine = TrainEngine(tiny_model(), cfg, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1))
+    cfg = optimizer_config(
+        lr=1.0, lr_scheduler_type="linear", warmup_steps_proportion=0.25, min_lr_ratio=0.0
+    )
+    engine = TrainEngine(
+        tiny_model(), cfg, FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=1)
+    )
     lrs = [engine.train_batch(batch(), WHOLE, lm_loss, lm_weight)["lr"] for _ in range(3)]
     assert lrs == pytest.approx([0.5, 1.0, 1.0])  # W = 2 warm-up steps, then decay starts at 1.0
     assert engine.optimizer.param_groups[0]["lr"] == pytest.approx(1.0)

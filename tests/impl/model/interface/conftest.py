@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-import realhf
 import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.data_api import SequenceSample
@@ -24,7 +23,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
-ASSETS = os.path.join(os.path.dirname(realhf.__file__), "assets", "tiny")
+from interface_testlib import ASSETS, prompt_answer_sample  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +35,9 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def actor_hf_dir(tmp_path_factory, tokenizer):
-    return make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("actor"), vocab_size=len(tokenizer), seed=3)
+    return make_tiny_hf_model(
+        "qwen2", tmp_path_factory.mktemp("actor"), vocab_size=len(tokenizer), seed=3
+    )
 
 
 @pytest.fixture
@@ -48,7 +49,9 @@ def make_model(actor_hf_dir, tokenizer):
         net = ReaLModel.from_hf(actor_hf_dir, is_critic=is_critic)
         if train:
             cfg = OptimizerConfig(**{"lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8, **opt})
-            engine = TrainEngine(net, cfg, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=4))
+            engine = TrainEngine(
+                net, cfg, FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=4)
+            )
         else:
             engine = InferenceEngine(net)
         return Model(role, engine, tokenizer, device="cpu")
@@ -71,29 +74,6 @@ def prompts(tokenizer):
         seqlens=[len(t) for t in toks],
         data={"packed_prompts": torch.tensor([t for ts in toks for t in ts], dtype=torch.long)},
         metadata={"solutions": [r["solutions"] for r in recs]},
-    )
-
-
-def prompt_answer_sample(tokenizer, pairs, *, group: int = 1, ids=None, solutions=None) -> SequenceSample:
-    """Items of ``group`` consecutive (prompt, answer) pairs each; answers end with EOS."""
-    toks, pmask, lens = [], [], []
-    for prompt, answer in pairs:
-        p = tokenizer(prompt).input_ids
-        a = tokenizer(answer).input_ids + [tokenizer.eos_token_id]
-        toks += p + a
-        pmask += [True] * len(p) + [False] * len(a)
-        lens.append(len(p) + len(a))
-    n_items = len(pairs) // group
-    per_item = [lens[i * group : (i + 1) * group] for i in range(n_items)]
-    meta = {} if solutions is None else {"solutions": solutions}
-    return SequenceSample.from_default(
-        ids=ids or [f"q{i}" for i in range(n_items)],
-        seqlens=per_item,
-        data={
-            "packed_input_ids": torch.tensor(toks, dtype=torch.long),
-            "prompt_mask": torch.tensor(pmask, dtype=torch.bool),
-        },
-        metadata=meta,
     )
 
 

@@ -7,7 +7,11 @@ from interface_testlib import MB, on_policy
 from realhf.base import stats_tracker
 from realhf.impl.model.interface import PPOActorInterface, PPOCriticInterface
 
-PAIRS = [("Compute 2+3.", "\\boxed{5}"), ("Compute 2+3.", "\\boxed{7}"), ("Compute 9-1.", "\\boxed{8}")]
+PAIRS = [
+    ("Compute 2+3.", "\\boxed{5}"),
+    ("Compute 2+3.", "\\boxed{7}"),
+    ("Compute 9-1.", "\\boxed{8}"),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -35,7 +39,9 @@ def test_inference_gives_one_value_per_token(make_model, pa_sample):
 
 def test_value_loss_falls_towards_the_returns(make_model, pa_sample):
     critic_m = make_model("critic", is_critic=True, lr=1e-3)
-    critic = PPOCriticInterface(value_norm=False, kl_ctl=0.0, ppo_n_minibatches=1, value_eps_clip=10.0)
+    critic = PPOCriticInterface(
+        value_norm=False, kl_ctl=0.0, ppo_n_minibatches=1, value_eps_clip=10.0
+    )
     data = _batch(make_model, pa_sample)
     losses = []
     for _ in range(5):
@@ -55,7 +61,10 @@ def test_value_norm_tracks_returns_and_round_trips(make_model, pa_sample):
     mean, std = critic.rms.mean_std()
     # gamma = lambda = 1, no KL: every valid return equals its sequence reward (+1, -1, +1),
     # weighted by answer-token counts; one debiased EMA update gives exactly their mean.
-    lens = [(~m).sum().item() for m in data.data["prompt_mask"].split(data.flat_seqlens("packed_input_ids"))]
+    lens = [
+        (~m).sum().item()
+        for m in data.data["prompt_mask"].split(data.flat_seqlens("packed_input_ids"))
+    ]
     expected = (lens[0] - lens[1] + lens[2]) / sum(lens)
     assert float(mean) == pytest.approx(expected, rel=1e-6)
     other = PPOCriticInterface(kl_ctl=0.0)

@@ -1,7 +1,6 @@
 """math_reward: verifier verdicts become ±scaling rewards, one per sequence."""
 
 import pytest
-import torch
 
 from realhf.api.core.config import make_interface
 from realhf.api.core.data_api import MicroBatchSpec
@@ -63,5 +62,7 @@ def test_errors_name_what_is_missing(tokenizer, pa_sample):
         MathRewardInterface(timeout_s=0)
     with pytest.raises(ValueError, match="tokenizer"):
         MathRewardInterface().inference(
-            Model("reward", None, None, device="cpu"), pa_sample(PAIRS[:1], solutions=[["5"]]), MicroBatchSpec()
+            Model("reward", None, None, device="cpu"),
+            pa_sample(PAIRS[:1], solutions=[["5"]]),
+            MicroBatchSpec(),
         )

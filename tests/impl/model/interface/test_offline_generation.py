@@ -17,12 +17,21 @@ def test_generate_packs_group_size_answers_per_prompt(make_model, prompts):
     actor = PPOActorInterface(group_size=3, gen=GEN)
     out = actor.generate(model, prompts, MicroBatchSpec())
     assert out.ids == prompts.ids
-    assert out.keys == {"packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version_start", "version_end"}
+    assert out.keys == {
+        "packed_input_ids",
+        "prompt_mask",
+        "packed_logprobs",
+        "seq_no_eos_mask",
+        "version_start",
+        "version_end",
+    }
     assert out.metadata["solutions"] == prompts.metadata["solutions"]
     ids, pmask, logp = (out.data[k] for k in ("packed_input_ids", "prompt_mask", "packed_logprobs"))
     start = 0
     for item, plen in enumerate(prompts.flat_seqlens("packed_prompts")):
-        prompt = prompts.data["packed_prompts"][sum(prompts.flat_seqlens("packed_prompts")[:item]):][:plen]
+        prompt = prompts.data["packed_prompts"][
+            sum(prompts.flat_seqlens("packed_prompts")[:item]) :
+        ][:plen]
         assert len(out.seqlens["packed_input_ids"][item]) == 3
         for L in out.seqlens["packed_input_ids"][item]:
             assert plen < L <= plen + 6
@@ -52,7 +61,10 @@ def test_behaviour_logprobs_match_the_trainer_recompute(make_model, prompts):
     assert recomputed.seqlens["logprobs"] == out.seqlens["packed_logprobs"]
     answer = out.data["packed_logprobs"] != 0
     torch.testing.assert_close(
-        recomputed.data["logprobs"][answer], out.data["packed_logprobs"][answer], rtol=1e-4, atol=1e-4
+        recomputed.data["logprobs"][answer],
+        out.data["packed_logprobs"][answer],
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 
@@ -71,10 +83,14 @@ def test_generation_uses_the_live_weights(make_model, prompts):
     model = make_model()
     net = model.module.model
     greedy = {"max_new_tokens": 4, "greedy": True}
-    before = generate_offline(net, prompts, PPOActorInterface(gen=greedy).hp.generation, model.tokenizer)
+    before = generate_offline(
+        net, prompts, PPOActorInterface(gen=greedy).hp.generation, model.tokenizer
+    )
     with torch.no_grad():
         net.flat_params.mul_(-1.0)
-    after = generate_offline(net, prompts, PPOActorInterface(gen=greedy).hp.generation, model.tokenizer)
+    after = generate_offline(
+        net, prompts, PPOActorInterface(gen=greedy).hp.generation, model.tokenizer
+    )
     assert not torch.equal(before.data["packed_input_ids"], after.data["packed_input_ids"])
 
 

@@ -13,7 +13,9 @@ def test_defaults_follow_the_original_system():
     assert (hp.ppo_n_minibatches, hp.eps_clip, hp.c_clip, hp.value_eps_clip) == (4, 0.2, None, 0.2)
     assert (hp.early_stop_imp_ratio, hp.max_reward_clip, hp.kl_ctl) == (5.0, 20.0, 0.1)
     assert (hp.discount, hp.gae_lambda, hp.adv_norm, hp.value_norm) == (1.0, 1.0, True, True)
-    assert not (hp.recompute_logprob or hp.use_decoupled_loss or hp.group_adv_norm or hp.disable_value)
+    assert not (
+        hp.recompute_logprob or hp.use_decoupled_loss or hp.group_adv_norm or hp.disable_value
+    )
     assert (hp.success_rate_lb, hp.success_rate_ub, hp.group_size) == (0.0, 1.0, 1)
 
 

@@ -28,7 +28,9 @@ def test_sync_ppo_dataflow_generate_reward_ref_critic_train(make_model, prompts,
     critic = make_interface(InterfaceAbstraction("ppo_critic", hp))
 
     data = actor.generate(actor_m, prompts, MB)
-    data.update_(make_interface("rw-math").inference(Model("reward", None, tokenizer, "cpu"), data, MB))
+    data.update_(
+        make_interface("rw-math").inference(Model("reward", None, tokenizer, "cpu"), data, MB)
+    )
     ref = actor.inference(ref_m, data, MB)
     ref.remap_keys_({"logprobs": "packed_ref_logprobs"})
     data.update_(ref)
@@ -42,8 +44,17 @@ def test_sync_ppo_dataflow_generate_reward_ref_critic_train(make_model, prompts,
     assert not torch.equal(a0, actor_m.module.model.flat_params)
     assert not torch.equal(c0, critic_m.module.model.flat_params)
     assert actor_m.version.global_step == 1 and critic_m.version.global_step == 1
-    for key in ("ppo_actor/loss", "ppo_actor/grad_norm", "ppo_actor/importance_weight", "ppo_actor/clip_ratio",
-                "ppo/task_reward", "ppo/ref_kl", "ppo/advantages", "math_reward/accuracy", "gen/seq_len"):
+    for key in (
+        "ppo_actor/loss",
+        "ppo_actor/grad_norm",
+        "ppo_actor/importance_weight",
+        "ppo_actor/clip_ratio",
+        "ppo/task_reward",
+        "ppo/ref_kl",
+        "ppo/advantages",
+        "math_reward/accuracy",
+        "gen/seq_len",
+    ):
         assert key in stats, key
     assert stats["ppo_actor/skipped_steps"] == 0.0
     # On-policy data: the first minibatch starts at ratio 1; both minibatches stay near it.
@@ -68,7 +79,9 @@ def test_advantage_sign_moves_the_sequence_logprob(make_model, pa_sample, reward
 
 def test_grpo_group_norm_separates_good_from_bad(make_model, pa_sample):
     model = make_model(lr=1e-3)
-    actor = PPOActorInterface(group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1)
+    actor = PPOActorInterface(
+        group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1
+    )
     data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[5.0, -5.0])
     before = answer_logprob_sums(actor, model, data)
     actor.train_step(model, data, MB)
@@ -79,8 +92,14 @@ def test_grpo_group_norm_separates_good_from_bad(make_model, pa_sample):
 def test_decoupled_loss_with_proximal_recompute(make_model, pa_sample):
     model = make_model(lr=1e-3)
     actor = PPOActorInterface(
-        group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1,
-        recompute_logprob=True, use_decoupled_loss=True, behav_imp_weight_cap=5.0,
+        group_size=2,
+        group_adv_norm=True,
+        disable_value=True,
+        kl_ctl=0.0,
+        ppo_n_minibatches=1,
+        recompute_logprob=True,
+        use_decoupled_loss=True,
+        behav_imp_weight_cap=5.0,
     )
     data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[1.0, -1.0])
     # Behaviour log-probs from "an older policy": shifted, so the behaviour weight is not 1.
@@ -91,14 +110,20 @@ def test_decoupled_loss_with_proximal_recompute(make_model, pa_sample):
     before = answer_logprob_sums(actor, model, data)
     stats = actor.train_step(model, data, MB)
     after = answer_logprob_sums(actor, model, data)
-    assert stats["ppo_actor/behave_imp_weight"] == pytest.approx(torch.exp(torch.tensor(0.1)).item(), rel=1e-4)
-    assert stats["ppo_actor/importance_weight"] == pytest.approx(1.0, abs=1e-5)  # ratio against proximal
+    assert stats["ppo_actor/behave_imp_weight"] == pytest.approx(
+        torch.exp(torch.tensor(0.1)).item(), rel=1e-4
+    )
+    assert stats["ppo_actor/importance_weight"] == pytest.approx(
+        1.0, abs=1e-5
+    )  # ratio against proximal
     assert (after[0] - after[1]) - (before[0] - before[1]) > 0.05, (before, after)
 
 
 def test_success_rate_filter_masks_solved_groups(make_model, pa_sample):
     model = make_model()
-    actor = PPOActorInterface(group_size=2, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, success_rate_ub=0.9)
+    actor = PPOActorInterface(
+        group_size=2, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, success_rate_ub=0.9
+    )
     data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[5.0, 5.0])  # all solved
     before = model.module.model.flat_params.clone()
     stats = actor.train_step(model, data, MB)
@@ -110,10 +135,16 @@ def test_success_rate_filter_masks_solved_groups(make_model, pa_sample):
 
 def test_mask_too_long_drops_truncated_answers(make_model, pa_sample):
     model = make_model(lr=1e-2)
-    actor = PPOActorInterface(disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, adv_norm=False, mask_too_long=True)
-    data = on_policy(actor, model, pa_sample(PAIRS, group=1), rewards=[1.0, 1.0], no_eos=[False, True])
+    actor = PPOActorInterface(
+        disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, adv_norm=False, mask_too_long=True
+    )
+    data = on_policy(
+        actor, model, pa_sample(PAIRS, group=1), rewards=[1.0, 1.0], no_eos=[False, True]
+    )
     stats = actor.train_step(model, data, MB)
-    n_answer_first = int((~data.data["prompt_mask"][: data.flat_seqlens("packed_input_ids")[0]]).sum())
+    n_answer_first = int(
+        (~data.data["prompt_mask"][: data.flat_seqlens("packed_input_ids")[0]]).sum()
+    )
     assert stats["ppo/n_valid_tokens"] == n_answer_first
     assert stats["ppo/no_eos_ratio"] == 0.5
 
@@ -123,7 +154,11 @@ def test_adaptive_kl_moves_beta_and_round_trips(make_model, pa_sample):
     with torch.no_grad():
         ref_m.module.model.flat_params.add_(torch.randn_like(ref_m.module.model.flat_params) * 0.5)
     actor = PPOActorInterface(
-        disable_value=True, ppo_n_minibatches=1, kl_ctl=0.2, adaptive_kl_ctl=True, adaptive_kl_target=0.01,
+        disable_value=True,
+        ppo_n_minibatches=1,
+        kl_ctl=0.2,
+        adaptive_kl_ctl=True,
+        adaptive_kl_target=0.01,
         adaptive_kl_horizon=10.0,
     )
     data = on_policy(actor, model, pa_sample(PAIRS), rewards=[1.0, -1.0])
@@ -132,7 +167,9 @@ def test_adaptive_kl_moves_beta_and_round_trips(make_model, pa_sample):
     data.update_(ref)
     stats = actor.train_step(model, data, MB)
     assert stats["ppo/ref_kl"] > 0.01
-    assert actor.kl_ctl.value == pytest.approx(0.2 * (1 + 0.2 * 2 / 10.0))  # clipped error 0.2, 2 sequences
+    assert actor.kl_ctl.value == pytest.approx(
+        0.2 * (1 + 0.2 * 2 / 10.0)
+    )  # clipped error 0.2, 2 sequences
     other = PPOActorInterface(kl_ctl=0.2, adaptive_kl_ctl=True)
     other.load_state_dict(actor.state_dict())
     assert other.kl_ctl.value == actor.kl_ctl.value
@@ -151,5 +188,39 @@ def test_errors_are_clear(make_model, pa_sample):
     with pytest.raises(TypeError, match="TrainEngine"):
         actor.train_step(make_model(train=False), data, MB)
     with pytest.raises(ValueError, match="group_size=2"):
-        PPOActorInterface(group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0,
-                          ppo_n_minibatches=1).train_step(model, data, MB)
+        PPOActorInterface(
+            group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1
+        ).train_step(model, data, MB)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_stay_in_step_and_identical(tmp_path, actor_hf_dir):
+    """Uneven per-rank batches through actor, critic and SFT train steps: every collective
+    inside (advantage norm, KL mean, early stop, minibatch checks, grad all-reduce, stats
+    export) must line up, and the data-parallel replicas must end identical."""
+    import torch.multiprocessing as mp
+
+    from interface_testlib import ASSETS, dp_rank_main
+
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=dp_rank_main, args=(r, 2, str(tmp_path / "init"), outs[r], actor_hf_dir, ASSETS)
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        assert p.exitcode == 0, "a data-parallel rank failed or hung (see its stderr above)"
+    r0, r1 = (torch.load(o) for o in outs)
+    for key in ("actor", "critic", "sft"):
+        assert torch.equal(r0[key], r1[key]), key
+    assert r0["stats"] == r1["stats"]
+    a_stats = r0["stats"][0]
+    assert a_stats["ppo/n_seqs"] == 10 and a_stats["ppo_actor/skipped_steps"] == 0.0

@@ -10,7 +10,11 @@ from realhf.api.core.data_api import MicroBatchSpec
 from realhf.base import stats_tracker
 from realhf.impl.model.utils.functional import sft_loss
 
-PAIRS = [("Compute 12+30.", "\\boxed{42}"), ("Compute 9*9.", "\\boxed{81}"), ("Compute 50-8.", "\\boxed{42}")]
+PAIRS = [
+    ("Compute 12+30.", "\\boxed{42}"),
+    ("Compute 9*9.", "\\boxed{81}"),
+    ("Compute 50-8.", "\\boxed{42}"),
+]
 
 
 def test_loss_decreases_over_steps_on_a_fixed_batch(make_model, pa_sample):
@@ -55,4 +59,6 @@ def test_train_step_loss_is_the_pre_update_evaluate_loss(make_model, pa_sample):
 
 def test_needs_prompt_mask(make_model, pa_sample):
     with pytest.raises(KeyError, match="prompt_mask"):
-        make_interface("sft").train_step(make_model(), pa_sample(PAIRS).select(["packed_input_ids"]), MicroBatchSpec())
+        make_interface("sft").train_step(
+            make_model(), pa_sample(PAIRS).select(["packed_input_ids"]), MicroBatchSpec()
+        )
