@@ -224,3 +224,30 @@ def test_two_gloo_ranks_stay_in_step_and_identical(tmp_path, actor_hf_dir):
     assert r0["stats"] == r1["stats"]
     a_stats = r0["stats"][0]
     assert a_stats["ppo/n_seqs"] == 10 and a_stats["ppo_actor/skipped_steps"] == 0.0
+
+
+def test_recompute_without_decoupling_anchors_on_the_recomputed_logprobs(make_model, pa_sample):
+    model = make_model()
+    actor = PPOActorInterface(
+        disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1, recompute_logprob=True
+    )
+    data = on_policy(actor, model, pa_sample(PAIRS), rewards=[1.0, -1.0])
+    prox = actor.inference(model, data, MB)
+    prox.remap_keys_({"logprobs": "proximal_logprobs"})
+    data.update_(prox)
+    data.data["packed_logprobs"] = torch.full_like(data.data["packed_logprobs"], -50.0)  # ignored
+    stats = actor.train_step(model, data, MB)
+    assert stats["ppo_actor/importance_weight"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["ppo_actor/behave_imp_weight"] == 1.0
+
+
+def test_inference_divides_logits_by_the_temperature(make_model, pa_sample):
+    from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
+
+    model = make_model(train=False)
+    data = pa_sample(PAIRS)
+    out = PPOActorInterface(gen={"temperature": 0.5}).inference(model, data, MB)
+    ids, cu = data.data["packed_input_ids"], data.cu_seqlens("packed_input_ids")
+    with torch.no_grad():
+        ref = gather_packed_shifted_log_probs(model.module.model(ids, cu), cu, ids, temperature=0.5)
+    torch.testing.assert_close(out.data["logprobs"], ref)
