@@ -48,7 +48,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--decode-attn-impl", default=d.decode_attn_impl)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads of the engine (torch and numba); default all cores")
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     return p.parse_args(argv)
 
@@ -88,15 +89,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             seed=args.seed,
             decode_attn_impl=args.decode_attn_impl,
             request_timeout_s=args.request_timeout,
+            num_threads=args.num_threads,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import torch
     import uvicorn
 
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
     tokenizer = load_tokenizer(args.model_path)
     engine = load_engine(args.model_path, config, tokenizer=tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))

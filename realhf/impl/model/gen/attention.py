@@ -14,7 +14,9 @@ Two cases, each with a CPU and a device-agnostic path:
   padded SDPA 4.0 ms, one SDPA call per sequence 5.2 ms. Decode on CPU is
   bound by reading the cache, so reading only the valid positions is what pays.
 - **prefill**: a whole prompt attends causally to itself (prompts always start
-  at position 0: the engine keeps no prefix cache), one SDPA call per prompt.
+  at position 0: the engine keeps no prefix cache): one masked SDPA call over
+  the prompts padded to the longest, or one call per prompt when padding would
+  more than double the work (:class:`PrefillAttention`).
 
 GQA is handled by viewing the ``n_q`` query heads as ``n_kv`` groups of
 ``n_q // n_kv`` so that keys and values are never repeated in memory.
@@ -39,45 +41,59 @@ DECODE_IMPLS = ("auto", "numba", "padded")
 
 if _nb is not None:
 
-    @_nb.njit(parallel=True, fastmath=True, cache=True)
-    def _decode_kernel(q, kc, vc, slots, lens, window, scale, out):  # pragma: no cover
-        # q, out: [B, n_kv, g, d]; kc, vc: [S, n_kv, cap, d]. Two passes per
-        # (sequence, kv head): scores for the g query heads, then softmax and
-        # the weighted sum of values. Each work item owns its output rows.
+    @_nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _decode_kernel(q, k_new, v_new, kc, vc, slots, lens, window, scale, out):  # pragma: no cover
+        # q, out: [B, n_kv, g, d]; k_new, v_new: [B, n_kv, d]; kc, vc: [S, n_kv,
+        # cap, d]. Per (sequence, kv head): store the new key/value at position
+        # lens-1 of the slot, then two passes — scores of the g query heads
+        # against each cached key, softmax, weighted sum of the values. Each
+        # work item owns its cache row and output rows (slots are distinct), so
+        # there are no races. Inner loops run over contiguous 1-D rows so that
+        # LLVM vectorises them.
         B, n_kv, g, d = q.shape
         for w in _nb.prange(B * n_kv):
             b = w // n_kv
             h = w % n_kv
             s = slots[b]
             hi = lens[b]
+            kc[s, h, hi - 1, :] = k_new[b, h, :]
+            vc[s, h, hi - 1, :] = v_new[b, h, :]
             lo = 0
             if window > 0 and hi > window:
                 lo = hi - window
             n = hi - lo
+            K = kc[s, h]
+            V = vc[s, h]
+            Q = q[b, h]
             sc = _np.empty((g, n), dtype=_np.float32)
             for t in range(n):
+                krow = K[lo + t]
                 for gi in range(g):
+                    qrow = Q[gi]
                     acc = _np.float32(0.0)
                     for x in range(d):
-                        acc += q[b, h, gi, x] * kc[s, h, lo + t, x]
+                        acc += qrow[x] * krow[x]
                     sc[gi, t] = acc * scale
+            O = out[b, h]
             for gi in range(g):
-                m = sc[gi, 0]
+                row = sc[gi]
+                m = row[0]
                 for t in range(1, n):
-                    if sc[gi, t] > m:
-                        m = sc[gi, t]
+                    m = max(m, row[t])
                 den = _np.float32(0.0)
                 for t in range(n):
-                    e = math.exp(sc[gi, t] - m)
-                    sc[gi, t] = e
+                    e = math.exp(row[t] - m)
+                    row[t] = e
                     den += e
-                for x in range(d):
-                    out[b, h, gi, x] = 0.0
                 inv = _np.float32(1.0) / den
+                orow = O[gi]
+                for x in range(d):
+                    orow[x] = 0.0
                 for t in range(n):
-                    p = sc[gi, t] * inv
+                    p = row[t] * inv
+                    vrow = V[lo + t]
                     for x in range(d):
-                        out[b, h, gi, x] += p * vc[s, h, lo + t, x]
+                        orow[x] += p * vrow[x]
 
 
 def numba_available() -> bool:
@@ -131,6 +147,7 @@ class DecodeAttention:
         self.hi = int(slots.max().item()) + 1
         self.lmax = int(lens.max().item())
         self.slots = slots
+        self.positions = lens - 1
         self.contiguous = self.hi == self.B and bool(
             (slots == torch.arange(self.B, device=slots.device)).all()
         )
@@ -145,8 +162,10 @@ class DecodeAttention:
         valid[:, 0] |= row_len == 0
         self.mask = valid[:, None, None, :]
 
-    def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        """``q [B, n_q, d]`` against one layer's ``kc, vc [S, n_kv, cap, d]`` -> ``[B, n_q, d]``."""
+    def __call__(self, q, k, v, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        """Store ``k, v [B, n_kv, d]`` at position ``lens - 1`` of each slot of one
+        layer's ``kc, vc [S, n_kv, cap, d]``, then attend ``q [B, n_q, d]``;
+        returns ``[B, n_q, d]``."""
         B, n_q, d = q.shape
         n_kv = kc.shape[1]
         g = n_q // n_kv
@@ -156,6 +175,8 @@ class DecodeAttention:
             out = torch.empty_like(qn)
             _decode_kernel(
                 qn.numpy(),
+                k.float().contiguous().numpy(),
+                v.float().contiguous().numpy(),
                 kc.numpy(),
                 vc.numpy(),
                 self._slots,
@@ -165,6 +186,8 @@ class DecodeAttention:
                 out.numpy(),
             )
             return out.view(B, n_q, d).to(q.dtype)
+        kc[self.slots, :, self.positions] = k.to(kc.dtype)
+        vc[self.slots, :, self.positions] = v.to(vc.dtype)
         qg = q.view(B, n_kv, g, d)
         if not self.contiguous:
             full = q.new_zeros(self.hi, n_kv, g, d)
@@ -184,6 +207,68 @@ def _window_mask(n: int, window: int, device) -> torch.Tensor:
     return (diff >= 0) & (diff < window)
 
 
+class PrefillAttention:
+    """Causal attention within each packed prompt; built once per prefill step.
+
+    Two layouts, chosen by padding waste: when the prompts padded to the
+    longest one hold at most twice the real tokens (the usual case: RL prompts
+    of a batch have similar lengths, and a group repeats one prompt), one SDPA
+    call over ``[B, heads, L_max, d]`` with a causal/length mask; otherwise one
+    SDPA call per prompt.
+
+    Args:
+        bounds: host-side ``cu_seqlens`` (``[B+1]`` offsets, last is ``T``).
+        sliding_window: attention window in tokens, or ``None``.
+        device: where the index tensors live.
+    """
+
+    def __init__(self, bounds: List[int], *, sliding_window: Optional[int], device):
+        self.bounds = bounds
+        self.window = sliding_window
+        lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+        self.lmax = max(lens)
+        self.padded = len(lens) > 1 and len(lens) * self.lmax <= 2 * bounds[-1]
+        if not self.padded:
+            return
+        lens_t = torch.tensor(lens, device=device)
+        self.rows = torch.repeat_interleave(torch.arange(len(lens), device=device), lens_t)
+        starts = torch.tensor(bounds[:-1], device=device)
+        self.cols = torch.arange(bounds[-1], device=device) - starts[self.rows]
+        i = torch.arange(self.lmax, device=device)
+        mask = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lens_t[:, None, None])
+        if sliding_window is not None:
+            mask &= (i[:, None] - i[None, :] < sliding_window)[None]
+        self.mask = mask[:, None]  # [B, 1, L, L]
+        self.B = len(lens)
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_zeros(self.B, self.lmax, *x.shape[1:])
+        out[self.rows, self.cols] = x
+        return out.transpose(1, 2)  # [B, heads, L, d]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q [T, n_q, d]``, ``k, v [T, n_kv, d]`` -> ``[T, n_q, d]``."""
+        if self.padded:
+            o = F.scaled_dot_product_attention(
+                self._pad(q), self._pad(k), self._pad(v), attn_mask=self.mask, enable_gqa=True
+            )
+            return o.transpose(1, 2)[self.rows, self.cols]
+        out = torch.empty_like(q)
+        for s, e in zip(self.bounds[:-1], self.bounds[1:]):
+            n = e - s
+            if n == 0:
+                continue
+            # [n, h, d] -> [h, n, d]: SDPA wants heads before positions.
+            qq, kk, vv = (t[s:e].transpose(0, 1) for t in (q, k, v))
+            if self.window is not None and n > self.window:
+                mask = _window_mask(n, self.window, q.device)
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
+            out[s:e] = o.transpose(0, 1)
+        return out
+
+
 def prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,27 +277,5 @@ def prefill_attention(
     *,
     sliding_window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed prompt.
-
-    Args:
-        q: ``[T, n_q, d]``; k, v: ``[T, n_kv, d]``.
-        bounds: host-side ``cu_seqlens`` (``[B+1]`` offsets, last is ``T``).
-        sliding_window: attention window in tokens, or ``None``.
-
-    Returns:
-        ``[T, n_q, d]``.
-    """
-    out = torch.empty_like(q)
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        n = e - s
-        if n == 0:
-            continue
-        # [n, h, d] -> [h, n, d]: SDPA wants heads before positions.
-        qq, kk, vv = (t[s:e].transpose(0, 1) for t in (q, k, v))
-        if sliding_window is not None and n > sliding_window:
-            mask = _window_mask(n, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=True)
-        else:
-            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=True)
-        out[s:e] = o.transpose(0, 1)
-    return out
+    """One-off :class:`PrefillAttention`: ``q [T, n_q, d]``, ``k, v [T, n_kv, d]``."""
+    return PrefillAttention(bounds, sliding_window=sliding_window, device=q.device)(q, k, v)

@@ -35,6 +35,11 @@ class EngineConfig:
             ``cuda:N``.
         decode_attn_impl: ``auto``, ``numba`` (CPU float32) or ``padded``; see
             :mod:`realhf.impl.model.gen.attention`.
+        num_threads: CPU threads for the engine's torch ops (process-wide)
+            and numba kernels (the engine thread's own setting); ``None``
+            keeps the defaults (all cores). On a shared machine 1 is often
+            faster: a multi-threaded op stalls when another process takes one
+            of its cores.
         request_timeout_s: most seconds a caller waits for one request.
         control_timeout_s: most seconds a caller waits for the engine thread
             to carry out pause/continue/weight updates.
@@ -48,6 +53,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"
     decode_attn_impl: str = "auto"
+    num_threads: Optional[int] = None
     request_timeout_s: float = 3600.0
     control_timeout_s: float = 300.0
 
@@ -66,6 +72,8 @@ class EngineConfig:
             _fail("device", self.device, "use auto, cpu, cuda or cuda:N")
         if self.decode_attn_impl not in DECODE_IMPLS:
             _fail("decode_attn_impl", self.decode_attn_impl, f"use one of {DECODE_IMPLS}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            _fail("num_threads", self.num_threads, "use an integer >= 1 or None")
         for name in ("request_timeout_s", "control_timeout_s"):
             if not getattr(self, name) > 0:
                 _fail(name, getattr(self, name), "use a positive number of seconds")

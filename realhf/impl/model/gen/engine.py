@@ -3,8 +3,8 @@
 A dedicated thread owns the model, the KV cache and the scheduler, and loops::
 
     apply commands (new requests, aborts, pause, weight updates)
-    decode one token for every running sequence   (one packed forward)
-    admit waiting requests into freed slots and prefill them (one packed forward)
+    admit waiting requests into free slots
+    one packed forward: a token for every running sequence + the new prompts
     sample, append, finish sequences that stopped, free their slots
 
 Callers on other threads (the HTTP server's event loop, tests, benchmarks) use
@@ -38,7 +38,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
-from realhf.impl.model.gen.attention import DecodeAttention, prefill_attention, select_decode_impl
+from realhf.impl.model.gen.attention import DecodeAttention, PrefillAttention, select_decode_impl
 from realhf.impl.model.gen.config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
@@ -255,6 +255,13 @@ class GenerationEngine:
             raise TimeoutError(f"the engine thread did not carry out {name!r} within {t} s") from None
 
     def _loop(self) -> None:
+        n = self.config.num_threads
+        if n is not None:
+            torch.set_num_threads(n)
+            if self.decode_impl == "numba":
+                import numba
+
+                numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         with torch.inference_mode():
             while not self._closing:
                 self._apply_commands()
@@ -313,14 +320,15 @@ class GenerationEngine:
                 arg.fail(e) if name == "add" else fut.set_exception(e)
 
     def step(self) -> None:
-        """One engine iteration: decode the running set, then admit and prefill."""
-        running = list(self.scheduler.running)
-        if running:
-            self._postprocess(running, *self._decode(running))
-        admitted = self.scheduler.admit()
-        if admitted:
-            self._prepare_uniforms(admitted)
-            self._postprocess(admitted, *self._prefill(admitted))
+        """One engine iteration: admit waiting requests into free slots, then one
+        packed forward that decodes a token for every running sequence and
+        prefills the admitted prompts, then sample and retire finished ones."""
+        decode = list(self.scheduler.running)
+        prefill = self.scheduler.admit()
+        if prefill:
+            self._prepare_uniforms(prefill)
+        if decode or prefill:
+            self._postprocess(decode + prefill, *self._forward(decode, prefill))
 
     # ------------------------------------------------------------------ stages
 
@@ -334,53 +342,58 @@ class GenerationEngine:
                 g = torch.Generator().manual_seed(sp.sampling_seed)
             self._uniforms[s.slot, : s.max_new_tokens] = torch.rand(s.max_new_tokens, generator=g)
 
-    def _prefill(self, seqs: List[Sequence]):
-        ids: List[int] = []
-        bounds = [0]
-        for s in seqs:
-            ids.extend(s.req.input_ids)
-            bounds.append(len(ids))
+    def _forward(self, decode: List[Sequence], prefill: List[Sequence]):
+        # Packed layout: the last token of each decoding sequence (one token
+        # each), then the admitted prompts. One forward serves both, so new
+        # arrivals cost no extra pass over the weights.
         dev = self.device
-        lens = [s.prompt_len for s in seqs]
-        positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-        slots = torch.repeat_interleave(
-            torch.tensor([s.slot for s in seqs]), torch.tensor(lens)
-        ).to(dev)
-        cache, window = self.cache, self.sliding_window
+        B = len(decode)
+        ids = [s.output_ids[-1] for s in decode]
+        positions = [s.length - 1 for s in decode]
+        bounds = list(range(B + 1))
+        pbounds = [0]
+        pslots: List[int] = []
+        for s in prefill:
+            n = s.prompt_len
+            ids.extend(s.req.input_ids)
+            positions.extend(range(n))
+            bounds.append(bounds[-1] + n)
+            pbounds.append(pbounds[-1] + n)
+            pslots.extend([s.slot] * n)
+        pos_t = torch.tensor(positions, device=dev)
+        cache = self.cache
+        dattn = pattn = None
+        if decode:
+            dattn = DecodeAttention(
+                torch.tensor([s.slot for s in decode], device=dev),
+                pos_t[:B] + 1,
+                sliding_window=self.sliding_window,
+                impl=self.decode_impl,
+            )
+        if prefill:
+            pattn = PrefillAttention(pbounds, sliding_window=self.sliding_window, device=dev)
+            pslots_t, ppos_t = torch.tensor(pslots, device=dev), pos_t[B:]
 
         def attn_fn(layer, q, k, v):
-            cache.write(layer, slots, positions, k, v)
-            return prefill_attention(q, k, v, bounds, sliding_window=window)
+            outs = []
+            if dattn is not None:
+                outs.append(dattn(q[:B], k[:B], v[:B], cache.k[layer], cache.v[layer]))
+            if pattn is not None:
+                kp, vp = k[B:], v[B:]
+                cache.write(layer, pslots_t, ppos_t, kp, vp)
+                outs.append(pattn(q[B:], kp, vp))
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
 
         logits = self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(bounds, dtype=torch.int32, device=dev),
-            position_ids=positions,
+            position_ids=pos_t,
             attn_fn=attn_fn,
         )
-        last = torch.tensor(bounds[1:], device=dev) - 1
-        self.total_prompt_tokens += len(ids)
-        return sample(logits[last], self._sampling_batch(seqs))
-
-    def _decode(self, seqs: List[Sequence]):
-        dev = self.device
-        slots = torch.tensor([s.slot for s in seqs], device=dev)
-        lens = torch.tensor([s.length for s in seqs], device=dev)
-        positions = lens - 1
-        attn = DecodeAttention(slots, lens, sliding_window=self.sliding_window, impl=self.decode_impl)
-        cache = self.cache
-
-        def attn_fn(layer, q, k, v):
-            cache.write(layer, slots, positions, k, v)
-            return attn(q, cache.k[layer], cache.v[layer])
-
-        logits = self.model(
-            torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long, device=dev),
-            torch.arange(len(seqs) + 1, dtype=torch.int32, device=dev),
-            position_ids=positions,
-            attn_fn=attn_fn,
-        )
-        return sample(logits, self._sampling_batch(seqs))
+        if prefill:  # keep each prompt's last position
+            logits = logits[torch.tensor(list(range(B)) + [b - 1 for b in bounds[B + 1 :]], device=dev)]
+            self.total_prompt_tokens += pbounds[-1]
+        return sample(logits, self._sampling_batch(decode + prefill))
 
     def _sampling_batch(self, seqs: List[Sequence]) -> SamplingBatch:
         dev = self.device
@@ -405,6 +418,9 @@ class GenerationEngine:
             uniforms=uniforms,
             stop_mask=stop_mask,
             all_greedy=all(greedy),
+            any_truncation=any(
+                not g and (sp.top_k > 0 or sp.top_p < 1.0) for g, sp in zip(greedy, sps)
+            ),
         )
 
     def _postprocess(self, seqs: List[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:

@@ -32,7 +32,8 @@ class SamplingBatch:
         uniforms: ``[B]`` float in ``[0, 1)``.
         stop_mask: optional ``[B, V]`` bool, ``True`` where a token is banned
             (stop tokens before ``min_new_tokens``).
-        all_greedy: host-side summary that skips the sort when no row samples.
+        truncate: ``[B]`` bool, rows with ``top_k > 0`` or ``top_p < 1``.
+        all_greedy / any_truncation: host-side summaries that pick fast paths.
     """
 
     temperature: torch.Tensor
@@ -42,6 +43,12 @@ class SamplingBatch:
     uniforms: torch.Tensor
     stop_mask: Optional[torch.Tensor] = None
     all_greedy: bool = False
+    any_truncation: bool = False
+
+    @property
+    def truncate(self) -> torch.Tensor:
+        """Rows that restrict the vocabulary (top-k or top-p)."""
+        return (self.top_k > 0) | (self.top_p < 1.0)
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -78,18 +85,30 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> Tuple[torch.Tensor, to
 
     temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
     logp = torch.log_softmax(logits / temp.unsqueeze(-1), dim=-1)
-    # Always sort, even for rows without top-k/top-p: the token a uniform maps
-    # to must not depend on which other rows share the batch.
+    # Rows without top-k/top-p sample by inverse CDF in vocabulary order (no
+    # sort); rows with truncation sort their own row. Which path a row takes
+    # depends only on its own parameters, so a seeded row gets the same token
+    # whatever else shares the batch.
+    sampled = _inverse_cdf(logp.exp(), batch.uniforms)
+    if batch.any_truncation:
+        rows = batch.truncate.nonzero().squeeze(-1)
+        sampled[rows] = _sample_truncated(
+            logp[rows], batch.top_k[rows], batch.top_p[rows], batch.uniforms[rows]
+        )
+    tokens = torch.where(batch.greedy, logp.argmax(dim=-1), sampled)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def _sample_truncated(logp, top_k, top_p, uniforms) -> torch.Tensor:
+    """Inverse-CDF sampling over the top-k / top-p set of each row (``[R, V]``)."""
     sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
     probs = sorted_logp.exp()
     V = probs.shape[-1]
     rank = torch.arange(V, device=probs.device)
-    k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, V))
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
     keep = rank.unsqueeze(0) < k.unsqueeze(-1)
     # Nucleus: keep a token while the mass before it is below top_p, so the
     # most likely token always survives.
-    keep &= (probs.cumsum(-1) - probs) < batch.top_p.unsqueeze(-1)
-    pos = _inverse_cdf(probs * keep, batch.uniforms)
-    sampled = order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
-    tokens = torch.where(batch.greedy, logp.argmax(dim=-1), sampled)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    keep &= (probs.cumsum(-1) - probs) < top_p.unsqueeze(-1)
+    pos = _inverse_cdf(probs * keep, uniforms)
+    return order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)

@@ -7,6 +7,7 @@ import torch
 
 from realhf.impl.model.gen.attention import (
     DecodeAttention,
+    PrefillAttention,
     numba_available,
     prefill_attention,
     select_decode_impl,
@@ -42,8 +43,13 @@ def test_decode_matches_reference_for_scattered_slots(impl, window):
     slots = torch.tensor([6, 1, 3])  # not contiguous, not sorted
     lens = torch.tensor([9, 1, 20])
     q = torch.randn(3, N_Q, D)
+    k_new, v_new = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
     attn = DecodeAttention(slots, lens, sliding_window=window, impl=impl)
-    out = attn(q, cache.k[1], cache.v[1])
+    out = attn(q, k_new, v_new, cache.k[1], cache.v[1])
+    # the new key/value landed at position lens - 1 of each slot
+    for b in range(3):
+        torch.testing.assert_close(cache.k[1, slots[b], :, lens[b] - 1], k_new[b])
+        torch.testing.assert_close(cache.v[1, slots[b], :, lens[b] - 1], v_new[b])
     for b in range(3):
         s, L = slots[b].item(), lens[b].item()
         ref = _ref_attn(q[b], cache.k[1, s, :, :L], cache.v[1, s, :, :L], window)
@@ -57,7 +63,9 @@ def test_decode_contiguous_slots(impl):
     vc = torch.randn(4, N_KV, 16, D)
     slots, lens = torch.arange(4), torch.tensor([3, 16, 1, 7])
     q = torch.randn(4, N_Q, D)
-    out = DecodeAttention(slots, lens, sliding_window=None, impl=impl)(q, kc, vc)
+    k_new = kc[torch.arange(4), :, lens - 1].clone()
+    v_new = vc[torch.arange(4), :, lens - 1].clone()
+    out = DecodeAttention(slots, lens, sliding_window=None, impl=impl)(q, k_new, v_new, kc, vc)
     for b in range(4):
         ref = _ref_attn(q[b], kc[b, :, : lens[b]], vc[b, :, : lens[b]])
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-4)
@@ -74,12 +82,15 @@ def test_select_decode_impl():
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_prefill_is_causal_per_prompt(window):
+@pytest.mark.parametrize("lens, padded", [([9, 1, 1], False), ([5, 1, 7], True), ([5, 4, 7], True), ([6], False)])
+def test_prefill_is_causal_per_prompt(window, lens, padded):
     torch.manual_seed(2)
-    lens = [5, 1, 7]
     T = sum(lens)
     q, k, v = torch.randn(T, N_Q, D), torch.randn(T, N_KV, D), torch.randn(T, N_KV, D)
-    bounds = [0, 5, 6, 13]
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    assert PrefillAttention(bounds, sliding_window=window, device="cpu").padded == padded
     out = prefill_attention(q, k, v, bounds, sliding_window=window)
     for s, e in zip(bounds[:-1], bounds[1:]):
         for t in range(s, e):

@@ -18,6 +18,7 @@ def _batch(B, *, temperature=1.0, greedy=False, top_p=1.0, top_k=-1, uniforms=No
         uniforms=uniforms if uniforms is not None else torch.rand(B),
         stop_mask=stop_mask,
         all_greedy=greedy,
+        any_truncation=top_p < 1.0 or top_k > 0,
     )
 
 
@@ -119,6 +120,7 @@ def test_row_result_does_not_depend_on_the_rest_of_the_batch():
     b = _batch(6, temperature=0.9, uniforms=u)
     b.top_p = torch.tensor([1.0, 0.9, 1.0, 0.5, 1.0, 1.0])
     b.top_k = torch.tensor([-1, -1, 5, -1, -1, 10])
+    b.any_truncation = True
     full, _ = sample(logits, b)
     for i in range(6):
         one = _batch(1, temperature=0.9, top_p=float(b.top_p[i]), top_k=int(b.top_k[i]), uniforms=u[i : i + 1])

@@ -1,0 +1,234 @@
+"""Generation throughput: our engine (continuous batching, slot KV cache) vs
+``transformers`` ``generate`` (static batches), and requests/s through our HTTP server.
+
+Workload (the RL case): prompts from the embedded arithmetic data, one sample
+each, sampled at temperature 1 (top-p 1, no top-k), with output lengths spread
+widely — each request's budget is drawn log-uniformly from
+``[--min-new, --max-new]`` and EOS is ignored, so both systems generate exactly
+the same tokens' worth of work. Neither system knows the lengths in advance
+(in RL they come from EOS): ``transformers`` runs batches of ``--max-running``
+requests in arrival order until the longest member is done; our engine keeps
+``--max-running`` sequences in flight and refills a slot the moment one
+finishes. Both use the same model weights (the embedded default's architecture:
+qwen2, hidden 256, 4 layers, 4 q / 2 kv heads, vocabulary 268, random
+weights), the same prompts, the same sampling settings and the same CPU
+threads, in one process. Throughput counts requested tokens only.
+
+Then the same engine serves ``--http-requests`` short requests
+(budgets in ``[4, 64]``) sent concurrently by ``--http-clients`` aiohttp
+clients to ``/generate``; requests/s and tokens/s are reported, with the
+engine's rate on the same workload without HTTP for comparison.
+
+Run (about 3-5 minutes on a 2-core CPU):
+
+    python benchmark/generation.py
+
+The last line printed is one JSON object with the figures, including
+``decode_speedup_vs_hf`` and ``http_requests_per_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import random
+import tempfile
+import time
+
+import torch
+import transformers
+
+from realhf.api.core.gen_api import GenerateRequest, SamplingParams
+from realhf.impl.model.gen import EngineConfig
+from realhf.impl.model.gen.http_app import ServerThread, create_app
+from realhf.impl.model.gen.loading import load_engine
+from realhf.impl.model.testing import make_tiny_hf_model
+
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "realhf", "assets", "tiny")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model-path", default=None, help="HF directory (default: random embedded architecture)")
+    p.add_argument("--n-requests", type=int, default=256)
+    p.add_argument("--max-running", type=int, default=64, help="HF batch size = our running sequences")
+    p.add_argument("--min-new", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=512)
+    p.add_argument("--http-requests", type=int, default=1024)
+    p.add_argument("--http-clients", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, default=1,
+        help="CPU threads for both systems; 1 keeps timings stable on a shared machine, where a "
+        "multi-threaded op stalls whenever another process takes one of its cores",
+    )
+    return p.parse_args()
+
+
+def make_model(path: str) -> str:
+    make_tiny_hf_model(
+        "qwen2", path, seed=0, perturb=0.3,
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=268, max_position_embeddings=4096,
+        tie_word_embeddings=True, eos_token_id=0, pad_token_id=1,
+    )
+    return path
+
+
+def load_prompts(n: int, seed: int):
+    tok = transformers.AutoTokenizer.from_pretrained(ASSETS)
+    with open(os.path.join(ASSETS, "data", "train.jsonl")) as f:
+        texts = [json.loads(line)["prompt"] for _, line in zip(range(4 * n), f)]
+    rng = random.Random(seed)
+    rng.shuffle(texts)
+    return [tok.encode(t) for t in texts[:n]]
+
+
+def log_uniform(rng: random.Random, lo: int, hi: int) -> int:
+    return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+@torch.inference_mode()
+def run_hf(model_dir: str, prompts, budgets, batch_size: int):
+    """Static batches in arrival order, left-padded, sampled until the longest budget."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # lengths come from the budgets, as for us
+    pad = 1
+    start = time.perf_counter()
+    steps = 0
+    for s in range(0, len(prompts), batch_size):
+        ps, bs = prompts[s : s + batch_size], budgets[s : s + batch_size]
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+            top_k=0, max_new_tokens=max(bs), min_new_tokens=max(bs), pad_token_id=pad,
+        )
+        assert out.shape[1] - width == max(bs)
+        steps += max(bs)
+    return time.perf_counter() - start, steps
+
+
+def run_ours(engine, prompts, budgets):
+    sp = [SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=b, ignore_eos=True) for b in budgets]
+    reqs = [GenerateRequest(input_ids=tuple(p), sampling=s) for p, s in zip(prompts, sp)]
+    start = time.perf_counter()
+    outs = engine.generate(reqs, timeout=3600)
+    dt = time.perf_counter() - start
+    assert [len(o.output_ids) for o in outs] == list(budgets)
+    return dt
+
+
+@torch.inference_mode()
+def greedy_match(model_dir: str, engine, prompts, n: int = 16) -> bool:
+    """Sanity: our greedy continuation equals HF's on a few prompts."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    outs = engine.generate([GenerateRequest(input_ids=tuple(p), sampling=sp) for p in prompts])
+    for p, o in zip(prompts, outs):
+        ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                          pad_token_id=1)[0, len(p):].tolist()
+        if ref != list(o.output_ids):
+            return False
+    return True
+
+
+def run_http(engine, prompts, budgets, clients: int):
+    import aiohttp
+
+    srv = ServerThread(create_app(engine)).start()
+    try:
+        async def main():
+            sem = asyncio.Semaphore(clients)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as sess:
+                async def one(p, b):
+                    body = {"input_ids": p, "sampling_params": {"max_new_tokens": b, "ignore_eos": True},
+                            "return_logprob": True}
+                    async with sem, sess.post(srv.url + "/generate", json=body) as r:
+                        assert r.status == 200, await r.text()
+                        return len((await r.json())["output_ids"])
+
+                return await asyncio.gather(*[one(p, b) for p, b in zip(prompts, budgets)])
+
+        start = time.perf_counter()
+        lens = asyncio.run(main())
+        dt = time.perf_counter() - start
+    finally:
+        srv.stop()
+    assert lens == list(budgets)
+    return dt
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    tmp = tempfile.mkdtemp(prefix="gen_bench_")
+    model_dir = args.model_path or make_model(tmp)
+    prompts = load_prompts(args.n_requests, args.seed)
+    budgets = [log_uniform(rng, args.min_new, args.max_new) for _ in prompts]
+    useful = sum(budgets)
+    ctx = max(len(p) for p in prompts) + args.max_new + 1
+    cfg = EngineConfig(max_running_requests=args.max_running, context_length=max(ctx, 128),
+                       num_threads=args.threads, seed=args.seed)
+    engine = load_engine(model_dir, cfg).start()
+    print(f"model {model_dir}; {len(prompts)} requests, prompts {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens, budgets {min(budgets)}-{max(budgets)} "
+          f"(mean {useful / len(budgets):.0f}); {args.threads} thread(s); decode attention "
+          f"{engine.decode_impl}; load average {os.getloadavg()[0]:.1f}")
+    try:
+        match = greedy_match(model_dir, engine, prompts[:4])
+        print(f"greedy outputs equal to transformers: {match}")
+        run_ours(engine, prompts[:8], [4] * 8)  # warm-up
+
+        ours_s = run_ours(engine, prompts, budgets)
+        ours_tps = useful / ours_s
+        print(f"ours: {ours_s:.1f} s, {ours_tps:.0f} tokens/s")
+        hf_s, hf_steps = run_hf(model_dir, prompts, budgets, args.max_running)
+        hf_tps = useful / hf_s
+        hf_computed = sum(
+            min(args.max_running, len(prompts) - s) * max(budgets[s : s + args.max_running])
+            for s in range(0, len(prompts), args.max_running)
+        )
+        print(f"transformers generate: {hf_s:.1f} s, {hf_tps:.0f} useful tokens/s "
+              f"({useful / hf_computed:.0%} of its {hf_computed} generated tokens were requested)")
+        speedup = ours_tps / hf_tps
+        print(f"decode speedup vs transformers: {speedup:.1f}x")
+
+        hrng = random.Random(args.seed + 1)
+        hp = [prompts[i % len(prompts)] for i in range(args.http_requests)]
+        hb = [log_uniform(hrng, 4, 64) for _ in hp]
+        direct_s = run_ours(engine, hp, hb)
+        http_s = run_http(engine, hp, hb, args.http_clients)
+        print(f"HTTP: {len(hp)} requests from {args.http_clients} clients in {http_s:.1f} s = "
+              f"{len(hp) / http_s:.1f} requests/s, {sum(hb) / http_s:.0f} tokens/s "
+              f"(engine without HTTP: {len(hp) / direct_s:.1f} requests/s)")
+    finally:
+        engine.close()
+    result = {
+        "decode_speedup_vs_hf": round(speedup, 2),
+        "ours_decode_tokens_per_s": round(ours_tps, 1),
+        "hf_decode_tokens_per_s": round(hf_tps, 1),
+        "hf_requested_fraction": round(useful / hf_computed, 3),
+        "http_requests_per_s": round(len(hp) / http_s, 2),
+        "http_tokens_per_s": round(sum(hb) / http_s, 1),
+        "engine_requests_per_s_same_http_workload": round(len(hp) / direct_s, 2),
+        "n_requests": len(prompts),
+        "max_running": args.max_running,
+        "new_tokens_range": [args.min_new, args.max_new],
+        "requested_tokens": useful,
+        "threads": args.threads,
+        "greedy_equal_to_hf": match,
+        "load_average": round(os.getloadavg()[0], 2),
+        "date": datetime.date.today().isoformat(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
