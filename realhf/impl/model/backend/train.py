@@ -189,16 +189,47 @@ class TrainEngine(InferenceEngine):
         the loss function's statistics, weighted like the loss.
         """
         self.model.train()
+        if len(sample) == 0:
+            raise ValueError("train_batch got a sample with no items; there is nothing to train on")
         mbs, _, _ = sample.synced_data_parallel_split(mb_spec, group=self.dp_group)
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
         if any(not math.isfinite(w) or w < 0 for w in weights):
             raise ValueError(f"loss_weight_fn must return finite numbers >= 0, got {weights}")
         total = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64))[0])
 
+        keys, partial = self._forward_backward(mbs, weights, total, loss_fn)
+        reduced = self._all_reduce(partial.cpu())  # [loss, *stats], global weighted means
+        if self.dp_size > 1:
+            self._all_reduce(self.flat_grad)
+            self.flat_grad.div_(self.dp_size)
+        step = self.n_steps if version_steps is None else int(version_steps)
+        lr = self.lr_schedule(step)
+        grad_norm, skipped = self._optimizer_step(total, step, lr)
+
+        out = {
+            "loss": float(reduced[0]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "n_tokens": total,
+            "n_mbs": float(len(mbs)),
+            "skipped": float(skipped),
+            "n_skipped_steps": float(self.n_skipped),
+        }
+        for k, v in zip(keys, reduced[1:].tolist()):
+            out.setdefault(k, v)
+        return out
+
+    def _forward_backward(
+        self, mbs: List[SequenceSample], weights: List[float], total: float, loss_fn: LossFn
+    ) -> Tuple[List[str], torch.Tensor]:
+        """Accumulate the scaled gradients of every micro-batch into the flat buffer.
+
+        Returns the statistic names and this rank's share of ``[loss, *stats]``, each
+        weighted by ``w_mb / total`` (summing the shares over ranks gives global means).
+        """
         self.zero_grad()
-        loss_sum = 0.0
-        stat_sums: Dict[str, float] = {}
         keys: Optional[List[str]] = None
+        shares = []
         device = self.device
         for mb, w in zip(mbs, weights):
             ids, cu = mb_inputs(mb, device)
@@ -212,30 +243,26 @@ class TrainEngine(InferenceEngine):
                     f"loss_fn returned stats {sorted(stats)} for one micro-batch and {keys} for "
                     "another; return the same keys every time"
                 )
-            scale = w / total * self.dp_size if total > 0 else 0.0
+            frac = w / total if total > 0 else 0.0
             # Even a zero-weight micro-batch runs backward, so every rank runs the same
             # sequence of operations (activation checkpointing, hooks) and stays in step.
-            (loss * scale).backward()
-            frac = w / total if total > 0 else 0.0
-            loss_sum += float(loss.detach()) * frac
-            for k in keys:
-                stat_sums[k] = stat_sums.get(k, 0.0) + float(stats[k]) * frac
+            (loss * (frac * self.dp_size)).backward()
+            row = [loss.detach()] + [torch.as_tensor(stats[k]) for k in keys]
+            # Kept on the device until the end: no host sync per micro-batch.
+            shares.append(
+                torch.stack([x.to(device, torch.float64).reshape(()) for x in row]) * frac
+            )
         self._check_grad_views()
+        return keys or [], torch.stack(shares).sum(0)
 
-        keys = keys or []
-        packed = torch.tensor([loss_sum] + [stat_sums[k] for k in keys], dtype=torch.float64)
-        self._all_reduce(packed)
-        if self.dp_size > 1:
-            self._all_reduce(self.flat_grad)
-            self.flat_grad.div_(self.dp_size)
-
-        step = self.n_steps if version_steps is None else int(version_steps)
-        lr = self.lr_schedule(step)
+    def _optimizer_step(self, total: float, step: int, lr: float) -> Tuple[float, bool]:
+        """Clip and apply the (already averaged) gradient; returns (grad norm, skipped)."""
         grad_norm = float(torch.linalg.vector_norm(self.flat_grad.float()))
         skipped = False
         if total <= 0:
             logger.warning(
-                "train_batch: the global batch has no tokens to train on (loss weight 0); skipping the step"
+                "train_batch: the global batch has no tokens to train on (loss weight 0); "
+                "skipping the step"
             )
             skipped = True
         elif not math.isfinite(grad_norm):
@@ -254,18 +281,7 @@ class TrainEngine(InferenceEngine):
             self.optimizer.step()
         self.n_steps += 1
         self.n_skipped += int(skipped)
-        out = {
-            "loss": float(packed[0]),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "n_tokens": total,
-            "n_mbs": float(len(mbs)),
-            "skipped": float(skipped),
-            "n_skipped_steps": float(self.n_skipped),
-        }
-        for k, v in zip(keys, packed[1:].tolist()):
-            out.setdefault(k, v)
-        return out
+        return grad_norm, skipped
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
