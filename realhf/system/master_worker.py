@@ -8,16 +8,10 @@ Start (first poll): wait for every model worker on the request stream, ``spec`` 
 shard sizes -> the real :class:`FinetuneSpec`), pick a recover checkpoint (``recover_mode``),
 ``initialize`` the workers (engines, recovered weights/optimizers/data positions).
 
-One step::
-
-    load   fetch the step's train_batch_size items (fewer at the end of an epoch)
-    run    one coroutine per MFC: wait until n_seqs of the step's items have its input
-           keys, split them over the data-parallel ranks, send every rank the request
-           with the transfer plan (under the dispatch lock: all ranks of one MFC before
-           any other MFC), await the replies, record outputs / stats
-    clear  every MFC consumed the step's items: clear_data_cache on the workers
-    after  metrics line, tensorboard, progress; then eval / save / recover checkpoint
-           when their frequency fires
+Then step after step (:class:`~realhf.system.dag_runner.DagRunner`: load the step's
+items, run every MFC over them, clear them), followed by the step's metrics line,
+tensorboard scalars and progress, then eval / save / recover checkpoint when their
+frequency fires.
 
 It stops after ``total_train_epochs`` epochs or ``benchmark_steps`` steps, sends the
 model workers ``exit``, writes ``curves.png`` and reports COMPLETED (the controller then
@@ -27,30 +21,25 @@ consumed samples under ``names.training_samples``.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from typing import Any, Dict, List, Optional
 
-from realhf.api.core.dfg import MFCDef, ModelInterfaceType, build_graph
+from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
-from realhf.api.core.worker_api import MasterWorkerConfig, call_sizes
+from realhf.api.core.worker_api import MasterWorkerConfig
 from realhf.base import constants, name_resolve, names
 from realhf.base.timeutil import FrequencyControl
 from realhf.system import recover
-from realhf.system.buffer import SampleBuffer
 from realhf.system.dag_messages import (
     REQUEST_STREAM,
     CheckpointRequest,
     DataPosition,
     EvalRequest,
-    FetchRequest,
     InitializeRequest,
-    MFCReply,
-    MFCRequest,
     SaveRequest,
 )
-from realhf.system.data_transfer import build_transfer_plan, partition_for_dp
+from realhf.system.dag_runner import DagRunner
 from realhf.system.master_outputs import (
     MetricsLog,
     ProgressDisplay,
@@ -61,31 +50,9 @@ from realhf.system.master_outputs import (
 from realhf.system.request_reply_stream import RequestClient
 from realhf.system.worker_base import AsyncWorker, PollResult, register_worker
 
-__all__ = ["MasterWorker", "allocate_fetch", "STATE_FORMAT"]
+__all__ = ["MasterWorker", "STATE_FORMAT"]
 
 STATE_FORMAT = 1
-
-
-def allocate_fetch(need: int, remaining: List[int]) -> List[int]:
-    """How many items to fetch from each worker: as even as the shards' leftovers allow.
-
-    Deterministic in ``(need, remaining)``, which a recover checkpoint restores, so a
-    resumed run fetches exactly what the uninterrupted one would have.
-    """
-    if need > sum(remaining) or need < 0:
-        raise ValueError(f"cannot fetch {need} items from shards with {remaining} left")
-    alloc = [0] * len(remaining)
-    left = need
-    while left:
-        open_ = [i for i, r in enumerate(remaining) if r > alloc[i]]
-        share = max(1, left // len(open_))
-        for i in open_:
-            give = min(share, remaining[i] - alloc[i], left)
-            alloc[i] += give
-            left -= give
-            if not left:
-                break
-    return alloc
 
 
 def _freq(ctl, what: str) -> FrequencyControl:
@@ -116,9 +83,7 @@ class MasterWorker(AsyncWorker):
             reply_timeout=config.timeout,
             wait=False,
         )
-        self.buffer = SampleBuffer()
-        self.cond = asyncio.Condition()
-        self.dispatch_lock = asyncio.Lock()
+        self.runner = DagRunner(self.graph, self.client, config.timeout)
         self.save_ctl = _freq(config.exp_ctrl, "save")
         self.ckpt_ctl = _freq(config.exp_ctrl, "ckpt")
         self.eval_ctl = _freq(config.exp_ctrl, "eval")
@@ -130,8 +95,7 @@ class MasterWorker(AsyncWorker):
     # ---- start --------------------------------------------------------------
 
     async def _call(self, handle: str, datas: List[Any]) -> List[Any]:
-        rids = self.client.request(self.handlers, handle, datas)
-        return [r.data for r in await self.client.gather_async(rids, timeout=self.config.timeout)]
+        return await self.runner.call(handle, datas)
 
     async def _start(self) -> None:
         cfg = self.config
@@ -160,13 +124,14 @@ class MasterWorker(AsyncWorker):
         if ckpt is not None:
             self._load_state(recover.read_master_state(ckpt), ckpt)
         positions = await self._call("initialize", [InitializeRequest(self.ft_spec, ckpt)] * self.n)
-        self.remaining = [self._remaining(i, p) for i, p in enumerate(positions)]
+        self.runner.remaining = [self._remaining(i, p) for i, p in enumerate(positions)]
         resume = None if ckpt is None else self.step.global_step
         self.metrics = MetricsLog(constants.metrics_path(), resume_step=resume)
         self.tb = TensorBoardLog(constants.tensorboard_dir(), resume_step=resume)
         self.trace = TraceLog(
             constants.trace_path(), ["master_worker/0"] + self.handlers, resume=ckpt is not None
         )
+        self.runner.trace = self.trace
         self.progress = ProgressDisplay(
             self.total_steps,
             self.step.global_step,
@@ -260,36 +225,25 @@ class MasterWorker(AsyncWorker):
     async def _run_step(self) -> int:
         t0, wall0 = time.monotonic(), time.time()
         step = self.step
-        ids = await self._load_step()
-        self._stats: Dict[str, List[float]] = {}
-        self._done: Dict[str, bool] = {name: False for name in self.mfcs}
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for name in self.graph.topological_order():
-                    tg.create_task(self._run_mfc(self.mfcs[name], ids, step))
-        except ExceptionGroup as eg:  # the first failure names the MFC and worker
-            raise eg.exceptions[0] from None
-        tokens = self._step_tokens(ids)
-        await self._call("clear_data_cache", [tuple(ids)] * self.n)
-        self.buffer.remove(ids)
-        epoch_done = sum(self.remaining) == 0
-        if epoch_done:
-            self.remaining = list(self.shard_sizes)
+        res = await self.runner.run_step(step, self.config.train_batch_size)
+        epoch_done = sum(self.runner.remaining) == 0
+        if epoch_done:  # the loaders move on to the next epoch at the next fetch
+            self.runner.remaining = list(self.shard_sizes)
         self.step = step.next(epoch_done)
         seconds = time.monotonic() - t0
-        self.counters["samples"] += len(ids)
-        self.counters["tokens"] += tokens
+        self.counters["samples"] += len(res.ids)
+        self.counters["tokens"] += res.tokens
         self.counters["seconds"] += seconds
         record = {
             "step": self.step.global_step,
             "epoch": step.epoch + 1,
             "epoch_step": step.epoch_step + 1,
-            "n_items": len(ids),
-            "tokens": tokens,
+            "n_items": len(res.ids),
+            "tokens": res.tokens,
             "time": seconds,
-            "tokens_per_s": tokens / max(seconds, 1e-9),
+            "tokens_per_s": res.tokens / max(seconds, 1e-9),
             "elapsed": self.counters["seconds"],
-            **{k: sum(v) / len(v) for k, v in sorted(self._stats.items())},
+            **res.stats,
         }
         self.trace.complete(f"step {self.step.global_step}", "master_worker/0", wall0, time.time())
         name_resolve.add(
@@ -307,127 +261,10 @@ class MasterWorker(AsyncWorker):
         saved = self.save_ctl.check(epochs=int(epoch_done), steps=1)
         if saved or (done and self._saves_configured()):
             await self._save(record)
+        # Not after the last step: the run is complete, nothing is left to resume.
         if self.ckpt_ctl.check(epochs=int(epoch_done), steps=1) and not done:
             await self._checkpoint()
-        return len(ids)
-
-    async def _load_step(self) -> List[str]:
-        """Fetch the step's items (metadata into the buffer, tensors stay on the workers)."""
-        need = min(self.config.train_batch_size, sum(self.remaining))
-        want = allocate_fetch(need, self.remaining)
-        ids: List[str] = []
-        t = time.time()
-        while True:
-            asked = list(want)
-            replies = await self._call("fetch", [FetchRequest(self.step.epoch, w) for w in asked])
-            for rank, rep in enumerate(replies):
-                got = 0 if rep.meta is None else len(rep.meta)
-                if got:
-                    self.buffer.add(rep.meta, owner=rank)
-                    ids.extend(rep.meta.ids)
-                self.remaining[rank] = rep.position.remaining
-                if got == 0 and asked[rank] > 0 or got > asked[rank]:
-                    raise RuntimeError(
-                        f"model_worker/{rank} returned {got} items for a fetch of {asked[rank]} "
-                        f"(epoch {self.step.epoch}, position {rep.position}); master and worker disagree"
-                    )
-                want[rank] -= got
-            if not any(want):
-                break
-        self.trace.complete("fetch", "master_worker/0", t, time.time(), n_items=len(ids))
-        return ids
-
-    async def _run_mfc(self, mfc: MFCDef, step_ids: List[str], step: StepInfo) -> None:
-        """Run ``mfc`` over all of the step's items, ``n_seqs`` at a time, oldest first."""
-        parents = self.graph.parents(mfc.name)
-        for size in call_sizes(len(step_ids), mfc.n_seqs):
-            async with self.cond:
-                while True:
-                    ready = self.buffer.ready(mfc.name, mfc.input_keys, among=step_ids)
-                    if len(ready) >= size:
-                        break
-                    if all(self._done[p] for p in parents):
-                        raise RuntimeError(
-                            f"MFC {mfc.name!r} needs {size} items with keys {list(mfc.input_keys)} but only "
-                            f"{len(ready)} have them after its producers {parents} finished"
-                        )
-                    await self.cond.wait()
-                ids = ready[:size]
-                self.buffer.mark_consumed(ids, mfc.name)
-            async with self.dispatch_lock:
-                rids, parts = self._dispatch(mfc, ids, step)
-            t = time.time()
-            replies = [
-                r.data for r in await self.client.gather_async(rids, timeout=self.config.timeout)
-            ]
-            async with self.cond:
-                self._absorb(mfc, parts, replies, t)
-                self.cond.notify_all()
-        async with self.cond:
-            self._done[mfc.name] = True
-            self.cond.notify_all()
-
-    def _dispatch(self, mfc: MFCDef, ids: List[str], step: StepInfo):
-        """Split, plan and send one MFC call to every rank (no await: atomic in the loop)."""
-        keys = list(mfc.input_keys)
-        by_count = mfc.interface_type == ModelInterfaceType.GENERATE
-        parts = partition_for_dp(ids, self.buffer.item_tokens(ids, keys), self.n, by_count)
-        first = self.buffer.entry(ids[0]).keys
-        plan = build_transfer_plan(
-            parts,
-            keys,
-            self.buffer.holder_map(ids, keys),
-            seqlens=lambda i, k: self.buffer.entry(i).keys[k].seqlens,
-            dtypes={k: first[k].dtype for k in keys},
-            trailing_shapes={k: first[k].trailing_shape for k in keys},
-        )
-        for s in plan:
-            self.buffer.add_holder(s.ids, s.key, s.dst)
-        datas = [MFCRequest(mfc.name, step, tuple(plan), self.buffer.meta(p, keys)) for p in parts]
-        return self.client.request(self.handlers, mfc.interface_type.value, datas), parts
-
-    def _absorb(
-        self, mfc: MFCDef, parts: List[List[str]], replies: List[MFCReply], sent: float
-    ) -> None:
-        """Record one call's replies: output ownership, stats (averaged over ranks), trace."""
-        stats: Dict[str, List[float]] = {}
-        for rank, (part, rep) in enumerate(zip(parts, replies)):
-            if rep.output is not None:
-                if (
-                    sorted(rep.output.ids) != sorted(part)
-                    or not set(mfc.output_keys) <= rep.output.keys
-                ):
-                    raise RuntimeError(
-                        f"MFC {mfc.name!r}: {rep.worker} replied items/keys {sorted(rep.output.ids)[:3]}/"
-                        f"{sorted(rep.output.keys)} for {len(part)} items and keys {list(mfc.output_keys)}"
-                    )
-                self.buffer.amend(rep.output, owner=rank)
-            elif mfc.output_keys:
-                raise RuntimeError(f"MFC {mfc.name!r}: {rep.worker} replied no output")
-            for k, v in rep.stats.items():
-                stats.setdefault(k, []).append(v)
-            self.trace.complete(
-                mfc.name,
-                self.handlers[rank],
-                rep.start,
-                rep.end,
-                tid=mfc.role,
-                n_items=len(part),
-                transfer_s=round(rep.transfer_seconds, 6),
-                bytes_received=rep.bytes_received,
-            )
-        for k, v in stats.items():
-            self._stats.setdefault(f"{mfc.name}/{k}", []).append(sum(v) / len(v))
-        self._stats.setdefault(f"timing/{mfc.name}", []).append(max(r.end for r in replies) - sent)
-        self._stats.setdefault(f"data_transfer/{mfc.name}_bytes", []).append(
-            sum(r.bytes_received for r in replies)
-        )
-
-    def _step_tokens(self, ids: List[str]) -> int:
-        """Tokens of the step: per item, its longest key."""
-        return sum(
-            max((k.n_tokens for k in self.buffer.entry(i).keys.values()), default=0) for i in ids
-        )
+        return len(res.ids)
 
     # ---- periodic actions -----------------------------------------------------
 

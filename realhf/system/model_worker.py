@@ -2,10 +2,9 @@
 
 Worker type ``model_worker``; config :class:`~realhf.api.core.worker_api.ModelWorkerConfig`.
 
-On ``configure`` it joins the torch.distributed world of all model workers (worker 0 picks
-a free port and publishes ``host:port`` under ``names.distributed_master(exp, trial,
-"model_worker")``; gloo on CPU, nccl with a gloo side group for data when CUDA is
-present; every wait is bounded by ``config.timeout``), loads each role with
+On ``configure`` it joins the torch.distributed world of all model workers
+(:mod:`realhf.system.process_group`: gloo on CPU, nccl with a gloo side group for data
+when CUDA is present; every wait bounded by ``config.timeout``), loads each role with
 ``ReaLModel.from_hf``, its dataset shard (``dp_rank`` = worker index) and the interfaces
 of the MFCs.  It then serves the master's requests in arrival order, one at a time — the
 master relies on that order to keep collectives aligned across workers.  Handles and
@@ -24,7 +23,6 @@ MFC call (``generate`` / ``inference`` / ``train_step``):
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import os
 import random
@@ -41,7 +39,7 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, Model, StepInfo
 from realhf.api.core.worker_api import ModelWorkerConfig
-from realhf.base import constants, name_resolve, names, network, seeding, stats_tracker
+from realhf.base import constants, name_resolve, names, seeding, stats_tracker
 from realhf.system import recover
 from realhf.system.dag_messages import (
     MFC_HANDLES,
@@ -62,6 +60,7 @@ from realhf.system.data_loader import ShardLoader
 from realhf.system.data_transfer import execute_plan
 from realhf.system.errors import NoMessage, StreamTimeout
 from realhf.system.local_store import LocalStore
+from realhf.system.process_group import init_world
 from realhf.system.request_reply_stream import Payload, ReplyServer
 from realhf.system.worker_base import PollResult, Worker, register_worker
 
@@ -108,7 +107,17 @@ class ModelWorker(Worker):
         self.rank = self.worker_index
         self.world_size = self.worker_info.worker_count
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        self._init_distributed(config.timeout)
+        world = init_world(
+            self.experiment_name,
+            self.trial_name,
+            DIST_GROUP_NAME,
+            self.rank,
+            self.world_size,
+            self.device,
+            config.timeout,
+            address_ttl=max(5.0, self.status_ttl),
+        )
+        self.data_group = world.data_group
         self.tokenizer = None
         if config.tokenizer_path:
             import transformers
@@ -149,44 +158,6 @@ class ModelWorker(Worker):
             **{h: self._run_mfc for h in MFC_HANDLES},
         }
         self.versions: Dict[str, int] = {}
-
-    def _init_distributed(self, timeout: float) -> None:
-        key = names.distributed_master(self.experiment_name, self.trial_name, DIST_GROUP_NAME)
-        if self.rank == 0:
-            host = network.gethostip()
-            port = network.find_free_port(host=host)
-            # A TTL, so a dead worker 0's address vanishes instead of misleading a restart.
-            name_resolve.add(
-                key, f"{host}:{port}", keepalive_ttl=max(5.0, self.status_ttl), replace=True
-            )
-        try:
-            address = name_resolve.wait(key, timeout=timeout)
-        except TimeoutError as e:
-            raise TimeoutError(
-                f"{self.worker_name}: model_worker/0 did not publish the process-group address "
-                f"(key {key!r}) within {timeout:g}s"
-            ) from e
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://{address}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=datetime.timedelta(seconds=timeout),
-            )
-        except Exception as e:
-            raise RuntimeError(
-                f"{self.worker_name}: joining the {self.world_size}-rank {backend} group at {address} "
-                f"failed within {timeout:g}s: {e}; check that every model worker started"
-            ) from e
-        # Data moves between host buffers over gloo even when the models train over nccl.
-        self.data_group = (
-            dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-            if backend == "nccl"
-            else None
-        )
-        self.logger.info(f"joined {backend} group of {self.world_size} model workers at {address}")
 
     def _make_loader(self, abstraction, what: str) -> Optional[ShardLoader]:
         if abstraction is None:

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from realhf.base import datapack, network
+from realhf.base import network
 from realhf.system.data_transfer import (
     DataTransferError,
     TransferStep,

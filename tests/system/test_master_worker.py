@@ -37,24 +37,11 @@ from realhf.system.dag_messages import (
 )
 from realhf.system.data_loader import ShardLoader
 from realhf.system.errors import NoMessage, StreamTimeout
-from realhf.system.master_worker import MasterWorker, allocate_fetch
+from realhf.system.master_worker import MasterWorker
 from realhf.system.request_reply_stream import ReplyServer
 from realhf.system.worker_base import WorkerStatus
 
 EXP = "master-test"
-
-# ---- allocate_fetch ------------------------------------------------------------------
-
-
-def test_allocate_fetch_is_even_and_respects_leftovers():
-    assert allocate_fetch(8, [10, 10]) == [4, 4]
-    assert allocate_fetch(7, [10, 10, 10]) == [3, 2, 2]
-    assert allocate_fetch(6, [1, 10, 10]) == [1, 3, 2]
-    assert allocate_fetch(3, [0, 2, 5]) == [0, 2, 1]
-    assert allocate_fetch(0, [3, 3]) == [0, 0]
-    with pytest.raises(ValueError, match="cannot fetch 5 items"):
-        allocate_fetch(5, [2, 2])
-
 
 # ---- stand-in model workers -------------------------------------------------------------
 

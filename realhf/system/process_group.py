@@ -1,0 +1,79 @@
+"""The model workers' torch.distributed world, found through name resolution.
+
+Worker 0 picks a free port and publishes ``host:port`` under
+``names.distributed_master(exp, trial, group_name)`` (with a keepalive TTL, so the address
+of a dead worker 0 vanishes instead of misleading a restarted run); the others wait for it
+(bounded), then all join.  The backend is gloo on CPU and nccl on CUDA devices, with a
+gloo side group for data transfers between host buffers; every collective of the groups
+times out after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from realhf.base import logging, name_resolve, names, network
+
+logger = logging.getLogger("process_group", "system")
+
+__all__ = ["WorldInfo", "init_world"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorldInfo:
+    """The joined world: backend, address, and the group for data transfers."""
+
+    backend: str
+    address: str
+    #: gloo group for host tensors (None: the default group is gloo already)
+    data_group: Optional[Any]
+
+
+def init_world(
+    experiment_name: str,
+    trial_name: str,
+    group_name: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout: float,
+    address_ttl: float = 6.0,
+) -> WorldInfo:
+    """Join the ``world_size``-rank world as ``rank``; see the module docstring.
+
+    Raises:
+        TimeoutError: worker 0 never published its address.
+        RuntimeError: joining failed (a peer never came), naming the address and timeout.
+    """
+    who = f"{group_name}/{rank}"
+    key = names.distributed_master(experiment_name, trial_name, group_name)
+    if rank == 0:
+        host = network.gethostip()
+        port = network.find_free_port(host=host)
+        name_resolve.add(key, f"{host}:{port}", keepalive_ttl=address_ttl, replace=True)
+    try:
+        address = name_resolve.wait(key, timeout=timeout)
+    except TimeoutError as e:
+        raise TimeoutError(
+            f"{who}: {group_name}/0 did not publish the process-group address (key {key!r}) "
+            f"within {timeout:g}s"
+        ) from e
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    td = datetime.timedelta(seconds=timeout)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size, timeout=td
+        )
+    except Exception as e:
+        raise RuntimeError(
+            f"{who}: joining the {world_size}-rank {backend} group at {address} failed within "
+            f"{timeout:g}s: {e}; check that every {group_name} started"
+        ) from e
+    data_group = dist.new_group(backend="gloo", timeout=td) if backend == "nccl" else None
+    logger.info(f"{who} joined the {backend} group of {world_size} at {address}")
+    return WorldInfo(backend, address, data_group)
