@@ -15,8 +15,9 @@ locks on the hot path.
 
 Shutdown: :meth:`close` sets a flag and wakes the thread, which fails every
 in-flight future with ``EngineClosedError`` and exits; ``close`` joins it with a
-timeout. A crash in a model step fails the futures of the affected requests
-with the exception and the engine keeps serving.
+timeout. A crash in a model step fails the futures of every in-flight
+request with the exception (their cache state is unknown) and the engine keeps
+serving new ones.
 """
 
 from __future__ import annotations

@@ -23,8 +23,10 @@ Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
 
 Without a tokenizer, ``text`` inputs and OpenAI text prompts/chat are answered
 with 400 and responses carry no ``text`` field. Invalid requests get 400 with
-a message naming the field; a full queue 503; a request that outlives the
-engine's ``request_timeout_s`` is aborted and answered with 504.
+a message naming the field; a full queue or a closed engine 503; a request
+that outlives the engine's ``request_timeout_s`` is aborted and answered with
+504; a failed engine step 500 with the error. A client that disconnects does
+not abort its request (it runs to its budget; ``/abort_request`` stops it).
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ from typing import Any, Dict, List, Optional
 import fastapi
 import uvicorn
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+try:  # orjson serialises the long logprob lists several times faster
+    import orjson
+
+    def _json(obj: Any, status_code: int = 200) -> Response:
+        return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
+
+except ImportError:  # pragma: no cover - orjson is optional
+
+    def _json(obj: Any, status_code: int = 200) -> Response:
+        return JSONResponse(obj, status_code=status_code)
 
 from realhf.api.core.gen_api import GenerateOutput, GenerateRequest, InvalidRequestError, parse_generate_body
 from realhf.impl.model.gen import openai_api
@@ -72,7 +85,7 @@ async def _json_body(request: fastapi.Request) -> Any:
     raw = await request.body()
     try:
         return json.loads(raw) if raw else {}
-    except json.JSONDecodeError as e:
+    except ValueError as e:
         raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
 
 
@@ -114,6 +127,8 @@ def create_app(
                     return _error(503, str(e), openai)
                 except _HTTPError as e:
                     return _error(e.status, str(e), openai)
+                except Exception as e:  # a failed engine step; the server keeps serving
+                    return _error(500, f"{type(e).__name__}: {e}", openai)
 
             wrapper.__name__ = fn.__name__
             return wrapper
@@ -150,15 +165,17 @@ def create_app(
                         token_texts=texts,
                     )
                 )
-        return results if batch.returns_list else results[0]
+        return _json(results if batch.returns_list else results[0])
 
     @app.post("/pause_generation")
-    async def pause_generation():
+    @handle_errors(openai=False)
+    async def pause_generation(request: fastapi.Request):
         await asyncio.to_thread(engine.pause)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
-    async def continue_generation():
+    @handle_errors(openai=False)
+    async def continue_generation(request: fastapi.Request):
         await asyncio.to_thread(engine.resume)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -258,7 +275,7 @@ def create_app(
             for p in prompts
         ]
         outs = await run(groups)
-        return openai_api.completion_response(outs, served_model_name, tokenizer, logprobs)
+        return _json(openai_api.completion_response(outs, served_model_name, tokenizer, logprobs))
 
     @app.post("/v1/chat/completions")
     @handle_errors(openai=True)
@@ -266,7 +283,7 @@ def create_app(
         ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
         group = [GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)]
         outs = await run([group])
-        return openai_api.chat_response(outs[0], served_model_name, tokenizer, logprobs)
+        return _json(openai_api.chat_response(outs[0], served_model_name, tokenizer, logprobs))
 
     return app
 

@@ -235,3 +235,32 @@ def test_concurrent_submitters(model, make_engine):
     assert len(results) == 24
     for i, (p, o) in results.items():
         assert list(o.output_ids) == reference_greedy(model, p, 5 + i % 7)
+
+
+class _FailingOnce(torch.nn.Module):
+    """The real model, with one injected failure on its third forward."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.calls = model, model.config, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("injected forward failure")
+        return self.inner(*args, **kwargs)
+
+
+def test_a_failed_step_fails_in_flight_requests_and_the_engine_keeps_serving(model):
+    eng = GenerationEngine(_FailingOnce(model), EngineConfig(max_running_requests=2, context_length=64)).start()
+    try:
+        futs = [eng.submit(GenerateRequest(input_ids=[4, 5], sampling=greedy(10))) for _ in range(2)]
+        for f in futs:
+            with pytest.raises(RuntimeError, match="injected forward failure"):
+                f.result(timeout=30)
+        assert "injected forward failure" in eng.last_error
+        o = eng.generate([GenerateRequest(input_ids=[4, 5], sampling=greedy(5))], timeout=30)[0]
+        assert list(o.output_ids) == reference_greedy(model, [4, 5], 5)
+        assert eng.cache.n_free == 2
+    finally:
+        eng.close()
