@@ -173,7 +173,7 @@ class ProgressDisplay:
     """Step progress: a rich bar when stdout is a terminal, else a log line per step.
 
     Shows the step, epoch, the selected statistics (``reward``/``loss`` by default), the
-    last eval accuracy, tokens/s and the time left.
+    last eval accuracy (an ``eval/`` key containing ``acc``), tokens/s and the time left.
     """
 
     def __init__(
@@ -219,7 +219,7 @@ class ProgressDisplay:
             if _finite(record[k]):
                 parts.append(f"{k}={record[k]:.4g}")
         for k, v in record.items():
-            if k.startswith("eval/") and "accuracy" in k and _finite(v):
+            if k.startswith("eval/") and "acc" in k and _finite(v):
                 self.accuracy = v
         if self.accuracy is not None:
             parts.append(f"accuracy={self.accuracy:.3f}")

@@ -272,7 +272,10 @@ class MasterWorker(AsyncWorker):
         replies = await self._call("evaluate", [EvalRequest(self.step)] * self.n)
         for rank, r in enumerate(replies):
             self.trace.complete("evaluate", self.handlers[rank], r.start, r.end, n_items=r.n_items)
-        return {f"eval/{k}": v for k, v in replies[0].metrics.items()}
+        # Keys go under "eval/" (once: an interface may have prefixed them already).
+        return {
+            (k if k.startswith("eval/") else f"eval/{k}"): v for k, v in replies[0].metrics.items()
+        }
 
     def _saves_configured(self) -> bool:
         c = self.config.exp_ctrl

@@ -300,6 +300,28 @@ def test_resume_continues_from_the_checkpoint_exactly(tmp_path, run_env):
     assert dead5 == sorted(i for (n, _, s, c) in calls2 if n == "train" and s == 4 for i in c)
 
 
+def test_resume_from_a_checkpoint_at_an_epoch_boundary(tmp_path, run_env):
+    trial = run_env
+    # 3 steps per epoch and a checkpoint every 3 steps: the checkpoint of step 3 is taken
+    # when every shard is used up but the loaders have not moved to epoch 2 yet.
+    cfg = _master_config(2, 10, 4, 2, ctl={"ckpt_freq_steps": 3}, recover_mode="auto")
+    calls = []
+    _, _, workers = _run_master(trial, cfg, 10, stop_after=4, calls=calls)
+    for w in workers:
+        w.stop.set()
+    assert recover.find_latest(recover.recover_root(None)).endswith("step3")
+    calls2 = []
+    master2, _, workers2 = _run_master(trial, cfg, 10, calls=calls2)
+    assert master2.status == WorkerStatus.COMPLETED
+    assert all(w.error is None for w in workers2), [w.error for w in workers2]
+    assert [r["step"] for r in _metrics(tmp_path, trial)] == [1, 2, 3, 4, 5, 6]
+    epoch2 = sorted(i for (n, _, s, c) in calls2 if n == "train" for i in c)
+    assert epoch2 == sorted(f"q{i}" for i in range(10))
+    assert sorted(i for (n, _, s, c) in calls if n == "train" and s == 3 for i in c) == sorted(
+        i for (n, _, s, c) in calls2 if n == "train" and s == 3 for i in c
+    )
+
+
 def test_resume_mode_without_a_checkpoint_fails(tmp_path, run_env):
     trial = run_env
     cfg = _master_config(2, 8, 4, 1, recover_mode="resume")
