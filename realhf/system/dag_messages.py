@@ -113,12 +113,15 @@ class MFCRequest:
         plan: the data transfers all ranks run first, in order.
         meta: metadata-only sample of this rank's partition with the MFC's input keys
             (buffer names) and the items' metadata.
+        call: index of this call among the MFC's calls in the step (an MFC whose
+            ``n_seqs`` is below the batch size runs several); part of the call's seed.
     """
 
     mfc_name: str
     step: StepInfo
     plan: Tuple[TransferStep, ...]
     meta: SequenceSample
+    call: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

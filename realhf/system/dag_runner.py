@@ -144,7 +144,7 @@ class DagRunner:
     async def _run_mfc(self, mfc: MFCDef, step_ids: List[str], step: StepInfo) -> None:
         """Run ``mfc`` over all of the step's items, ``n_seqs`` at a time, oldest first."""
         parents = self.graph.parents(mfc.name)
-        for size in call_sizes(len(step_ids), mfc.n_seqs):
+        for call, size in enumerate(call_sizes(len(step_ids), mfc.n_seqs)):
             async with self.cond:
                 while True:
                     ready = self.buffer.ready(mfc.name, mfc.input_keys, among=step_ids)
@@ -160,7 +160,7 @@ class DagRunner:
                 ids = ready[:size]
                 self.buffer.mark_consumed(ids, mfc.name)
             async with self.dispatch_lock:
-                rids, parts = self._dispatch(mfc, ids, step)
+                rids, parts = self._dispatch(mfc, ids, step, call)
             t = time.time()
             replies = await self.client.gather_async(rids, timeout=self.timeout)
             async with self.cond:
@@ -170,7 +170,9 @@ class DagRunner:
             self._done[mfc.name] = True
             self.cond.notify_all()
 
-    def _dispatch(self, mfc: MFCDef, ids: List[str], step: StepInfo) -> Tuple[List[str], list]:
+    def _dispatch(
+        self, mfc: MFCDef, ids: List[str], step: StepInfo, call: int
+    ) -> Tuple[List[str], list]:
         """Split, plan and send one MFC call to every rank (no await: one burst)."""
         keys = list(mfc.input_keys)
         by_count = mfc.interface_type == ModelInterfaceType.GENERATE
@@ -186,7 +188,9 @@ class DagRunner:
         )
         for s in plan:
             self.buffer.add_holder(s.ids, s.key, s.dst)
-        datas = [MFCRequest(mfc.name, step, tuple(plan), self.buffer.meta(p, keys)) for p in parts]
+        datas = [
+            MFCRequest(mfc.name, step, tuple(plan), self.buffer.meta(p, keys), call) for p in parts
+        ]
         return self.client.request(self.handlers, mfc.interface_type.value, datas), parts
 
     def _absorb(

@@ -308,7 +308,7 @@ class ModelWorker(Worker):
         if mfc.input_key_remap:
             data.remap_keys_(mfc.input_key_remap)
         model.version = req.step
-        self._seed_for(mfc.name, req.step)
+        self._seed_for(f"{mfc.name}:call{req.call}", req.step)
         result = getattr(self.interfaces[mfc.name], mfc.interface_type.value)(
             model, data, mfc.mb_spec
         )

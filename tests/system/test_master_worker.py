@@ -78,6 +78,7 @@ class StandIn(threading.Thread):
         self.calls: List[tuple] = calls
         self.error = None
         self.stop = threading.Event()
+        self.call_indices: List[tuple] = []
 
     def run(self):
         try:
@@ -141,6 +142,7 @@ class StandIn(threading.Thread):
                     self.rank
                 ], f"rank {self.rank} lacks {k} of {i} for {mfc.name}"
         self.calls.append((mfc.name, self.rank, req.step.global_step, tuple(ids)))
+        self.call_indices.append((mfc.name, req.step.global_step, req.call))
         out = None
         if mfc.output_keys:
             lens = req.meta.seqlens[mfc.input_keys[0]]
@@ -264,6 +266,10 @@ def test_every_item_goes_through_every_mfc_once_per_epoch(tmp_path, run_env):
     # "score" ran in calls of 3 items (split 2 + 1 over the ranks), 2 calls for a full step.
     score_step0 = [c for (n, r, s, c) in calls if n == "score" and s == 0]
     assert sorted(len(c) for c in score_step0) == [1, 1, 2, 2]
+    assert sorted(set(i for i in workers[0].call_indices if i[:2] == ("score", 0))) == [
+        ("score", 0, 0),
+        ("score", 0, 1),
+    ]
     assert records[0]["score/n"] == 1.5 and records[0]["gen/n"] == 3.0
     trace = json.load(open(tmp_path / EXP / trial / "trace.json"))
     xs = [e for e in trace if e["ph"] == "X" and e["name"] == "train"]
