@@ -109,15 +109,20 @@ class TraceLog:
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.pids = {name: i for i, name in enumerate(process_names)}
-        prefix = "[\n"
+        kept = []
         if resume and os.path.exists(path):
+            # One event per line: keep the complete ones (a killed run may have cut the last).
             with open(path) as f:
-                text = f.read().rstrip()
-            if text.endswith("]"):
-                text = text[:-1].rstrip()
-            text = text.rstrip(",")
-            if text.startswith("["):
-                prefix = text + (",\n" if text.rstrip().endswith("}") else "\n")
+                for line in f:
+                    line = line.strip().rstrip(",")
+                    if line in ("[", "]", ""):
+                        continue
+                    try:
+                        json.loads(line)
+                    except ValueError:
+                        break
+                    kept.append(line)
+        prefix = "[\n" + "".join(f"{e},\n" for e in kept)
         self._f = open(path, "w")
         self._f.write(prefix)
         for name, pid in self.pids.items():

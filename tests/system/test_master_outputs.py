@@ -54,7 +54,9 @@ def test_trace_is_valid_json_and_continues_after_a_crash(tmp_path):
     # A resumed run appends; a run killed before close() leaves a trailing comma.
     t2 = TraceLog(path, ["master_worker/0", "model_worker/0"], resume=True)
     t2.complete("train", "model_worker/0", 11.0, 12.0)
-    t2.flush()  # killed here
+    t2.flush()  # killed here, in the middle of writing an event
+    with open(path, "a") as f:
+        f.write('{"name": "cut", "ph": "X", "pid"')
     t3 = TraceLog(path, ["master_worker/0", "model_worker/0"], resume=True)
     t3.complete("train", "model_worker/0", 11.0, 12.0)
     t3.close()
