@@ -179,7 +179,7 @@ class ManagerService:
         except BaseException as e:  # kept for check(); the worker reports it
             if not isinstance(e, asyncio.CancelledError):
                 self._error = e
-                logger.error(f"gserver manager stopped: {e!r}")
+                logger.error(f"gserver manager stopped: {e!r}", exc_info=e)
         finally:
             self._ready.set()
 

@@ -8,6 +8,7 @@ in-process or — for killing a server — as separate processes.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -367,3 +368,69 @@ def test_killing_a_server_mid_run_moves_requests_to_the_others_then_fails_clearl
         for p in procs:
             p.kill()
             p.wait(10)
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def test_manager_worker_publishes_updates_saves_and_resumes(memory_name_resolve, trial, dirs, tmp_path):
+    from realhf.api.core.system_api import WorkerInformation
+    from realhf.base import constants, name_resolve, names
+    from realhf.system.gserver_manager import GserverManagerWorker
+    from realhf.system.worker_base import WorkerStatus
+
+    constants.set_fileroot(str(tmp_path / "root"))
+    srv = _engine_server(dirs["v0"])
+    name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
+    state_path = str(tmp_path / "state.json")
+    cfg = GserverManagerConfig(n_servers=1, train_batch_size=2, max_head_offpolicyness=0, host="127.0.0.1",
+                               weight_poll_interval_s=0.05, server_wait_timeout_s=30, state_path=state_path,
+                               state_save_interval_s=0.1)
+
+    def make():
+        w = GserverManagerWorker("exp", trial, "gserver_manager", 0)
+        w.handle_control("configure", worker_info=WorkerInformation("exp", trial, "gserver_manager", 0, 1), config=cfg)
+        w.handle_control("start")
+        return w
+
+    try:
+        w = make()
+        addr = name_resolve.get(names.gen_server_manager("exp", trial))
+        client = ManagerClient(f"http://{addr}", 10)
+
+        async def run_two():
+            try:
+                ids = [(await client.allocate("rw/0", "i")).rollout_id for _ in range(2)]
+                return [(await client.finish(r, True)).index for r in ids]
+            finally:
+                await client.close()
+
+        assert asyncio.run(run_two()) == [0, 1]
+        # the trainer trains them and publishes version 1
+        shutil.copytree(dirs["v1"], constants.weight_publication_dir("actor", 1, "exp", trial))
+        name_resolve.add(names.model_version("exp", trial, "actor"), "1")
+        name_resolve.add(names.training_samples("exp", trial), "2")
+        deadline = time.monotonic() + 20
+        while requests.get(f"http://{addr}/status", timeout=5).json()["version"] < 1:
+            w.step()
+            assert time.monotonic() < deadline
+        assert _generate(srv.url, (7, 8, 9), 5) == _greedy(dirs["v1"], (7, 8, 9), 5)
+        time.sleep(0.15)
+        w.step()  # saves the counters
+        name_resolve.add(names.experiment_status("exp", trial), "COMPLETE")
+        while w.status != WorkerStatus.COMPLETED:
+            w.step()
+            assert time.monotonic() < deadline
+        w._exit_hook()
+        with open(state_path) as f:
+            assert json.load(f)["staleness"]["accepted_total"] == 2
+        # a restarted manager resumes at the trainer's count and syncs the server to version 1
+        name_resolve.add(names.training_samples("exp", trial), "2", replace=True)
+        w2 = make()
+        st = requests.get(f"http://{name_resolve.get(names.gen_server_manager('exp', trial))}/status", timeout=5).json()
+        assert st["accepted_total"] == 2 and st["version"] == 1 and st["capacity"] == 2
+        w2._exit_hook()
+    finally:
+        constants.set_fileroot(None)
+        srv.stop()
+        srv.engine.close()
