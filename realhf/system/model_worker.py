@@ -40,6 +40,8 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, Model, StepInfo
 from realhf.api.core.worker_api import ModelWorkerConfig
 from realhf.base import constants, name_resolve, names, seeding, stats_tracker
+from realhf.impl.model.backend import InferenceEngine, TrainEngine
+from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.system import recover
 from realhf.system.dag_messages import (
     MFC_HANDLES,
@@ -106,7 +108,12 @@ class ModelWorker(Worker):
         seeding.set_random_seed(config.seed, self.worker_name)
         self.rank = self.worker_index
         self.world_size = self.worker_info.worker_count
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():
+            # One visible device per worker under the launchers (Scheduling.gpu=1); when a
+            # worker sees several, ranks spread over them.
+            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         world = init_world(
             self.experiment_name,
             self.trial_name,
@@ -126,8 +133,6 @@ class ModelWorker(Worker):
         self.specs = {m.role: m for m in config.models}
         self.modules: Dict[str, Any] = {}
         for spec in config.models:
-            from realhf.impl.model.nn.real_model import ReaLModel
-
             self.modules[spec.role] = ReaLModel.from_hf(
                 spec.path,
                 dtype=getattr(torch, spec.dtype),
@@ -231,8 +236,6 @@ class ModelWorker(Worker):
         return DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
 
     def _initialize(self, req: InitializeRequest) -> DataPosition:
-        from realhf.impl.model.backend import InferenceEngine, TrainEngine
-
         if self.models:
             raise RuntimeError(
                 f"{self.worker_name} is already initialized; `initialize` comes once"
