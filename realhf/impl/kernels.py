@@ -94,7 +94,8 @@ def _check_gae(rewards, values, cu_seqlens, bootstrap):
             )
     if not rewards.is_floating_point() or values.dtype != rewards.dtype:
         raise ValueError(
-            f"gae_packed: rewards and values must share a float dtype, got {rewards.dtype} and {values.dtype}"
+            f"gae_packed: rewards and values must share a float dtype, got {rewards.dtype} and "
+            f"{values.dtype}"
         )
     if cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"gae_packed: cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
@@ -280,7 +281,8 @@ def slice_intervals(src: torch.Tensor, intervals, out: torch.Tensor | None = Non
         _check_flat(out, "out", what)
         if out.numel() != total or out.dtype != src.dtype or out.device != src.device:
             raise ValueError(
-                f"{what}: out must hold {total} {src.dtype} elements on {src.device}, got {out.numel()} {out.dtype} on {out.device}"
+                f"{what}: out must hold {total} {src.dtype} elements on {src.device}, got "
+                f"{out.numel()} {out.dtype} on {out.device}"
             )
     ext = _kernel_or_warn(src.device)
     if ext is None:

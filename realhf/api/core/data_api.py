@@ -162,11 +162,13 @@ class SequenceSample:
         for i, id_ in enumerate(self.ids):
             if not isinstance(id_, str):
                 raise ValueError(
-                    f"SequenceSample: id of item {i} must be a str, got {type(id_).__name__} {id_!r}"
+                    f"SequenceSample: id of item {i} must be a str, got {type(id_).__name__} "
+                    f"{id_!r}"
                 )
             if id_ in first_seen:
                 raise ValueError(
-                    f"SequenceSample: duplicate id {id_!r} at items {first_seen[id_]} and {i}; ids must be unique"
+                    f"SequenceSample: duplicate id {id_!r} at items {first_seen[id_]} and {i}; "
+                    "ids must be unique"
                 )
             first_seen[id_] = i
         for key in sorted(self.keys):
@@ -175,7 +177,8 @@ class SequenceSample:
             if set(self.data) != self.keys:
                 extra = sorted(set(self.data) ^ self.keys)
                 raise ValueError(
-                    f"SequenceSample: data keys {sorted(self.data)} differ from keys {sorted(self.keys)} (key {extra[0]!r})"
+                    f"SequenceSample: data keys {sorted(self.data)} differ from keys "
+                    f"{sorted(self.keys)} (key {extra[0]!r})"
                 )
             for key in sorted(self.keys):
                 self._check_data(key)
@@ -188,7 +191,8 @@ class SequenceSample:
     def _checked_seqlens(self, key: str, per_item) -> list[list[int]]:
         if len(per_item) != len(self.ids):
             raise ValueError(
-                f"SequenceSample: key {key!r} has seqlens for {len(per_item)} items but there are {len(self.ids)} ids"
+                f"SequenceSample: key {key!r} has seqlens for {len(per_item)} items but there "
+                f"are {len(self.ids)} ids"
             )
         out = []
         for id_, lens in zip(self.ids, per_item):
@@ -209,22 +213,26 @@ class SequenceSample:
             return
         if not isinstance(x, torch.Tensor):
             raise ValueError(
-                f"SequenceSample: data of key {key!r} must be a torch.Tensor or None, got {type(x).__name__}"
+                f"SequenceSample: data of key {key!r} must be a torch.Tensor or None, got "
+                f"{type(x).__name__}"
             )
         totals = [sum(l) for l in self.seqlens[key]]
         if x.dim() == 0 or x.shape[0] != sum(totals):
             detail = ", ".join(f"{i!r}: {t}" for i, t in list(zip(self.ids, totals))[:8])
             raise ValueError(
                 f"SequenceSample: key {key!r} has data of shape {tuple(x.shape)} but its "
-                f"seqlens sum to {sum(totals)} (per item {detail}{', ...' if len(totals) > 8 else ''})"
+                f"seqlens sum to {sum(totals)} (per item "
+                f"{detail}{', ...' if len(totals) > 8 else ''})"
             )
         if tuple(x.shape[1:]) != self.trailing_shapes[key]:
             raise ValueError(
-                f"SequenceSample: key {key!r} has data of shape {tuple(x.shape)}, trailing shape should be {self.trailing_shapes[key]}"
+                f"SequenceSample: key {key!r} has data of shape {tuple(x.shape)}, trailing "
+                f"shape should be {self.trailing_shapes[key]}"
             )
         if self.dtypes[key] is not None and x.dtype != self.dtypes[key]:
             raise ValueError(
-                f"SequenceSample: key {key!r} has data of dtype {x.dtype}, dtypes says {self.dtypes[key]}"
+                f"SequenceSample: key {key!r} has data of dtype {x.dtype}, dtypes says "
+                f"{self.dtypes[key]}"
             )
 
     # ------------------------------------------------------------------ construction
@@ -272,7 +280,8 @@ class SequenceSample:
                 )
             if set(s.metadata) != set(samples[0].metadata):
                 raise ValueError(
-                    f"SequenceSample.gather: sample {j} has metadata keys {sorted(s.metadata)}, sample 0 has {sorted(samples[0].metadata)}"
+                    f"SequenceSample.gather: sample {j} has metadata keys {sorted(s.metadata)}, "
+                    f"sample 0 has {sorted(samples[0].metadata)}"
                 )
         data: dict[str, torch.Tensor | None] = {}
         for key in sorted(keys):
@@ -282,8 +291,10 @@ class SequenceSample:
                     or s.dtypes[key] != samples[0].dtypes[key]
                 ):
                     raise ValueError(
-                        f"SequenceSample.gather: key {key!r} of sample {j} is {s.dtypes[key]}{list(s.trailing_shapes[key])}, "
-                        f"sample 0 has {samples[0].dtypes[key]}{list(samples[0].trailing_shapes[key])}"
+                        f"SequenceSample.gather: key {key!r} of sample {j} is "
+                        f"{s.dtypes[key]}{list(s.trailing_shapes[key])}, "
+                        "sample 0 has "
+                        f"{samples[0].dtypes[key]}{list(samples[0].trailing_shapes[key])}"
                     )
             parts = [None if s.data is None else s.data[key] for s in samples]
             if all(p is None for p in parts):
@@ -291,7 +302,8 @@ class SequenceSample:
             elif any(p is None for p in parts):
                 j = next(j for j, p in enumerate(parts) if p is None)
                 raise ValueError(
-                    f"SequenceSample.gather: key {key!r} has data in some samples but not in sample {j}"
+                    f"SequenceSample.gather: key {key!r} has data in some samples but not in "
+                    f"sample {j}"
                 )
             else:
                 data[key] = torch.cat(parts, dim=0)
@@ -341,7 +353,10 @@ class SequenceSample:
 
     # ------------------------------------------------------------------ item selection
     def select_items(self, indices: Sequence[int]) -> "SequenceSample":
-        """A new sample with the items at `indices`, in that order (data is sliced, not copied when contiguous)."""
+        """A new sample with the items at `indices`, in that order.
+
+        Data of a contiguous ascending selection are views; otherwise they are copied.
+        """
         indices = [int(i) for i in indices]
         for i in indices:
             if not 0 <= i < len(self):
@@ -481,12 +496,16 @@ class SequenceSample:
         )
 
     def update_(self, other: "SequenceSample") -> None:
-        """Merge the keys and metadata of `other` (same ids, any order) into this sample, in place."""
+        """Merge the keys and metadata of `other` into this sample, in place.
+
+        `other` must hold the same ids (in any order); its keys overwrite ours.
+        """
         if other.ids != self.ids:
             if set(other.ids) != set(self.ids) or len(other.ids) != len(self.ids):
                 missing = sorted(set(self.ids) ^ set(other.ids))
                 raise ValueError(
-                    f"SequenceSample.update_: ids differ (e.g. {missing[:3]}); update_ merges keys of the same items"
+                    f"SequenceSample.update_: ids differ (e.g. {missing[:3]}); update_ merges "
+                    "keys of the same items"
                 )
             pos = {id_: i for i, id_ in enumerate(other.ids)}
             other = other.select_items([pos[id_] for id_ in self.ids])
@@ -549,7 +568,8 @@ class SequenceSample:
         expected = {"keys", "trailing_shapes", "dtypes", "ids", "seqlens", "metadata"}
         if set(d) != expected:
             raise ValueError(
-                f"SequenceSample.from_json_compatible: fields {sorted(d)} differ from {sorted(expected)}"
+                f"SequenceSample.from_json_compatible: fields {sorted(d)} differ from "
+                f"{sorted(expected)}"
             )
         return cls(
             keys=set(d["keys"]),
@@ -564,4 +584,5 @@ class SequenceSample:
     def __repr__(self) -> str:
         tokens = {k: sum(self.item_tokens(k)) for k in sorted(self.keys)}
         kind = "meta" if self.data is None else "data"
-        return f"SequenceSample(bs={len(self)}, {kind}, tokens={tokens}, metadata={sorted(self.metadata)})"
+        meta = sorted(self.metadata)
+        return f"SequenceSample(bs={len(self)}, {kind}, tokens={tokens}, metadata={meta})"
