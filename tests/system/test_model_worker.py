@@ -62,6 +62,7 @@ class Driver:
         raise TimeoutError(handle)
 
 
+@pytest.mark.slow  # a real model, optimizer and 1-rank gloo world in-process
 def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
     trial = env
     model_path = make_tiny_hf_model("qwen2", tmp_path / "model")

@@ -91,6 +91,7 @@ def _step(engine):
     return engine.train_batch(data, MicroBatchSpec(), loss_fn, lambda mb: 9.0)
 
 
+@pytest.mark.slow  # builds a model and an optimizer (imports transformers)
 def test_worker_state_round_trip(tmp_path):
     from realhf.impl.model.testing import make_tiny_hf_model
 
