@@ -7,12 +7,10 @@
 2. compile the config into workers and launch them with the local scheduler;
 3. on a failure with ``recover_mode=auto``, relaunch up to ``recover_retries`` times —
    the workers resume from the last complete recover checkpoint in the run directory;
-4. at the end, plot the metrics curve to ``{run_dir}/curve.png``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,10 +22,6 @@ from realhf.base import constants, logging
 from realhf.scheduler.local import JobFailure, launch_experiment
 
 logger = logging.getLogger("main")
-
-#: keys plotted from metrics.jsonl when present (first match of each pattern wins)
-PLOT_PATTERNS = ("eval/greedy_acc", "accuracy", "reward", "loss")
-
 
 def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
     """(experiment, trial, fileroot, name-resolve spec) with defaults filled in."""
@@ -76,42 +70,5 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                 continue
             print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
             return 1
-    png = plot_metrics(os.path.join(run_dir, "metrics.jsonl"), os.path.join(run_dir, "curve.png"))
-    print(f"{name}: finished in {time.monotonic() - t0:.0f}s; outputs in {run_dir}" + (f"; curve {png}" if png else ""))
+    print(f"{name}: finished in {time.monotonic() - t0:.0f}s; outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}")
     return 0
-
-
-def plot_metrics(metrics_path: str, png_path: str) -> Optional[str]:
-    """Plot reward/accuracy/loss against step from metrics.jsonl; return the PNG path."""
-    if not os.path.isfile(metrics_path):
-        return None
-    rows = []
-    with open(metrics_path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a crash
-    series = {}
-    for pattern in PLOT_PATTERNS:
-        keys = sorted({k for r in rows for k, v in r.items() if pattern in k and isinstance(v, (int, float))})
-        if keys:
-            k = keys[0]
-            series[k] = [(r.get("step", i), r[k]) for i, r in enumerate(rows) if k in r]
-    if not series:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(series), figsize=(4.5 * len(series), 3.5), squeeze=False)
-    for ax, (k, pts) in zip(axes[0], series.items()):
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 50 else None)
-        ax.set_xlabel("step")
-        ax.set_title(k)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
-    return png_path

@@ -73,6 +73,11 @@ def allocation(cfg: BaseExperimentConfig, decoupled: Optional[bool] = None) -> A
     return alloc
 
 
+def torch_threads(n_model_workers: int) -> int:
+    """Intra-op threads per model worker: share the machine's cores instead of oversubscribing."""
+    return max(1, (os.cpu_count() or 1) // n_model_workers)
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 

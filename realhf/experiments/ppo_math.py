@@ -73,7 +73,7 @@ class PPOMathConfig(BaseExperimentConfig):
     ppo: PPOHyperparameters = field(default_factory=_tiny_ppo)
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     exp_ctrl: ExperimentControlConfig = field(
-        default_factory=lambda: ExperimentControlConfig(benchmark_steps=60, eval_freq_steps=10)
+        default_factory=lambda: ExperimentControlConfig(benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1)
     )
     eval: bool = field(default=True, metadata={"help": "measure greedy accuracy on the eval split at exp_ctrl.eval_freq_*"})
 
@@ -170,6 +170,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
+        torch_num_threads=common.torch_threads(n_workers),
         imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
     )
     master = MasterWorkerConfig(
@@ -181,7 +182,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
-        log_stats_keys=("reward", "accuracy", "greedy_acc"),
+        log_stats_keys=("math_reward/reward", "math_reward/accuracy", "greedy_acc"),
         eval=cfg.eval,
     )
     return ExperimentConfig(
