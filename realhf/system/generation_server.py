@@ -62,11 +62,14 @@ class GenerationServer(Worker):
             self.url = self._start_sglang(config, host)
         waited = wait_healthy(self.url, config.health_timeout_s)
         self._key = name_resolve.add_subentry(
-            names.gen_servers(self.experiment_name, self.trial_name), self.url,
+            names.gen_servers(self.experiment_name, self.trial_name),
+            self.url,
             keepalive_ttl=config.registration_ttl_s,
         )
         self._next_check = 0.0
-        self.logger.info(f"{self.backend} generation server for {config.model_path} at {self.url} (healthy after {waited:.1f}s)")
+        self.logger.info(
+            f"{self.backend} generation server for {config.model_path} at {self.url} (healthy after {waited:.1f}s)"
+        )
 
     def _start_builtin(self, config: GenerationServerConfig, host: str) -> str:
         from realhf.api.core.gen_api import GenerateRequest, SamplingParams
@@ -87,26 +90,44 @@ class GenerationServer(Worker):
         self.engine = load_engine(config.model_path, engine_config, tokenizer=tokenizer).start()
         # One tiny request first: compiling kernels should not land on a rollout's latency.
         warm = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
-        self.engine.generate([GenerateRequest(input_ids=(0,), sampling=warm)], timeout=config.health_timeout_s)
-        app = create_app(self.engine, tokenizer=tokenizer, model_path=config.model_path,
-                         served_model_name=self.worker_name.replace("/", "-"))
-        self.http = ServerThread(app, host=host, port=config.port).start(timeout=config.health_timeout_s)
+        self.engine.generate(
+            [GenerateRequest(input_ids=(0,), sampling=warm)], timeout=config.health_timeout_s
+        )
+        app = create_app(
+            self.engine,
+            tokenizer=tokenizer,
+            model_path=config.model_path,
+            served_model_name=self.worker_name.replace("/", "-"),
+        )
+        self.http = ServerThread(app, host=host, port=config.port).start(
+            timeout=config.health_timeout_s
+        )
         return self.http.url
 
     def _start_sglang(self, config: GenerationServerConfig, host: str) -> str:
         port = config.port or network.find_free_port(host=host)
         cfg = SGLangConfig(
-            model_path=config.model_path, host=host, port=port, skip_tokenizer_init=True,
-            dtype=config.dtype, context_length=config.context_length, random_seed=config.seed,
-            max_running_requests=config.max_running_requests, **dict(config.sglang_args),
+            model_path=config.model_path,
+            host=host,
+            port=port,
+            skip_tokenizer_init=True,
+            dtype=config.dtype,
+            context_length=config.context_length,
+            random_seed=config.seed,
+            max_running_requests=config.max_running_requests,
+            **dict(config.sglang_args),
         )
-        log = constants.worker_log_path(f"{self.worker_name}.sglang", self.experiment_name, self.trial_name)
+        log = constants.worker_log_path(
+            f"{self.worker_name}.sglang", self.experiment_name, self.trial_name
+        )
         self.sglang = SGLangServer(cfg, log_path=log).start(health_timeout=config.health_timeout_s)
         return cfg.url
 
     def _backend_problem(self) -> Optional[str]:
         if self.engine is not None and not self.engine.alive:
-            return f"its engine thread died (last error: {self.engine.last_error or 'none recorded'})"
+            return (
+                f"its engine thread died (last error: {self.engine.last_error or 'none recorded'})"
+            )
         if self.http is not None and not self.http._thread.is_alive():
             return "its HTTP thread exited"
         if self.sglang is not None and self.sglang.process.poll() is not None:

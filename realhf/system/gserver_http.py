@@ -113,7 +113,13 @@ class ManagerService:
     on the service's loop; :meth:`stop` shuts everything down.
     """
 
-    def __init__(self, manager: GserverManager, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(
+        self,
+        manager: GserverManager,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+    ):
         self.manager = manager
         self.host, self._port, self.log_level = host, port, log_level
         self._thread = threading.Thread(target=self._run, name="gserver-manager", daemon=True)
@@ -164,7 +170,9 @@ class ManagerService:
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the gserver manager's loop did not run {fn} within {timeout:g}s") from None
+            raise TimeoutError(
+                f"the gserver manager's loop did not run {fn} within {timeout:g}s"
+            ) from None
 
     def stop(self, timeout: float = 30.0) -> None:
         if self._loop is not None and self._stop is not None and self._thread.is_alive():
@@ -189,8 +197,11 @@ class ManagerService:
         try:
             await self.manager.start()
             config = uvicorn.Config(
-                create_manager_app(self.manager), host=self.host, port=self._port,
-                log_level=self.log_level, lifespan="off",
+                create_manager_app(self.manager),
+                host=self.host,
+                port=self._port,
+                log_level=self.log_level,
+                lifespan="off",
             )
             self._server = uvicorn.Server(config)
             serve = asyncio.create_task(self._server.serve())
@@ -203,7 +214,9 @@ class ManagerService:
             background = asyncio.create_task(self.manager.run_background())
             stopping = asyncio.create_task(self._stop.wait())
             self._ready.set()
-            done, _ = await asyncio.wait({serve, background, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {serve, background, stopping}, return_when=asyncio.FIRST_COMPLETED
+            )
             self._server.should_exit = True
             for t in (background, stopping):
                 t.cancel()
@@ -245,20 +258,28 @@ class ManagerClient:
             await self._session.close()
             self._session = None
 
-    async def _call(self, path: str, msg: Any, reply_cls: Optional[Type[R]], timeout: Optional[float] = None) -> R:
+    async def _call(
+        self, path: str, msg: Any, reply_cls: Optional[Type[R]], timeout: Optional[float] = None
+    ) -> R:
         t = timeout or self.timeout_s
         try:
             req = (
-                self.session.post(self.url + path, json=msg.to_json(), timeout=aiohttp.ClientTimeout(total=t))
+                self.session.post(
+                    self.url + path, json=msg.to_json(), timeout=aiohttp.ClientTimeout(total=t)
+                )
                 if msg is not None
                 else self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=t))
             )
             async with req as r:
                 status, text = r.status, await r.text()
         except asyncio.TimeoutError:
-            raise ManagerUnavailable(f"gserver manager at {self.url} did not answer {path} within {t:g}s") from None
+            raise ManagerUnavailable(
+                f"gserver manager at {self.url} did not answer {path} within {t:g}s"
+            ) from None
         except aiohttp.ClientError as e:
-            raise ManagerUnavailable(f"gserver manager at {self.url} could not be reached for {path}: {e!r}") from None
+            raise ManagerUnavailable(
+                f"gserver manager at {self.url} could not be reached for {path}: {e!r}"
+            ) from None
         try:
             body = json.loads(text)
         except ValueError:
@@ -269,18 +290,24 @@ class ManagerClient:
                 raise RolloutNotRunning(message)
             if status == 503:
                 raise NoServerAvailable(message)
-            raise RuntimeError(f"gserver manager at {self.url}: {path} answered HTTP {status}: {message}")
+            raise RuntimeError(
+                f"gserver manager at {self.url}: {path} answered HTTP {status}: {message}"
+            )
         return body if reply_cls is None else from_json(reply_cls, body)
 
     async def allocate(self, worker: str, incarnation: str, qid: str = "") -> AllocateReply:
-        return await self._call("/allocate_rollout", AllocateRequest(worker, incarnation, qid), AllocateReply)
+        return await self._call(
+            "/allocate_rollout", AllocateRequest(worker, incarnation, qid), AllocateReply
+        )
 
     async def schedule(self, req: ScheduleRequest) -> ScheduleReply:
         return await self._call("/schedule_request", req, ScheduleReply)
 
     async def finish(self, rollout_id: str, accepted: bool, wait_s: float = 10.0) -> FinishReply:
         return await self._call(
-            "/finish_rollout", FinishRequest(rollout_id, accepted, float(wait_s)), FinishReply,
+            "/finish_rollout",
+            FinishRequest(rollout_id, accepted, float(wait_s)),
+            FinishReply,
             timeout=self.timeout_s + wait_s,
         )
 
@@ -288,7 +315,9 @@ class ManagerClient:
         return await self._call("/heartbeat", HeartbeatRequest(worker, incarnation), HeartbeatReply)
 
     async def report_failure(self, url: str, error: str) -> Dict[str, bool]:
-        return await self._call("/report_server_failure", ServerFailureReport(url, error[:1000]), None)
+        return await self._call(
+            "/report_server_failure", ServerFailureReport(url, error[:1000]), None
+        )
 
     async def status(self) -> Dict[str, Any]:
         return await self._call("/status", None, None)

@@ -76,7 +76,9 @@ class PartialRolloutManager:
         seed: Optional[int] = None,
     ):
         if not isinstance(new_tokens_per_chunk, int) or new_tokens_per_chunk < 1:
-            raise ValueError(f"new_tokens_per_chunk={new_tokens_per_chunk!r} must be an integer >= 1")
+            raise ValueError(
+                f"new_tokens_per_chunk={new_tokens_per_chunk!r} must be an integer >= 1"
+            )
         self.client = client
         self.chunk = new_tokens_per_chunk
         self.request_timeout_s = request_timeout_s
@@ -113,7 +115,9 @@ class PartialRolloutManager:
             version_end=tuple(m.version_end for m in members),
         )
 
-    def _sampling_params(self, req: GenerateGroupRequest, member: int, done: int, max_new: int) -> dict:
+    def _sampling_params(
+        self, req: GenerateGroupRequest, member: int, done: int, max_new: int
+    ) -> dict:
         g = req.gconfig
         sp = g.to_sampling_params()
         params = {
@@ -129,7 +133,9 @@ class PartialRolloutManager:
             params["sampling_seed"] = seeding.derive_seed(self.seed, f"{req.qid}/{member}/{done}")
         return params
 
-    async def generate_member(self, rollout_id: str, req: GenerateGroupRequest, member: int) -> MemberResult:
+    async def generate_member(
+        self, rollout_id: str, req: GenerateGroupRequest, member: int
+    ) -> MemberResult:
         """One sequence, chunk by chunk, resubmitted after interruptions and server failures."""
         budget = req.gconfig.max_new_tokens
         out_ids: List[int] = []
@@ -142,7 +148,14 @@ class PartialRolloutManager:
         while True:
             remaining = budget - len(out_ids)
             sched = await self.client.schedule(
-                ScheduleRequest(rollout_id, len(req.prompt_ids) + len(out_ids), remaining, prev[0], prev[1], tuple(exclude))
+                ScheduleRequest(
+                    rollout_id,
+                    len(req.prompt_ids) + len(out_ids),
+                    remaining,
+                    prev[0],
+                    prev[1],
+                    tuple(exclude),
+                )
             )
             if version_start is None:
                 version_start = sched.version
@@ -158,7 +171,9 @@ class PartialRolloutManager:
             except _ServerFailure as e:
                 failures += 1
                 self.stats["server_failures"] += 1
-                logger.warning(f"rollout {rollout_id} member {member}: {e}; rescheduling ({failures}/{self.max_server_failures})")
+                logger.warning(
+                    f"rollout {rollout_id} member {member}: {e}; rescheduling ({failures}/{self.max_server_failures})"
+                )
                 await self.client.report_failure(sched.url, str(e))
                 if failures > self.max_server_failures:
                     raise GenerationFailed(
@@ -176,9 +191,13 @@ class PartialRolloutManager:
             version_end = sched.version
             reason = out.finish_reason.type
             if reason == "stop":
-                return MemberResult(out_ids, out_lps, False, version_start, version_end, chunks, interrupted)
+                return MemberResult(
+                    out_ids, out_lps, False, version_start, version_end, chunks, interrupted
+                )
             if len(out_ids) >= budget:
-                return MemberResult(out_ids, out_lps, True, version_start, version_end, chunks, interrupted)
+                return MemberResult(
+                    out_ids, out_lps, True, version_start, version_end, chunks, interrupted
+                )
             if reason == "abort":
                 interrupted += 1
                 self.stats["interrupted"] += 1
@@ -187,21 +206,29 @@ class PartialRolloutManager:
     async def _generate(self, url: str, body: dict):
         try:
             async with self.session.post(
-                url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=self.request_timeout_s)
+                url + "/generate",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
             ) as r:
                 status, text = r.status, await r.text()
         except asyncio.TimeoutError:
-            raise _ServerFailure(f"{url}/generate did not answer within {self.request_timeout_s:g}s") from None
+            raise _ServerFailure(
+                f"{url}/generate did not answer within {self.request_timeout_s:g}s"
+            ) from None
         except aiohttp.ClientError as e:
             raise _ServerFailure(f"{url}/generate failed: {e!r}") from None
         if status >= 500:
             raise _ServerFailure(f"{url}/generate answered HTTP {status}: {text[:300]}")
         if status != 200:
-            raise GenerationFailed(f"{url}/generate rejected the request (HTTP {status}): {text[:1000]}")
+            raise GenerationFailed(
+                f"{url}/generate rejected the request (HTTP {status}): {text[:1000]}"
+            )
         data = json.loads(text)
         if isinstance(data, list):
             if len(data) != 1:
-                raise GenerationFailed(f"{url}/generate returned {len(data)} outputs for one n=1 request")
+                raise GenerationFailed(
+                    f"{url}/generate returned {len(data)} outputs for one n=1 request"
+                )
             data = data[0]
         return parse_sglang_output(data)
 

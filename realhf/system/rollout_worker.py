@@ -70,7 +70,10 @@ class RolloutWorker(AsyncWorker):
         self.env = config_api.make_env(config.env)
         n_workers = self.worker_info.worker_count
         dataset = config_api.make_dataset(
-            config.dataset, seed=config.seed, dp_rank=self.worker_index, world_size=n_workers,
+            config.dataset,
+            seed=config.seed,
+            dp_rank=self.worker_index,
+            world_size=n_workers,
             tokenizer=self.tokenizer,
         )
         self.loader = ShardLoader(dataset, config.seed, self.worker_name)
@@ -113,13 +116,21 @@ class RolloutWorker(AsyncWorker):
             seed=seeding.derive_seed(cfg.seed, self.worker_name),
         )
         self.pusher = await asyncio.to_thread(
-            PusherStream, self.experiment_name, self.trial_name, cfg.stream_name, self.worker_index,
-            self.worker_info.worker_count, cfg.n_pullers, connect_timeout=cfg.manager_wait_timeout_s,
+            PusherStream,
+            self.experiment_name,
+            self.trial_name,
+            cfg.stream_name,
+            self.worker_index,
+            self.worker_info.worker_count,
+            cfg.n_pullers,
+            connect_timeout=cfg.manager_wait_timeout_s,
         )
         self._push_lock = asyncio.Lock()
         await self.client.heartbeat(self.worker_name, self.incarnation)
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
-        self.logger.info(f"connected to the gserver manager at {addr}; pushing to {self.pusher.consumers}")
+        self.logger.info(
+            f"connected to the gserver manager at {addr}; pushing to {self.pusher.consumers}"
+        )
 
     async def _heartbeat_loop(self) -> None:
         failures = 0
@@ -176,7 +187,9 @@ class RolloutWorker(AsyncWorker):
         if now >= self._next_status_check:
             self._next_status_check = now + _STATUS_CHECK_INTERVAL_S
             if await asyncio.to_thread(experiment_ended, self.experiment_name, self.trial_name):
-                self.logger.info(f"the experiment ended; stopping with {len(self.running)} rollouts running")
+                self.logger.info(
+                    f"the experiment ended; stopping with {len(self.running)} rollouts running"
+                )
                 await self._shutdown(end_stream=False)
                 return PollResult(sample_count=new, completed=True)
         limit = cfg.max_rollouts
@@ -242,12 +255,16 @@ class RolloutWorker(AsyncWorker):
                 self.counts["filtered"] += 1
                 return
             while True:
-                reply = await self.client.finish(rollout_id, accepted=True, wait_s=self.config.finish_wait_s)
+                reply = await self.client.finish(
+                    rollout_id, accepted=True, wait_s=self.config.finish_wait_s
+                )
                 if reply.status == "accepted":
                     break
         except RolloutNotRunning as e:
             self.counts["dropped"] += 1
-            self.logger.warning(f"rollout {rollout_id} ({prompt.ids[0]!r}) dropped at hand-off: {e}")
+            self.logger.warning(
+                f"rollout {rollout_id} ({prompt.ids[0]!r}) dropped at hand-off: {e}"
+            )
             return
         traj = Trajectory(reply.index, samples[0], rollout_id, self.worker_name)
         async with self._push_lock:
@@ -257,7 +274,9 @@ class RolloutWorker(AsyncWorker):
     async def _run_agent(self, rollout_id: str, prompt):
         obs_queue: asyncio.Queue = asyncio.Queue()
         act_queue: asyncio.Queue = asyncio.Queue()
-        agent = asyncio.create_task(self.agent.collect_trajectory(prompt, self.env, obs_queue, act_queue))
+        agent = asyncio.create_task(
+            self.agent.collect_trajectory(prompt, self.env, obs_queue, act_queue)
+        )
         try:
             while True:
                 get = asyncio.create_task(obs_queue.get())

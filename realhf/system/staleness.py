@@ -172,7 +172,9 @@ class StalenessController:
         max_concurrent_rollouts: most running rollouts at once.
     """
 
-    def __init__(self, train_batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int):
+    def __init__(
+        self, train_batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int
+    ):
         for name, v, lo in (
             ("train_batch_size", train_batch_size, 1),
             ("max_head_offpolicyness", max_head_offpolicyness, 0),
@@ -226,7 +228,11 @@ class StalenessController:
     def capacity(self, version: int) -> int:
         """How many rollouts rule 1 and the concurrency cap would admit right now."""
         with self._lock:
-            by_staleness = self.batch_size * (version + self.eta + 1) - self.accepted_total - len(self._running)
+            by_staleness = (
+                self.batch_size * (version + self.eta + 1)
+                - self.accepted_total
+                - len(self._running)
+            )
             return max(0, min(self.max_concurrent - len(self._running), by_staleness))
 
     def owned_by(self, owner: str) -> List[str]:
@@ -328,7 +334,9 @@ class StalenessController:
                 "the same train_batch_size (indices map to steps through it)"
             )
         if not isinstance(trained_samples, int) or trained_samples < 0:
-            raise ValueError(f"load_state_dict: trained_samples={trained_samples!r} must be an int >= 0")
+            raise ValueError(
+                f"load_state_dict: trained_samples={trained_samples!r} must be an int >= 0"
+            )
         with self._lock:
             lost = int(state.get("accepted_total", 0)) - trained_samples
             if lost > 0:
@@ -363,7 +371,9 @@ class IndexOrderBatcher(Generic[T]):
 
     def __init__(self, batch_size: int, start_index: int = 0):
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"IndexOrderBatcher: batch_size={batch_size!r} must be an integer >= 1")
+            raise ValueError(
+                f"IndexOrderBatcher: batch_size={batch_size!r} must be an integer >= 1"
+            )
         self.batch_size = batch_size
         self.next_index = start_index
         self._items: Dict[int, T] = {}
@@ -383,11 +393,17 @@ class IndexOrderBatcher(Generic[T]):
 
     def missing(self) -> List[int]:
         """Indices of the next batch that have not arrived."""
-        return [i for i in range(self.next_index, self.next_index + self.batch_size) if i not in self._items]
+        return [
+            i
+            for i in range(self.next_index, self.next_index + self.batch_size)
+            if i not in self._items
+        ]
 
     def pop_batch(self) -> Optional[List[T]]:
         if self.missing():
             return None
-        batch = [self._items.pop(i) for i in range(self.next_index, self.next_index + self.batch_size)]
+        batch = [
+            self._items.pop(i) for i in range(self.next_index, self.next_index + self.batch_size)
+        ]
         self.next_index += self.batch_size
         return batch

@@ -18,17 +18,36 @@ from realhf.system.worker_base import WorkerStatus, read_error, read_status
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gen_server") / "m")
-    make_tiny_hf_model("qwen2", path, seed=0, perturb=0.3, vocab_size=268, eos_token_id=0, pad_token_id=1,
-                       max_position_embeddings=128)
+    make_tiny_hf_model(
+        "qwen2",
+        path,
+        seed=0,
+        perturb=0.3,
+        vocab_size=268,
+        eos_token_id=0,
+        pad_token_id=1,
+        max_position_embeddings=128,
+    )
     return path
 
 
 def _worker(trial, model_dir, **kw):
     w = GenerationServer("exp", trial, "generation_server", 0)
-    cfg = GenerationServerConfig(model_path=model_dir, backend="builtin", host="127.0.0.1",
-                                 max_running_requests=2, num_threads=1, health_timeout_s=60,
-                                 poll_interval_s=0.01, **kw)
-    w.handle_control("configure", worker_info=WorkerInformation("exp", trial, "generation_server", 0, 1), config=cfg)
+    cfg = GenerationServerConfig(
+        model_path=model_dir,
+        backend="builtin",
+        host="127.0.0.1",
+        max_running_requests=2,
+        num_threads=1,
+        health_timeout_s=60,
+        poll_interval_s=0.01,
+        **kw,
+    )
+    w.handle_control(
+        "configure",
+        worker_info=WorkerInformation("exp", trial, "generation_server", 0, 1),
+        config=cfg,
+    )
     w.handle_control("start")
     return w
 
@@ -37,8 +56,15 @@ def test_serves_registers_and_stops_with_the_experiment(memory_name_resolve, tri
     w = _worker(trial, model_dir)
     try:
         assert name_resolve.get_subtree(names.gen_servers("exp", trial)) == [w.url]
-        r = requests.post(w.url + "/generate", json={"input_ids": [3, 4], "sampling_params": {
-            "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}, "return_logprob": True}, timeout=30)
+        r = requests.post(
+            w.url + "/generate",
+            json={
+                "input_ids": [3, 4],
+                "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+                "return_logprob": True,
+            },
+            timeout=30,
+        )
         assert len(r.json()["meta_info"]["output_token_logprobs"]) == 3
         assert requests.post(w.url + "/pause_generation", timeout=10).json()["status"] == "ok"
         assert requests.post(w.url + "/continue_generation", timeout=10).json()["status"] == "ok"

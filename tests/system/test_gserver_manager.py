@@ -71,8 +71,13 @@ class Clock:
 
 def _manager(urls=("http://a", "http://b", "http://c"), clock=None, **cfg):
     cfg = {"n_servers": 1, "train_batch_size": 4, "max_head_offpolicyness": 1, **cfg}
-    m = GserverManager(GserverManagerConfig(**cfg), Progress(), lambda: list(urls), lambda v: f"/w/{v}",
-                       clock=clock or time.monotonic)
+    m = GserverManager(
+        GserverManagerConfig(**cfg),
+        Progress(),
+        lambda: list(urls),
+        lambda v: f"/w/{v}",
+        clock=clock or time.monotonic,
+    )
     for u in urls:
         m.servers[u] = ServerState(u)
     return m
@@ -83,23 +88,6 @@ def _sched(m, rid, prev="", prev_v=-1, exclude=()):
 
 
 # ---------------------------------------------------------------- routing
-
-
-def test_choose_server_policies():
-    a, b, c = ServerState("a"), ServerState("b"), ServerState("c")
-    assert [choose_server([a, b, c], "round_robin", i).url for i in range(4)] == ["a", "b", "c", "a"]
-    a.metric_requests, b.metric_requests, c.assigned_requests = 3, 1, 2
-    assert choose_server([a, b, c], "least_requests", 0).url == "b"
-    a.metric_tokens, b.metric_tokens, c.assigned_tokens = 50, 900, 10.5
-    assert choose_server([a, b, c], "least_token_usage", 0).url == "c"
-    with pytest.raises(NoServerAvailable):
-        choose_server([], "round_robin", 0)
-
-
-def test_parse_metrics_reads_sglang_gauges():
-    text = ('# HELP sglang:num_used_tokens x\n# TYPE sglang:num_used_tokens gauge\n'
-            'sglang:num_used_tokens{model_name="m"} 123.0\nsglang:num_running_reqs{model_name="m"} 2\n')
-    assert parse_metrics(text) == {"sglang:num_used_tokens": 123.0, "sglang:num_running_reqs": 2.0}
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "least_requests", "least_token_usage"])
@@ -113,7 +101,10 @@ def test_schedule_spreads_and_continuations_stick_while_the_version_is_unchanged
     m.servers[first.url].version = 1  # updated since: the cached prefix is worthless
     other = [_sched(m, rid, first.url, 0).url for _ in range(3)]
     assert other != [first.url] * 3
-    assert _sched(m, rid, first.url, 0, exclude=[u for u in m.servers if u != "http://b"]).url == "http://b"
+    assert (
+        _sched(m, rid, first.url, 0, exclude=[u for u in m.servers if u != "http://b"]).url
+        == "http://b"
+    )
 
 
 def test_schedule_errors():
@@ -122,7 +113,7 @@ def test_schedule_errors():
         _sched(m, "nope")
     rid = m.allocate(AllocateRequest("w", "i")).rollout_id
     for s in m.servers.values():
-        m._mark_dead(s, "killed in a test")
+        m.pool.mark_dead(s, "killed in a test")
     with pytest.raises(NoServerAvailable, match="killed in a test"):
         _sched(m, rid)
     assert m.allocate(AllocateRequest("w", "i")).reason == "no_server"
@@ -136,7 +127,7 @@ def test_allocation_is_refused_for_staleness_then_capacity():
     got = [m.allocate(AllocateRequest("w", "i")) for _ in range(3)]
     assert [g.success for g in got] == [True, True, False] and got[2].reason == "staleness"
     assert got[0].deadline == 0 and got[0].version == 0
-    m.version = 1  # the trainer stepped; (0 accepted + 2 running) // 2 = 1 <= 1
+    m.pool.version = 1  # the trainer stepped; (0 accepted + 2 running) // 2 = 1 <= 1
     assert m.allocate(AllocateRequest("w", "i")).success
     assert m.allocate(AllocateRequest("w", "i")).reason == "capacity"
 
@@ -162,14 +153,16 @@ def test_finish_holds_a_rollout_until_the_earlier_deadline_finishes():
         old = [m.allocate(AllocateRequest("w", "i")).rollout_id for _ in range(4)]
         for r in old[:2]:
             assert (await m.finish(FinishRequest(r, True))).status == "accepted"
-        m.version = 1
+        m.pool.version = 1
         new = m.allocate(AllocateRequest("w", "i")).rollout_id
         assert (await m.finish(FinishRequest(new, True, wait_s=0.05))).status == "wait"
         held = asyncio.create_task(m.finish(FinishRequest(new, True, wait_s=5)))
         await asyncio.sleep(0.05)
         assert not held.done()
         assert (await m.finish(FinishRequest(old[2], True))).index == 2
-        assert (await m.finish(FinishRequest(old[3], False))).status == "rejected"  # filtered: frees it
+        assert (
+            await m.finish(FinishRequest(old[3], False))
+        ).status == "rejected"  # filtered: frees it
         reply = await asyncio.wait_for(held, 2)
         assert (reply.status, reply.index) == ("accepted", 3)
         with pytest.raises(RolloutNotRunning):
@@ -187,18 +180,33 @@ def dirs(tmp_path_factory):
     out = {}
     for name, seed in (("v0", 0), ("v1", 1)):
         out[name] = str(root / name)
-        make_tiny_hf_model("qwen2", out[name], seed=seed, perturb=0.3, vocab_size=268, eos_token_id=EOS,
-                           pad_token_id=PAD, max_position_embeddings=256)
+        make_tiny_hf_model(
+            "qwen2",
+            out[name],
+            seed=seed,
+            perturb=0.3,
+            vocab_size=268,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            max_position_embeddings=256,
+        )
     return out
 
 
 def _engine_server(model_dir, load_weights=None):
     if load_weights is None:
-        engine = load_engine(model_dir, EngineConfig(max_running_requests=4, context_length=256, num_threads=1))
+        engine = load_engine(
+            model_dir, EngineConfig(max_running_requests=4, context_length=256, num_threads=1)
+        )
     else:
         model = ReaLModel.from_hf(model_dir).eval()
-        engine = GenerationEngine(model, EngineConfig(max_running_requests=4, context_length=256, num_threads=1),
-                                  eos_token_ids=[EOS], pad_token_id=PAD, load_weights=load_weights)
+        engine = GenerationEngine(
+            model,
+            EngineConfig(max_running_requests=4, context_length=256, num_threads=1),
+            eos_token_ids=[EOS],
+            pad_token_id=PAD,
+            load_weights=load_weights,
+        )
     engine.start()
     srv = ServerThread(create_app(engine)).start()
     srv.engine = engine
@@ -212,12 +220,18 @@ def _greedy(model_dir, prompt, n):
     for _ in range(n):
         logits = model(torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32))
         ids.append(int(logits[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def _generate(url, prompt, n):
-    r = requests.post(url + "/generate", json={"input_ids": list(prompt), "sampling_params": {
-        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    r = requests.post(
+        url + "/generate",
+        json={
+            "input_ids": list(prompt),
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=60,
+    )
     return r.json()["output_ids"]
 
 
@@ -228,9 +242,16 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
         weights[v] = str(tmp_path / f"v{v}")
         shutil.copytree(dirs["v1" if v == 1 else "v0"], weights[v])
     progress = Progress()
-    cfg = GserverManagerConfig(n_servers=2, weight_poll_interval_s=0.02, health_check_interval_s=0.2,
-                               server_wait_timeout_s=30, keep_weight_versions=1)
-    m = GserverManager(cfg, progress, lambda: [s.url for s in servers], lambda v: str(tmp_path / f"v{v}"))
+    cfg = GserverManagerConfig(
+        n_servers=2,
+        weight_poll_interval_s=0.02,
+        health_check_interval_s=0.2,
+        server_wait_timeout_s=30,
+        keep_weight_versions=1,
+    )
+    m = GserverManager(
+        cfg, progress, lambda: [s.url for s in servers], lambda v: str(tmp_path / f"v{v}")
+    )
     service = ManagerService(m).start(60)
     try:
         prompt = (7, 8, 9)
@@ -260,8 +281,13 @@ def test_a_weight_update_that_times_out_names_the_server(dirs):
     fast = _engine_server(dirs["v0"])
     slow = _engine_server(dirs["v0"], load_weights=lambda model, path: time.sleep(3))
     progress = Progress()
-    cfg = GserverManagerConfig(n_servers=2, weight_poll_interval_s=0.02, server_wait_timeout_s=30,
-                               weight_update_timeout_s=0.5, keep_weight_versions=None)
+    cfg = GserverManagerConfig(
+        n_servers=2,
+        weight_poll_interval_s=0.02,
+        server_wait_timeout_s=30,
+        weight_update_timeout_s=0.5,
+        keep_weight_versions=None,
+    )
     m = GserverManager(cfg, progress, lambda: [fast.url, slow.url], lambda v: dirs["v1"])
     service = ManagerService(m).start(60)
     try:
@@ -283,7 +309,9 @@ def test_a_weight_update_that_times_out_names_the_server(dirs):
 
 def test_http_errors_are_typed(dirs):
     srv = _engine_server(dirs["v0"])
-    m = GserverManager(GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: "")
+    m = GserverManager(
+        GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: ""
+    )
     service = ManagerService(m).start(60)
     client = ManagerClient(service.url, timeout_s=10)
 
@@ -311,9 +339,24 @@ def test_http_errors_are_typed(dirs):
 
 def _spawn_server(model_dir, port):
     return subprocess.Popen(
-        [sys.executable, "-m", "realhf.apps.serve", "--model-path", model_dir, "--port", str(port),
-         "--max-running-requests", "16", "--context-length", "256", "--num-threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "realhf.apps.serve",
+            "--model-path",
+            model_dir,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            "16",
+            "--context-length",
+            "256",
+            "--num-threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -327,19 +370,29 @@ def test_killing_a_server_mid_run_moves_requests_to_the_others_then_fails_clearl
             for line in p.stdout:
                 if "ready" in line:
                     break
-        cfg = GserverManagerConfig(n_servers=2, train_batch_size=64, health_check_interval_s=0.2,
-                                   server_wait_timeout_s=30, health_timeout_s=2)
+        cfg = GserverManagerConfig(
+            n_servers=2,
+            train_batch_size=64,
+            health_check_interval_s=0.2,
+            server_wait_timeout_s=30,
+            health_timeout_s=2,
+        )
         m = GserverManager(cfg, Progress(), lambda: list(urls), lambda v: "")
         service = ManagerService(m).start(60)
 
         async def go():
             client = ManagerClient(service.url, timeout_s=30)
-            prm = PartialRolloutManager(client, new_tokens_per_chunk=16, request_timeout_s=30, max_server_failures=2)
+            prm = PartialRolloutManager(
+                client, new_tokens_per_chunk=16, request_timeout_s=30, max_server_failures=2
+            )
             g = GenerationHyperparameters(n=2, max_new_tokens=120, temperature=1.0)
             try:
+
                 async def one(i):
                     adm = await client.allocate("w", "i")
-                    return await prm.generate_group(adm.rollout_id, GenerateGroupRequest(f"q{i}", (3 + i, 4, 5), g))
+                    return await prm.generate_group(
+                        adm.rollout_id, GenerateGroupRequest(f"q{i}", (3 + i, 4, 5), g)
+                    )
 
                 tasks = [asyncio.create_task(one(i)) for i in range(12)]
                 await asyncio.sleep(0.3)  # requests in flight on both servers
@@ -347,13 +400,21 @@ def test_killing_a_server_mid_run_moves_requests_to_the_others_then_fails_clearl
                 groups = await asyncio.wait_for(asyncio.gather(*tasks), 120)
                 assert all(len(ids) > 0 for grp in groups for ids in grp.output_ids)
                 status = await client.status()
-                assert status["servers"][urls[0]]["live"] is False and status["servers"][urls[1]]["live"]
+                assert (
+                    status["servers"][urls[0]]["live"] is False
+                    and status["servers"][urls[1]]["live"]
+                )
                 # after the kill, only the survivor is scheduled
                 adm = await client.allocate("w", "i")
-                assert {(await client.schedule(ScheduleRequest(adm.rollout_id, 3, 8))).url for _ in range(4)} == {urls[1]}
+                assert {
+                    (await client.schedule(ScheduleRequest(adm.rollout_id, 3, 8))).url
+                    for _ in range(4)
+                } == {urls[1]}
                 procs[1].send_signal(signal.SIGKILL)
                 with pytest.raises(NoServerAvailable, match="no live generation server"):
-                    await prm.generate_group(adm.rollout_id, GenerateGroupRequest("last", (3, 4), g))
+                    await prm.generate_group(
+                        adm.rollout_id, GenerateGroupRequest("last", (3, 4), g)
+                    )
                 return prm.stats
             finally:
                 await prm.close()
@@ -373,7 +434,9 @@ def test_killing_a_server_mid_run_moves_requests_to_the_others_then_fails_clearl
 # ---------------------------------------------------------------- the worker
 
 
-def test_manager_worker_publishes_updates_saves_and_resumes(memory_name_resolve, trial, dirs, tmp_path):
+def test_manager_worker_publishes_updates_saves_and_resumes(
+    memory_name_resolve, trial, dirs, tmp_path
+):
     from realhf.api.core.system_api import WorkerInformation
     from realhf.base import constants, name_resolve, names
     from realhf.system.gserver_manager import GserverManagerWorker
@@ -383,13 +446,24 @@ def test_manager_worker_publishes_updates_saves_and_resumes(memory_name_resolve,
     srv = _engine_server(dirs["v0"])
     name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
     state_path = str(tmp_path / "state.json")
-    cfg = GserverManagerConfig(n_servers=1, train_batch_size=2, max_head_offpolicyness=0, host="127.0.0.1",
-                               weight_poll_interval_s=0.05, server_wait_timeout_s=30, state_path=state_path,
-                               state_save_interval_s=0.1)
+    cfg = GserverManagerConfig(
+        n_servers=1,
+        train_batch_size=2,
+        max_head_offpolicyness=0,
+        host="127.0.0.1",
+        weight_poll_interval_s=0.05,
+        server_wait_timeout_s=30,
+        state_path=state_path,
+        state_save_interval_s=0.1,
+    )
 
     def make():
         w = GserverManagerWorker("exp", trial, "gserver_manager", 0)
-        w.handle_control("configure", worker_info=WorkerInformation("exp", trial, "gserver_manager", 0, 1), config=cfg)
+        w.handle_control(
+            "configure",
+            worker_info=WorkerInformation("exp", trial, "gserver_manager", 0, 1),
+            config=cfg,
+        )
         w.handle_control("start")
         return w
 
@@ -427,7 +501,9 @@ def test_manager_worker_publishes_updates_saves_and_resumes(memory_name_resolve,
         # a restarted manager resumes at the trainer's count and syncs the server to version 1
         name_resolve.add(names.training_samples("exp", trial), "2", replace=True)
         w2 = make()
-        st = requests.get(f"http://{name_resolve.get(names.gen_server_manager('exp', trial))}/status", timeout=5).json()
+        st = requests.get(
+            f"http://{name_resolve.get(names.gen_server_manager('exp', trial))}/status", timeout=5
+        ).json()
         assert st["accepted_total"] == 2 and st["version"] == 1 and st["capacity"] == 2
         w2._exit_hook()
     finally:

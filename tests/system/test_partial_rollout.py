@@ -43,8 +43,16 @@ def model_dirs(tmp_path_factory):
     """Version 0 and a version 1 with the same weights (so greedy outputs must not change)."""
     root = tmp_path_factory.mktemp("partial")
     v0 = str(root / "v0")
-    make_tiny_hf_model("qwen2", v0, seed=0, perturb=0.3, vocab_size=268, eos_token_id=EOS,
-                       pad_token_id=PAD, max_position_embeddings=512)
+    make_tiny_hf_model(
+        "qwen2",
+        v0,
+        seed=0,
+        perturb=0.3,
+        vocab_size=268,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_position_embeddings=512,
+    )
     v1 = str(root / "v1")
     shutil.copytree(v0, v1)
     return {0: v0, 1: v1}
@@ -52,7 +60,9 @@ def model_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    engine = load_engine(model_dirs[0], EngineConfig(max_running_requests=8, context_length=512, num_threads=1)).start()
+    engine = load_engine(
+        model_dirs[0], EngineConfig(max_running_requests=8, context_length=512, num_threads=1)
+    ).start()
     srv = ServerThread(create_app(engine)).start()
     srv.engine = engine
     yield srv
@@ -64,10 +74,18 @@ def server(model_dirs):
 def stack(server, model_dirs):
     """A manager service over the server, its client and a partial-rollout manager."""
     progress = Progress()
-    cfg = GserverManagerConfig(n_servers=1, train_batch_size=4, max_head_offpolicyness=4,
-                               weight_poll_interval_s=0.01, health_check_interval_s=0.2,
-                               server_wait_timeout_s=30, keep_weight_versions=None)
-    manager = GserverManager(cfg, progress, discover=lambda: [server.url], weight_dir=model_dirs.get)
+    cfg = GserverManagerConfig(
+        n_servers=1,
+        train_batch_size=4,
+        max_head_offpolicyness=4,
+        weight_poll_interval_s=0.01,
+        health_check_interval_s=0.2,
+        server_wait_timeout_s=30,
+        keep_weight_versions=None,
+    )
+    manager = GserverManager(
+        cfg, progress, discover=lambda: [server.url], weight_dir=model_dirs.get
+    )
     service = ManagerService(manager).start(60)
     yield progress, manager, service
     service.stop()
@@ -79,12 +97,16 @@ def gconfig(**kw):
 
 async def _generate(service, prompt, chunk, n=1, stop=(EOS, PAD), budget=BUDGET):
     client = ManagerClient(service.url, timeout_s=30)
-    prm = PartialRolloutManager(client, new_tokens_per_chunk=chunk, request_timeout_s=60, stop_token_ids=stop)
+    prm = PartialRolloutManager(
+        client, new_tokens_per_chunk=chunk, request_timeout_s=60, stop_token_ids=stop
+    )
     try:
         adm = await client.allocate("rollout_worker/0", "inc0", "q")
         assert adm.success
         req = GenerateGroupRequest("q", prompt, gconfig(n=n).new(max_new_tokens=budget))
-        members = await asyncio.gather(*(prm.generate_member(adm.rollout_id, req, j) for j in range(n)))
+        members = await asyncio.gather(
+            *(prm.generate_member(adm.rollout_id, req, j) for j in range(n))
+        )
         group = await prm.generate_group(adm.rollout_id, req)
         return members, group, prm.stats
     finally:
@@ -118,7 +140,10 @@ def test_weight_update_aborts_and_the_rollout_resumes_with_its_prefix(stack, ser
 
     def bump_when_generating():
         deadline = time.monotonic() + 30
-        while server.engine.stats()["generation_tokens_total"] < start + 3 and time.monotonic() < deadline:
+        while (
+            server.engine.stats()["generation_tokens_total"] < start + 3
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.001)
         progress.v = 1  # the trainer published version 1: the manager pauses the server
 
@@ -126,9 +151,13 @@ def test_weight_update_aborts_and_the_rollout_resumes_with_its_prefix(stack, ser
     t.start()
     (m,), _, stats = asyncio.run(_generate(service, prompt, chunk=1 << 30))
     t.join()
-    assert m.n_interrupted >= 1 and stats["interrupted"] >= 1, "the pause did not land mid-generation"
+    assert (
+        m.n_interrupted >= 1 and stats["interrupted"] >= 1
+    ), "the pause did not land mid-generation"
     assert m.n_chunks >= 2
-    assert m.output_ids == ref.output_ids, "the resubmitted prefix must continue the same greedy answer"
+    assert (
+        m.output_ids == ref.output_ids
+    ), "the resubmitted prefix must continue the same greedy answer"
     assert len(m.output_logprobs) == BUDGET
     assert max(abs(a - b) for a, b in zip(m.output_logprobs, ref.output_logprobs)) < 1e-4
     assert m.version_start == 0 and m.version_end == 1

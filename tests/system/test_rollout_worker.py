@@ -19,7 +19,12 @@ import pytest
 import requests
 
 from realhf.api.core.config import AgentAbstraction, DatasetAbstraction, EnvAbstraction
-from realhf.api.core.rollout_api import TRAJECTORY_KEYS, GserverManagerConfig, RolloutWorkerConfig, Trajectory
+from realhf.api.core.rollout_api import (
+    TRAJECTORY_KEYS,
+    GserverManagerConfig,
+    RolloutWorkerConfig,
+    Trajectory,
+)
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
 from realhf.impl.model.gen import EngineConfig
@@ -53,8 +58,16 @@ class Progress:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("rollout") / "m")
-    make_tiny_hf_model("qwen2", path, seed=0, perturb=0.3, vocab_size=268, eos_token_id=0, pad_token_id=1,
-                       max_position_embeddings=512)
+    make_tiny_hf_model(
+        "qwen2",
+        path,
+        seed=0,
+        perturb=0.3,
+        vocab_size=268,
+        eos_token_id=0,
+        pad_token_id=1,
+        max_position_embeddings=512,
+    )
     for f in glob.glob(os.path.join(TINY, "*.j*")):
         shutil.copy(f, path)
     return path
@@ -62,7 +75,9 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    engine = load_engine(model_dir, EngineConfig(max_running_requests=16, context_length=512, num_threads=1)).start()
+    engine = load_engine(
+        model_dir, EngineConfig(max_running_requests=16, context_length=512, num_threads=1)
+    ).start()
     srv = ServerThread(create_app(engine)).start()
     srv.engine = engine
     yield srv
@@ -72,10 +87,17 @@ def server(model_dir):
 
 def _manager(server, model_dir, trial, *, B, eta, concurrency, lease_ttl_s=30.0):
     progress = Progress()
-    cfg = GserverManagerConfig(n_servers=1, train_batch_size=B, max_head_offpolicyness=eta,
-                               max_concurrent_rollouts=concurrency, weight_poll_interval_s=0.05,
-                               health_check_interval_s=0.5, server_wait_timeout_s=30, lease_ttl_s=lease_ttl_s,
-                               keep_weight_versions=None)
+    cfg = GserverManagerConfig(
+        n_servers=1,
+        train_batch_size=B,
+        max_head_offpolicyness=eta,
+        max_concurrent_rollouts=concurrency,
+        weight_poll_interval_s=0.05,
+        health_check_interval_s=0.5,
+        server_wait_timeout_s=30,
+        lease_ttl_s=lease_ttl_s,
+        keep_weight_versions=None,
+    )
     manager = GserverManager(cfg, progress, lambda: [server.url], lambda v: model_dir)
     service = ManagerService(manager).start(60)
     name_resolve.add(names.gen_server_manager("exp", trial), service.address, replace=True)
@@ -83,10 +105,17 @@ def _manager(server, model_dir, trial, *, B, eta, concurrency, lease_ttl_s=30.0)
 
 
 def _config(agent_args=None, **kw):
-    defaults = dict(new_tokens_per_chunk=8, heartbeat_interval_s=0.5, allocate_retry_interval_s=0.02, finish_wait_s=1.0)
+    defaults = dict(
+        new_tokens_per_chunk=8,
+        heartbeat_interval_s=0.5,
+        allocate_retry_interval_s=0.02,
+        finish_wait_s=1.0,
+    )
     return RolloutWorkerConfig(
-        agent=AgentAbstraction("math-single-step", {"gconfig": {"max_new_tokens": 24}, "group_size": 2,
-                                                    **(agent_args or {})}),
+        agent=AgentAbstraction(
+            "math-single-step",
+            {"gconfig": {"max_new_tokens": 24}, "group_size": 2, **(agent_args or {})},
+        ),
         env=EnvAbstraction("math-code-single-step"),
         dataset=DatasetAbstraction("math_prompt", {"dataset_path": DATA, "max_items": 5}),
         tokenizer_path=TINY,
@@ -112,7 +141,11 @@ def _run_in_thread(worker):
 
 def _worker(trial, config):
     w = RolloutWorker("exp", trial, "rollout_worker", 0)
-    w.handle_control("configure", worker_info=WorkerInformation("exp", trial, "rollout_worker", 0, 1), config=config)
+    w.handle_control(
+        "configure",
+        worker_info=WorkerInformation("exp", trial, "rollout_worker", 0, 1),
+        config=config,
+    )
     w.handle_control("start")
     return w
 
@@ -167,8 +200,10 @@ def test_filtered_groups_release_their_slots(memory_name_resolve, trial, server,
     puller = PullerStream("exp", trial, "rollout", 0, message_types=[Trajectory])
     try:
         # a random model never answers correctly: lb=1 drops every group
-        worker = _worker(trial, _config(max_rollouts=5, max_concurrent_rollouts=2,
-                                        agent_args={"success_rate_lb": 1.0}))
+        worker = _worker(
+            trial,
+            _config(max_rollouts=5, max_concurrent_rollouts=2, agent_args={"success_rate_lb": 1.0}),
+        )
         thread = _run_in_thread(worker)
         thread.join(120)
         assert worker.status == WorkerStatus.COMPLETED
@@ -196,7 +231,9 @@ def test_the_worker_stops_when_the_experiment_ends(memory_name_resolve, trial, s
         thread.join(30)
         assert worker.status == WorkerStatus.COMPLETED
         time.sleep(0.2)
-        assert service.call(lambda: manager.staleness.running) == 0  # cancelled rollouts were released
+        assert (
+            service.call(lambda: manager.staleness.running) == 0
+        )  # cancelled rollouts were released
     finally:
         puller.close()
         service.stop()
@@ -229,12 +266,22 @@ def test_killing_a_rollout_worker_releases_its_rollouts(tmp_path, trial, server,
     nr_root = str(tmp_path / "nr")
     name_resolve.reconfigure("file", root=nr_root)
     try:
-        progress, manager, service = _manager(server, model_dir, trial, B=8, eta=0, concurrency=8, lease_ttl_s=2.0)
+        progress, manager, service = _manager(
+            server, model_dir, trial, B=8, eta=0, concurrency=8, lease_ttl_s=2.0
+        )
         puller = PullerStream("exp", trial, "rollout", 0, message_types=[Trajectory])
         cfg_path = str(tmp_path / "cfg.pkl")
-        with open(cfg_path, "wb") as f:  # long answers in small chunks: rollouts are running when killed
-            pickle.dump(_config(max_concurrent_rollouts=4, new_tokens_per_chunk=2,
-                                agent_args={"gconfig": {"max_new_tokens": 300, "greedy": True}}), f)
+        with open(
+            cfg_path, "wb"
+        ) as f:  # long answers in small chunks: rollouts are running when killed
+            pickle.dump(
+                _config(
+                    max_concurrent_rollouts=4,
+                    new_tokens_per_chunk=2,
+                    agent_args={"gconfig": {"max_new_tokens": 300, "greedy": True}},
+                ),
+                f,
+            )
         child = subprocess.Popen([sys.executable, "-c", _CHILD, nr_root, trial, cfg_path])
         try:
             deadline = time.monotonic() + 90
@@ -254,7 +301,9 @@ def test_killing_a_rollout_worker_releases_its_rollouts(tmp_path, trial, server,
                     break
                 time.sleep(0.1)
             assert st["running"] == 0 and st["stats"]["expired"] >= 3 and st["owners"] == {}
-            assert time.monotonic() - killed_at >= 1.0  # released by the lease, not by anything else
+            assert (
+                time.monotonic() - killed_at >= 1.0
+            )  # released by the lease, not by anything else
             assert st["capacity"] == 8 - st["accepted_total"]
         finally:
             child.kill()

@@ -57,8 +57,11 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
                 n_refused += 1
                 n_running = len(running) + len(finished_wait)
                 assert n_running >= cap or _late_if_all_accepted(
-                    ctl.accepted_total, B, [r["adm"].deadline for r in running.values()]
-                    + [r["adm"].deadline for r in finished_wait.values()] + [served + eta]
+                    ctl.accepted_total,
+                    B,
+                    [r["adm"].deadline for r in running.values()]
+                    + [r["adm"].deadline for r in finished_wait.values()]
+                    + [served + eta],
                 )
                 break
             running[a.rollout_id] = {"adm": a, "left": rng.randint(1, 12), "version_start": None}
@@ -87,8 +90,9 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
             idx = ctl.accept(rid)
             if idx is None:
                 n_held += 1
-                assert _late_if_all_accepted(ctl.accepted_total + 1, B,
-                                             [d for d in others if d < r["adm"].deadline])
+                assert _late_if_all_accepted(
+                    ctl.accepted_total + 1, B, [d for d in others if d < r["adm"].deadline]
+                )
                 continue
             del finished_wait[rid]
             batcher.add(idx, r)
@@ -100,8 +104,15 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
                 trained.append((step, r["version_start"], r["version_end"], r["adm"].deadline))
             trainer_version += 1
             update_at = tick + rng.randint(0, 3)
-    return dict(trained=trained, steps=trainer_version, interrupted=n_interrupted, held=n_held,
-                refused=n_refused, rejected=n_rejected, ctl=ctl)
+    return dict(
+        trained=trained,
+        steps=trainer_version,
+        interrupted=n_interrupted,
+        held=n_held,
+        refused=n_refused,
+        rejected=n_rejected,
+        ctl=ctl,
+    )
 
 
 @pytest.mark.parametrize("eta", [0, 1, 4])

@@ -137,7 +137,14 @@ class GenerationServerConfig:
             raise _bad(c, "dtype", self.dtype, "use float32, bfloat16 or float16")
         if not isinstance(self.sglang_args, Mapping):
             raise _bad(c, "sglang_args", self.sglang_args, "use a mapping of SGLangConfig fields")
-        _secs(c, self, "request_timeout_s", "health_timeout_s", "registration_ttl_s", "poll_interval_s")
+        _secs(
+            c,
+            self,
+            "request_timeout_s",
+            "health_timeout_s",
+            "registration_ttl_s",
+            "poll_interval_s",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,9 +201,13 @@ class GserverManagerConfig:
     def __post_init__(self):
         c = "GserverManagerConfig"
         if not isinstance(self.model_role, str) or not self.model_role or "/" in self.model_role:
-            raise _bad(c, "model_role", self.model_role, "use the trained role's name, e.g. 'actor'")
+            raise _bad(
+                c, "model_role", self.model_role, "use the trained role's name, e.g. 'actor'"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise _bad(c, "schedule_policy", self.schedule_policy, f"use one of {SCHEDULE_POLICIES}")
+            raise _bad(
+                c, "schedule_policy", self.schedule_policy, f"use one of {SCHEDULE_POLICIES}"
+            )
         _int(c, self, "n_servers", 1)
         _int(c, self, "max_head_offpolicyness", 0)
         _int(c, self, "train_batch_size", 1)
@@ -205,8 +216,17 @@ class GserverManagerConfig:
         _int(c, self, "keep_weight_versions", 1, allow_none=True)
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise _bad(c, "port", self.port, "use 0 (any free port) or a port in 1..65535")
-        _secs(c, self, "weight_poll_interval_s", "weight_update_timeout_s", "server_wait_timeout_s",
-              "health_check_interval_s", "health_timeout_s", "lease_ttl_s", "state_save_interval_s")
+        _secs(
+            c,
+            self,
+            "weight_poll_interval_s",
+            "weight_update_timeout_s",
+            "server_wait_timeout_s",
+            "health_check_interval_s",
+            "health_timeout_s",
+            "lease_ttl_s",
+            "state_save_interval_s",
+        )
         r = self.token_usage_budget_ratio
         if not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise _bad(c, "token_usage_budget_ratio", r, "use a fraction in [0, 1]")
@@ -270,11 +290,17 @@ class RolloutWorkerConfig:
 
     def __post_init__(self):
         c = "RolloutWorkerConfig"
-        for f, kind in (("agent", AgentAbstraction), ("env", EnvAbstraction), ("dataset", DatasetAbstraction)):
+        for f, kind in (
+            ("agent", AgentAbstraction),
+            ("env", EnvAbstraction),
+            ("dataset", DatasetAbstraction),
+        ):
             if not isinstance(getattr(self, f), kind):
                 raise _bad(c, f, getattr(self, f), f"use a {kind.__name__}(type_, args)")
         if not isinstance(self.tokenizer_path, str) or not self.tokenizer_path:
-            raise _bad(c, "tokenizer_path", self.tokenizer_path, "give a HuggingFace tokenizer directory")
+            raise _bad(
+                c, "tokenizer_path", self.tokenizer_path, "give a HuggingFace tokenizer directory"
+            )
         if not isinstance(self.stream_name, str) or not self.stream_name or "/" in self.stream_name:
             raise _bad(c, "stream_name", self.stream_name, "use a non-empty name without '/'")
         _int(c, self, "n_pullers", 1)
@@ -282,8 +308,17 @@ class RolloutWorkerConfig:
         _int(c, self, "max_concurrent_rollouts", 1)
         _int(c, self, "max_server_failures", 0)
         _int(c, self, "max_rollouts", 1, allow_none=True)
-        _secs(c, self, "rollout_request_timeout_s", "manager_timeout_s", "manager_wait_timeout_s",
-              "allocate_retry_interval_s", "heartbeat_interval_s", "finish_wait_s", "push_timeout_s")
+        _secs(
+            c,
+            self,
+            "rollout_request_timeout_s",
+            "manager_timeout_s",
+            "manager_wait_timeout_s",
+            "allocate_retry_interval_s",
+            "heartbeat_interval_s",
+            "finish_wait_s",
+            "push_timeout_s",
+        )
         object.__setattr__(self, "imports", tuple(self.imports))
 
 
@@ -306,8 +341,11 @@ def from_json(cls: Type[M], d: Any) -> M:
     if unknown:
         raise MessageError(f"{cls.__name__}: unknown fields {unknown}; accepted: {sorted(fields)}")
     missing = [
-        n for n, f in fields.items()
-        if n not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        n
+        for n, f in fields.items()
+        if n not in d
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
     ]
     if missing:
         raise MessageError(f"{cls.__name__}: missing fields {missing}")
@@ -494,7 +532,9 @@ class GroupGeneration:
         n = len(self.output_ids)
         for f in ("output_logprobs", "no_eos", "version_start", "version_end"):
             if len(getattr(self, f)) != n:
-                raise ValueError(f"GroupGeneration {self.qid!r}: {f} has {len(getattr(self, f))} entries for {n} members")
+                raise ValueError(
+                    f"GroupGeneration {self.qid!r}: {f} has {len(getattr(self, f))} entries for {n} members"
+                )
         for j, (ids, lps) in enumerate(zip(self.output_ids, self.output_logprobs)):
             if len(ids) != len(lps):
                 raise ValueError(
@@ -537,7 +577,9 @@ class Trajectory:
         if not isinstance(self.index, int) or self.index < 0:
             raise ValueError(f"Trajectory.index={self.index!r} must be an integer >= 0")
         if not isinstance(self.sample, SequenceSample) or len(self.sample) != 1:
-            raise ValueError("Trajectory.sample must be a one-item SequenceSample (one prompt and its answers)")
+            raise ValueError(
+                "Trajectory.sample must be a one-item SequenceSample (one prompt and its answers)"
+            )
         missing = sorted(set(TRAJECTORY_KEYS) - self.sample.keys)
         if missing:
             raise ValueError(f"Trajectory {self.sample.ids[0]!r} lacks keys {missing}")

@@ -34,7 +34,10 @@ __all__ = ["MathSingleStepAgent", "build_trajectory"]
 
 
 def build_trajectory(
-    prompt: SequenceSample, gen: GroupGeneration, rewards: Sequence[float], extra_metadata: Optional[dict] = None
+    prompt: SequenceSample,
+    gen: GroupGeneration,
+    rewards: Sequence[float],
+    extra_metadata: Optional[dict] = None,
 ) -> SequenceSample:
     """Pack one prompt's group of answers into a one-item SequenceSample.
 
@@ -117,10 +120,14 @@ class MathSingleStepAgent(Agent):
         elif isinstance(gconfig, dict):
             gconfig = GenerationHyperparameters(**gconfig)
         elif not isinstance(gconfig, GenerationHyperparameters):
-            raise TypeError(f"math-single-step: gconfig must be a GenerationHyperparameters or a dict, got {gconfig!r}")
+            raise TypeError(
+                f"math-single-step: gconfig must be a GenerationHyperparameters or a dict, got {gconfig!r}"
+            )
         if group_size is not None:
             if not isinstance(group_size, int) or group_size < 1:
-                raise ValueError(f"math-single-step: group_size={group_size!r} must be an integer >= 1")
+                raise ValueError(
+                    f"math-single-step: group_size={group_size!r} must be an integer >= 1"
+                )
             if gconfig.n not in (1, group_size):
                 raise ValueError(
                     f"math-single-step: group_size={group_size} contradicts gconfig.n={gconfig.n}; set one of them"
@@ -140,20 +147,39 @@ class MathSingleStepAgent(Agent):
         self.success_rate_lb = float(success_rate_lb)
         self.success_rate_ub = float(success_rate_ub)
 
-    async def collect_trajectory(self, prompt, env, obs_queue: asyncio.Queue, act_queue: asyncio.Queue) -> List[SequenceSample]:
+    async def collect_trajectory(
+        self, prompt, env, obs_queue: asyncio.Queue, act_queue: asyncio.Queue
+    ) -> List[SequenceSample]:
         """One prompt -> [trajectory], or [] when the group is filtered out."""
-        if not isinstance(prompt, SequenceSample) or len(prompt) != 1 or "packed_prompts" not in prompt.keys:
-            raise ValueError("math-single-step: the prompt must be a one-item SequenceSample with key 'packed_prompts'")
+        if (
+            not isinstance(prompt, SequenceSample)
+            or len(prompt) != 1
+            or "packed_prompts" not in prompt.keys
+        ):
+            raise ValueError(
+                "math-single-step: the prompt must be a one-item SequenceSample with key 'packed_prompts'"
+            )
         qid = prompt.ids[0]
-        await obs_queue.put(GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig))
+        await obs_queue.put(
+            GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig)
+        )
         gen = await act_queue.get()
         if not isinstance(gen, GroupGeneration):
-            raise TypeError(f"math-single-step: expected a GroupGeneration on act_queue, got {type(gen).__name__}")
+            raise TypeError(
+                f"math-single-step: expected a GroupGeneration on act_queue, got {type(gen).__name__}"
+            )
         meta = {k: v[0] for k, v in prompt.metadata.items()}
         task = meta.get("task") or "math"
-        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in gen.output_ids]
+        texts = [
+            self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in gen.output_ids
+        ]
         actions = [
-            MathCodeAction(t, task=task, solutions=tuple(meta.get("solutions") or ()), input_output=meta.get("input_output"))
+            MathCodeAction(
+                t,
+                task=task,
+                solutions=tuple(meta.get("solutions") or ()),
+                input_output=meta.get("input_output"),
+            )
             for t in texts
         ]
         results = await asyncio.gather(*(env.step(a) for a in actions))

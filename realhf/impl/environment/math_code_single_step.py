@@ -40,17 +40,25 @@ class MathCodeAction:
 
     def __post_init__(self):
         if not isinstance(self.text, str):
-            raise TypeError(f"MathCodeAction.text must be the decoded answer (str), got {type(self.text).__name__}")
+            raise TypeError(
+                f"MathCodeAction.text must be the decoded answer (str), got {type(self.text).__name__}"
+            )
         if self.task not in _MATH_TASKS + ("code",):
-            raise ValueError(f"MathCodeAction.task={self.task!r}: use one of {_MATH_TASKS + ('code',)}")
+            raise ValueError(
+                f"MathCodeAction.task={self.task!r}: use one of {_MATH_TASKS + ('code',)}"
+            )
         sols = self.solutions
         if isinstance(sols, str):
             sols = (sols,)
         object.__setattr__(self, "solutions", tuple(sols or ()))
         if self.task in _MATH_TASKS and not self.solutions:
-            raise ValueError(f"MathCodeAction: a {self.task} answer needs reference solutions to be graded")
+            raise ValueError(
+                f"MathCodeAction: a {self.task} answer needs reference solutions to be graded"
+            )
         if self.task == "code" and not self.input_output:
-            raise ValueError("MathCodeAction: a code answer needs input_output test cases to be graded")
+            raise ValueError(
+                "MathCodeAction: a code answer needs input_output test cases to be graded"
+            )
 
 
 class MathCodeSingleStepEnv(EnvironmentService):
@@ -74,7 +82,9 @@ class MathCodeSingleStepEnv(EnvironmentService):
             ("code_total_timeout_s", code_total_timeout_s),
         ):
             if not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"MathCodeSingleStepEnv: {name}={v!r} must be a positive number of seconds")
+                raise ValueError(
+                    f"MathCodeSingleStepEnv: {name}={v!r} must be a positive number of seconds"
+                )
         self.math_timeout_s = float(math_timeout_s)
         self.code_case_timeout_s = float(code_case_timeout_s)
         self.code_total_timeout_s = float(code_total_timeout_s)
@@ -90,7 +100,9 @@ class MathCodeSingleStepEnv(EnvironmentService):
                 f"math-code-single-step expects a MathCodeAction, got {type(action).__name__}"
             )
         correct = await asyncio.to_thread(self._grade, action)
-        return StepResult(None, 1.0 if correct else -1.0, True, False, {"correct": correct, "task": action.task})
+        return StepResult(
+            None, 1.0 if correct else -1.0, True, False, {"correct": correct, "task": action.task}
+        )
 
     async def grade_group(self, actions: Sequence[MathCodeAction]) -> Tuple[bool, ...]:
         """Grade many answers concurrently; True where correct."""
@@ -111,7 +123,9 @@ class MathCodeSingleStepEnv(EnvironmentService):
             )
         from realhf.impl.reward.math_reward import verify_batch
 
-        return bool(verify_batch([action.text], [list(action.solutions)], timeout=self.math_timeout_s)[0])
+        return bool(
+            verify_batch([action.text], [list(action.solutions)], timeout=self.math_timeout_s)[0]
+        )
 
 
 register_env("math-code-single-step", MathCodeSingleStepEnv)

@@ -11,7 +11,12 @@ import transformers
 
 from realhf.api.core.config import AgentAbstraction, make_agent
 from realhf.api.core.data_api import SequenceSample
-from realhf.api.core.rollout_api import TRAJECTORY_KEYS, GenerateGroupRequest, GroupGeneration, Trajectory
+from realhf.api.core.rollout_api import (
+    TRAJECTORY_KEYS,
+    GenerateGroupRequest,
+    GroupGeneration,
+    Trajectory,
+)
 from realhf.impl.agent.math_single_step import MathSingleStepAgent
 from realhf.impl.environment.math_code_single_step import MathCodeSingleStepEnv
 
@@ -29,17 +34,27 @@ def _prompt(tokenizer, qid="add-66-26", text="Compute 66+26.", solutions=("\\box
         ids=[qid],
         seqlens=[len(ids)],
         data={"packed_prompts": torch.tensor(ids, dtype=torch.long)},
-        metadata={"query_id": [qid], "task": ["math"], "solutions": [list(solutions)], "input_output": [None]},
+        metadata={
+            "query_id": [qid],
+            "task": ["math"],
+            "solutions": [list(solutions)],
+            "input_output": [None],
+        },
     )
 
 
 async def _run(agent, prompt, answers, tokenizer, versions=((0, 1),)):
     """Serve the agent's single generation request with ``answers`` (texts)."""
     obs_q, act_q = asyncio.Queue(), asyncio.Queue()
-    task = asyncio.create_task(agent.collect_trajectory(prompt, MathCodeSingleStepEnv(), obs_q, act_q))
+    task = asyncio.create_task(
+        agent.collect_trajectory(prompt, MathCodeSingleStepEnv(), obs_q, act_q)
+    )
     req = await asyncio.wait_for(obs_q.get(), 10)
     assert isinstance(req, GenerateGroupRequest) and req.gconfig.n == len(answers)
-    outs = [tuple(tokenizer.encode(a, add_special_tokens=False)) + (tokenizer.eos_token_id,) for a in answers]
+    outs = [
+        tuple(tokenizer.encode(a, add_special_tokens=False)) + (tokenizer.eos_token_id,)
+        for a in answers
+    ]
     outs[-1] = outs[-1][:-1]  # the last answer ran out of budget: no EOS
     vs = [versions[j % len(versions)] for j in range(len(answers))]
     await act_q.put(
@@ -63,28 +78,40 @@ def test_trajectory_keys_shapes_and_rewards(tokenizer):
     )
     prompt = _prompt(tokenizer)
     answers = ["66+26 = \\boxed{92}", "\\boxed{91}", "so \\boxed{92}"]
-    (traj,), req, outs = asyncio.run(_run(agent, prompt, answers, tokenizer, versions=((2, 3), (1, 1))))
+    (traj,), req, outs = asyncio.run(
+        _run(agent, prompt, answers, tokenizer, versions=((2, 3), (1, 1)))
+    )
     assert traj.keys == set(TRAJECTORY_KEYS) and traj.ids == ["add-66-26"]
     plen = len(req.prompt_ids)
     lens = [plen + len(o) for o in outs]
     assert traj.seqlens["packed_input_ids"] == [lens] and traj.seqlens["prompt_mask"] == [lens]
     assert traj.seqlens["packed_logprobs"] == [[L - 1 for L in lens]]
-    assert traj.seqlens["packed_prompts"] == [[plen]] and traj.data["packed_prompts"].tolist() == list(req.prompt_ids)
+    assert traj.seqlens["packed_prompts"] == [[plen]] and traj.data[
+        "packed_prompts"
+    ].tolist() == list(req.prompt_ids)
     for key in ("rewards", "seq_no_eos_mask", "version_start", "version_end"):
         assert traj.seqlens[key] == [[1, 1, 1]]
     assert traj.data["rewards"].tolist() == [5.0, -5.0, 5.0]
     assert traj.data["seq_no_eos_mask"].tolist() == [False, False, True]
-    assert traj.data["version_start"].tolist() == [2, 1, 2] and traj.data["version_end"].tolist() == [3, 1, 3]
+    assert traj.data["version_start"].tolist() == [2, 1, 2] and traj.data[
+        "version_end"
+    ].tolist() == [3, 1, 3]
     # per sequence: prompt then answer; logprobs zero over the prompt, then the server's
-    ids, mask, lps = traj.data["packed_input_ids"], traj.data["prompt_mask"], traj.data["packed_logprobs"]
+    ids, mask, lps = (
+        traj.data["packed_input_ids"],
+        traj.data["prompt_mask"],
+        traj.data["packed_logprobs"],
+    )
     o_ids = o_lp = 0
     for o in outs:
         L = plen + len(o)
-        assert ids[o_ids:o_ids + L].tolist() == list(req.prompt_ids) + list(o)
-        assert mask[o_ids:o_ids + L].tolist() == [True] * plen + [False] * len(o)
-        seq_lp = lps[o_lp:o_lp + L - 1]
+        assert ids[o_ids : o_ids + L].tolist() == list(req.prompt_ids) + list(o)
+        assert mask[o_ids : o_ids + L].tolist() == [True] * plen + [False] * len(o)
+        seq_lp = lps[o_lp : o_lp + L - 1]
         assert (seq_lp[: plen - 1] == 0).all()
-        assert torch.allclose(seq_lp[plen - 1:], torch.tensor([-0.5 - 0.01 * i for i in range(len(o))]))
+        assert torch.allclose(
+            seq_lp[plen - 1 :], torch.tensor([-0.5 - 0.01 * i for i in range(len(o))])
+        )
         o_ids, o_lp = o_ids + L, o_lp + L - 1
     assert traj.metadata["solutions"] == [["\\boxed{92}"]]
     t = Trajectory(index=7, sample=traj, rollout_id="r", worker="rollout_worker/0")
@@ -93,8 +120,12 @@ def test_trajectory_keys_shapes_and_rewards(tokenizer):
 
 
 def test_reward_bias_and_scaling(tokenizer):
-    agent = MathSingleStepAgent(tokenizer, {"n": 2, "max_new_tokens": 8}, reward_scaling=2.0, reward_bias=0.5)
-    (traj,), _, _ = asyncio.run(_run(agent, _prompt(tokenizer), ["\\boxed{92}", "\\boxed{7}"], tokenizer))
+    agent = MathSingleStepAgent(
+        tokenizer, {"n": 2, "max_new_tokens": 8}, reward_scaling=2.0, reward_bias=0.5
+    )
+    (traj,), _, _ = asyncio.run(
+        _run(agent, _prompt(tokenizer), ["\\boxed{92}", "\\boxed{7}"], tokenizer)
+    )
     assert traj.data["rewards"].tolist() == [1.0, -3.0]
 
 
@@ -108,7 +139,9 @@ def test_reward_bias_and_scaling(tokenizer):
     ],
 )
 def test_success_rate_filtering(tokenizer, answers, lb, ub, kept):
-    agent = MathSingleStepAgent(tokenizer, {"max_new_tokens": 8}, group_size=2, success_rate_lb=lb, success_rate_ub=ub)
+    agent = MathSingleStepAgent(
+        tokenizer, {"max_new_tokens": 8}, group_size=2, success_rate_lb=lb, success_rate_ub=ub
+    )
     out, _, _ = asyncio.run(_run(agent, _prompt(tokenizer), answers, tokenizer))
     assert (len(out) == 1) == kept
 

@@ -16,14 +16,20 @@ def test_math_answers_are_graded_plus_minus_one():
 
     async def go():
         assert await env.reset() == (None, {})
-        good = await env.step(MathCodeAction("It is \\boxed{\\frac{1}{2}}.", "math", ("\\boxed{0.5}",)))
+        good = await env.step(
+            MathCodeAction("It is \\boxed{\\frac{1}{2}}.", "math", ("\\boxed{0.5}",))
+        )
         bad = await env.step(MathCodeAction("It is \\boxed{3}.", "math", ("\\boxed{0.5}",)))
-        group = await env.grade_group([MathCodeAction(f"\\boxed{{{x}}}", "math", ("\\boxed{4}",)) for x in (4, 5, 4)])
+        group = await env.grade_group(
+            [MathCodeAction(f"\\boxed{{{x}}}", "math", ("\\boxed{4}",)) for x in (4, 5, 4)]
+        )
         return good, bad, group
 
     good, bad, group = asyncio.run(go())
     obs, reward, terminated, truncated, info = good
-    assert (obs, reward, terminated, truncated) == (None, 1.0, True, False) and info["correct"] is True
+    assert (obs, reward, terminated, truncated) == (None, 1.0, True, False) and info[
+        "correct"
+    ] is True
     assert bad.reward == -1.0 and bad.info == {"correct": False, "task": "math"}
     assert group == (True, False, True)
 
@@ -35,8 +41,12 @@ def test_code_answer_runs_in_the_sandbox():
     env = MathCodeSingleStepEnv(code_case_timeout_s=10)
 
     async def go():
-        return await env.grade_group([MathCodeAction(right, "code", input_output=io),
-                                      MathCodeAction(wrong, "code", input_output=io)])
+        return await env.grade_group(
+            [
+                MathCodeAction(right, "code", input_output=io),
+                MathCodeAction(wrong, "code", input_output=io),
+            ]
+        )
 
     assert asyncio.run(go()) == (True, False)
 
