@@ -105,13 +105,14 @@ def processes_of(uid: int) -> List[str]:
     return found
 
 
-def sweep_uid(uid: int, timeout: float = 3.0) -> None:
+def sweep_uid(uid: int, timeout: float = 10.0) -> None:
     """Kill what is left of ``uid`` and wait until it is gone, zombies included.
 
     Killed orphans stay zombies until the host's init reaps them, and zombies
     still count against RLIMIT_NPROC: the next run on this uid must not inherit
     them. Usually nothing is left (bwrap's pid namespace dies with the run) and
-    this costs one scan of /proc.
+    this costs one scan of /proc. The timeout is generous because reaping by
+    init is slow on a loaded machine (3 s was seen to fall short at load 8).
     """
     if not processes_of(uid):
         return
