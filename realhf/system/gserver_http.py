@@ -65,42 +65,43 @@ def create_manager_app(manager: GserverManager) -> fastapi.FastAPI:
     """The FastAPI app of ``manager`` (which must already be started on the same loop)."""
     app = fastapi.FastAPI(title="realhf gserver manager")
 
-    def route(path: str, msg_cls: Optional[type]):
-        def deco(fn):
-            async def handler(request: fastapi.Request):
-                try:
-                    if msg_cls is None:
-                        out = fn()
-                    else:
-                        raw = await request.body()
-                        try:
-                            body = json.loads(raw) if raw else {}
-                        except json.JSONDecodeError as e:
-                            raise MessageError(f"the request body is not valid JSON: {e}") from None
-                        out = fn(from_json(msg_cls, body))
-                    if asyncio.iscoroutine(out):
-                        out = await out
-                except MessageError as e:
-                    return _error(400, str(e))
-                except RolloutNotRunning as e:
-                    return _error(409, str(e))
-                except NoServerAvailable as e:
-                    return _error(503, str(e))
-                return out.to_json() if hasattr(out, "to_json") else out
+    def route(path: str, msg_cls: Optional[type], fn: Callable) -> None:
+        """Serve ``fn(message)`` (POST) or ``fn()`` (GET when ``msg_cls`` is None) at ``path``."""
 
-            handler.__name__ = fn.__name__
-            app.post(path)(handler) if msg_cls is not None else app.get(path)(handler)
-            return fn
+        async def handler(request: fastapi.Request):
+            try:
+                if msg_cls is None:
+                    out = fn()
+                else:
+                    raw = await request.body()
+                    try:
+                        body = json.loads(raw) if raw else {}
+                    except json.JSONDecodeError as e:
+                        raise MessageError(f"the request body is not valid JSON: {e}") from None
+                    out = fn(from_json(msg_cls, body))
+                if asyncio.iscoroutine(out):
+                    out = await out
+            except MessageError as e:
+                return _error(400, str(e))
+            except RolloutNotRunning as e:
+                return _error(409, str(e))
+            except NoServerAvailable as e:
+                return _error(503, str(e))
+            return out.to_json() if hasattr(out, "to_json") else out
 
-        return deco
+        handler.__name__ = path.strip("/")
+        if msg_cls is None:
+            app.get(path)(handler)
+        else:
+            app.post(path)(handler)
 
-    route("/allocate_rollout", AllocateRequest)(manager.allocate)
-    route("/schedule_request", ScheduleRequest)(manager.schedule)
-    route("/finish_rollout", FinishRequest)(manager.finish)
-    route("/heartbeat", HeartbeatRequest)(manager.heartbeat)
-    route("/report_server_failure", ServerFailureReport)(manager.report_failure)
-    route("/status", None)(manager.status)
-    route("/health", None)(lambda: {"status": "ok"})
+    route("/allocate_rollout", AllocateRequest, manager.allocate)
+    route("/schedule_request", ScheduleRequest, manager.schedule)
+    route("/finish_rollout", FinishRequest, manager.finish)
+    route("/heartbeat", HeartbeatRequest, manager.heartbeat)
+    route("/report_server_failure", ServerFailureReport, manager.report_failure)
+    route("/status", None, manager.status)
+    route("/health", None, lambda: {"status": "ok"})
     return app
 
 
@@ -250,7 +251,8 @@ class ManagerClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession()
+            # No connection cap: held /finish_rollout calls must never delay a heartbeat.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     async def close(self) -> None:
