@@ -113,7 +113,7 @@ class RolloutWorker(AsyncWorker):
             request_timeout_s=cfg.rollout_request_timeout_s,
             stop_token_ids=self.stop_token_ids,
             max_server_failures=cfg.max_server_failures,
-            seed=seeding.derive_seed(cfg.seed, self.worker_name),
+            seed=seeding.derive_seed(cfg.seed, self.worker_name) if cfg.seeded_sampling else None,
         )
         self.pusher = await asyncio.to_thread(
             PusherStream,

@@ -95,15 +95,19 @@ def gconfig(**kw):
     return GenerationHyperparameters(max_new_tokens=BUDGET, greedy=True, **kw)
 
 
-async def _generate(service, prompt, chunk, n=1, stop=(EOS, PAD), budget=BUDGET):
+async def _generate(
+    service, prompt, chunk, n=1, stop=(EOS, PAD), budget=BUDGET, seed=None, greedy=True
+):
     client = ManagerClient(service.url, timeout_s=30)
     prm = PartialRolloutManager(
-        client, new_tokens_per_chunk=chunk, request_timeout_s=60, stop_token_ids=stop
+        client, new_tokens_per_chunk=chunk, request_timeout_s=60, stop_token_ids=stop, seed=seed
     )
     try:
         adm = await client.allocate("rollout_worker/0", "inc0", "q")
         assert adm.success
-        req = GenerateGroupRequest("q", prompt, gconfig(n=n).new(max_new_tokens=budget))
+        req = GenerateGroupRequest(
+            "q", prompt, gconfig(n=n).new(max_new_tokens=budget, greedy=greedy)
+        )
         members = await asyncio.gather(
             *(prm.generate_member(adm.rollout_id, req, j) for j in range(n))
         )
@@ -166,8 +170,10 @@ def test_weight_update_aborts_and_the_rollout_resumes_with_its_prefix(stack, ser
 
 def test_group_members_and_stop_tokens(stack):
     _, _, service = stack
-    # sampled members of one group differ; each stops at EOS/pad or the budget
-    members, group, _ = asyncio.run(_generate(service, (5, 6, 7), chunk=8, n=3, budget=40))
+    # sampled members; each stops at EOS/pad (kept as its last token) or at the budget
+    members, group, _ = asyncio.run(
+        _generate(service, (5, 6, 7), chunk=8, n=3, budget=40, greedy=False)
+    )
     assert group.group_size == 3
     for ids, lps, no_eos in zip(group.output_ids, group.output_logprobs, group.no_eos):
         assert len(ids) == len(lps) and 0 < len(ids) <= 40
@@ -178,3 +184,17 @@ def test_a_request_the_server_rejects_fails_with_its_message(stack):
     _, _, service = stack
     with pytest.raises(GenerationFailed, match="context length 512"):
         asyncio.run(_generate(service, (3, 4, 5), chunk=1 << 30, budget=600))
+
+
+def test_seeded_sampling_replays_the_same_tokens(stack):
+    _, _, service = stack
+    runs = [
+        asyncio.run(_generate(service, (9, 10), chunk=5, n=2, budget=30, seed=7, greedy=False))[1]
+        for _ in range(2)
+    ]
+    assert runs[0].output_ids == runs[1].output_ids
+    assert runs[0].output_ids[0] != runs[0].output_ids[1]  # members draw different seeds
+    other = asyncio.run(_generate(service, (9, 10), chunk=5, n=2, budget=30, seed=8, greedy=False))[
+        1
+    ]
+    assert other.output_ids != runs[0].output_ids

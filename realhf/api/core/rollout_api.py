@@ -265,6 +265,10 @@ class RolloutWorkerConfig:
             rescheduled on another server) before the rollout fails.
         max_rollouts: stop (COMPLETED) after this many finished rollouts; None runs until
             the experiment ends.
+        seeded_sampling: send a ``sampling_seed`` derived from (seed, worker, prompt, member,
+            offset) with every chunk, so a replay with the same chunking samples the same
+            tokens.  The built-in engine supports it; SGLang only from 0.5 on, so it is off by
+            default.
         imports: modules to import first (they register custom agents/envs/datasets).
     """
 
@@ -286,6 +290,7 @@ class RolloutWorkerConfig:
     push_timeout_s: float = 300.0
     max_server_failures: int = 3
     max_rollouts: Optional[int] = None
+    seeded_sampling: bool = False
     imports: Tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -308,6 +313,8 @@ class RolloutWorkerConfig:
         _int(c, self, "max_concurrent_rollouts", 1)
         _int(c, self, "max_server_failures", 0)
         _int(c, self, "max_rollouts", 1, allow_none=True)
+        if not isinstance(self.seeded_sampling, bool):
+            raise _bad(c, "seeded_sampling", self.seeded_sampling, "use true or false")
         _secs(
             c,
             self,
