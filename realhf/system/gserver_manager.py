@@ -336,10 +336,19 @@ class GserverManagerWorker(Worker):
             discover=lambda: name_resolve.get_subtree(names.gen_servers(exp, trial)),
             weight_dir=lambda v: constants.weight_publication_dir(role, v, exp, trial),
         )
+        # A resumed trainer has trained samples already: start counting from there (with the
+        # saved counters when there are some), so indices continue where the trainer is.
+        trained = progress.trained_samples()
+        state = None
         if config.state_path and os.path.exists(config.state_path):
             with open(config.state_path) as f:
-                manager.load_state_dict(json.load(f), progress.trained_samples())
-            self.logger.info(f"resumed counters from {config.state_path}")
+                state = json.load(f)
+        if state is not None or trained > 0:
+            manager.load_state_dict(state or manager.state_dict(), trained)
+            self.logger.info(
+                f"resuming at {trained} trained samples"
+                + (f" with the counters of {config.state_path}" if state else "")
+            )
         self.manager = manager
         host = config.host or network.gethostip()
         self.service = ManagerService(manager, host, config.port).start(

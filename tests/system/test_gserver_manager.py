@@ -1,4 +1,4 @@
-"""gserver manager: routing, admission, leases, held hand-offs, weight updates, dead servers.
+"""gserver manager: scheduling, admission, leases, held hand-offs, weight updates, dead servers.
 
 Unit tests drive :class:`GserverManager` directly with a fake clock and trainer; the others
 run it behind HTTP against real generation servers (built-in engine, tiny random model),
@@ -41,8 +41,6 @@ from realhf.system.gserver_manager import (
     NoServerAvailable,
     ServerState,
     WeightUpdateError,
-    choose_server,
-    parse_metrics,
 )
 from realhf.system.partial_rollout import PartialRolloutManager
 from realhf.system.staleness import RolloutNotRunning
@@ -500,12 +498,20 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
             assert json.load(f)["staleness"]["accepted_total"] == 2
         # a restarted manager resumes at the trainer's count and syncs the server to version 1
         name_resolve.add(names.training_samples("exp", trial), "2", replace=True)
-        w2 = make()
-        st = requests.get(
-            f"http://{name_resolve.get(names.gen_server_manager('exp', trial))}/status", timeout=5
-        ).json()
+
+        def restarted_status():
+            w2 = make()
+            try:
+                addr2 = name_resolve.get(names.gen_server_manager("exp", trial))
+                return requests.get(f"http://{addr2}/status", timeout=5).json()
+            finally:
+                w2._exit_hook()
+
+        st = restarted_status()
         assert st["accepted_total"] == 2 and st["version"] == 1 and st["capacity"] == 2
-        w2._exit_hook()
+        os.remove(state_path)  # without saved counters the trainer's count still sets the start
+        st = restarted_status()
+        assert st["accepted_total"] == 2 and st["accepted_pending"] == 0
     finally:
         constants.set_fileroot(None)
         srv.stop()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 import shutil
 import signal

@@ -19,7 +19,7 @@ The trajectory is a one-item :class:`SequenceSample` with ``group_size`` sequenc
 from __future__ import annotations
 
 import asyncio
-from typing import Any, List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
