@@ -33,6 +33,9 @@ logger = logging.getLogger("partial_rollout", "system")
 
 __all__ = ["GenerationFailed", "MemberResult", "PartialRolloutManager"]
 
+# Consecutive chunks aborted before their first token that a member survives.
+_MAX_EMPTY_ABORTS = 50
+
 
 class GenerationFailed(RuntimeError):
     """A sequence could not be generated (bad request, or too many server failures)."""
@@ -144,7 +147,7 @@ class PartialRolloutManager:
         version_end = 0
         prev: Tuple[str, int] = ("", -1)
         exclude: List[str] = []
-        failures = chunks = interrupted = 0
+        failures = chunks = interrupted = empty_aborts = 0
         while True:
             remaining = budget - len(out_ids)
             sched = await self.client.schedule(
@@ -201,6 +204,16 @@ class PartialRolloutManager:
             if reason == "abort":
                 interrupted += 1
                 self.stats["interrupted"] += 1
+                # Aborted before its first token again and again: back off, and give up
+                # rather than spin if the server never lets it run.
+                empty_aborts = empty_aborts + 1 if not out.output_ids else 0
+                if empty_aborts > _MAX_EMPTY_ABORTS:
+                    raise GenerationFailed(
+                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {empty_aborts} chunks "
+                        f"in a row were aborted before generating a token (last server {sched.url})"
+                    )
+                if empty_aborts:
+                    await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
             prev = (sched.url, sched.version)
 
     async def _generate(self, url: str, body: dict):

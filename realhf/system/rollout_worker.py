@@ -173,7 +173,10 @@ class RolloutWorker(AsyncWorker):
         try:
             return await self._poll_once()
         except BaseException:
-            await self._shutdown(end_stream=False)
+            try:
+                await self._shutdown(end_stream=False)
+            except Exception as e:  # noqa: BLE001 — the error being raised matters more
+                self.logger.warning(f"cleanup after a failure failed too: {e!r}")
             raise
 
     async def _poll_once(self) -> PollResult:
