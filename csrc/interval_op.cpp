@@ -11,8 +11,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#include <xmmintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -22,6 +28,40 @@ namespace {
 
 // Below this many bytes a single thread is faster than waking the pool.
 constexpr int64_t kParallelBytes = 1 << 20;
+// Above this many bytes (beyond a typical last-level cache) the destination is written with
+// non-temporal stores, see copy_bytes.
+constexpr int64_t kStreamingBytes = 32 << 20;
+
+// memcpy, optionally with non-temporal (cache-bypassing) stores. Interval pieces are small,
+// so plain memcpy uses ordinary stores, which first read every destination cache line:
+// three memory transfers per byte instead of two. A single huge memcpy avoids that by
+// streaming (glibc does), so without this the interval copy tops out near 2/3 of memcpy
+// bandwidth on large buffers. The caller issues the store fence.
+inline void copy_bytes(char* dst, const char* src, int64_t n, bool streaming) {
+#if defined(__SSE2__)
+  if (streaming && n >= 256) {
+    const int64_t head = (16 - static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    const int64_t body = n & ~int64_t(63);
+    for (int64_t k = 0; k < body; k += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k + 48), d);
+    }
+    std::memcpy(dst + body, src + body, n - body);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
 
 // Validates intervals [N, 2] (int64, CPU) against a buffer of `size` elements and returns
 // the exclusive prefix sum of their lengths (N + 1 entries).
@@ -51,6 +91,7 @@ void copy_intervals(const int64_t* iv, const std::vector<int64_t>& offsets, char
   if (total == 0) return;
   const int64_t n_tasks =
       total * elem < kParallelBytes ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  const bool streaming = total * elem >= kStreamingBytes;
   at::parallel_for(0, n_tasks, 1, [&](int64_t tb, int64_t te) {
     for (int64_t task = tb; task < te; ++task) {
       int64_t lo = total * task / n_tasks;
@@ -60,17 +101,28 @@ void copy_intervals(const int64_t* iv, const std::vector<int64_t>& offsets, char
       while (lo < hi) {
         const int64_t take = std::min(hi, offsets[i + 1]) - lo;
         if (take > 0) {
+#if defined(__SSE2__)
+          // Reads that jump between small pieces defeat the hardware prefetcher (it
+          // restarts at each new page); ask for the head of the next piece early.
+          if (streaming && to_packed && i + 1 < n) {
+            const char* next = flat + iv[2 * (i + 1)] * elem;
+            for (int line = 0; line < 2048; line += 64) _mm_prefetch(next + line, _MM_HINT_NTA);
+          }
+#endif
           char* f = flat + (iv[2 * i] + (lo - offsets[i])) * elem;
           char* p = packed + lo * elem;
           if (to_packed)
-            std::memcpy(p, f, take * elem);
+            copy_bytes(p, f, take * elem, streaming);
           else
-            std::memcpy(f, p, take * elem);
+            copy_bytes(f, p, take * elem, streaming);
           lo += take;
         }
         ++i;
       }
     }
+#if defined(__SSE2__)
+    if (streaming) _mm_sfence();  // order the non-temporal stores before returning
+#endif
   });
 }
 

@@ -147,6 +147,25 @@ def test_slice_and_set_match_reference(dtype, size, n):
 
 
 @needs_cpp
+def test_large_copies_take_the_streaming_path():
+    # Over 32 MiB moved: the kernel switches to non-temporal stores; odd offsets exercise
+    # the unaligned head and tail of every piece.
+    rng = np.random.default_rng(3)
+    src = torch.randn(1 << 24)
+    bounds = np.concatenate(
+        [[0], np.sort(rng.choice(src.numel(), 2999, replace=False)), [src.numel()]]
+    )
+    iv = np.stack([np.minimum(bounds[:-1] + 1, bounds[1:]), bounds[1:]], 1)[rng.permutation(3000)]
+    assert (iv[:, 1] - iv[:, 0]).sum() * 4 > 32 << 20
+    sliced = K.slice_intervals(src, iv)
+    assert torch.equal(sliced, K.slice_intervals_reference(src, iv))
+    dst, dst_ref = torch.zeros_like(src), torch.zeros_like(src)
+    K.set_intervals(sliced, dst, iv)
+    K.set_intervals_reference(sliced, dst_ref, iv)
+    assert torch.equal(dst, dst_ref)
+
+
+@needs_cpp
 def test_slice_into_out_and_list_intervals():
     src = torch.arange(20.0)
     out = torch.empty(6)
