@@ -52,3 +52,22 @@ def shard(rows: list, dp_rank: int, world_size: int) -> list:
     if not 0 <= dp_rank < world_size:
         raise ValueError(f"dp_rank={dp_rank} out of range for world_size={world_size}")
     return rows[dp_rank::world_size]
+
+
+class ItemDataset:
+    """A list of one-item `SequenceSample`s, the form model workers load datasets in."""
+
+    items: list
+
+    def _finish(self, path: str, dropped: int, why: str, dp_rank: int, world_size: int, log) -> None:
+        """Log what was dropped and refuse a shard with nothing left."""
+        if dropped:
+            log.warning(f"{path}: dropped {dropped} {why}")
+        if not self.items:
+            raise DatasetError(f"{path}: no usable rows on rank {dp_rank}/{world_size}")
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int):
+        return self.items[i]

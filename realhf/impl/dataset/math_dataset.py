@@ -16,14 +16,14 @@ import torch
 from realhf.api.core.config import register_dataset
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import logging
-from realhf.impl.dataset.jsonl import DatasetError, read_jsonl, shard
+from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard
 
 logger = logging.getLogger("math_dataset")
 
 TASKS = ("math", "code", "stem")
 
 
-class MathPromptDataset:
+class MathPromptDataset(ItemDataset):
     """One prompt per item; see the module docstring for the format."""
 
     def __init__(
@@ -73,16 +73,7 @@ class MathPromptDataset:
                     metadata=meta,
                 )
             )
-        if dropped:
-            logger.warning(f"{dataset_path}: dropped {dropped} prompts longer than {max_prompt_len} tokens (or empty)")
-        if not self.items:
-            raise DatasetError(f"{dataset_path}: no usable prompts on rank {dp_rank}/{world_size}")
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> SequenceSample:
-        return self.items[i]
+        self._finish(dataset_path, dropped, f"prompts longer than {max_prompt_len} tokens (or empty)", dp_rank, world_size, logger)
 
 
 register_dataset("math_prompt", MathPromptDataset)

@@ -14,12 +14,12 @@ import torch
 from realhf.api.core.config import register_dataset
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import logging
-from realhf.impl.dataset.jsonl import DatasetError, read_jsonl, shard
+from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard
 
 logger = logging.getLogger("sft_dataset")
 
 
-class PromptAnswerDataset:
+class PromptAnswerDataset(ItemDataset):
     """See the module docstring."""
 
     def __init__(
@@ -63,16 +63,7 @@ class PromptAnswerDataset:
                     },
                 )
             )
-        if dropped:
-            logger.warning(f"{dataset_path}: dropped {dropped} rows longer than {max_length} tokens (or empty prompts)")
-        if not self.items:
-            raise DatasetError(f"{dataset_path}: no usable rows on rank {dp_rank}/{world_size}")
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> SequenceSample:
-        return self.items[i]
+        self._finish(dataset_path, dropped, f"rows longer than {max_length} tokens (or empty prompts)", dp_rank, world_size, logger)
 
 
 register_dataset("prompt_answer", PromptAnswerDataset)
