@@ -19,7 +19,11 @@ sources of the v0.4.6 – v0.5.x line: ``GenerateReqInput`` in
 - response: ``{"text", "output_ids", "meta_info": {"id", "finish_reason",
   "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency",
   "output_token_logprobs"}}``, one object per prompt and sample (a list when
-  ``n > 1`` or when the input was a list, grouped by prompt);
+  ``n > 1`` or when the input was a list, grouped by prompt). SGLang sends
+  ``text`` when it has a tokenizer and ``output_ids`` when it was started with
+  ``skip_tokenizer_init``; the built-in server always sends ``output_ids`` and
+  adds ``text`` when it has a tokenizer, and :func:`parse_sglang_output` reads
+  either;
 - ``output_token_logprobs`` entries are ``[logprob, token_id, None]``
   (SGLang's form with ``return_text_in_logprobs`` false; the third item is the
   token text when it is true);

@@ -25,6 +25,7 @@ GQA is handled by viewing the ``n_q`` query heads as ``n_kv`` groups of
 from __future__ import annotations
 
 import math
+import threading
 from typing import List, Optional
 
 import torch
@@ -37,6 +38,10 @@ except ImportError:  # pragma: no cover - exercised only without numba
     _nb = None
 
 DECODE_IMPLS = ("auto", "numba", "padded")
+# numba's fallback "workqueue" threading layer aborts the process when two
+# threads launch parallel kernels at once (two engines in one process); the
+# OpenMP/TBB layers do not, but one lock costs nothing next to a kernel call.
+_KERNEL_LOCK = threading.Lock()
 
 
 if _nb is not None:
@@ -45,11 +50,11 @@ if _nb is not None:
     def _decode_kernel(q, k_new, v_new, kc, vc, slots, lens, window, scale, out):  # pragma: no cover
         # q, out: [B, n_kv, g, d]; k_new, v_new: [B, n_kv, d]; kc, vc: [S, n_kv,
         # cap, d]. Per (sequence, kv head): store the new key/value at position
-        # lens-1 of the slot, then two passes — scores of the g query heads
-        # against each cached key, softmax, weighted sum of the values. Each
-        # work item owns its cache row and output rows (slots are distinct), so
-        # there are no races. Inner loops run over contiguous 1-D rows so that
-        # LLVM vectorises them.
+        # lens-1 of the slot, then scores of each of the g query heads against
+        # the cached keys (four keys per pass: four independent accumulators
+        # keep the FMA units busy), softmax, and the weighted sum of the values.
+        # Each work item owns its cache row and output rows (slots are
+        # distinct), so there are no races.
         B, n_kv, g, d = q.shape
         for w in _nb.prange(B * n_kv):
             b = w // n_kv
@@ -62,38 +67,55 @@ if _nb is not None:
             if window > 0 and hi > window:
                 lo = hi - window
             n = hi - lo
-            K = kc[s, h]
-            V = vc[s, h]
-            Q = q[b, h]
+            K = kc[s, h, lo:hi]
+            V = vc[s, h, lo:hi]
             sc = _np.empty((g, n), dtype=_np.float32)
-            for t in range(n):
-                krow = K[lo + t]
-                for gi in range(g):
-                    qrow = Q[gi]
-                    acc = _np.float32(0.0)
+            for gi in range(g):
+                qrow = q[b, h, gi] * scale
+                t = 0
+                while t + 4 <= n:
+                    k0 = K[t]
+                    k1 = K[t + 1]
+                    k2 = K[t + 2]
+                    k3 = K[t + 3]
+                    a0 = _np.float32(0.0)
+                    a1 = _np.float32(0.0)
+                    a2 = _np.float32(0.0)
+                    a3 = _np.float32(0.0)
                     for x in range(d):
-                        acc += qrow[x] * krow[x]
-                    sc[gi, t] = acc * scale
-            O = out[b, h]
+                        qx = qrow[x]
+                        a0 += qx * k0[x]
+                        a1 += qx * k1[x]
+                        a2 += qx * k2[x]
+                        a3 += qx * k3[x]
+                    sc[gi, t] = a0
+                    sc[gi, t + 1] = a1
+                    sc[gi, t + 2] = a2
+                    sc[gi, t + 3] = a3
+                    t += 4
+                while t < n:
+                    kr = K[t]
+                    a = _np.float32(0.0)
+                    for x in range(d):
+                        a += qrow[x] * kr[x]
+                    sc[gi, t] = a
+                    t += 1
             for gi in range(g):
                 row = sc[gi]
-                m = row[0]
-                for t in range(1, n):
-                    m = max(m, row[t])
+                m = row.max()
                 den = _np.float32(0.0)
                 for t in range(n):
                     e = math.exp(row[t] - m)
                     row[t] = e
                     den += e
                 inv = _np.float32(1.0) / den
-                orow = O[gi]
-                for x in range(d):
-                    orow[x] = 0.0
+                acc = _np.zeros(d, dtype=_np.float32)
                 for t in range(n):
                     p = row[t] * inv
-                    vrow = V[lo + t]
+                    vr = V[t]
                     for x in range(d):
-                        orow[x] += p * vrow[x]
+                        acc[x] += p * vr[x]
+                out[b, h, gi, :] = acc
 
 
 def numba_available() -> bool:
@@ -173,18 +195,19 @@ class DecodeAttention:
         if self.impl == "numba":
             qn = q.float().contiguous().view(B, n_kv, g, d)
             out = torch.empty_like(qn)
-            _decode_kernel(
-                qn.numpy(),
-                k.float().contiguous().numpy(),
-                v.float().contiguous().numpy(),
-                kc.numpy(),
-                vc.numpy(),
-                self._slots,
-                self._lens,
-                self.window,
-                _np.float32(scale),
-                out.numpy(),
-            )
+            with _KERNEL_LOCK:
+                _decode_kernel(
+                    qn.numpy(),
+                    k.float().contiguous().numpy(),
+                    v.float().contiguous().numpy(),
+                    kc.numpy(),
+                    vc.numpy(),
+                    self._slots,
+                    self._lens,
+                    self.window,
+                    _np.float32(scale),
+                    out.numpy(),
+                )
             return out.view(B, n_q, d).to(q.dtype)
         kc[self.slots, :, self.positions] = k.to(kc.dtype)
         vc[self.slots, :, self.positions] = v.to(vc.dtype)

@@ -44,7 +44,7 @@ from realhf.impl.model.gen.config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.scheduler import Scheduler
-from realhf.impl.model.gen.sequence import Sequence, SeqStatus
+from realhf.impl.model.gen.sequence import Sequence
 
 logger = logging.getLogger("gen_engine")
 
