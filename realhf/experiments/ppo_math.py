@@ -53,6 +53,7 @@ def _tiny_ppo() -> PPOHyperparameters:
         kl_ctl=0.0,
         disable_value=True,
         group_adv_norm=True,
+        reward_output_scaling=5.0,  # verifier ±1 → ±5 (DESIGN.md); group norm makes the scale moot
         gen=GenerationHyperparameters(max_new_tokens=16, temperature=1.0),
     )
 
