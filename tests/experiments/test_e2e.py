@@ -63,6 +63,15 @@ def test_ppo_math_grpo_runs_and_evaluates(init_model, tmp_path):
     assert any((run / "checkpoints" / "actor").iterdir())
 
 
+def test_null_experiment_moves_data_between_two_workers(tmp_path):
+    r = _quickstart(["null", "allocation_mode=d2p1m1", "exp_ctrl.benchmark_steps=3"], tmp_path, timeout=200)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _metrics(tmp_path / "null" / "run0")
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(x["n_items"] == 64 for x in rows)
+    assert any("null_train/null/n_tokens" in k or "null/n_tokens" in k for k in rows[0])
+
+
 def test_bad_input_exits_nonzero_without_workers(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
