@@ -46,7 +46,7 @@ import json
 import os
 import pickle
 import time
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
 
 import zmq
 

@@ -33,7 +33,6 @@ import zmq
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names
 from realhf.system.errors import (
-    ErrorInfo,
     ExperimentFailed,
     RemoteError,
     StreamTimeout,

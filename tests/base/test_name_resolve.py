@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from realhf.base import constants, name_resolve, network
+from realhf.base import name_resolve, network
 from realhf.base.name_resolve import NameEntryExistsError, NameEntryNotFoundError
 
 BACKENDS = ["memory", "file", pytest.param("etcd3", marks=pytest.mark.etcd)]

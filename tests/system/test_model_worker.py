@@ -78,7 +78,6 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
         timeout=30.0,
     )
     cfg = exp.workers["model_worker"][0]
-    mfcs = {m.name: m for m in cfg.mfcs}
     worker = ModelWorker(EXP, trial, "model_worker", 0)
     worker.handle_control(
         "configure", worker_info=WorkerInformation(EXP, trial, "model_worker", 0, 1), config=cfg

@@ -15,7 +15,7 @@ its registered name and sends each worker its own slice together with a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 __all__ = [
     "DEFAULT_CONFIGURE_ORDER",
