@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import signal
@@ -16,6 +15,7 @@ import requests
 
 from realhf.apps.serve import READY_LINE, main
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "realhf", "assets", "tiny")
 
 
@@ -47,7 +47,7 @@ def test_serve_process_end_to_end(tmp_path):
     from realhf.impl.model.testing import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen2", tmp_path / "m", vocab_size=268, perturb=0.3)
-    for f in glob.glob(os.path.join(ASSETS, "*.j*")):
+    for f in [os.path.join(ASSETS, f) for f in TOKENIZER_FILES]:
         shutil.copy(f, model)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

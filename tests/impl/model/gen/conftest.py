@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 from typing import List
@@ -13,6 +12,7 @@ import torch
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.testing import make_tiny_hf_model
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "realhf", "assets", "tiny")
 VOCAB = 268  # the embedded tokenizer's size
 EOS, PAD = 0, 1
@@ -25,7 +25,7 @@ def make_model_dir(path, *, seed: int, tokenizer: bool = True) -> str:
         eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512,
     )
     if tokenizer:
-        for f in glob.glob(os.path.join(ASSETS, "*.j*")):
+        for f in [os.path.join(ASSETS, f) for f in TOKENIZER_FILES]:
             shutil.copy(f, path)
     return str(path)
 

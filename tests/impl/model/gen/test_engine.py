@@ -264,3 +264,8 @@ def test_a_failed_step_fails_in_flight_requests_and_the_engine_keeps_serving(mod
         assert eng.cache.n_free == 2
     finally:
         eng.close()
+
+
+def test_a_cache_that_cannot_fit_is_refused(model):
+    with pytest.raises(ValueError, match="lower EngineConfig.max_running_requests"):
+        GenerationEngine(model, EngineConfig(max_running_requests=100_000, context_length=100_000))
