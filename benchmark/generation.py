@@ -9,9 +9,10 @@ the same tokens' worth of work. Neither system knows the lengths in advance
 (in RL they come from EOS): ``transformers`` runs batches of ``--max-running``
 requests in arrival order until the longest member is done; our engine keeps
 ``--max-running`` sequences in flight and refills a slot the moment one
-finishes. Both use the same model weights (the embedded default's architecture:
-qwen2, hidden 256, 4 layers, 4 q / 2 kv heads, vocabulary 268, random
-weights), the same prompts, the same sampling settings and the same CPU
+finishes. Both use the same model (the embedded default in
+``realhf/assets/tiny``: qwen2, hidden 256, 4 layers, 4 q / 2 kv heads,
+vocabulary 268; random weights of that shape when the checkpoint is absent),
+the same prompts, the same sampling settings and the same CPU
 threads, in one process; ``transformers`` uses its static KV cache (faster
 than its default dynamic cache here, see ``--hf-cache``). Throughput counts requested tokens only.
 
@@ -60,7 +61,8 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "realhf"
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", default=None, help="HF directory (default: random embedded architecture)")
+    p.add_argument("--model-path", default=None,
+                   help="HF directory (default: the embedded checkpoint, else random weights of its shape)")
     p.add_argument("--n-requests", type=int, default=256)
     p.add_argument("--max-running", type=int, default=64, help="HF batch size = our running sequences")
     p.add_argument("--min-new", type=int, default=8)
@@ -141,10 +143,13 @@ def run_ours(engine, prompts, budgets):
 def greedy_match(model_dir: str, engine, prompts, n: int = 16) -> bool:
     """Sanity: our greedy continuation equals HF's on a few prompts."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # ignore_eos lets EOS be generated without stopping; HF's equivalent is no
+    # EOS id at all (min_new_tokens would instead forbid the token).
+    hf.generation_config.eos_token_id = None
     sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     outs = engine.generate([GenerateRequest(input_ids=tuple(p), sampling=sp) for p in prompts])
     for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+        ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n,
                           pad_token_id=1)[0, len(p):].tolist()
         if ref != list(o.output_ids):
             return False
@@ -194,7 +199,10 @@ def main():
     torch.set_num_threads(args.threads)
     rng = random.Random(args.seed)
     tmp = tempfile.mkdtemp(prefix="gen_bench_")
-    model_dir = args.model_path or make_model(tmp)
+    model_dir = args.model_path
+    if model_dir is None:
+        has_ckpt = os.path.isfile(os.path.join(ASSETS, "model.safetensors"))
+        model_dir = ASSETS if has_ckpt else make_model(tmp)
     prompts = load_prompts(args.n_requests, args.seed)
     budgets = [log_uniform(rng, args.min_new, args.max_new) for _ in prompts]
     useful = sum(budgets)
