@@ -41,7 +41,7 @@ from realhf.api.core.gen_api import (
 from realhf.base import logging
 from realhf.impl.model.gen.attention import DecodeAttention, PrefillAttention, select_decode_impl
 from realhf.impl.model.gen.config import EngineConfig
-from realhf.impl.model.gen.kv_cache import SlotKVCache
+from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.scheduler import Scheduler
 from realhf.impl.model.gen.sequence import Sequence
@@ -51,31 +51,6 @@ logger = logging.getLogger("gen_engine")
 
 class EngineClosedError(RuntimeError):
     """The engine was closed while a request or command was in flight."""
-
-
-def _check_cache_fits(mc, config: EngineConfig, context_length: int, device: torch.device) -> None:
-    """Refuse a cache that cannot fit: 90% of free GPU memory, or 80% of host RAM.
-
-    On the CPU pages become resident only when written, but a long-running
-    server eventually writes every slot.
-    """
-    itemsize = torch.empty((), dtype=config.torch_dtype).element_size()
-    need = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * itemsize
-    need *= config.max_running_requests * context_length
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        limit, what = 0.9 * free, "90% of the free GPU memory"
-    else:
-        import psutil
-
-        limit, what = 0.8 * psutil.virtual_memory().total, "80% of the host memory"
-    if need > limit:
-        raise ValueError(
-            f"the KV cache needs {need / 2**30:.1f} GiB for max_running_requests="
-            f"{config.max_running_requests} x context_length={context_length}, more than "
-            f"{what} ({limit / 2**30:.1f} GiB); lower EngineConfig.max_running_requests or "
-            "EngineConfig.context_length"
-        )
 
 
 class GenerationEngine:
@@ -112,7 +87,9 @@ class GenerationEngine:
         self.default_stop_ids = frozenset(defaults)
         self._load_weights = load_weights or (lambda m, path: m.load_hf_weights(path))
         self.device = next(iter(model.parameters())).device
-        _check_cache_fits(mc, config, self.context_length, self.device)
+        check_cache_fits(
+            mc, config.max_running_requests, self.context_length, config.torch_dtype, self.device
+        )
         self.cache = SlotKVCache(
             n_layers=mc.n_layers,
             n_kv_heads=mc.n_kv_heads,

@@ -96,3 +96,29 @@ class SlotKVCache:
         """Store ``k, v [T, n_kv_heads, head_dim]`` at ``(slots[t], positions[t])``."""
         self.k[layer, slots, :, positions] = k.to(self.k.dtype)
         self.v[layer, slots, :, positions] = v.to(self.v.dtype)
+
+
+def check_cache_fits(model_config, n_slots: int, slot_len: int, dtype: torch.dtype, device) -> None:
+    """Refuse a cache that cannot fit: 90% of free GPU memory, or 80% of host RAM.
+
+    On the CPU pages become resident only when written, but a long-running
+    server eventually writes every slot. ``model_config`` needs ``n_layers``,
+    ``n_kv_heads`` and ``head_dim``.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    mc = model_config
+    need = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * itemsize * n_slots * slot_len
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        limit, what = 0.9 * free, "90% of the free GPU memory"
+    else:
+        import psutil
+
+        limit, what = 0.8 * psutil.virtual_memory().total, "80% of the host memory"
+    if need > limit:
+        raise ValueError(
+            f"the KV cache needs {need / 2**30:.1f} GiB for max_running_requests={n_slots} x "
+            f"context_length={slot_len}, more than {what} ({limit / 2**30:.1f} GiB); lower "
+            "EngineConfig.max_running_requests or EngineConfig.context_length"
+        )
