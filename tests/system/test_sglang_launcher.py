@@ -27,20 +27,33 @@ def test_default_command_line():
     args = cmd[3:]
     # flag/value pairs and bare flags as SGLang's argparse expects them
     assert args == [
-        "--model-path", "/ckpt/actor",
-        "--host", "127.0.0.1",
-        "--port", "30000",
-        "--dtype", "auto",
-        "--tp-size", "1",
-        "--dp-size", "1",
-        "--base-gpu-id", "0",
-        "--nnodes", "1",
-        "--node-rank", "0",
-        "--random-seed", "1",
-        "--mem-fraction-static", "0.8",
-        "--schedule-policy", "lpm",
+        "--model-path",
+        "/ckpt/actor",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30000",
+        "--dtype",
+        "auto",
+        "--tp-size",
+        "1",
+        "--dp-size",
+        "1",
+        "--base-gpu-id",
+        "0",
+        "--nnodes",
+        "1",
+        "--node-rank",
+        "0",
+        "--random-seed",
+        "1",
+        "--mem-fraction-static",
+        "0.8",
+        "--schedule-policy",
+        "lpm",
         "--enable-metrics",
-        "--log-level", "warning",
+        "--log-level",
+        "warning",
     ]
 
 
@@ -118,8 +131,15 @@ def test_start_waits_for_health_and_stop_ends_the_process(tmp_path):
     cfg = SGLangConfig(model_path=model, port=port)
     server = SGLangServer(cfg, log_path=str(tmp_path / "s.log"))
     server.command = [
-        sys.executable, "-m", "realhf.apps.serve", "--model-path", model, "--port", str(port),
-        "--max-running-requests", "2",
+        sys.executable,
+        "-m",
+        "realhf.apps.serve",
+        "--model-path",
+        model,
+        "--port",
+        str(port),
+        "--max-running-requests",
+        "2",
     ]
     server.start(health_timeout=120)
     try:
@@ -139,13 +159,24 @@ def test_real_sglang_server_serves_generate(tmp_path):
     from realhf.impl.model.testing import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen2", tmp_path / "m")
-    cfg = SGLangConfig(model_path=model, port=_free_port(), skip_tokenizer_init=True,
-                       mem_fraction_static=0.3, disable_cuda_graph=True)
+    cfg = SGLangConfig(
+        model_path=model,
+        port=_free_port(),
+        skip_tokenizer_init=True,
+        mem_fraction_static=0.3,
+        disable_cuda_graph=True,
+    )
     server = SGLangServer(cfg, log_path=str(tmp_path / "sglang.log")).start(health_timeout=600)
     try:
-        r = requests.post(cfg.url + "/generate", json={
-            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "return_logprob": True}, timeout=60)
+        r = requests.post(
+            cfg.url + "/generate",
+            json={
+                "input_ids": [1, 2, 3],
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+                "return_logprob": True,
+            },
+            timeout=60,
+        )
         meta = r.json()["meta_info"]
         assert len(meta["output_token_logprobs"]) == 4
         assert meta["finish_reason"]["type"] == "length"
