@@ -11,13 +11,13 @@ directory is a complete HuggingFace checkpoint. Deterministic for a given --seed
 
 import argparse
 import os
-import shutil
 
 import torch
 import transformers
 
+from realhf.impl.model.conversion.hf import save_tokenizer
+
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "realhf", "assets", "tiny")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> transformers.Qwen2Config:
@@ -49,9 +49,7 @@ def main(argv=None):
     model = transformers.Qwen2ForCausalLM(tiny_config(len(tok), tok.eos_token_id, tok.pad_token_id))
     os.makedirs(args.out, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
-    for f in TOKENIZER_FILES:
-        if os.path.exists(os.path.join(ASSETS, f)):
-            shutil.copy(os.path.join(ASSETS, f), os.path.join(args.out, f))
+    save_tokenizer(ASSETS, args.out)
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote a random tiny qwen2 ({n / 1e6:.2f}M parameters) to {args.out}")
 

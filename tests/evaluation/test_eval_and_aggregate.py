@@ -2,7 +2,6 @@ import importlib.util
 import json
 import math
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -40,14 +39,13 @@ def test_unknown_data_name_lists_known():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    from realhf.impl.model.conversion.hf import save_tokenizer
     from realhf.impl.model.testing import make_tiny_hf_model
 
     d = tmp_path_factory.mktemp("m") / "model"
     assets = ROOT / "realhf" / "assets" / "tiny"
     make_tiny_hf_model("qwen2", d, vocab_size=272, tie_word_embeddings=True)
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (assets / f).exists():
-            shutil.copy(assets / f, d / f)
+    save_tokenizer(str(assets), str(d))
     return d
 
 

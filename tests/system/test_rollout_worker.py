@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from realhf.base import name_resolve, names
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
+from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.testing import make_tiny_hf_model
 from realhf.system.errors import StreamTimeout
 from realhf.system.gserver_http import ManagerService
@@ -66,9 +66,7 @@ def model_dir(tmp_path_factory):
         pad_token_id=1,
         max_position_embeddings=512,
     )
-    # tokenizer files only: the assets also hold the embedded model's config.json
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        shutil.copy(os.path.join(TINY, f), path)
+    save_tokenizer(TINY, path)  # tokenizer files only: the assets also hold a config.json
     return path
 
 
