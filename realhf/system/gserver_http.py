@@ -235,7 +235,28 @@ class ManagerUnavailable(ConnectionError):
 R = TypeVar("R")
 
 
-class ManagerClient:
+class UncappedSession:
+    """A lazily created aiohttp session with no connection cap, closed by :meth:`close`.
+
+    No cap because requests may be held open on purpose (held /finish_rollout calls,
+    one generate request per running group member) and must never queue behind each other.
+    """
+
+    _session: Optional[aiohttp.ClientSession] = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class ManagerClient(UncappedSession):
     """Async client of the manager's endpoints (one aiohttp session; close it when done).
 
     Args:
@@ -246,19 +267,6 @@ class ManagerClient:
     def __init__(self, url: str, timeout_s: float = 60.0):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self._session: Optional[aiohttp.ClientSession] = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No connection cap: held /finish_rollout calls must never delay a heartbeat.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def _call(
         self, path: str, msg: Any, reply_cls: Optional[Type[R]], timeout: Optional[float] = None

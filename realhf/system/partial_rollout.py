@@ -27,7 +27,7 @@ import aiohttp
 from realhf.api.core.gen_api import parse_sglang_output
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration, ScheduleRequest
 from realhf.base import logging, seeding
-from realhf.system.gserver_http import ManagerClient
+from realhf.system.gserver_http import ManagerClient, UncappedSession
 
 logger = logging.getLogger("partial_rollout", "system")
 
@@ -54,7 +54,7 @@ class MemberResult:
     n_interrupted: int = 0
 
 
-class PartialRolloutManager:
+class PartialRolloutManager(UncappedSession):
     """Generate groups through the manager's routing (see the module docstring).
 
     Args:
@@ -89,19 +89,6 @@ class PartialRolloutManager:
         self.max_server_failures = max_server_failures
         self.seed = seed
         self.stats: collections.Counter = collections.Counter()
-        self._session: Optional[aiohttp.ClientSession] = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # No connection cap: every running member may hold one request.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
     async def generate_group(self, rollout_id: str, req: GenerateGroupRequest) -> GroupGeneration:
         """All ``req.gconfig.n`` members of a group, generated concurrently."""
