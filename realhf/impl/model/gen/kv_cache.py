@@ -15,8 +15,15 @@ two tensors ``k, v: [n_layers, n_slots, n_kv_heads, slot_len, head_dim]``.
 - Memory is bounded by construction: ``n_slots * slot_len`` tokens
   (:attr:`SlotKVCache.nbytes`), where ``n_slots`` is the engine's
   ``max_running_requests`` and ``slot_len`` its context length; requests beyond
-  ``n_slots`` wait in the queue. The tensors are allocated with
-  ``torch.empty``, so on Linux pages become resident only when first written.
+  ``n_slots`` wait in the queue.
+- The tensors are zero-filled once at start. The padded decode path reads
+  ``max(lens)`` positions of every slot in range and masks the invalid ones;
+  a masked score gets weight 0, but ``0 * NaN`` is NaN, so never-written
+  memory that happened to hold NaN/inf bit patterns would poison the output.
+  (It did: the engine emitted token 0 after a few steps only when earlier
+  tests in the same process had left NaNs in the freed memory the cache
+  reused.) Zeros cost one memset of the cache and make every position that
+  attention can touch finite: afterwards it only ever holds written keys/values.
 - A finished sequence frees its slot at once; the next admitted request reuses
   it. Slots are handed out lowest-first so that the slot range touched by a
   decode step stays compact (the padded path's cost grows with it).
@@ -58,8 +65,8 @@ class SlotKVCache:
                 f"SlotKVCache needs n_slots >= 1 and slot_len >= 2, got {n_slots} and {slot_len}"
             )
         shape = (n_layers, n_slots, n_kv_heads, slot_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_slots = n_slots
         self.slot_len = slot_len
         self._free: List[int] = list(range(n_slots))

@@ -122,3 +122,20 @@ def test_cache_slots_are_lowest_first_and_checked():
         cache.free(1)
     assert cache.nbytes == 2 * 1 * 3 * 1 * 4 * 2 * 4
     assert cache.bytes_per_token == cache.nbytes // 12
+
+
+def test_new_cache_is_finite_even_in_reused_memory():
+    # The padded decode path multiplies masked positions by weight 0, and
+    # 0 * NaN is NaN: a cache that reused freed memory holding NaNs made the
+    # engine emit token 0 (seen only when the whole suite ran in one process).
+    kw = dict(n_layers=2, n_kv_heads=N_KV, head_dim=D, n_slots=4, slot_len=16,
+              dtype=torch.float32, device=torch.device("cpu"))
+    for _ in range(3):
+        junk = torch.full((2, 4, N_KV, 16, D), float("nan"))
+        del junk
+        cache = SlotKVCache(**kw)
+        assert torch.count_nonzero(cache.k) == 0 and torch.count_nonzero(cache.v) == 0
+    slots, lens = torch.tensor([0, 2]), torch.tensor([3, 1])
+    attn = DecodeAttention(slots, lens, sliding_window=None, impl="padded")
+    out = attn(torch.randn(2, N_Q, D), torch.randn(2, N_KV, D), torch.randn(2, N_KV, D), cache.k[0], cache.v[0])
+    assert torch.isfinite(out).all()
