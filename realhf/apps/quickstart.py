@@ -19,7 +19,12 @@ from realhf.api.quickstart.cli import ConfigError, format_help, parse_config
 from realhf.api.quickstart.entrypoint import get_quickstart_exp, quickstart_experiments
 
 #: modules that register quickstart experiments
-EXPERIMENT_MODULES = ("realhf.experiments.sft", "realhf.experiments.ppo_math", "realhf.experiments.null")
+EXPERIMENT_MODULES = (
+    "realhf.experiments.sft",
+    "realhf.experiments.ppo_math",
+    "realhf.experiments.async_ppo_math",
+    "realhf.experiments.null",
+)
 
 
 def _load_experiments() -> None:

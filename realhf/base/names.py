@@ -173,6 +173,14 @@ def training_samples(experiment_name: str, trial_name: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/training_samples"
 
 
+def trainer_start(experiment_name: str, trial_name: str) -> str:
+    """Set once by the master when the trainer is ready to consume trajectories: JSON
+    ``{"trained_samples", "version", "checkpoint"}`` (the recover checkpoint it resumed
+    from, or null).  The gserver manager and rollout workers wait for it, so they start
+    counting and reading prompts from the trainer's position, never from a guess."""
+    return f"{trial_root(experiment_name, trial_name)}/trainer_start"
+
+
 def used_data_ids(experiment_name: str, trial_name: str) -> str:
     """Ids of dataset items already used in the current epoch (for recovery)."""
     return f"{trial_root(experiment_name, trial_name)}/used_data_ids"

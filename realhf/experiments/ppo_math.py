@@ -8,7 +8,8 @@ The dataflow graph (MFCs), pruned by the options:
     actor_gen ─┬─ rew_inf ────┐
                ├─ ref_inf ────┤   (kl_ctl > 0)
                ├─ critic_inf ─┤   (unless disable_value)
-               ├─ actor_inf ──┤   (recompute_logprob: proximal log-probs)
+               ├─ actor_inf ──┤   (proximal log-probs: recompute_logprob, or the
+               │              │    decoupled loss with several optimizer steps per batch)
                └──────────────┴─ actor_train, critic_train
 
 The defaults are GRPO for the embedded tiny task (no critic, no KL, group-normalised
@@ -104,7 +105,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                            n_seqs=n, input_keys=("packed_input_ids",), output_keys=("packed_ref_logprobs",),
                            output_key_remap={"logprobs": "packed_ref_logprobs"}, mb_spec=mb_spec))
         train_keys.append("packed_ref_logprobs")
-    if hp.recompute_logprob or hp.use_decoupled_loss:
+    if hp.needs_proximal_recompute:
         mfcs.append(MFCDef(name="actor_inf", model_name="actor", interface_type="inference", interface_impl=actor,
                            n_seqs=n, input_keys=("packed_input_ids",), output_keys=("proximal_logprobs",),
                            output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=mb_spec))

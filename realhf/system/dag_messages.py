@@ -66,10 +66,15 @@ class SpecReply:
 
 @dataclasses.dataclass(frozen=True)
 class InitializeRequest:
-    """Build the engines for ``ft_spec``; load ``recover_dir`` (a complete recover checkpoint) if set."""
+    """Build the engines for ``ft_spec``; load ``recover_dir`` (a complete recover checkpoint) if set.
+
+    ``version`` is the weight version the trainer resumes at (finished train steps): roles
+    that publish weights publish it again, so generation servers can load the resumed weights.
+    """
 
     ft_spec: FinetuneSpec
     recover_dir: Optional[str] = None
+    version: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +102,12 @@ class FetchRequest:
 
 @dataclasses.dataclass(frozen=True)
 class FetchReply:
-    """The items loaded (metadata only; the tensors stay on the worker) and the new position."""
+    """The items loaded (metadata only; the tensors stay on the worker), the new position,
+    and statistics of the loaded data (e.g. the staleness of streamed trajectories)."""
 
     meta: Optional[SequenceSample]
     position: DataPosition
+    stats: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

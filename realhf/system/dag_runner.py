@@ -99,8 +99,8 @@ class DagRunner:
 
     async def run_step(self, step: StepInfo, batch_size: int) -> StepResult:
         """Load, run every MFC over, and clear one step of up to ``batch_size`` items."""
-        ids = await self._load(step.epoch, min(batch_size, sum(self.remaining)))
         self._stats = {}
+        ids = await self._load(step.epoch, min(batch_size, sum(self.remaining)))
         self._done = {name: False for name in self.graph.mfcs}
         try:
             async with asyncio.TaskGroup() as tg:
@@ -130,6 +130,8 @@ class DagRunner:
                     self.buffer.add(rep.meta, owner=rank)
                     ids.extend(rep.meta.ids)
                 self.remaining[rank] = rep.position.remaining
+                for k, v in rep.stats.items():
+                    self._stats.setdefault(k, []).append(v)
                 if got == 0 and asked[rank] > 0 or got > asked[rank]:
                     raise RuntimeError(
                         f"{self.handlers[rank]} returned {got} items for a fetch of {asked[rank]} "

@@ -119,6 +119,9 @@ class GserverManager:
         self.owners: Dict[str, _Owner] = {}
         self._changed = asyncio.Event()
         self._warned_trained = False
+        #: False until the trainer announced where it starts (see GserverManagerWorker);
+        #: no rollout is admitted before, so indices never start from a guess.
+        self.trainer_ready = True
 
     @property
     def version(self) -> int:
@@ -174,6 +177,8 @@ class GserverManager:
     def allocate(self, req: AllocateRequest) -> AllocateReply:
         """Admit a rollout if the concurrency cap and the staleness bound allow it."""
         self._touch(req.worker, req.incarnation)
+        if not self.trainer_ready:
+            return AllocateReply(False, reason="trainer_not_ready")
         if not self.pool.live():
             return AllocateReply(False, reason="no_server")
         adm = self.staleness.admit(self.version, f"{req.worker}#{req.incarnation}")
@@ -336,20 +341,11 @@ class GserverManagerWorker(Worker):
             discover=lambda: name_resolve.get_subtree(names.gen_servers(exp, trial)),
             weight_dir=lambda v: constants.weight_publication_dir(role, v, exp, trial),
         )
-        # A resumed trainer has trained samples already: start counting from there (with the
-        # saved counters when there are some), so indices continue where the trainer is.
-        trained = progress.trained_samples()
-        state = None
-        if config.state_path and os.path.exists(config.state_path):
-            with open(config.state_path) as f:
-                state = json.load(f)
-        if state is not None or trained > 0:
-            manager.load_state_dict(state or manager.state_dict(), trained)
-            self.logger.info(
-                f"resuming at {trained} trained samples"
-                + (f" with the counters of {config.state_path}" if state else "")
-            )
+        # Admission starts once the trainer says where it starts (names.trainer_start):
+        # a resumed trainer has trained samples already, and indices must continue there.
+        manager.trainer_ready = False
         self.manager = manager
+        self._trainer_deadline = time.monotonic() + config.server_wait_timeout_s
         host = config.host or network.gethostip()
         self.service = ManagerService(manager, host, config.port).start(
             config.server_wait_timeout_s + 60
@@ -365,6 +361,8 @@ class GserverManagerWorker(Worker):
     def _poll(self) -> PollResult:
         self.service.check()  # re-raises a failure of the background loops (e.g. a weight update)
         now = time.monotonic()
+        if not self.manager.trainer_ready and now >= self._next_status_check:
+            self._wait_for_trainer(now)
         if now >= self._next_save:
             self._save_state()
             self._next_save = now + self.config.state_save_interval_s
@@ -375,6 +373,38 @@ class GserverManagerWorker(Worker):
                 return PollResult(completed=True)
         time.sleep(0.05)
         return PollResult()
+
+    def _wait_for_trainer(self, now: float) -> None:
+        key = names.trainer_start(self.experiment_name, self.trial_name)
+        try:
+            start = json.loads(name_resolve.get(key))
+        except name_resolve.NameEntryNotFoundError:
+            if now > self._trainer_deadline:
+                raise TimeoutError(
+                    f"gserver manager: the trainer did not announce its start ({key!r}) within "
+                    f"{self.config.server_wait_timeout_s:g}s; check the master_worker and "
+                    "model_worker logs"
+                ) from None
+            return
+        trained = int(start["trained_samples"])
+        state = None
+        if self.config.state_path and os.path.exists(self.config.state_path):
+            with open(self.config.state_path) as f:
+                state = json.load(f)
+
+        def begin():
+            m = self.manager
+            if state is not None or trained > 0:
+                m.load_state_dict(state or m.state_dict(), trained)
+            m.trainer_ready = True
+
+        self.service.call(begin)
+        self.logger.info(
+            f"the trainer starts at {trained} trained samples, version {start['version']}"
+            + (f" (resumed from {start['checkpoint']})" if start.get("checkpoint") else "")
+            + (f"; counters of {self.config.state_path} restored" if state else "")
+            + "; admitting rollouts"
+        )
 
     def _save_state(self) -> None:
         path = self.config.state_path

@@ -16,11 +16,14 @@ frequency fires.
 It stops after ``total_train_epochs`` epochs or ``benchmark_steps`` steps, sends the
 model workers ``exit``, writes ``curves.png`` and reports COMPLETED (the controller then
 sets ``names.experiment_status`` to COMPLETE).  After every step it publishes the count of
-consumed samples under ``names.training_samples``.
+consumed samples under ``names.training_samples``; once the workers are initialized it
+publishes ``names.trainer_start`` (trained samples, version, recover checkpoint), which the
+rollout side of asynchronous RL waits for.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any, Dict, List, Optional
@@ -123,8 +126,10 @@ class MasterWorker(AsyncWorker):
         ckpt = self._find_checkpoint()
         if ckpt is not None:
             self._load_state(recover.read_master_state(ckpt), ckpt)
-        positions = await self._call("initialize", [InitializeRequest(self.ft_spec, ckpt)] * self.n)
+        init = InitializeRequest(self.ft_spec, ckpt, self.step.global_step)
+        positions = await self._call("initialize", [init] * self.n)
         self.runner.remaining = [self._remaining(i, p) for i, p in enumerate(positions)]
+        self._announce_start(ckpt)
         resume = None if ckpt is None else self.step.global_step
         self.metrics = MetricsLog(constants.metrics_path(), resume_step=resume)
         self.tb = TensorBoardLog(constants.tensorboard_dir(), resume_step=resume)
@@ -144,6 +149,18 @@ class MasterWorker(AsyncWorker):
             + (f" (resumed from {ckpt})" if ckpt else "")
             + f"\n{self.graph.to_text()}"
         )
+
+    def _announce_start(self, ckpt: Optional[str]) -> None:
+        """Tell the rollout side where training starts (async RL waits for this)."""
+        exp, trial = self.experiment_name, self.trial_name
+        samples = str(self.counters["samples"])
+        name_resolve.add(names.training_samples(exp, trial), samples, replace=True)
+        start = {
+            "trained_samples": self.counters["samples"],
+            "version": self.step.global_step,
+            "checkpoint": ckpt,
+        }
+        name_resolve.add(names.trainer_start(exp, trial), json.dumps(start), replace=True)
 
     def _remaining(self, rank: int, p: DataPosition) -> int:
         if p.epoch == self.step.epoch:

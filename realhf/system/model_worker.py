@@ -64,6 +64,7 @@ from realhf.system.errors import NoMessage, StreamTimeout
 from realhf.system.local_store import LocalStore
 from realhf.system.process_group import init_world
 from realhf.system.request_reply_stream import Payload, ReplyServer
+from realhf.system.stream_loader import TrajectoryStreamLoader
 from realhf.system.worker_base import PollResult, Worker, register_worker
 
 __all__ = ["ModelWorker", "DIST_GROUP_NAME"]
@@ -140,7 +141,17 @@ class ModelWorker(Worker):
                 is_critic=spec.is_critic,
                 gradient_checkpointing=spec.gradient_checkpointing,
             )
-        self.loader = self._make_loader(config.dataset, "dataset")
+        if config.stream is not None:
+            self.loader = TrajectoryStreamLoader(
+                config.stream,
+                self.experiment_name,
+                self.trial_name,
+                self.rank,
+                self.worker_name,
+                log_path=os.path.join(constants.run_dir(), "trajectories.jsonl"),
+            )
+        else:
+            self.loader = self._make_loader(config.dataset, "dataset")
         self.eval_loader = self._make_loader(config.eval_dataset, "eval_dataset")
         self.mfcs: Dict[str, MFCDef] = {m.name: m for m in config.mfcs}
         self.interfaces = {m.name: config_api.make_interface(m.interface_impl) for m in config.mfcs}
@@ -216,6 +227,8 @@ class ModelWorker(Worker):
     def _exit_hook(self) -> None:
         if getattr(self, "server", None) is not None:
             self.server.close()
+        if isinstance(getattr(self, "loader", None), TrajectoryStreamLoader):
+            self.loader.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -265,6 +278,11 @@ class ModelWorker(Worker):
                 req.recover_dir, self.rank, self._trainable(), self.loader, self.interfaces
             )
             self.logger.info(f"resumed from {req.recover_dir} at data position {self._position()}")
+        if req.version > 0:
+            # Generation servers start from the roles' initial weights: give them the resumed ones.
+            for role, spec in self.specs.items():
+                if spec.publish_weights:
+                    self._publish(role, req.version)
         return self._position()
 
     def _trainable(self) -> Dict[str, tuple]:
@@ -281,7 +299,8 @@ class ModelWorker(Worker):
             sample = SequenceSample.gather(items)
             self.store.put_sample(sample)
             meta = sample.meta()
-        return FetchReply(meta, self._position())
+        stats = self.loader.take_stats() if isinstance(self.loader, TrajectoryStreamLoader) else {}
+        return FetchReply(meta, self._position(), stats)
 
     def _seed_for(self, what: str, step: StepInfo) -> None:
         s = seeding.derive_seed(self.config.seed, f"{what}:step{step.global_step}:rank{self.rank}")

@@ -3,6 +3,8 @@
 Worker type ``rollout_worker`` (an :class:`~realhf.system.worker_base.AsyncWorker`).  Each
 poll tries to start one rollout::
 
+    (once)     wait for ``names.trainer_start``; a resumed trainer's checkpoint lists the
+               prompts it trained from this worker, which the shard loader then skips
     prompt   = next item of this worker's dataset shard (epoch after epoch)
     slot     = POST /allocate_rollout            refused -> retry later with the same prompt
     task     = agent.collect_trajectory(prompt, env, obs_queue, act_queue)
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import time
 import uuid
 from typing import Dict, Optional
@@ -40,6 +43,7 @@ from realhf.system.gserver_manager import experiment_ended
 from realhf.system.partial_rollout import PartialRolloutManager
 from realhf.system.push_pull_stream import PusherStream
 from realhf.system.staleness import RolloutNotRunning
+from realhf.system.stream_loader import rollout_position
 from realhf.system.worker_base import AsyncWorker, PollResult, register_worker
 
 __all__ = ["RolloutWorker"]
@@ -107,6 +111,7 @@ class RolloutWorker(AsyncWorker):
                 f"within {cfg.manager_wait_timeout_s:g}s"
             ) from None
         self.client = ManagerClient(f"http://{addr}", cfg.manager_timeout_s)
+        await self._resume_data_position()
         self.partial = PartialRolloutManager(
             self.client,
             new_tokens_per_chunk=cfg.new_tokens_per_chunk,
@@ -131,6 +136,28 @@ class RolloutWorker(AsyncWorker):
         self.logger.info(
             f"connected to the gserver manager at {addr}; pushing to {self.pusher.consumers}"
         )
+
+    async def _resume_data_position(self) -> None:
+        """Wait for the trainer's start; when it resumed, skip the prompts it already trained."""
+        key = names.trainer_start(self.experiment_name, self.trial_name)
+        timeout = self.config.manager_wait_timeout_s
+        try:
+            start = json.loads(await asyncio.to_thread(name_resolve.wait, key, timeout))
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.worker_name}: the trainer did not announce its start ({key!r}) within "
+                f"{timeout:g}s; check the master_worker and model_worker logs"
+            ) from None
+        ckpt = start.get("checkpoint")
+        pos = rollout_position(ckpt, self.worker_name) if ckpt else None
+        if pos is not None:
+            self.loader.load_state_dict(
+                {"epoch": pos["epoch"], "used_ids": pos["used_ids"], "shard_size": len(self.loader)}
+            )
+            self.logger.info(
+                f"resumed from {ckpt}: epoch {pos['epoch']}, {len(pos['used_ids'])} prompts of it "
+                "already trained are skipped"
+            )
 
     async def _heartbeat_loop(self) -> None:
         failures = 0
@@ -219,24 +246,24 @@ class RolloutWorker(AsyncWorker):
     def _peek_prompt(self):
         if self._next_prompt is None:
             epoch = self.loader.epoch if self.loader.remaining else self.loader.epoch + 1
-            self._next_prompt = self.loader.take(epoch, 1)[0]
+            self._next_prompt = (self.loader.take(epoch, 1)[0], epoch)
         return self._next_prompt
 
     async def _try_start(self) -> bool:
-        prompt = self._peek_prompt()
+        prompt, epoch = self._peek_prompt()
         reply = await self.client.allocate(self.worker_name, self.incarnation, prompt.ids[0])
         if not reply.success:
             return False
         self._next_prompt = None
         self.counts["started"] += 1
         self.running[reply.rollout_id] = asyncio.create_task(
-            self._rollout(reply.rollout_id, prompt), name=f"rollout {reply.rollout_id}"
+            self._rollout(reply.rollout_id, prompt, epoch), name=f"rollout {reply.rollout_id}"
         )
         return True
 
     # ---- one rollout ----------------------------------------------------------
 
-    async def _rollout(self, rollout_id: str, prompt) -> None:
+    async def _rollout(self, rollout_id: str, prompt, epoch: int) -> None:
         try:
             samples = await self._run_agent(rollout_id, prompt)
         except RolloutNotRunning as e:
@@ -269,7 +296,7 @@ class RolloutWorker(AsyncWorker):
                 f"rollout {rollout_id} ({prompt.ids[0]!r}) dropped at hand-off: {e}"
             )
             return
-        traj = Trajectory(reply.index, samples[0], rollout_id, self.worker_name)
+        traj = Trajectory(reply.index, samples[0], rollout_id, self.worker_name, data_epoch=epoch)
         async with self._push_lock:
             await asyncio.to_thread(self.pusher.push, traj, self.config.push_timeout_s)
         self.counts["pushed"] += 1

@@ -22,6 +22,7 @@ def test_every_key_is_under_the_trial_root(monkeypatch):
         names.gen_servers("exp", "t"),
         names.gen_server_manager("exp", "t"),
         names.training_samples("exp", "t"),
+        names.trainer_start("exp", "t"),
         names.used_data_ids("exp", "t"),
         names.experiment_status("exp", "t"),
         names.update_weights_from_disk("exp", "t", 4),

@@ -463,9 +463,16 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
             config=cfg,
         )
         w.handle_control("start")
+        w.step()  # reads names.trainer_start and starts admitting
+        assert w.manager.trainer_ready
         return w
 
+    def trainer_start(trained):
+        start = json.dumps({"trained_samples": trained, "version": 0, "checkpoint": None})
+        name_resolve.add(names.trainer_start("exp", trial), start, replace=True)
+
     try:
+        trainer_start(0)
         w = make()
         addr = name_resolve.get(names.gen_server_manager("exp", trial))
         client = ManagerClient(f"http://{addr}", 10)
@@ -498,6 +505,7 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
             assert json.load(f)["staleness"]["accepted_total"] == 2
         # a restarted manager resumes at the trainer's count and syncs the server to version 1
         name_resolve.add(names.training_samples("exp", trial), "2", replace=True)
+        trainer_start(2)
 
         def restarted_status():
             w2 = make()
@@ -516,3 +524,14 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
         constants.set_fileroot(None)
         srv.stop()
         srv.engine.close()
+
+
+def test_no_rollout_is_admitted_before_the_trainer_announces_its_start():
+    m = _manager()
+    m.trainer_ready = False
+    from realhf.api.core.rollout_api import AllocateRequest
+
+    reply = m.allocate(AllocateRequest("rw/0", "inc"))
+    assert not reply.success and reply.reason == "trainer_not_ready"
+    m.trainer_ready = True
+    assert m.allocate(AllocateRequest("rw/0", "inc")).success

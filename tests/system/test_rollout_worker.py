@@ -4,6 +4,7 @@ trainer that pulls trajectories, trains them in index order and bumps the weight
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -83,6 +84,9 @@ def server(model_dir):
 
 
 def _manager(server, model_dir, trial, *, B, eta, concurrency, lease_ttl_s=30.0):
+    # The server is shared by the module: an earlier test's manager may have stopped in the
+    # middle of a weight update, leaving it paused (every generation would then wait).
+    requests.post(f"{server.url}/continue_generation", timeout=10).raise_for_status()
     progress = Progress()
     cfg = GserverManagerConfig(
         n_servers=1,
@@ -98,6 +102,8 @@ def _manager(server, model_dir, trial, *, B, eta, concurrency, lease_ttl_s=30.0)
     manager = GserverManager(cfg, progress, lambda: [server.url], lambda v: model_dir)
     service = ManagerService(manager).start(60)
     name_resolve.add(names.gen_server_manager("exp", trial), service.address, replace=True)
+    start = {"trained_samples": 0, "version": 0, "checkpoint": None}
+    name_resolve.add(names.trainer_start("exp", trial), json.dumps(start), replace=True)
     return progress, manager, service
 
 

@@ -572,6 +572,9 @@ class Trajectory:
             ``rewards`` [1] float32), metadata from the prompt.
         rollout_id, worker: who produced it.
         birth_time: wall-clock seconds when it was accepted.
+        data_epoch: the producing worker's dataset epoch of the prompt; the trainer keeps
+            each worker's trained prompts per epoch in its checkpoint, so a resumed rollout
+            worker skips the prompts already trained.
     """
 
     index: int
@@ -579,6 +582,7 @@ class Trajectory:
     rollout_id: str
     worker: str
     birth_time: float = dataclasses.field(default_factory=time.time)
+    data_epoch: int = 0
 
     def __post_init__(self):
         if not isinstance(self.index, int) or self.index < 0:

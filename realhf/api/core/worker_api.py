@@ -21,7 +21,14 @@ from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec
 
-__all__ = ["ModelSpec", "EvalSpec", "ModelWorkerConfig", "MasterWorkerConfig", "call_sizes"]
+__all__ = [
+    "ModelSpec",
+    "EvalSpec",
+    "TrajectoryStreamSpec",
+    "ModelWorkerConfig",
+    "MasterWorkerConfig",
+    "call_sizes",
+]
 
 
 def _bad(cls: str, field: str, value, fix: str) -> ValueError:
@@ -133,6 +140,51 @@ class EvalSpec:
             raise _bad("EvalSpec", "mb_spec", self.mb_spec, "use a MicroBatchSpec")
 
 
+@dataclasses.dataclass(frozen=True)
+class TrajectoryStreamSpec:
+    """The training data of asynchronous RL: trajectories streamed by rollout workers.
+
+    Model worker 0 pulls :class:`~realhf.api.core.rollout_api.Trajectory` messages from
+    push/pull stream ``stream_name`` and hands them to the master in index order, exactly
+    ``batch_size`` per step (trajectory ``k`` is trained by step ``k // batch_size``, the
+    contract that makes the staleness bound exact); other ranks get their share through the
+    master's transfer plan.  An "epoch" is ``epoch_size`` trajectories (the prompt dataset
+    rounded down to whole steps) and only paces epoch-based frequencies.
+
+    Attributes:
+        epoch_size: trajectories per epoch (a multiple of ``batch_size``).
+        batch_size: trajectories per train step (the manager's ``train_batch_size``).
+        max_head_offpolicyness: ``η``: a trajectory trained at version ``v`` with
+            ``v - version_start > η`` fails the run (the manager should make it impossible).
+        stream_name: the push/pull stream rollout workers push to.
+        wait_timeout_s: most seconds to wait for one step's trajectories; the error names
+            the missing indices.
+    """
+
+    epoch_size: int
+    batch_size: int
+    max_head_offpolicyness: int = 0
+    stream_name: str = "rollout"
+    wait_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        c = "TrajectoryStreamSpec"
+        for f, lo in (("epoch_size", 1), ("batch_size", 1), ("max_head_offpolicyness", 0)):
+            v = getattr(self, f)
+            if not _is_int(v) or v < lo:
+                raise _bad(c, f, v, f"use an integer >= {lo}")
+        if self.epoch_size % self.batch_size:
+            raise _bad(
+                c,
+                "epoch_size",
+                self.epoch_size,
+                f"use a multiple of batch_size={self.batch_size} (every step takes a full batch)",
+            )
+        if not isinstance(self.stream_name, str) or not self.stream_name or "/" in self.stream_name:
+            raise _bad(c, "stream_name", self.stream_name, "use a non-empty name without '/'")
+        _check_pos_number(c, "wait_timeout_s", self.wait_timeout_s)
+
+
 def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
     mfcs = tuple(mfcs)
     if not mfcs or not all(isinstance(m, MFCDef) for m in mfcs):
@@ -168,6 +220,7 @@ class ModelWorkerConfig:
         models: the roles this worker hosts.
         mfcs: the dataflow graph (the worker runs the MFCs the master names).
         dataset: the training dataset; worker i loads shard i of ``n`` (its ``dp_rank``).
+        stream: instead of ``dataset``: trajectories streamed by rollout workers (async RL).
         eval_dataset: the held-out dataset ``evaluate`` runs on (sharded the same way).
         evaluation: which role/interface ``evaluate`` runs (needs ``eval_dataset``).
         tokenizer_path: HF tokenizer directory (empty: no tokenizer; datasets that need one fail).
@@ -191,9 +244,24 @@ class ModelWorkerConfig:
     timeout: float = 600.0
     imports: Sequence[str] = ()
     torch_num_threads: Optional[int] = None
+    stream: Optional[TrajectoryStreamSpec] = None
 
     def __post_init__(self):
         c = "ModelWorkerConfig"
+        if self.stream is not None:
+            if not isinstance(self.stream, TrajectoryStreamSpec):
+                raise _bad(c, "stream", self.stream, "use a TrajectoryStreamSpec or None")
+            if self.dataset is not None:
+                raise _bad(
+                    c, "dataset", self.dataset, "give either a dataset or a stream, not both"
+                )
+            if self.dataset_batch_size < self.stream.batch_size:
+                raise _bad(
+                    c,
+                    "dataset_batch_size",
+                    self.dataset_batch_size,
+                    f"a stream step fetches {self.stream.batch_size} trajectories at once; use >= that",
+                )
         if not _is_int(self.seed) or self.seed < 0:
             raise _bad(c, "seed", self.seed, "use an integer >= 0")
         models = tuple(self.models)

@@ -30,20 +30,27 @@ class ConfigError(ValueError):
     """A user-facing configuration error; the message says what and how to fix."""
 
 
-def iter_options(cls, prefix: str = "") -> Iterator[tuple[str, Any, Any, str]]:
-    """Yield (dotted_key, type, default, help) for every leaf option of a dataclass."""
+def iter_options(cls, prefix: str = "", values: Any = None) -> Iterator[tuple[str, Any, Any, str]]:
+    """Yield (dotted_key, type, default, help) for every leaf option of a dataclass.
+
+    Defaults of nested dataclasses come from the parent's default instance (``values``), so
+    a field like ``actor = field(default_factory=lambda: ModelConfig(lr=2e-4))`` shows 2e-4,
+    not ModelConfig's own default.
+    """
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         tp = hints.get(f.name, f.type)
-        if f.default is not dataclasses.MISSING:
+        if values is not None:
+            default = getattr(values, f.name)
+        elif f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
             default = f.default_factory()  # type: ignore[misc]
         else:
             default = "???"
         if dataclasses.is_dataclass(tp) and not isinstance(tp, type(None)):
-            yield from iter_options(tp, key + ".")
+            yield from iter_options(tp, key + ".", default if dataclasses.is_dataclass(default) else None)
             continue
         yield key, tp, default, f.metadata.get("help", "")
 

@@ -61,7 +61,8 @@ class PPOHyperparameters:
     use_decoupled_loss: bool = field(
         default=False,
         metadata=_h(
-            "decoupled PPO: clip around proximal_logprobs (trainer recompute), weight by exp(prox - behaviour)"
+            "decoupled PPO: clip around proximal_logprobs, weight by exp(prox - behaviour); with one optimizer "
+            "step per batch and recompute_logprob=false the proximal log-probs come from the train forward itself"
         ),
     )
     behav_imp_weight_cap: Optional[float] = field(
@@ -241,6 +242,27 @@ class PPOHyperparameters:
     def _finite(self, name: str) -> bool:
         v = getattr(self, name)
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    @property
+    def one_step_per_batch(self) -> bool:
+        """Whether each train step makes exactly one optimizer step (one minibatch, no reuse)."""
+        return self.ppo_n_minibatches == 1 and self.sample_reuse == 1
+
+    @property
+    def proximal_from_train_forward(self) -> bool:
+        """Decoupled loss whose proximal policy is the one the train step runs.
+
+        The proximal policy is the actor just before the update.  With one optimizer step per
+        batch that is exactly the policy of the train forward pass (every micro-batch is
+        computed before the single step), so its detached log-probs are the proximal
+        log-probs and a separate ``actor_inf`` pass would recompute the same numbers.
+        """
+        return self.use_decoupled_loss and not self.recompute_logprob and self.one_step_per_batch
+
+    @property
+    def needs_proximal_recompute(self) -> bool:
+        """Whether the dataflow needs ``actor_inf`` to produce ``proximal_logprobs``."""
+        return self.recompute_logprob or (self.use_decoupled_loss and not self.one_step_per_batch)
 
     def _bad(self, name: str, fix: str):
         raise ValueError(f"PPOHyperparameters.{name}={getattr(self, name)!r}: {fix}")

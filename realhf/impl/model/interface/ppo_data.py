@@ -154,7 +154,9 @@ def prepare_ppo_batch(
     loss_mask &= torch.repeat_interleave(keep_seq, shifted_lens)
 
     old_logp = tensors[anchor_logprobs_key(hp)].float()
-    prox = tensors["proximal_logprobs"].float() if hp.use_decoupled_loss else None
+    prox = None
+    if hp.use_decoupled_loss and not hp.proximal_from_train_forward:
+        prox = tensors["proximal_logprobs"].float()
     ref = tensors.get("packed_ref_logprobs")
     ref = torch.zeros_like(old_logp) if kl_coef == 0 or ref is None else ref.float()
     score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
@@ -226,7 +228,7 @@ def required_keys(hp: PPOHyperparameters, kl_coef: float) -> List[str]:
         "seq_no_eos_mask",
         anchor_logprobs_key(hp),
     ]
-    if hp.use_decoupled_loss:
+    if hp.use_decoupled_loss and not hp.proximal_from_train_forward:
         needed.append("proximal_logprobs")
     if kl_coef > 0:
         needed.append("packed_ref_logprobs")

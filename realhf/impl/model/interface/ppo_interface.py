@@ -180,7 +180,7 @@ class PPOActorInterface(ModelInterface):
                 hp.eps_clip,
                 d["ppo_loss_mask"],
                 c_clip=hp.c_clip,
-                proximal_logprobs=d.get("proximal_logprobs"),
+                proximal_logprobs=logp.detach() if hp.proximal_from_train_forward else d.get("proximal_logprobs"),
                 behav_imp_weight_cap=hp.behav_imp_weight_cap,
                 early_stop_imp_ratio=hp.early_stop_imp_ratio,
                 group=group,

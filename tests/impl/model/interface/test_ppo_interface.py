@@ -119,6 +119,33 @@ def test_decoupled_loss_with_proximal_recompute(make_model, pa_sample):
     assert (after[0] - after[1]) - (before[0] - before[1]) > 0.05, (before, after)
 
 
+def test_one_step_decoupled_loss_takes_proximal_logprobs_from_the_train_forward(make_model, pa_sample):
+    # With one optimizer step per batch the proximal policy is the one the train step runs:
+    # skipping the actor_inf pass must give the same update and the same statistics.
+    hp = dict(group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1,
+              use_decoupled_loss=True, behav_imp_weight_cap=5.0)
+    results = []
+    for recompute in (True, False):
+        stats_tracker.reset()
+        model = make_model(lr=1e-3)
+        actor = PPOActorInterface(recompute_logprob=recompute, **hp)
+        assert actor.hp.proximal_from_train_forward is not recompute
+        data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[1.0, -1.0])
+        data.data["packed_logprobs"] = data.data["packed_logprobs"] - 0.1
+        if recompute:
+            prox = actor.inference(model, data, MB)
+            prox.remap_keys_({"logprobs": "proximal_logprobs"})
+            data.update_(prox)
+        stats = actor.train_step(model, data, MB)
+        results.append((model.module.model.flat_params.clone(), stats))
+    (p_re, s_re), (p_fw, s_fw) = results
+    torch.testing.assert_close(p_fw, p_re, atol=1e-6, rtol=1e-5)
+    for k in ("ppo_actor/behave_imp_weight", "ppo_actor/importance_weight", "ppo_actor/loss"):
+        assert s_fw[k] == pytest.approx(s_re[k], rel=1e-4, abs=1e-6), k
+    # several optimizer steps per batch still need the recompute pass
+    assert PPOActorInterface(ppo_n_minibatches=2, use_decoupled_loss=True).hp.needs_proximal_recompute
+
+
 def test_success_rate_filter_masks_solved_groups(make_model, pa_sample):
     model = make_model()
     actor = PPOActorInterface(

@@ -1,0 +1,264 @@
+"""Fully asynchronous PPO / GRPO on math prompts: generation never waits for training.
+
+    python -m realhf.apps.quickstart async-ppo-math                  # embedded tiny model + data
+    python -m realhf.apps.quickstart async-ppo-math max_head_offpolicyness=4 n_rollout_workers=2
+
+Processes (``allocation_mode=gen.d<G>p1m1+d<D>p1m1``)::
+
+    generation_server x G ──HTTP── gserver_manager ──HTTP── rollout_worker x R
+            ▲ new weights (pause → load → continue)                │ trajectories (ZMQ push)
+            │                                                      ▼
+    model_worker x D (trainer: actor_inf → actor_train) ◀── master_worker
+
+Rollout workers take prompts from their shard of the dataset, ask the manager for a slot, let
+the ``math-single-step`` agent sample ``group_size`` answers per prompt (in chunks of
+``new_tokens_per_chunk`` tokens; a chunk cut by a weight update is resumed with its tokens
+and log-probs), grade them with the verifier, and push one trajectory per prompt.  Model
+worker 0 hands trajectories to the master in the manager's index order, ``train_batch_size``
+per step; the trainer trains with the decoupled PPO loss (``actor_train``; the proximal
+log-probs come from its own forward pass when a batch makes one optimizer step, otherwise
+from an ``actor_inf`` pass before it), and publishes the new weights, which the manager pushes
+to every server.  With ``max_head_offpolicyness = η`` no trajectory is trained more than η
+versions after the version that started it (exact, see realhf.system.staleness); the per-step
+``rollout/staleness_max`` shows it and a violation stops the run.
+
+The defaults are the sync ``ppo-math`` GRPO defaults (same model, data, group size, batch,
+optimizer, steps), so the two runs are comparable sample for sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import field
+from typing import Optional
+
+from realhf.api.cli_args import ExperimentControlConfig
+from realhf.api.core.config import AgentAbstraction, DatasetAbstraction, EnvAbstraction, InterfaceAbstraction
+from realhf.api.core.data_api import MicroBatchSpec
+from realhf.api.core.rollout_api import (
+    SCHEDULE_POLICIES,
+    GenerationServerConfig,
+    GserverManagerConfig,
+    RolloutWorkerConfig,
+)
+from realhf.api.core.system_api import ExperimentConfig
+from realhf.api.core.worker_api import (
+    EvalSpec,
+    MasterWorkerConfig,
+    ModelWorkerConfig,
+    TrajectoryStreamSpec,
+)
+from realhf.api.core.model_api import FinetuneSpec
+from realhf.api.quickstart.entrypoint import register_quickstart_exp
+from realhf.experiments import common
+from realhf.experiments.ppo_math import PPOMathConfig, _tiny_ppo, checked_math_data, model_specs, ppo_mfcs
+from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+
+
+def _tiny_async_ppo() -> PPOHyperparameters:
+    # One optimizer step per batch: the proximal log-probs come from the train forward
+    # (PPOHyperparameters.proximal_from_train_forward), which saves the actor_inf pass.
+    return dataclasses.replace(_tiny_ppo(), use_decoupled_loss=True)
+
+
+@dataclasses.dataclass
+class GenServerOptions:
+    max_running_requests: int = field(
+        default=256, metadata={"help": "sequences one generation server decodes at once (a batch of 32 prompts x 8 answers is 256)"}
+    )
+    context_length: Optional[int] = field(
+        default=None, metadata={"help": "longest prompt + answer a server holds; empty = the model's limit"}
+    )
+    num_threads: Optional[int] = field(
+        default=None, metadata={"help": "CPU threads per built-in server; empty = half of the spare cores"}
+    )
+    schedule_policy: str = field(
+        default="round_robin", metadata={"help": f"how the manager picks a server: {', '.join(SCHEDULE_POLICIES)}"}
+    )
+
+    def __post_init__(self):
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"gen_server.schedule_policy={self.schedule_policy!r}: use one of {SCHEDULE_POLICIES}"
+            )
+
+
+@dataclasses.dataclass
+class AsyncPPOMathConfig(PPOMathConfig):
+    """Asynchronous PPO / GRPO on math prompts (generation servers + trainer at the same time)."""
+
+    allocation_mode: str = field(
+        default="gen.d1p1m1+d1p1m1",
+        metadata={"help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine) or 'sglang.d4p1m1+d2p1m1'"},
+    )
+    ppo: PPOHyperparameters = field(default_factory=_tiny_async_ppo)
+    group_size: Optional[int] = field(
+        default=None, metadata={"help": "answers per prompt; sets ppo.group_size (empty = keep ppo.group_size)"}
+    )
+    max_head_offpolicyness: int = field(
+        default=2,
+        metadata={"help": "η: no trajectory is trained more than η weight versions after the version that started it (0 = on-policy batches)"},
+    )
+    max_concurrent_rollouts: Optional[int] = field(
+        default=None, metadata={"help": "most prompts being rolled out at once over all rollout workers; empty = train_batch_size"}
+    )
+    new_tokens_per_chunk: int = field(
+        default=1024,
+        metadata={"help": "tokens per generate call; a longer answer is generated in chunks, each resumable after a weight update"},
+    )
+    flush_request_timeout: float = field(
+        default=300.0,
+        metadata={"help": "seconds each step of a weight update (pause, load, continue) may take on one server before the run fails naming it"},
+    )
+    n_rollout_workers: int = field(default=1, metadata={"help": "rollout worker processes (the dataset is sharded over them)"})
+    success_rate_lb: float = field(default=0.0, metadata={"help": "drop prompt groups whose share of correct answers is below this"})
+    success_rate_ub: float = field(default=1.0, metadata={"help": "drop prompt groups whose share of correct answers is above this (e.g. 0.99 drops all-solved groups)"})
+    gen_server: GenServerOptions = field(default_factory=GenServerOptions)
+    exp_ctrl: ExperimentControlConfig = field(
+        default_factory=lambda: ExperimentControlConfig(benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1)
+    )
+
+    def __post_init__(self):
+        if self.group_size is not None:
+            if not isinstance(self.group_size, int) or self.group_size < 1:
+                raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
+            self.ppo = dataclasses.replace(self.ppo, group_size=self.group_size)
+        super().__post_init__()
+        for name, lo in (("max_head_offpolicyness", 0), ("new_tokens_per_chunk", 1), ("n_rollout_workers", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
+            raise ValueError(f"max_concurrent_rollouts must be >= 1 or empty, got {self.max_concurrent_rollouts}")
+        if not self.flush_request_timeout > 0:
+            raise ValueError(f"flush_request_timeout must be > 0 seconds, got {self.flush_request_timeout}")
+        if not 0 <= self.success_rate_lb <= self.success_rate_ub <= 1:
+            raise ValueError(
+                f"need 0 <= success_rate_lb <= success_rate_ub <= 1, got {self.success_rate_lb}, {self.success_rate_ub}"
+            )
+
+
+def _threads(n: int) -> int:
+    """CPU threads for each of ``n`` processes of one side (generation or training)."""
+    return max(1, ((os.cpu_count() or 1) - 1) // (2 * n))
+
+
+def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
+    """Compile an AsyncPPOMathConfig into servers, manager, rollout workers, trainer and master."""
+    alloc = common.allocation(cfg, decoupled=True)
+    n_gen, n_train = alloc.gen.data, alloc.train.data
+    actor_path = common.model_path(cfg.actor, "actor")
+    tok = common.load_tokenizer(actor_path)
+    train, eval_, size = checked_math_data(cfg, tok)
+    B = cfg.train_batch_size
+    if size // cfg.n_rollout_workers < 1:
+        raise common.ExperimentSetupError(
+            f"n_rollout_workers={cfg.n_rollout_workers}: the dataset has only {size} prompts"
+        )
+    epoch_size = (size // B) * B
+    if epoch_size == 0:
+        raise common.ExperimentSetupError(
+            f"train_batch_size={B} is larger than the dataset ({size} prompts); lower it"
+        )
+    ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, epoch_size, B)
+    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mfcs = ppo_mfcs(cfg, mb_spec, include_gen=False)
+    hp = cfg.ppo
+    data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
+
+    servers = [
+        GenerationServerConfig(
+            model_path=actor_path,
+            backend="sglang" if alloc.gen_backend == "sglang" else "builtin",
+            max_running_requests=cfg.gen_server.max_running_requests,
+            context_length=cfg.gen_server.context_length,
+            dtype=cfg.actor.dtype,
+            seed=cfg.seed + i,
+            num_threads=cfg.gen_server.num_threads or _threads(n_gen),
+            request_timeout_s=cfg.worker_timeout,
+            health_timeout_s=cfg.worker_timeout,
+        )
+        for i in range(n_gen)
+    ]
+    manager = GserverManagerConfig(
+        model_role="actor",
+        n_servers=n_gen,
+        schedule_policy=cfg.gen_server.schedule_policy,
+        max_head_offpolicyness=cfg.max_head_offpolicyness,
+        train_batch_size=B,
+        max_concurrent_rollouts=cfg.max_concurrent_rollouts,
+        weight_poll_interval_s=0.2,
+        weight_update_timeout_s=cfg.flush_request_timeout,
+        server_wait_timeout_s=cfg.worker_timeout,
+    )
+    gconfig = dataclasses.replace(hp.gen, n=hp.group_size)
+    rollout = RolloutWorkerConfig(
+        agent=AgentAbstraction(
+            "math-single-step",
+            dict(
+                gconfig=gconfig,
+                group_size=hp.group_size,
+                reward_scaling=hp.reward_output_scaling,
+                reward_bias=hp.reward_output_bias,
+                success_rate_lb=cfg.success_rate_lb,
+                success_rate_ub=cfg.success_rate_ub,
+            ),
+        ),
+        env=EnvAbstraction("math-code-single-step"),
+        dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
+        tokenizer_path=actor_path,
+        n_pullers=1,  # model worker 0 owns the stream (index order needs one consumer)
+        seed=cfg.seed,
+        new_tokens_per_chunk=cfg.new_tokens_per_chunk,
+        max_concurrent_rollouts=max(1, (cfg.max_concurrent_rollouts or B)),
+        rollout_request_timeout_s=cfg.worker_timeout,
+        manager_wait_timeout_s=cfg.worker_timeout,
+        push_timeout_s=cfg.worker_timeout,
+    )
+    worker = ModelWorkerConfig(
+        seed=cfg.seed,
+        models=model_specs(cfg, actor_path, publish_weights=True),
+        mfcs=mfcs,
+        dataset=None,
+        stream=TrajectoryStreamSpec(
+            epoch_size=epoch_size,
+            batch_size=B,
+            max_head_offpolicyness=cfg.max_head_offpolicyness,
+            wait_timeout_s=0.9 * cfg.worker_timeout,
+        ),
+        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args)) if cfg.eval else None,
+        evaluation=EvalSpec(role="actor", interface_impl=InterfaceAbstraction(
+            "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens})) if cfg.eval else None,
+        tokenizer_path=actor_path,
+        dataset_batch_size=B,
+        timeout=cfg.worker_timeout,
+        ft_spec=ft_spec,
+        torch_num_threads=_threads(n_train),
+        imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
+    )
+    master = MasterWorkerConfig(
+        seed=cfg.seed,
+        mfcs=mfcs,
+        exp_ctrl=cfg.exp_ctrl,
+        n_model_workers=n_train,
+        train_batch_size=B,
+        ft_spec=ft_spec,
+        timeout=cfg.worker_timeout,
+        recover_mode=cfg.recover_mode,
+        log_stats_keys=("rollout/reward", "rollout/staleness_max", "greedy_acc"),
+        eval=cfg.eval,
+    )
+    return ExperimentConfig(
+        workers={
+            "generation_server": servers,
+            "gserver_manager": [manager],
+            "model_worker": [worker] * n_train,
+            "master_worker": [master],
+            "rollout_worker": [rollout] * cfg.n_rollout_workers,
+        },
+        completion_types=("master_worker",),
+    )
+
+
+register_quickstart_exp("async-ppo-math", AsyncPPOMathConfig, build_async_ppo_math)
