@@ -5,15 +5,19 @@ from omegaconf import OmegaConf
 from realhf.api.quickstart.cli import ConfigError, parse_config
 
 
+def config_from_hydra(config_cls, cfg):
+    """`cfg` (a hydra DictConfig) validated as a `config_cls` instance (ConfigError/ValueError)."""
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain.pop("hydra", None)
+    return parse_config(config_cls, [f"{k}={v}" for k, v in _flatten(plain)])
+
+
 def run_from_hydra(name: str, config_cls, cfg) -> int:
     """Validate `cfg` (a hydra DictConfig) against `config_cls` and launch quickstart `name`."""
     from realhf.apps import main as app_main
 
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain.pop("hydra", None)
-    overrides = [f"{k}={v}" for k, v in _flatten(plain)]
     try:
-        parsed = parse_config(config_cls, overrides)
+        parsed = config_from_hydra(config_cls, cfg)
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"{name}: {e}")
     return app_main.run(name, parsed)

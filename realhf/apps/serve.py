@@ -22,7 +22,7 @@ from typing import List, Optional
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
 from realhf.impl.model.gen.config import EngineConfig
-from realhf.impl.model.gen.http_app import create_app
+from realhf.impl.model.gen.http_app import SERVER_KEEPALIVE_S, create_app
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
 
 logger = logging.getLogger("serve")
@@ -101,7 +101,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
     app = create_app(engine, tokenizer=tokenizer, model_path=args.model_path, served_model_name=name)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off")
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            lifespan="off",
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
+        )
     )
     engine.start()
     try:

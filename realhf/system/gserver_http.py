@@ -49,6 +49,7 @@ from realhf.api.core.rollout_api import (
     from_json,
 )
 from realhf.base import logging
+from realhf.impl.model.gen.http_app import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
 from realhf.system.gserver_manager import GserverManager, NoServerAvailable
 from realhf.system.staleness import RolloutNotRunning
 
@@ -203,6 +204,7 @@ class ManagerService:
                 port=self._port,
                 log_level=self.log_level,
                 lifespan="off",
+                timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs
             )
             self._server = uvicorn.Server(config)
             serve = asyncio.create_task(self._server.serve())
@@ -247,7 +249,8 @@ class UncappedSession:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector)
         return self._session
 
     async def close(self) -> None:

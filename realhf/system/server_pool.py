@@ -165,8 +165,15 @@ class ServerPool:
     # ---- routing --------------------------------------------------------------
 
     def pick(self, req: ScheduleRequest) -> ServerState:
-        """The server for ``req`` (continuation first, else the policy); raises NoServerAvailable."""
-        live = [s for s in self.live() if s.url not in req.exclude]
+        """The server for ``req`` (continuation first, else the policy); raises NoServerAvailable.
+
+        ``req.exclude`` (servers that just failed this sequence) is a preference: when every
+        live server is excluded, they are used anyway — a server that failed a health check
+        after the client's report is dead already, so a live one only had a transient error
+        (the client's ``max_server_failures`` bounds the retries).
+        """
+        all_live = self.live()
+        live = [s for s in all_live if s.url not in req.exclude] or all_live
         if not live:
             dead = {u: s.dead_reason for u, s in self.servers.items() if not s.live}
             raise NoServerAvailable(

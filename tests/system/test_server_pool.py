@@ -86,6 +86,10 @@ def test_discovery_health_metrics_and_dead_servers(model_dir):
             await pool.check()
             assert "registration" in pool.servers[urls[1]].dead_reason
             assert {pool.pick(req).url for _ in range(3)} == {urls[2]}
+            # exclusion is a preference: the last live server is still used...
+            assert pool.pick(ScheduleRequest("r", 1, 1, exclude=(urls[2],))).url == urls[2]
+            # ...and with none live the error names why each one is out
+            pool.mark_dead(pool.servers[urls[2]], "test")
             with pytest.raises(NoServerAvailable, match="registration"):
                 pool.pick(ScheduleRequest("r", 1, 1, exclude=(urls[2],)))
         finally:

@@ -318,6 +318,12 @@ def prometheus_text(stats: Dict[str, Any], model_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: seconds an idle HTTP connection stays open on the server; clients must drop theirs sooner
+SERVER_KEEPALIVE_S = 75
+#: seconds a client keeps an idle pooled connection (below SERVER_KEEPALIVE_S)
+CLIENT_KEEPALIVE_S = 30
+
+
 class ServerThread:
     """Run an app under uvicorn in a background thread (tests, benchmarks, embedding).
 
@@ -326,7 +332,17 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+        # Keep idle connections longer than clients do (their pools drop idle ones after
+        # CLIENT_KEEPALIVE_S): with uvicorn's 5 s default the server closed pooled connections
+        # a client was just reusing, and requests failed with "server disconnected".
+        self.config = uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            lifespan="off",
+            timeout_keep_alive=SERVER_KEEPALIVE_S,
+        )
         self.server = uvicorn.Server(self.config)
         self._thread = threading.Thread(target=self.server.run, name="gen-http", daemon=True)
 
