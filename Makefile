@@ -16,7 +16,7 @@ test: install
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 demo: install
-	$(PYTHON) -m realhf.apps.smoke
+	$(PYTHON) -m realhf.apps.quickstart async-ppo-math
 
 bench: install
 	$(PYTHON) benchmark/kernels.py

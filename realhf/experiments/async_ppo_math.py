@@ -97,7 +97,7 @@ class AsyncPPOMathConfig(PPOMathConfig):
         default=None, metadata={"help": "answers per prompt; sets ppo.group_size (empty = keep ppo.group_size)"}
     )
     max_head_offpolicyness: int = field(
-        default=2,
+        default=1,
         metadata={"help": "η: no trajectory is trained more than η weight versions after the version that started it (0 = on-policy batches)"},
     )
     max_concurrent_rollouts: Optional[int] = field(

@@ -345,6 +345,9 @@ class GserverManagerWorker(Worker):
         # a resumed trainer has trained samples already, and indices must continue there.
         manager.trainer_ready = False
         self.manager = manager
+        self.state_path = config.state_path or os.path.join(
+            constants.run_dir(), "gserver_manager_state.json"
+        )
         self._trainer_deadline = time.monotonic() + config.server_wait_timeout_s
         host = config.host or network.gethostip()
         self.service = ManagerService(manager, host, config.port).start(
@@ -388,8 +391,10 @@ class GserverManagerWorker(Worker):
             return
         trained = int(start["trained_samples"])
         state = None
-        if self.config.state_path and os.path.exists(self.config.state_path):
-            with open(self.config.state_path) as f:
+        # The saved counters belong to this run only when the trainer resumed it; a fresh
+        # run (maybe with another batch size) starts them anew and overwrites the file.
+        if start.get("checkpoint") and os.path.exists(self.state_path):
+            with open(self.state_path) as f:
                 state = json.load(f)
 
         def begin():
@@ -402,14 +407,12 @@ class GserverManagerWorker(Worker):
         self.logger.info(
             f"the trainer starts at {trained} trained samples, version {start['version']}"
             + (f" (resumed from {start['checkpoint']})" if start.get("checkpoint") else "")
-            + (f"; counters of {self.config.state_path} restored" if state else "")
+            + (f"; counters of {self.state_path} restored" if state else "")
             + "; admitting rollouts"
         )
 
     def _save_state(self) -> None:
-        path = self.config.state_path
-        if not path:
-            return
+        path = self.state_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         state = self.service.call(self.manager.state_dict)
         with open(path + ".tmp", "w") as f:

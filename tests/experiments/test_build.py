@@ -32,8 +32,11 @@ def test_default_ppo_is_grpo_without_critic_or_ref(init_model):
 
 
 def test_full_ppo_graph(init_model):
+    # Two minibatches make two optimizer steps per batch, so the proximal policy differs from
+    # the train forward's and actor_inf must recompute it.
     cfg = parse_config(PPOMathConfig, [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "ppo.disable_value=false",
-                                       "ppo.use_decoupled_loss=true", "allocation_mode=d2p1m1"])
+                                       "ppo.use_decoupled_loss=true", "ppo.ppo_n_minibatches=2",
+                                       "allocation_mode=d2p1m1"])
     exp = build_ppo_math(cfg)
     assert _mfc_names(exp) == ["actor_gen", "actor_inf", "actor_train", "critic_inf", "critic_train", "ref_inf", "rew_inf"]
     assert len(exp.workers["model_worker"]) == 2
@@ -41,6 +44,15 @@ def test_full_ppo_graph(init_model):
     assert g.dataset_keys == {"packed_prompts"} or set(g.dataset_keys) == {"packed_prompts"}
     train = next(m for m in exp.workers["master_worker"][0].mfcs if m.name == "actor_train")
     assert {"packed_ref_logprobs", "values", "proximal_logprobs", "rewards"} <= set(train.input_keys)
+
+
+def test_decoupled_one_step_takes_proximal_from_train_forward(init_model):
+    cfg = parse_config(PPOMathConfig, [f"actor.path={init_model}", "ppo.use_decoupled_loss=true",
+                                       "ppo.ppo_n_minibatches=1", "ppo.recompute_logprob=false"])
+    exp = build_ppo_math(cfg)
+    assert "actor_inf" not in _mfc_names(exp)
+    train = next(m for m in exp.workers["master_worker"][0].mfcs if m.name == "actor_train")
+    assert "proximal_logprobs" not in train.input_keys
 
 
 def test_sft_single_mfc(init_model):

@@ -393,7 +393,11 @@ def test_killing_a_server_mid_run_moves_requests_to_the_others_then_fails_clearl
                     )
 
                 tasks = [asyncio.create_task(one(i)) for i in range(12)]
-                await asyncio.sleep(0.3)  # requests in flight on both servers
+                # kill server 0 as soon as it has work: a fixed sleep raced fast generation
+                deadline = time.monotonic() + 30
+                while (await client.status())["servers"][urls[0]]["n_scheduled"] < 2:
+                    assert time.monotonic() < deadline, "no chunk reached server 0 in 30 s"
+                    await asyncio.sleep(0.005)
                 procs[0].send_signal(signal.SIGKILL)
                 groups = await asyncio.wait_for(asyncio.gather(*tasks), 120)
                 assert all(len(ids) > 0 for grp in groups for ids in grp.output_ids)
@@ -467,8 +471,8 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
         assert w.manager.trainer_ready
         return w
 
-    def trainer_start(trained):
-        start = json.dumps({"trained_samples": trained, "version": 0, "checkpoint": None})
+    def trainer_start(trained, ckpt=None):
+        start = json.dumps({"trained_samples": trained, "version": 0, "checkpoint": ckpt})
         name_resolve.add(names.trainer_start("exp", trial), start, replace=True)
 
     try:
@@ -505,7 +509,7 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
             assert json.load(f)["staleness"]["accepted_total"] == 2
         # a restarted manager resumes at the trainer's count and syncs the server to version 1
         name_resolve.add(names.training_samples("exp", trial), "2", replace=True)
-        trainer_start(2)
+        trainer_start(2, ckpt=str(tmp_path / "ckpt"))  # a resumed trainer: saved counters load
 
         def restarted_status():
             w2 = make()

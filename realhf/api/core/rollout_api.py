@@ -175,7 +175,8 @@ class GserverManagerConfig:
         keep_weight_versions: published weight directories kept after an update (older ones
             are deleted); None keeps all.
         state_path: JSON file for the manager's counters (saved every
-            ``state_save_interval_s`` and at exit, loaded at start when present).
+            ``state_save_interval_s`` and at exit, loaded when the trainer resumes from a
+            recover checkpoint); None = ``{run_dir}/gserver_manager_state.json``.
     """
 
     model_role: str = "actor"
