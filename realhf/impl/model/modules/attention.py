@@ -69,14 +69,18 @@ def _window_mask(length: int, window: int, device) -> torch.Tensor:
 
 def _per_seq(q, k, v, bounds: List[int], scale, window) -> torch.Tensor:
     outs = []
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        if e == s:
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    # ``split`` rather than one slice per sequence: the backward of a slice writes its
+    # gradient into a zero-filled tensor of the whole pack, so B slices cost O(B * T) in
+    # the backward (30% of a 256-answer train step); split's backward is one cat.
+    for n, qq, kk, vv in zip(lens, q.split(lens), k.split(lens), v.split(lens)):
+        if n == 0:
             continue
         # [L, H, D] -> [1, H, L, D]: SDPA wants heads before the sequence dim, and
         # only 4-D inputs reach torch's fused CPU kernel (3-D falls back to math).
-        qq, kk, vv = (t[s:e].transpose(0, 1)[None] for t in (q, k, v))
-        if window is not None and e - s > window:
-            mask = _window_mask(e - s, window, q.device)
+        qq, kk, vv = (t.transpose(0, 1)[None] for t in (qq, kk, vv))
+        if window is not None and n > window:
+            mask = _window_mask(n, window, q.device)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
             )
