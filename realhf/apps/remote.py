@@ -35,7 +35,7 @@ import sys
 from typing import List, Optional
 
 from realhf.api.core import system_api
-from realhf.base import constants, logging, name_resolve
+from realhf.base import constants, logging, name_resolve, shutdown
 from realhf.system import worker_base
 from realhf.system.errors import ExperimentFailed
 from realhf.system.worker_control import Controller
@@ -227,4 +227,5 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Not sys.exit: a finished gloo rank could abort in interpreter teardown (base/shutdown.py).
+    shutdown.run_and_exit(main)

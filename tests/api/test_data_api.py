@@ -222,6 +222,9 @@ def _synced_worker(rank, init_file, seqlens_per_rank, n_mbs, result_q):
             result_q.put((rank, "crash", repr(e)))
     finally:
         dist.destroy_process_group()
+    from realhf.base import shutdown
+
+    shutdown.hard_exit(0)  # a plain return could abort in teardown (see base/shutdown.py)
 
 
 def _run_synced(tmp_path, seqlens_per_rank, n_mbs=1):

@@ -106,6 +106,8 @@ _CHILD = textwrap.dedent(
         out["clash"] = str(e)
     print(json.dumps(out))
     dist.destroy_process_group()
+    from realhf.base import shutdown
+    shutdown.hard_exit(0)  # plain teardown could abort (see base/shutdown.py)
     """
 )
 

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from realhf.base import network
+from realhf.base import network, shutdown
 from realhf.system.data_transfer import (
     DataTransferError,
     TransferStep,
@@ -198,6 +198,7 @@ def _run_rank(args) -> None:
             json.dump(out, f)
         if args.scenario == "exchange":
             dist.destroy_process_group()
+            shutdown.hard_exit(0)  # plain teardown could abort (see base/shutdown.py)
         else:
             os._exit(0)  # gloo teardown would wait on the stuck pair
 

@@ -97,3 +97,6 @@ def dp_rank_main(
             torch.save({"flat": engine.model.flat_params.clone(), "stats": stats}, out_file)
     finally:
         dist.destroy_process_group()
+    from realhf.base import shutdown
+
+    shutdown.hard_exit(0)  # a plain return could abort in teardown (see base/shutdown.py)

@@ -161,3 +161,6 @@ def dp_rank_main(rank: int, world: int, init_file: str, out_file: str, hf_dir: s
         )
     finally:
         dist.destroy_process_group()
+    from realhf.base import shutdown
+
+    shutdown.hard_exit(0)  # a plain return could abort in teardown (see base/shutdown.py)

@@ -219,6 +219,8 @@ out["early_stopped"] = st["early_stopped"].item()
 out["importance_weight"] = st["importance_weight"].item()
 print(json.dumps(out))
 dist.destroy_process_group()
+from realhf.base import shutdown
+shutdown.hard_exit(0)  # plain teardown could abort (see base/shutdown.py)
 """
 
 
