@@ -141,6 +141,10 @@ class BaseExperimentConfig:
     worker_timeout: float = field(
         default=600.0, metadata={"help": "seconds any worker may wait for a peer before failing loudly"}
     )
+    torch_threads: Optional[int] = field(
+        default=None,
+        metadata={"help": "intra-op CPU threads of each training process; empty = share the cores (one is left to the master)"},
+    )
     exp_ctrl: ExperimentControlConfig = field(default_factory=ExperimentControlConfig)
 
     def __post_init__(self):
@@ -151,3 +155,7 @@ class BaseExperimentConfig:
             v = getattr(self, name)
             _check("/" not in v and "@" not in v, f"{name}={v!r} may not contain '/' or '@'")
         _check(self.worker_timeout > 0, f"worker_timeout must be > 0, got {self.worker_timeout}")
+        _check(
+            self.torch_threads is None or (isinstance(self.torch_threads, int) and self.torch_threads >= 1),
+            f"torch_threads={self.torch_threads!r}: use an integer >= 1, or leave it empty",
+        )

@@ -234,7 +234,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         dataset_batch_size=B,
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
-        torch_num_threads=_threads(n_train),
+        torch_num_threads=cfg.torch_threads or _threads(n_train),
         imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
     )
     master = MasterWorkerConfig(

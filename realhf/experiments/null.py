@@ -52,7 +52,7 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         seed=cfg.seed, models=[common.model_spec("default", cfg.model, path, trainable=True)], mfcs=mfcs,
         dataset=DatasetAbstraction("prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)),
         tokenizer_path=path, dataset_batch_size=n, timeout=cfg.worker_timeout, ft_spec=ft_spec,
-        torch_num_threads=common.torch_threads(n_workers),
+        torch_num_threads=common.torch_threads(cfg, n_workers),
         imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.null_interface",),
     )
     master = MasterWorkerConfig(

@@ -172,7 +172,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
-        torch_num_threads=common.torch_threads(n_workers),
+        torch_num_threads=common.torch_threads(cfg, n_workers),
         imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
     )
     master = MasterWorkerConfig(

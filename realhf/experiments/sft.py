@@ -97,7 +97,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
-        torch_num_threads=common.torch_threads(n_workers),
+        torch_num_threads=common.torch_threads(cfg, n_workers),
         imports=common.WORKER_IMPORTS,
     )
     master = MasterWorkerConfig(

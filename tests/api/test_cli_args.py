@@ -16,6 +16,7 @@ def test_defaults_construct():
         ("mode=k8s", "mode='k8s'"),
         ("exp_ctrl.save_freq_steps=0", "save_freq_steps"),
         ("trial_name=a/b", "trial_name"),
+        ("torch_threads=0", "torch_threads=0"),
     ],
 )
 def test_invalid_values_are_named(override, needle):

@@ -55,6 +55,15 @@ def test_decoupled_one_step_takes_proximal_from_train_forward(init_model):
     assert "proximal_logprobs" not in train.input_keys
 
 
+def test_torch_threads_default_shares_the_cores_and_can_be_set(init_model, monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    threads = lambda *a: [w.torch_num_threads for w in build_ppo_math(parse_config(
+        PPOMathConfig, [f"actor.path={init_model}", *a])).workers["model_worker"]]
+    assert threads() == [8]
+    assert threads("allocation_mode=d2p1m1") == [4, 4]
+    assert threads("allocation_mode=d2p1m1", "torch_threads=3") == [3, 3]
+
+
 def test_sft_single_mfc(init_model):
     exp = build_sft(parse_config(SFTConfig, [f"model.path={init_model}"]))
     assert _mfc_names(exp) == ["trainDefault"]
