@@ -143,7 +143,7 @@ class BaseExperimentConfig:
     )
     torch_threads: Optional[int] = field(
         default=None,
-        metadata={"help": "intra-op CPU threads of each training process; empty = share the cores (one is left to the master)"},
+        metadata={"help": "intra-op CPU threads of each training process; empty = the cores shared evenly (async: the trainer gets half the spare cores)"},
     )
     exp_ctrl: ExperimentControlConfig = field(default_factory=ExperimentControlConfig)
 
