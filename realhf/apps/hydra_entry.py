@@ -2,14 +2,19 @@
 
 from omegaconf import OmegaConf
 
-from realhf.api.quickstart.cli import ConfigError, parse_config
+from realhf.api.quickstart.cli import ConfigError, config_from_dict
 
 
 def config_from_hydra(config_cls, cfg):
-    """`cfg` (a hydra DictConfig) validated as a `config_cls` instance (ConfigError/ValueError)."""
+    """`cfg` (a hydra DictConfig) validated as a `config_cls` instance (ConfigError/ValueError).
+
+    Hydra has already parsed the command line, so its values are merged as objects. (Turning
+    them back into ``key=value`` strings and parsing again re-interpreted them as YAML:
+    ``"010"`` became 8, ``"yes"`` True, ``"run #2"`` lost its comment-like tail.)
+    """
     plain = OmegaConf.to_container(cfg, resolve=True)
     plain.pop("hydra", None)
-    return parse_config(config_cls, [f"{k}={v}" for k, v in _flatten(plain)])
+    return config_from_dict(config_cls, plain, "the hydra config")
 
 
 def run_from_hydra(name: str, config_cls, cfg) -> int:
@@ -21,14 +26,3 @@ def run_from_hydra(name: str, config_cls, cfg) -> int:
     except (ConfigError, ValueError) as e:
         raise SystemExit(f"{name}: {e}")
     return app_main.run(name, parsed)
-
-
-def _flatten(d, prefix=""):
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            yield from _flatten(v, key + ".")
-        elif isinstance(v, list):
-            yield key, "[" + ",".join(map(str, v)) + "]"
-        else:
-            yield key, "''" if v == "" else ("null" if v is None else v)

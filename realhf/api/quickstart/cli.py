@@ -143,6 +143,21 @@ def parse_config(cls, argv: list[str]):
             raise ConfigError(f"cannot parse override '{ov}': {e}") from None
         conf = _merge_one(conf, dot, cls, f"override '{ov}'")
         del key
+    return _to_object(conf)
+
+
+def config_from_dict(cls, values: dict, source: str):
+    """Build an instance of dataclass `cls` from an already-parsed nested dict.
+
+    Unlike `key=value` overrides, the values are taken as they are (no YAML parsing of
+    strings), so ``"010"``, ``"yes"`` or ``"a: b"`` stay strings and list items keep their
+    commas; unknown keys and type errors are ConfigErrors naming `source`.
+    """
+    conf = _merge_one(OmegaConf.structured(cls), OmegaConf.create(values), cls, source)
+    return _to_object(conf)
+
+
+def _to_object(conf):
     try:
         return OmegaConf.to_object(conf)
     except OmegaConfBaseException as e:
