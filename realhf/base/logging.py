@@ -6,6 +6,12 @@ output (``system`` for workers, ``benchmark`` for timings, ``colored`` for user
 facing messages).  Colour codes are emitted only when the stream is a TTY so log
 files and captured test output stay plain text.
 
+All output goes through one stderr handler on the package logger ``realhf``: the
+loggers made here and plain ``logging.getLogger(__name__)`` loggers of realhf modules
+propagate to it, so a module's INFO lines are printed and formatted like everyone
+else's, and a worker's log file (attached to the package logger) receives them all.
+The package logger itself does not propagate to the root logger, so nothing prints twice.
+
 Add a worker's log file with :func:`add_file_handler`; the run-directory layout
 (``{fileroot}/{experiment}/{trial}/logs/{worker}.log``) lives in
 :mod:`realhf.base.constants`.
@@ -97,6 +103,22 @@ class _ColourFormatter(_std_logging.Formatter):
         return text
 
 
+class _TypedFormatter(_std_logging.Formatter):
+    """Formats each record in the format of the logger type it came from.
+
+    One handler serves every realhf logger, so the type travels on the record
+    (set by the logger's :class:`_ShortName` filter); records of plain module
+    loggers use the ``system`` format.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_type = {t: _ColourFormatter(fmt) for t, fmt in LOG_TYPES.items()}
+
+    def format(self, record: _std_logging.LogRecord) -> str:
+        return self._by_type[getattr(record, "realhf_type", "system")].format(record)
+
+
 class _StderrHandler(_std_logging.StreamHandler):
     """Looks up ``sys.stderr`` at emit time (pytest's capsys swaps it)."""
 
@@ -110,6 +132,18 @@ class _StderrHandler(_std_logging.StreamHandler):
     @stream.setter
     def stream(self, value) -> None:  # the base __init__ assigns it
         pass
+
+
+def _install_package_logger() -> _std_logging.Logger:
+    """Give the package logger its one stderr handler (idempotent)."""
+    package = _std_logging.getLogger(_ROOT)
+    if not any(isinstance(h, _StderrHandler) for h in package.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(_TypedFormatter())
+        package.addHandler(handler)
+        package.setLevel(_default_level())
+        package.propagate = False
+    return package
 
 
 def getLogger(name: Optional[str] = None, type_: str = "system") -> _std_logging.Logger:
@@ -132,29 +166,29 @@ def getLogger(name: Optional[str] = None, type_: str = "system") -> _std_logging
         logger = _configured.get(full)
         if logger is not None:
             return logger
+        level = _default_level()
+        _install_package_logger()
         logger = _std_logging.getLogger(full)
-        logger.setLevel(_default_level())
-        handler = _StderrHandler()
-        handler.setFormatter(_ColourFormatter(LOG_TYPES[type_]))
-        logger.addHandler(handler)
-        # Our own handler prints; don't print again via the root logger.
-        logger.propagate = False
-        # Show the short name (without the "realhf." prefix) in records.
-        logger.addFilter(_ShortName(name or _ROOT))
-        # A worker may add its log file before creating its other loggers.
-        for fh in _file_handlers.values():
-            logger.addHandler(fh)
+        logger.setLevel(level)
+        if name is not None:
+            # Printing and log files are the package logger's handlers'; this one
+            # only names its records and picks their format.
+            logger.addFilter(_ShortName(name, type_))
         _configured[full] = logger
         return logger
 
 
 class _ShortName(_std_logging.Filter):
-    def __init__(self, short: str) -> None:
+    """Shows a logger's short name (no ``realhf.`` prefix) and tags its format type."""
+
+    def __init__(self, short: str, type_: str) -> None:
         super().__init__()
         self._short = short
+        self._type = type_
 
     def filter(self, record: _std_logging.LogRecord) -> bool:
         record.name = self._short
+        record.realhf_type = self._type
         return True
 
 
@@ -176,9 +210,7 @@ def add_file_handler(path: str, level: Optional[int] = None) -> _std_logging.Han
         if level is not None:
             handler.setLevel(level)
         _file_handlers[path] = handler
-        loggers = list(_configured.values())
-    for logger in loggers:
-        logger.addHandler(handler)
+        _install_package_logger().addHandler(handler)
     return handler
 
 
@@ -187,11 +219,9 @@ def remove_file_handler(path: str) -> None:
     path = os.path.abspath(path)
     with _lock:
         handler = _file_handlers.pop(path, None)
-        loggers = list(_configured.values())
     if handler is None:
         return
-    for logger in loggers:
-        logger.removeHandler(handler)
+    _std_logging.getLogger(_ROOT).removeHandler(handler)
     handler.close()
 
 
@@ -199,5 +229,11 @@ def set_level(level: int) -> None:
     """Set the level of every realhf logger created so far (and the default)."""
     os.environ["REALHF_LOG_LEVEL"] = _std_logging.getLevelName(level)
     with _lock:
+        _install_package_logger().setLevel(level)
         for logger in _configured.values():
             logger.setLevel(level)
+
+
+# realhf/__init__.py imports this module, so module loggers of any realhf import
+# have a handler to propagate to before anyone calls getLogger().
+_install_package_logger()

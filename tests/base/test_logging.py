@@ -18,7 +18,10 @@ def test_logger_prints_worker_name_plain_when_not_a_tty(capsys):
     assert re.search(r"model_worker/7 INFO: hello 3", err)
     assert "\033[" not in err
     assert logging.getLogger("model_worker/7") is log  # cached, no extra handlers
-    assert len(log.handlers) >= 1
+    # exactly one printing handler, on the package logger, whatever was created since
+    package = logging._std_logging.getLogger("realhf")
+    assert [type(h) for h in package.handlers].count(logging._StderrHandler) == 1
+    assert log.handlers == [] and log.propagate
 
 
 def test_colour_only_on_tty():
@@ -53,3 +56,32 @@ def test_unknown_type_and_bad_level(monkeypatch):
     monkeypatch.setenv("REALHF_LOG_LEVEL", "LOUD")
     with pytest.raises(ValueError, match="REALHF_LOG_LEVEL"):
         logging.getLogger("brand_new_logger_for_level_test")
+
+
+def test_module_loggers_print_formatted_info_and_reach_worker_files(capsys, tmp_path):
+    # realhf modules use the standard `logging.getLogger(__name__)`; their INFO lines used
+    # to vanish (no handler above them) and their warnings printed without a format.
+    import logging as std
+
+    path = tmp_path / "worker.log"
+    logging.add_file_handler(str(path))
+    try:
+        mod = std.getLogger("realhf.impl.reward.some_module")
+        mod.info("graded %d answers", 8)
+        mod.warning("slow check")
+        err = capsys.readouterr().err
+        assert re.search(r"\d{8}-\d\d:\d\d:\d\d\.\d{3} realhf.impl.reward.some_module INFO: graded 8 answers", err)
+        assert "realhf.impl.reward.some_module WARNING: slow check" in err
+        assert err.count("graded 8 answers") == 1  # printed once, not again via the root logger
+        text = path.read_text()
+        assert "INFO: graded 8 answers" in text and "WARNING: slow check" in text
+    finally:
+        logging.remove_file_handler(str(path))
+
+
+def test_each_logger_keeps_its_format_through_the_shared_handler(capsys):
+    logging.getLogger("timings", "benchmark").info("step 0.5 s")
+    logging.getLogger("quiet_user", "plain").info("just the message")
+    err = capsys.readouterr().err
+    assert re.search(r"\[BENCH\] timings: step 0.5 s", err)
+    assert "\njust the message\n" in "\n" + err
