@@ -125,3 +125,21 @@ def no_leftover_processes():
 
     yield check
     check()
+
+
+@pytest.fixture
+def caplog(caplog):
+    """pytest's caplog, also fed by realhf loggers.
+
+    caplog listens on the root logger, and the ``realhf`` package logger does not propagate
+    there (it prints through its own handler, and a user's root handler would print every
+    line twice), so its handler is attached to the package logger as well.
+    """
+    import logging as std
+
+    package = std.getLogger("realhf")
+    package.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        package.removeHandler(caplog.handler)
