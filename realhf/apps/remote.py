@@ -27,7 +27,6 @@ import argparse
 import ctypes
 import dataclasses
 import importlib
-import json
 import os
 import pickle
 import signal
@@ -36,6 +35,7 @@ from typing import List, Optional
 
 from realhf.api.core import system_api
 from realhf.base import constants, logging, name_resolve, shutdown
+from realhf.base.atomic_file import write_json_atomic
 from realhf.system import worker_base
 from realhf.system.errors import ExperimentFailed
 from realhf.system.worker_control import Controller
@@ -187,10 +187,7 @@ def run_controller(args) -> int:
         outcome = {"ok": False, "failures": {}, "message": str(e)}
         code = 1
     if args.summary:
-        tmp = args.summary + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(outcome, f, indent=2)
-        os.replace(tmp, args.summary)
+        write_json_atomic(args.summary, outcome, indent=2)
     return code
 
 

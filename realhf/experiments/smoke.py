@@ -21,12 +21,12 @@ many polls-with-work, to exercise ERROR reporting.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Dict, List, Optional, Tuple
 
 from realhf.api.core.system_api import ExperimentConfig, register_experiment
+from realhf.base.atomic_file import write_json_atomic
 from realhf.system.errors import NoMessage, RemoteError, StreamTimeout
 from realhf.system.push_pull_stream import EndOfStream, PullerStream, PusherStream, producers_of
 from realhf.system.request_reply_stream import ReplyServer, RequestClient
@@ -109,9 +109,7 @@ class SmokeConsumerConfig:
 def _write_result(result_dir: str, worker_name: str, result: dict) -> None:
     os.makedirs(result_dir, exist_ok=True)
     path = os.path.join(result_dir, worker_name.replace("/", "_") + ".json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_json_atomic(path, result, indent=2)
 
 
 class _Crashable(Worker):

@@ -40,6 +40,7 @@ from realhf.api.core.rollout_api import (
     ServerFailureReport,
 )
 from realhf.base import constants, logging, name_resolve, names
+from realhf.base.atomic_file import write_json_atomic
 from realhf.system.server_pool import (
     NoServerAvailable,
     ServerPool,
@@ -415,9 +416,7 @@ class GserverManagerWorker(Worker):
         path = self.state_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         state = self.service.call(self.manager.state_dict)
-        with open(path + ".tmp", "w") as f:
-            json.dump(state, f)
-        os.replace(path + ".tmp", path)
+        write_json_atomic(path, state)
 
     def _exit_hook(self) -> None:
         service = getattr(self, "service", None)

@@ -32,6 +32,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 
 from realhf.base import constants, logging
+from realhf.base.atomic_file import write_atomic, write_json_atomic
 
 logger = logging.getLogger("recover", "system")
 
@@ -78,15 +79,6 @@ def prepare_tmp_dir(root: str, step: int) -> str:
     return path
 
 
-def _write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def commit(
     root: str, tmp_dir: str, step: int, master_state: Mapping[str, Any], keep: int = 1
 ) -> str:
@@ -95,12 +87,12 @@ def commit(
     Writes ``master.json`` into it, renames it to ``step{step}``, points ``latest`` at it,
     then deletes all but the ``keep`` newest complete checkpoints and stale ``.tmp`` dirs.
     """
-    _write_atomic(os.path.join(tmp_dir, MASTER_STATE), json.dumps(dict(master_state), indent=1))
+    write_json_atomic(os.path.join(tmp_dir, MASTER_STATE), dict(master_state), indent=1)
     final = os.path.join(root, _step_name(step))
     if os.path.exists(final):  # the same step checkpointed again after a resume
         shutil.rmtree(final)
     os.rename(tmp_dir, final)
-    _write_atomic(os.path.join(root, LATEST), _step_name(step))
+    write_atomic(os.path.join(root, LATEST), _step_name(step))
     steps = sorted(
         (int(m.group(1)), name)
         for name in os.listdir(root)
@@ -203,7 +195,7 @@ def save_worker_state(
     if loader_state is not None:
         path = data_state_path(ckpt_dir, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_atomic(path, json.dumps(loader_state))
+        write_json_atomic(path, loader_state)
         written.append(path)
     return written
 

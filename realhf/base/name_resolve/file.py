@@ -30,6 +30,7 @@ import uuid
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from realhf.base import constants
+from realhf.base.atomic_file import write_json_atomic
 from realhf.base.name_resolve._repository import (
     NameEntryExistsError,
     NameRecordRepository,
@@ -89,10 +90,11 @@ class FileNameRecordRepository(NameRecordRepository):
     def _write(self, key: str, entry: dict) -> None:
         d = self._dir(key)
         os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f"{ENTRY}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(entry, f)
-        os.replace(tmp, os.path.join(d, ENTRY))
+        # No fsync: entries describe live processes and expire with them, so a
+        # machine crash makes them meaningless anyway, while keepalives rewrite
+        # them often (an fsync each is costly, on NFS especially).  Atomicity
+        # against concurrent readers is what matters here.
+        write_json_atomic(os.path.join(d, ENTRY), entry, fsync=False)
 
     def _prune(self, key: str) -> None:
         """Remove now-empty directories from key's up to (excluding) the root."""
