@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from realhf.api.core.rollout_api import GenerationServerConfig
 from realhf.base import constants, name_resolve, names, network
 from realhf.system.gserver_manager import experiment_ended
 from realhf.system.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
 from realhf.system.worker_base import PollResult, Worker, register_worker
+
+if TYPE_CHECKING:  # the built-in backend is imported only when it is used
+    from realhf.base.http_server import ServerThread
+    from realhf.impl.model.gen.engine import GenerationEngine
 
 __all__ = ["resolve_backend", "GenerationServer"]
 
@@ -50,6 +54,14 @@ class GenerationServer(Worker):
     """See the module docstring."""
 
     config_class = GenerationServerConfig
+
+    # What _exit_hook releases, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way (e.g. a backend
+    # that started but never became healthy).
+    engine: Optional[GenerationEngine] = None
+    http: Optional[ServerThread] = None
+    sglang: Optional[SGLangServer] = None
+    _key: Optional[str] = None
 
     def _configure(self, config: GenerationServerConfig) -> None:
         self.backend = resolve_backend(config.backend)
@@ -158,8 +170,7 @@ class GenerationServer(Worker):
             self._key = None
 
     def _exit_hook(self) -> None:
-        if not hasattr(self, "backend"):
-            return  # never configured
+        # Each resource is None until built (class attributes above).
         self._withdraw()
         if self.http is not None:
             self.http.stop()

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Callable, Dict, List
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 from realhf.api.core.rollout_api import (
     AllocateReply,
@@ -51,6 +51,9 @@ from realhf.system.server_pool import (
 )
 from realhf.system.staleness import NameResolveProgress, StalenessController, TrainerProgress
 from realhf.system.worker_base import PollResult, Worker, register_worker
+
+if TYPE_CHECKING:  # gserver_http imports this module
+    from realhf.system.gserver_http import ManagerService
 
 logger = logging.getLogger("gserver_manager", "system")
 
@@ -330,6 +333,12 @@ class GserverManagerWorker(Worker):
 
     config_class = GserverManagerConfig
 
+    # What _exit_hook touches, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way.
+    manager: Optional[GserverManager] = None
+    service: Optional[ManagerService] = None
+    _key: Optional[str] = None
+
     def _configure(self, config: GserverManagerConfig) -> None:
         from realhf.base import network
         from realhf.system.gserver_http import ManagerService
@@ -413,20 +422,26 @@ class GserverManagerWorker(Worker):
         )
 
     def _save_state(self) -> None:
+        # Until the trainer's start is read the counters are fresh zeros, not this run's:
+        # saving them would overwrite the file a resumed run is about to restore from
+        # (a trainer that takes longer than one save interval to start is normal).
+        if not self.manager.trainer_ready:
+            return
         path = self.state_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         state = self.service.call(self.manager.state_dict)
         write_json_atomic(path, state)
 
     def _exit_hook(self) -> None:
-        service = getattr(self, "service", None)
-        if service is None:
+        # Each resource is None until built (class attributes above).
+        if self.service is None:
             return
         try:
             self._save_state()
         finally:
-            service.stop()
-            try:
-                name_resolve.delete(self._key)
-            except Exception:  # expired or cleared with the trial
-                pass
+            self.service.stop()
+            if self._key is not None:
+                try:
+                    name_resolve.delete(self._key)
+                except Exception:  # expired or cleared with the trial
+                    pass

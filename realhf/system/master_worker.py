@@ -72,6 +72,14 @@ class MasterWorker(AsyncWorker):
 
     config_class = MasterWorkerConfig
 
+    # What _exit_hook releases, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way.
+    client: Optional[RequestClient] = None
+    metrics: Optional[MetricsLog] = None
+    tb: Optional[TensorBoardLog] = None
+    trace: Optional[TraceLog] = None
+    progress: Optional[ProgressDisplay] = None
+
     def _configure(self, config: MasterWorkerConfig) -> None:
         self.graph = build_graph(config.mfcs)
         self.mfcs: Dict[str, MFCDef] = {m.name: m for m in config.mfcs}
@@ -93,7 +101,6 @@ class MasterWorker(AsyncWorker):
         self.step = StepInfo()  # progress before the next step
         self.counters = {"samples": 0, "tokens": 0, "seconds": 0.0}
         self.started = False
-        self.metrics = self.tb = self.trace = self.progress = None
 
     # ---- start --------------------------------------------------------------
 
@@ -339,11 +346,12 @@ class MasterWorker(AsyncWorker):
         )
 
     def _exit_hook(self) -> None:
+        # Each resource is None until built (class attributes above).
         for out in (self.trace, self.tb, self.progress):
             if out is not None:
                 try:
                     out.close()
                 except Exception:
                     self.logger.exception("closing an output failed")
-        if getattr(self, "client", None) is not None:
+        if self.client is not None:
             self.client.close()

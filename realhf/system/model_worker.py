@@ -28,7 +28,7 @@ import os
 import random
 import shutil
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
 import torch
@@ -98,6 +98,11 @@ class ModelWorker(Worker):
     """See the module docstring."""
 
     config_class = ModelWorkerConfig
+
+    # What _exit_hook releases, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way.
+    server: Optional[ReplyServer] = None
+    loader: Optional[Union[ShardLoader, TrajectoryStreamLoader]] = None
 
     # ---- setup --------------------------------------------------------------
 
@@ -225,9 +230,11 @@ class ModelWorker(Worker):
         return PollResult(batch_count=1)
 
     def _exit_hook(self) -> None:
-        if getattr(self, "server", None) is not None:
+        # Each resource is None until built (class attributes above); the process group
+        # tells for itself whether it was set up.
+        if self.server is not None:
             self.server.close()
-        if isinstance(getattr(self, "loader", None), TrajectoryStreamLoader):
+        if isinstance(self.loader, TrajectoryStreamLoader):
             self.loader.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

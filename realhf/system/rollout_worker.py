@@ -64,6 +64,10 @@ class RolloutWorker(AsyncWorker):
 
     config_class = RolloutWorkerConfig
 
+    # What _exit_hook releases, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way.
+    pusher: Optional[PusherStream] = None
+
     def _configure(self, config: RolloutWorkerConfig) -> None:
         for module in _DEFAULT_IMPORTS + tuple(config.imports):
             importlib.import_module(module)
@@ -191,7 +195,7 @@ class RolloutWorker(AsyncWorker):
                 self.pusher.abort()
 
     def _exit_hook(self) -> None:
-        if getattr(self, "pusher", None) is not None:
+        if self.pusher is not None:
             self.pusher.abort()  # no-op after a clean close
 
     # ---- the poll -------------------------------------------------------------

@@ -28,9 +28,11 @@ exit       leave the loop; the process ends with code 0           (removed)
 The status lives in name_resolve under ``names.worker_status(...)`` with a
 keepalive TTL (:data:`DEFAULT_STATUS_TTL`): a worker that dies without
 cleaning up (SIGKILL, OOM) loses its key within the TTL and the controller
-reads it as LOST.  When ``_configure`` or ``_poll`` raises, the worker writes
-ERROR (without TTL, so it outlives the process) and the error with its
-traceback (:func:`read_error`), then leaves the loop with exit code 1.
+reads it as LOST.  When ``_configure`` or ``_poll`` raises, or a control request
+cannot be unpickled (e.g. a config class the worker cannot import), the worker
+logs the error, writes ERROR (without TTL, so it outlives the process) and the
+error with its traceback (:func:`read_error`), then leaves the loop with exit
+code 1.  ``_exit_hook`` runs whenever the loop ends, from whatever state.
 
 Workers are registered by type name (:func:`register_worker`) so that
 ``python -m realhf.apps.remote worker --type T ...`` can build one.
@@ -63,6 +65,7 @@ __all__ = [
     "ControlRequest",
     "ControlReply",
     "ControlCommandError",
+    "UnreadableControlRequest",
     "WorkerControlServer",
     "Worker",
     "AsyncWorker",
@@ -183,16 +186,29 @@ class WorkerControlServer:
         name_resolve.add(self._key, self.address, keepalive_ttl=keepalive_ttl, replace=True)
         self._closed = False
 
-    def recv(self, timeout: float) -> Optional[ControlRequest]:
-        """The next request, or None if none arrives within ``timeout`` s."""
+    def recv(self, timeout: float) -> Any:
+        """The next request, or None if none arrives within ``timeout`` s.
+
+        A message that cannot be unpickled comes back as an
+        :class:`UnreadableControlRequest` (caused by the unpickling error) instead of
+        raising: the worker must still answer it, or the controller's REQ socket
+        hangs, and the answer should carry the real error.
+        """
         if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
             return None
         buf = self._sock.recv()
         try:
-            req = pickle.loads(buf)
-        except Exception as e:  # answer so the REQ side is not left hanging
-            req = e
-        return req
+            return pickle.loads(buf)
+        except Exception as e:
+            err = UnreadableControlRequest(
+                f"{self.worker_name} could not unpickle a control request ({len(buf)} bytes): "
+                f"{e!r}. A configure request carries the experiment's worker config, whose "
+                "classes must be importable in the worker process too: define them in a "
+                "module (not the launcher's __main__) and pass it to the worker with "
+                "`--import MODULE` (realhf.apps.remote), or put it on the workers' PYTHONPATH."
+            )
+            err.__cause__ = e
+            return err
 
     def send(self, reply: ControlReply) -> None:
         """Answer the request last received."""
@@ -212,6 +228,14 @@ class WorkerControlServer:
 
 class ControlCommandError(Exception):
     """A control request that is invalid in the worker's current state."""
+
+
+class UnreadableControlRequest(Exception):
+    """A control request the worker could not unpickle (see :meth:`WorkerControlServer.recv`).
+
+    Unlike a :class:`ControlCommandError` it fails the worker: the request was meant
+    for it (usually ``configure``), and it cannot carry it out in this process.
+    """
 
 
 class Worker:
@@ -276,7 +300,13 @@ class Worker:
         """Called on ``interrupt``: abandon work in progress."""
 
     def _exit_hook(self) -> None:
-        """Release resources; called once when the loop ends (any reason)."""
+        """Release resources; called once when the loop ends (any reason).
+
+        It runs from any state: also when ``configure`` never came, could not be read,
+        or raised half-way.  So release only what was built, and give every resource
+        it touches a ``None`` default that exists before ``_configure`` (a class
+        attribute), rather than assuming ``_configure`` got that far.
+        """
 
     # ---- status ---------------------------------------------------------
 
@@ -401,6 +431,12 @@ class Worker:
         """Answer at most one control request (waiting up to ``timeout`` s)."""
         req = control.recv(timeout)
         if req is None:
+            return
+        if isinstance(req, UnreadableControlRequest):
+            # Like a configure that raised: ERROR, the error in this worker's log and
+            # in the reply, exit code 1.  The command is unknown, the message unread.
+            info = self._fail(req, during="an unreadable control request")
+            control.send(ControlReply(self.worker_name, "?", error=info))
             return
         if not isinstance(req, ControlRequest):
             control.send(
