@@ -28,7 +28,7 @@ import weakref
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.base import logging, name_resolve, names
+from realhf.base import logging, name_resolve, names, proc_group
 
 logger = logging.getLogger("local_scheduler", "system")
 
@@ -343,34 +343,10 @@ class LocalScheduler:
             jobs = list(self.jobs)
         if not jobs:
             return
+        stuck = proc_group.stop_groups([j.popen for j in jobs], grace, first_signal)
         for j in jobs:
-            self._killpg(j, first_signal)
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(self._group_alive(j) for j in jobs):
-            time.sleep(0.05)
-        for j in jobs:
-            self._killpg(j, signal.SIGKILL)
-        for j in jobs:
-            try:
-                j.popen.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                logger.error(f"{j.name} (pid {j.pid}) did not die after SIGKILL")
-
-    @staticmethod
-    def _killpg(job: Job, sig: int) -> None:
-        try:
-            os.killpg(job.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # the whole group is gone already
-
-    @staticmethod
-    def _group_alive(job: Job) -> bool:
-        job.popen.poll()  # reap the leader so it does not count as alive
-        try:
-            os.killpg(job.pid, 0)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+            if j.popen in stuck:
+                logger.error(f"{j.name} (process group {j.pid}) did not die after SIGKILL")
 
     def __enter__(self):
         return self

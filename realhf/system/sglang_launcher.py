@@ -6,7 +6,9 @@ realhf sets (SGLang's own names, underscores for dashes);
 bare flags, ``False`` and ``None`` values are left out, everything else becomes
 ``--flag value``. :class:`SGLangServer` starts the process, waits for
 ``GET /health`` with a timeout (failing with the exit code and the log tail if
-the process dies first) and stops it.
+the process dies first) and stops it.  The server runs in its own session, and
+stopping it signals that whole process group: SGLang's scheduler and
+detokenizer processes hold GPU memory and must not outlive it.
 
 SGLang needs a CUDA GPU; on CPU-only machines the built-in engine
 (:mod:`realhf.apps.serve`) serves the same protocol.
@@ -22,6 +24,8 @@ import time
 import urllib.error
 import urllib.request
 from typing import Dict, List, Optional, Tuple
+
+from realhf.base import proc_group
 
 _DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof")
@@ -217,8 +221,14 @@ class SGLangServer:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab")
         try:
+            # Its own session makes its pid the id of a process group that SGLang's
+            # children inherit, so that stop() can reach them all.
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
         finally:
             log.close()  # the child holds its own descriptor
@@ -230,13 +240,22 @@ class SGLangServer:
         return self
 
     def stop(self, timeout: float = 30.0) -> Optional[int]:
-        """Terminate (then kill after ``timeout``) the process; returns its exit code."""
+        """SIGTERM the server's process group, SIGKILL it after ``timeout`` s.
+
+        Returns the server's exit code (None if it was never started).  The group is
+        signalled even when the server itself has exited already: its children may not
+        have.
+
+        Raises:
+            TimeoutError: processes of the group still live ``timeout`` s after SIGKILL.
+        """
         p = self.process
-        if p is None or p.poll() is not None:
-            return None if p is None else p.returncode
-        p.terminate()
-        try:
-            return p.wait(timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            return p.wait(timeout)
+        if p is None:
+            return None
+        stuck = proc_group.stop_groups([p], grace=timeout, kill_timeout=timeout)
+        if stuck:
+            raise TimeoutError(
+                f"the SGLang server's process group {p.pid} ({self.config.url}) still has "
+                f"live processes {timeout:g}s after SIGKILL; log: {self.log_path}"
+            )
+        return p.returncode

@@ -6,10 +6,14 @@ and against a process that dies.
 """
 
 import importlib.util
+import os
 import shutil
+import signal
 import socket
 import sys
+import time
 
+import psutil
 import pytest
 
 from realhf.system.sglang_launcher import SGLangConfig, SGLangServer, build_command, wait_healthy
@@ -119,6 +123,92 @@ def test_wait_healthy_times_out():
     port = _free_port()
     with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}/health did not answer"):
         wait_healthy(f"http://127.0.0.1:{port}", timeout=0.5, interval=0.1)
+
+
+# A stand-in for SGLang's process tree: the server spawns a child (as SGLang spawns its
+# scheduler and detokenizer) that ignores SIGTERM, so only the kill fallback can end it,
+# and that outlives the server if nobody kills it.  The child writes its pid once it
+# ignores SIGTERM; the server answers /health only after that, so stop() never races it.
+_FAKE_SERVER = r"""
+import http.server, os, signal, subprocess, sys, time
+port, pid_file, server_ignores_term = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+subprocess.Popen([sys.executable, "-c",
+    "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+    "os.replace(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)", pid_file])
+deadline = time.monotonic() + 30
+while not os.path.exists(pid_file) and time.monotonic() < deadline:
+    time.sleep(0.02)
+if server_ignores_term:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def _alive(pid: int) -> bool:
+    # Orphans are reparented to an init that may never reap them: a zombie is dead.
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("server_ignores_term", [False, True], ids=["term", "kill-fallback"])
+def test_stop_ends_the_servers_children(tmp_path, no_leftover_processes, server_ignores_term):
+    """stop() ends the whole process group, not only the server's own pid."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(_FAKE_SERVER)
+    pid_file = str(tmp_path / "child.pid")
+    port = _free_port()
+    server = SGLangServer(SGLangConfig(model_path="m", port=port), log_path=str(tmp_path / "s.log"))
+    server.command = [sys.executable, str(script), str(port), pid_file, str(int(server_ignores_term))]
+    child = None
+    try:
+        server.start(health_timeout=30)
+        child = int(open(pid_file).read())
+        leader = server.process.pid
+        # its own session: Ctrl-C or a killpg aimed at the launcher's group is not what
+        # stops it, stop() is, and stop() can reach every process it spawned
+        assert os.getsid(leader) == leader and os.getpgid(child) == leader
+        t0 = time.monotonic()
+        code = server.stop(timeout=1.0)
+        assert time.monotonic() - t0 < 15
+        assert code == (-signal.SIGKILL if server_ignores_term else -signal.SIGTERM)
+        assert not _alive(child), "the server's child survived stop()"
+    finally:
+        server.stop(timeout=1.0)
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)  # only the pid this test's server spawned
+
+
+def test_a_server_that_dies_while_starting_leaves_no_children(tmp_path, no_leftover_processes):
+    """The server exits before /health answers; the child it left behind is stopped too."""
+    pid_file = str(tmp_path / "child.pid")
+    server = SGLangServer(SGLangConfig(model_path="m", port=_free_port()), log_path=str(tmp_path / "s.log"))
+    server.command = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "open(sys.argv[1], 'w').write(str(c.pid))\n"
+        "sys.exit(3)",
+        pid_file,
+    ]
+    child = None
+    try:
+        with pytest.raises(RuntimeError, match="exited with code 3"):
+            server.start(health_timeout=30)
+        child = int(open(pid_file).read())
+        assert not _alive(child), "the child of a server that died while starting survived"
+    finally:
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)  # only the pid this test's server spawned
 
 
 @pytest.mark.slow
