@@ -1,11 +1,13 @@
 """The model workers' torch.distributed world, found through name resolution.
 
-Worker 0 picks a free port and publishes ``host:port`` under
+Worker 0 starts the rendezvous store (a ``TCPStore`` bound to port 0, so the kernel picks a
+port that is already its own) and publishes ``host:port`` under
 ``names.distributed_master(exp, trial, group_name)`` (with a keepalive TTL, so the address
 of a dead worker 0 vanishes instead of misleading a restarted run); the others wait for it
-(bounded), then all join.  The backend is gloo on CPU and nccl on CUDA devices, with a
-gloo side group for data transfers between host buffers; every collective of the groups
-times out after ``timeout`` seconds.
+(bounded), connect to the store, then all join through it.  (Publishing a port found free
+and binding it later would leave a window in which another process could take it.)  The
+backend is gloo on CPU and nccl on CUDA devices, with a gloo side group for data transfers
+between host buffers; every collective of the groups times out after ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -52,10 +54,17 @@ def init_world(
     """
     who = f"{group_name}/{rank}"
     key = names.distributed_master(experiment_name, trial_name, group_name)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    td = datetime.timedelta(seconds=timeout)
+    store = None
     if rank == 0:
         host = network.gethostip()
-        port = network.find_free_port(host=host)
-        name_resolve.add(key, f"{host}:{port}", keepalive_ttl=address_ttl, replace=True)
+        # Port 0: the store is listening before its port is published, so no other process
+        # can take the port in between.  (The server listens on every interface.)
+        store = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=td, wait_for_workers=False
+        )
+        name_resolve.add(key, f"{host}:{store.port}", keepalive_ttl=address_ttl, replace=True)
     try:
         address = name_resolve.wait(key, timeout=timeout)
     except TimeoutError as e:
@@ -63,12 +72,11 @@ def init_world(
             f"{who}: {group_name}/0 did not publish the process-group address (key {key!r}) "
             f"within {timeout:g}s"
         ) from e
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    td = datetime.timedelta(seconds=timeout)
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://{address}", rank=rank, world_size=world_size, timeout=td
-        )
+        if store is None:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=td)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
     except Exception as e:
         raise RuntimeError(
             f"{who}: joining the {world_size}-rank {backend} group at {address} failed within "
