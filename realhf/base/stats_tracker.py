@@ -38,6 +38,8 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
+from realhf.base import dist_util
+
 __all__ = [
     "ReduceType",
     "StatsTracker",
@@ -266,9 +268,6 @@ def _all_reduce_partials(local, group):
                 )
             types[k] = ReduceType(rt)
     keys = sorted(types)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # nccl reduces device tensors only
-        device = torch.device("cuda", torch.cuda.current_device())
     slots = {"sum": [], "count": [], "min": [], "max": []}
     for k in keys:
         p = local[k][1] if k in local else {}
@@ -282,8 +281,8 @@ def _all_reduce_partials(local, group):
         # skipping empty slots keeps all ranks' collectives in lockstep.
         if not entries:
             continue
-        t = torch.tensor([v for _, v in entries], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=op, group=group)
+        t = torch.tensor([v for _, v in entries], dtype=torch.float64)
+        dist_util.all_reduce_(t, op, group)  # nccl: via the GPU and back
         for (k, _), v in zip(entries, t.tolist()):
             reduced[k][name] = v
     return {k: (types[k], reduced[k]) for k in keys}

@@ -456,16 +456,15 @@ class SequenceSample:
         """
         import torch.distributed as dist
 
+        from realhf.base import dist_util
+
         result = self.split(mb_spec)
         if not (dist.is_available() and dist.is_initialized()):
             return result
-        device = torch.device("cpu")
-        if dist.get_backend(group) == "nccl":
-            device = torch.device("cuda", torch.cuda.current_device())
         while True:
             n = len(result[0])
-            t = torch.tensor([n, -n, -len(self)], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            t = torch.tensor([n, -n, -len(self)], dtype=torch.int64)
+            dist_util.all_reduce_(t, dist.ReduceOp.MAX, group)
             hi, lo, fewest_items = int(t[0]), -int(t[1]), -int(t[2])
             if hi == lo:
                 return result

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import FinetuneSpec
-from realhf.base import logging
+from realhf.base import dist_util, logging
 from realhf.impl.model.backend.inference import InferenceEngine, mb_inputs
 from realhf.impl.model.backend.lr_schedule import LRSchedule
 from realhf.impl.model.nn.flat_param import flat_view
@@ -159,13 +159,7 @@ class TrainEngine(InferenceEngine):
     def _all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         if self.dp_size == 1:
             return t
-        on = t
-        if dist.get_backend(self.dp_group) == "nccl" and t.device.type != "cuda":
-            on = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on, op=op or dist.ReduceOp.SUM, group=self.dp_group)
-        if on is not t:
-            t.copy_(on)
-        return t
+        return dist_util.all_reduce_(t, op or dist.ReduceOp.SUM, self.dp_group)
 
     # ------------------------------------------------------------------ training
     def train_batch(

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model
+from realhf.base import dist_util
 
 __all__ = [
     "engine_of",
@@ -71,12 +72,8 @@ def all_reduce_min(value: int, group) -> int:
     """The minimum of ``value`` over ``group`` (the value itself without torch.distributed)."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return int(value)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([int(value)], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
+    t = torch.tensor([int(value)], dtype=torch.int64)
+    return int(dist_util.all_reduce_(t, dist.ReduceOp.MIN, group).item())
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -84,13 +81,7 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     moved to the GPU and back for nccl."""
     if group is None or not (dist.is_available() and dist.is_initialized()):
         return t
-    on = t
-    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
-        on = t.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(on, group=group)
-    if on is not t:
-        t.copy_(on)
-    return t
+    return dist_util.all_reduce_(t, group=group)
 
 
 def sequence_ids(data: SequenceSample, key: str = "packed_input_ids") -> List[str]:
