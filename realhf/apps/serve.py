@@ -21,14 +21,17 @@ from typing import List, Optional
 
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
+from realhf.base.http_server import listen_socket, make_server, serve_until_started
 from realhf.impl.model.gen.config import EngineConfig
-from realhf.impl.model.gen.http_app import SERVER_KEEPALIVE_S, create_app
+from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
 
 logger = logging.getLogger("serve")
 
 READY_LINE = "realhf generation server ready"
 _WARMUP = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+#: most seconds from a warm engine to a listening socket (the app has no lifespan work)
+_STARTUP_TIMEOUT_S = 60.0
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -54,13 +57,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def _serve(server, host: str, port: int) -> None:
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            await task  # re-raise why uvicorn failed to start
-            raise RuntimeError(f"uvicorn exited before serving on {host}:{port}")
-        await asyncio.sleep(0.05)
+async def _serve(server, sock, host: str, port: int, timeout: float) -> None:
+    task = await serve_until_started(server, sock, timeout, name="realhf generation server")
     print(f"{READY_LINE} at http://{host}:{port}", flush=True)
     await task
 
@@ -94,31 +92,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import uvicorn
-
     tokenizer = load_tokenizer(args.model_path)
     engine = load_engine(args.model_path, config, tokenizer=tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
     app = create_app(engine, tokenizer=tokenizer, model_path=args.model_path, served_model_name=name)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            lifespan="off",
-            timeout_keep_alive=SERVER_KEEPALIVE_S,
-        )
-    )
+    server = make_server(app, args.host, args.port, log_level=args.log_level)
+    try:
+        # Bind before loading anything heavy: a taken port fails in a second, not after warm-up.
+        sock = listen_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
     engine.start()
     try:
         # One tiny request before the ready line: the first step loads compiled
         # kernels, which should not land on a client's latency.
         engine.generate([GenerateRequest(input_ids=(0,), sampling=_WARMUP)], timeout=config.request_timeout_s)
-        asyncio.run(_serve(server, args.host, args.port))
+        asyncio.run(_serve(server, sock, args.host, port, _STARTUP_TIMEOUT_S))
     except KeyboardInterrupt:
         pass
     finally:
+        sock.close()
         engine.close()
     return 0
 

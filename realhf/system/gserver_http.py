@@ -16,23 +16,29 @@ GET  /status                                      counters and servers
 GET  /health                                      200
 =========================  =====================  ======================  ====================
 
-Malformed bodies get 400 naming the field.  :class:`ManagerService` runs the app (uvicorn)
-and the manager's background loops in one event loop on a thread, so a sync worker can host
-it; :class:`ManagerClient` is what rollout workers use (every call has a timeout and its
-errors name the manager's URL and the endpoint).
+Bodies are validated by FastAPI against the pydantic message classes: a malformed one gets
+400 naming every wrong field (type, tuple item, range, unknown or missing field).  Errors
+of the manager map to statuses through exception handlers: :class:`RolloutNotRunning` 409,
+:class:`NoServerAvailable` 503.  All errors answer ``{"error": {"message": ...}}``.
+
+:class:`ManagerService` serves the app from a :class:`~realhf.base.http_server.ServerThread`;
+the app's lifespan starts the manager (it waits for its generation servers), runs its
+background loops on the same event loop and closes it, so a sync worker can host it.
+:class:`ManagerClient` is what rollout workers use (every call has a timeout and its errors
+name the manager's URL and the endpoint).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
-import threading
 from typing import Any, Callable, Dict, Optional, Type, TypeVar
 
 import aiohttp
 import fastapi
-import uvicorn
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from realhf.api.core.rollout_api import (
@@ -46,10 +52,11 @@ from realhf.api.core.rollout_api import (
     ScheduleReply,
     ScheduleRequest,
     ServerFailureReport,
-    from_json,
+    describe_errors,
+    parse_message,
 )
 from realhf.base import logging
-from realhf.impl.model.gen.http_app import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
+from realhf.base.http_server import CLIENT_KEEPALIVE_S, ServerThread, StartupError
 from realhf.system.gserver_manager import GserverManager, NoServerAvailable
 from realhf.system.staleness import RolloutNotRunning
 
@@ -62,47 +69,100 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
-def create_manager_app(manager: GserverManager) -> fastapi.FastAPI:
-    """The FastAPI app of ``manager`` (which must already be started on the same loop)."""
-    app = fastapi.FastAPI(title="realhf gserver manager")
+def create_manager_app(
+    manager: GserverManager,
+    on_exit: Optional[Callable[[Optional[BaseException]], None]] = None,
+) -> fastapi.FastAPI:
+    """The FastAPI app of ``manager``; serve it on one event loop (e.g. a ServerThread).
 
-    def route(path: str, msg_cls: Optional[type], fn: Callable) -> None:
-        """Serve ``fn(message)`` (POST) or ``fn()`` (GET when ``msg_cls`` is None) at ``path``."""
+    Its lifespan starts the manager (which waits for its generation servers), runs the
+    manager's background loops while the app serves, and closes the manager at shutdown.
+    ``on_exit(error)`` is called when start-up fails or the background loops end (``error``
+    is None when they were cancelled or returned), so the host can stop serving and report:
+    routes of a manager whose loops died would answer from stale state.
+    """
 
-        async def handler(request: fastapi.Request):
+    @contextlib.asynccontextmanager
+    async def lifespan(app: fastapi.FastAPI):
+        background: Optional[asyncio.Task] = None
+        try:
             try:
-                if msg_cls is None:
-                    out = fn()
-                else:
-                    raw = await request.body()
-                    try:
-                        body = json.loads(raw) if raw else {}
-                    except json.JSONDecodeError as e:
-                        raise MessageError(f"the request body is not valid JSON: {e}") from None
-                    out = fn(from_json(msg_cls, body))
-                if asyncio.iscoroutine(out):
-                    out = await out
-            except MessageError as e:
-                return _error(400, str(e))
-            except RolloutNotRunning as e:
-                return _error(409, str(e))
-            except NoServerAvailable as e:
-                return _error(503, str(e))
-            return out.to_json() if hasattr(out, "to_json") else out
+                await manager.start()
+            except BaseException as e:
+                if on_exit is not None:
+                    on_exit(e)
+                raise
+            background = asyncio.create_task(
+                manager.run_background(), name="gserver manager background loops"
+            )
+            if on_exit is not None:
+                background.add_done_callback(
+                    lambda t: on_exit(None if t.cancelled() else t.exception())
+                )
+            yield
+        finally:
+            if background is not None:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
+            await manager.close()
 
-        handler.__name__ = path.strip("/")
-        if msg_cls is None:
-            app.get(path)(handler)
-        else:
-            app.post(path)(handler)
+    app = fastapi.FastAPI(title="realhf gserver manager", lifespan=lifespan)
+    #: route -> its body's message class, so a 400 names the message and its field
+    bodies = {
+        "/allocate_rollout": "AllocateRequest",
+        "/schedule_request": "ScheduleRequest",
+        "/finish_rollout": "FinishRequest",
+        "/heartbeat": "HeartbeatRequest",
+        "/report_server_failure": "ServerFailureReport",
+    }
 
-    route("/allocate_rollout", AllocateRequest, manager.allocate)
-    route("/schedule_request", ScheduleRequest, manager.schedule)
-    route("/finish_rollout", FinishRequest, manager.finish)
-    route("/heartbeat", HeartbeatRequest, manager.heartbeat)
-    route("/report_server_failure", ServerFailureReport, manager.report_failure)
-    route("/status", None, manager.status)
-    route("/health", None, lambda: {"status": "ok"})
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: fastapi.Request, e: RequestValidationError):
+        return _error(400, describe_errors(bodies.get(request.url.path, "request"), e.errors()))
+
+    @app.exception_handler(MessageError)
+    async def invalid_message(request: fastapi.Request, e: MessageError):
+        return _error(400, str(e))
+
+    @app.exception_handler(RolloutNotRunning)
+    async def not_running(request: fastapi.Request, e: RolloutNotRunning):
+        return _error(409, str(e))
+
+    @app.exception_handler(NoServerAvailable)
+    async def no_server(request: fastapi.Request, e: NoServerAvailable):
+        return _error(503, str(e))
+
+    # Handlers are `async def` on purpose: the manager is not thread-safe, and FastAPI runs
+    # sync handlers in a thread pool; on the loop they run between its background steps.
+
+    @app.post("/allocate_rollout")
+    async def allocate_rollout(req: AllocateRequest):
+        return manager.allocate(req).to_json()
+
+    @app.post("/schedule_request")
+    async def schedule_request(req: ScheduleRequest):
+        return (await manager.schedule(req)).to_json()
+
+    @app.post("/finish_rollout")
+    async def finish_rollout(req: FinishRequest):
+        return (await manager.finish(req)).to_json()
+
+    @app.post("/heartbeat")
+    async def heartbeat(req: HeartbeatRequest):
+        return manager.heartbeat(req).to_json()
+
+    @app.post("/report_server_failure")
+    async def report_server_failure(req: ServerFailureReport):
+        return await manager.report_failure(req)
+
+    @app.get("/status")
+    async def status():
+        return manager.status()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
     return app
 
 
@@ -110,9 +170,10 @@ class ManagerService:
     """Serve a :class:`GserverManager` on ``host:port`` from a background thread.
 
     ``start`` returns once the manager found its servers and the socket accepts connections
-    (or raises why not); :meth:`check` re-raises a failure of the background loops (e.g. a
-    :class:`~realhf.system.gserver_manager.WeightUpdateError`); :meth:`call` runs a function
-    on the service's loop; :meth:`stop` shuts everything down.
+    (or raises why not: the manager's own start-up error, or a timeout); :meth:`check`
+    re-raises a failure of the background loops (e.g. a
+    :class:`~realhf.system.gserver_manager.WeightUpdateError`, which also stops serving);
+    :meth:`call` runs a function on the service's loop; :meth:`stop` shuts everything down.
     """
 
     def __init__(
@@ -123,19 +184,20 @@ class ManagerService:
         log_level: str = "warning",
     ):
         self.manager = manager
-        self.host, self._port, self.log_level = host, port, log_level
-        self._thread = threading.Thread(target=self._run, name="gserver-manager", daemon=True)
-        self._ready = threading.Event()
+        self.host = host
         self._error: Optional[BaseException] = None
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stop: Optional[asyncio.Event] = None
-        self._server: Optional[uvicorn.Server] = None
-        self._bound_port = port
+        self._http = ServerThread(
+            create_manager_app(manager, on_exit=self._on_exit),
+            host,
+            port,
+            log_level=log_level,
+            name="gserver-manager",
+        )
 
     @property
     def port(self) -> int:
         """The bound port (known once started)."""
-        return self._bound_port
+        return self._http.port
 
     @property
     def address(self) -> str:
@@ -146,10 +208,31 @@ class ManagerService:
     def url(self) -> str:
         return f"http://{self.address}"
 
+    @property
+    def alive(self) -> bool:
+        """Whether the service thread (HTTP and background loops) is running."""
+        return self._http.alive
+
+    def _on_exit(self, error: Optional[BaseException]) -> None:
+        # Runs on the service's loop: start-up failed, or the background loops ended.
+        if error is not None and self._error is None:
+            self._error = error
+            logger.error(f"gserver manager stopped: {error!r}", exc_info=error)
+        self._http.server.should_exit = True
+
     def start(self, timeout: float = 360.0) -> "ManagerService":
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"the gserver manager did not start serving within {timeout:g}s")
+        """Start serving; ``timeout`` covers waiting for the generation servers."""
+        try:
+            self._http.start(timeout)
+        except StartupError:
+            if self._error is not None:
+                raise self._error from None  # the manager's own reason, not uvicorn's summary
+            raise
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"the gserver manager did not start serving within {timeout:g}s "
+                f"(it waits for its generation servers first): {e}"
+            ) from None
         self.check()
         return self
 
@@ -157,18 +240,21 @@ class ManagerService:
         """Raise the error that stopped the service, if any."""
         if self._error is not None:
             raise self._error
-        if self._ready.is_set() and not self._thread.is_alive():
+        if self._http.error is not None:
+            raise self._http.error
+        if self._http.loop is not None and not self._http.alive:
             raise RuntimeError("the gserver manager's service thread exited")
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         """Run ``fn()`` on the service's event loop and return its result."""
-        if self._loop is None or not self._thread.is_alive():
+        loop = self._http.loop
+        if loop is None or not self._http.alive:
             return fn()
 
         async def run():
             return fn()
 
-        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(run(), loop)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -177,57 +263,8 @@ class ManagerService:
             ) from None
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._loop is not None and self._stop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the gserver manager did not stop within {timeout:g}s")
-
-    def _run(self) -> None:
-        try:
-            asyncio.run(self._main())
-        except BaseException as e:  # kept for check(); the worker reports it
-            if not isinstance(e, asyncio.CancelledError):
-                self._error = e
-                logger.error(f"gserver manager stopped: {e!r}", exc_info=e)
-        finally:
-            self._ready.set()
-
-    async def _main(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        try:
-            await self.manager.start()
-            config = uvicorn.Config(
-                create_manager_app(self.manager),
-                host=self.host,
-                port=self._port,
-                log_level=self.log_level,
-                lifespan="off",
-                timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs
-            )
-            self._server = uvicorn.Server(config)
-            serve = asyncio.create_task(self._server.serve())
-            while not self._server.started:
-                if serve.done():
-                    await serve
-                    raise RuntimeError(f"uvicorn exited before serving on {self.host}:{self._port}")
-                await asyncio.sleep(0.01)
-            self._bound_port = self._server.servers[0].sockets[0].getsockname()[1]
-            background = asyncio.create_task(self.manager.run_background())
-            stopping = asyncio.create_task(self._stop.wait())
-            self._ready.set()
-            done, _ = await asyncio.wait(
-                {serve, background, stopping}, return_when=asyncio.FIRST_COMPLETED
-            )
-            self._server.should_exit = True
-            for t in (background, stopping):
-                t.cancel()
-            await asyncio.gather(serve, background, stopping, return_exceptions=True)
-            if background in done and not background.cancelled():
-                background.result()  # re-raise what stopped the loops
-        finally:
-            await self.manager.close()
+        """Stop serving, cancel the background loops, close the manager, join the thread."""
+        self._http.stop(timeout)
 
 
 class ManagerUnavailable(ConnectionError):
@@ -306,7 +343,14 @@ class ManagerClient(UncappedSession):
             raise RuntimeError(
                 f"gserver manager at {self.url}: {path} answered HTTP {status}: {message}"
             )
-        return body if reply_cls is None else from_json(reply_cls, body)
+        if reply_cls is None:
+            return body
+        try:
+            return parse_message(reply_cls, body)
+        except MessageError as e:
+            raise RuntimeError(
+                f"gserver manager at {self.url}: {path} answered a malformed reply: {e}"
+            ) from None
 
     async def allocate(self, worker: str, incarnation: str, qid: str = "") -> AllocateReply:
         return await self._call(

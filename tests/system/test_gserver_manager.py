@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -291,7 +292,7 @@ def test_a_weight_update_that_times_out_names_the_server(dirs):
     try:
         progress.v = 1
         deadline = time.monotonic() + 20
-        while service._thread.is_alive() and time.monotonic() < deadline:
+        while service.alive and time.monotonic() < deadline:
             time.sleep(0.05)
         with pytest.raises(WeightUpdateError) as e:
             service.check()
@@ -333,6 +334,64 @@ def test_http_errors_are_typed(dirs):
         service.stop()
         srv.stop()
         srv.engine.close()
+
+
+def test_http_bodies_are_validated_completely_and_errors_name_the_field(dirs):
+    srv = _engine_server(dirs["v0"])
+    m = GserverManager(
+        GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: ""
+    )
+    service = ManagerService(m).start(60)
+
+    def post(path, body=None, **kw):
+        r = requests.post(service.url + path, json=body, timeout=10, **kw)
+        return r.status_code, r.json()["error"]["message"] if r.status_code != 200 else r.json()
+
+    try:
+        rid = post("/allocate_rollout", {"worker": "w", "incarnation": "i"})[1]["rollout_id"]
+        sched = {"rollout_id": rid, "prompt_len": 3, "new_token_budget": 4}
+        # a string is no tuple (the old check made it ('a', 'b', 'c'))
+        status, msg = post("/schedule_request", {**sched, "exclude": "abc"})
+        assert status == 400 and msg.startswith("ScheduleRequest.exclude: ") and "'abc'" in msg
+        status, msg = post("/schedule_request", {**sched, "exclude": [srv.url, 5]})
+        assert status == 400 and "ScheduleRequest.exclude[1]: " in msg
+        status, msg = post("/schedule_request", {**sched, "prompt_len": -1, "new_token_budget": "4"})
+        assert status == 400
+        assert "ScheduleRequest.prompt_len: Input should be greater than or equal to 1" in msg
+        assert "ScheduleRequest.new_token_budget: Input should be a valid integer" in msg
+        status, msg = post("/finish_rollout", {"rollout_id": rid, "accepted": True, "wait_s": -3})
+        assert status == 400 and "FinishRequest.wait_s" in msg
+        status, msg = post("/heartbeat", {"worker": "w", "incarnation": "i", "extra": 1})
+        assert status == 400 and "HeartbeatRequest.extra: unknown field" in msg
+        status, msg = post("/allocate_rollout", data="{not json", headers={"Content-Type": "application/json"})
+        assert status == 400 and "not valid JSON" in msg
+        status, msg = post("/report_server_failure")
+        assert status == 400 and "send a ServerFailureReport JSON object" in msg
+        # semantic errors keep their statuses, now through exception handlers
+        status, msg = post("/schedule_request", {**sched, "rollout_id": "ghost"})
+        assert status == 409 and "ghost" in msg
+        assert post("/schedule_request", sched) == (200, {"url": srv.url, "version": 0})
+        service.call(lambda: m.pool.mark_dead(m.servers[srv.url], "killed by the test"))
+        status, msg = post("/schedule_request", sched)
+        assert status == 503 and "no live generation server" in msg
+        service.check()
+    finally:
+        service.stop()
+        srv.stop()
+        srv.engine.close()
+
+
+def test_a_manager_that_cannot_start_raises_its_own_error_and_frees_the_port():
+    cfg = GserverManagerConfig(server_wait_timeout_s=0.3, health_check_interval_s=0.1)
+    service = ManagerService(GserverManager(cfg, Progress(), lambda: [], lambda v: ""))
+    with pytest.raises(TimeoutError, match="0 of 1 generation servers"):
+        service.start(30)
+    assert not service.alive
+    with pytest.raises(TimeoutError, match="0 of 1 generation servers"):
+        service.check()
+    port = service.port
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
 def _spawn_server(model_dir, port):

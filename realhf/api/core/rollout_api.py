@@ -11,17 +11,34 @@ Processes and what travels between them::
     agent <--queues--> rollout_worker          GenerateGroupRequest -> GroupGeneration
     rollout_worker --ZMQ push--> trainer       Trajectory (one per accepted rollout)
 
-HTTP messages are frozen dataclasses sent as JSON objects (:meth:`to_json` /
-:func:`from_json`, which rejects unknown or missing fields naming them).  Configs validate
-themselves and name the field, the value and the fix.
+HTTP messages are frozen pydantic dataclasses sent as JSON objects (:meth:`to_json`; servers
+validate bodies through FastAPI, clients replies with :func:`parse_message`).  Validation is
+complete: unknown and missing fields, types (strict: ``"5"`` is no integer, ``"abc"`` no
+tuple), tuple items and ranges, each error naming the field (:func:`describe_errors`).
+Configs validate themselves and name the field, the value and the fix.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
-from typing import Any, Dict, Mapping, Optional, Tuple, Type, TypeVar
+from typing import (
+    Annotated,
+    Any,
+    Dict,
+    Iterable,
+    Literal,
+    Mapping,
+    Optional,
+    Tuple,
+    Type,
+    TypeVar,
+)
+
+import pydantic
+from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from realhf.api.core.config import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 from realhf.api.core.data_api import SequenceSample
@@ -34,7 +51,8 @@ __all__ = [
     "GserverManagerConfig",
     "RolloutWorkerConfig",
     "MessageError",
-    "from_json",
+    "parse_message",
+    "describe_errors",
     "AllocateRequest",
     "AllocateReply",
     "ScheduleRequest",
@@ -334,35 +352,63 @@ class RolloutWorkerConfig:
 
 
 class MessageError(ValueError):
-    """A JSON message does not match its dataclass (servers answer it with HTTP 400)."""
+    """A JSON message does not match its class (the message names every wrong field)."""
 
+
+#: Unknown fields are errors: a misspelt optional field must not silently fall back to its
+#: default.  (Strictness is per field type below, so Python callers may still pass a list
+#: where a tuple is declared, and JSON arrays validate as tuples.)
+_message = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+
+#: a non-empty identifier (worker names, incarnations, rollout ids, URLs)
+_Name = Annotated[StrictStr, Field(min_length=1)]
+#: a weight version or a step number
+_Count = Annotated[StrictInt, Field(ge=0)]
 
 M = TypeVar("M")
 
 
-def from_json(cls: Type[M], d: Any) -> M:
-    """Build message ``cls`` from a JSON object; unknown or missing fields are errors."""
-    if not isinstance(d, dict):
-        raise MessageError(f"{cls.__name__}: expected a JSON object, got {type(d).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise MessageError(f"{cls.__name__}: unknown fields {unknown}; accepted: {sorted(fields)}")
-    missing = [
-        n
-        for n, f in fields.items()
-        if n not in d
-        and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-    ]
-    if missing:
-        raise MessageError(f"{cls.__name__}: missing fields {missing}")
+def describe_errors(name: str, errors: Iterable[Mapping[str, Any]]) -> str:
+    """One line per pydantic error of message ``name``: ``Name.field[i]: problem (got value)``.
+
+    Accepts ``ValidationError.errors()`` and FastAPI's ``RequestValidationError.errors()``
+    (whose locations start with ``"body"``).
+    """
+    lines = []
+    for e in errors:
+        loc = list(e.get("loc", ()))
+        if loc[:1] == ["body"]:
+            loc = loc[1:]
+        kind = e.get("type", "")
+        if kind == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error", e.get("msg", ""))
+            lines.append(f"the request body is not valid JSON ({detail}); send a {name} object")
+            continue
+        if not loc and kind == "missing":
+            lines.append(f"the request has no body; send a {name} JSON object")
+            continue
+        field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
+        msg = e.get("msg", "invalid")
+        if kind == "unexpected_keyword_argument":
+            accepted = [f.name for f in dataclasses.fields(_MESSAGES[name])] if name in _MESSAGES else []
+            msg = f"unknown field; accepted: {accepted}"
+        elif kind != "missing":
+            msg += f" (got {e.get('input')!r})"
+        lines.append(f"{name}{field}: {msg}")
+    return "; ".join(lines) or f"{name}: invalid"
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(cls: type) -> pydantic.TypeAdapter:
+    return pydantic.TypeAdapter(cls)
+
+
+def parse_message(cls: Type[M], data: Any) -> M:
+    """Validate decoded JSON ``data`` as message ``cls``; :class:`MessageError` names the fields."""
     try:
-        return cls(**d)
-    except MessageError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise MessageError(f"{cls.__name__}: {e}") from None
+        return _adapter(cls).validate_python(data)
+    except pydantic.ValidationError as e:
+        raise MessageError(describe_errors(cls.__name__, e.errors(include_url=False))) from None
 
 
 class _Message:
@@ -371,22 +417,7 @@ class _Message:
         return dataclasses.asdict(self)
 
 
-def _check_types(obj: Any) -> None:
-    """Light type check of JSON-decoded fields (int/float/str/bool annotations)."""
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        ok = {
-            "str": isinstance(v, str),
-            "int": isinstance(v, int) and not isinstance(v, bool),
-            "float": isinstance(v, (int, float)) and not isinstance(v, bool),
-            "bool": isinstance(v, bool),
-        }.get(t, True)
-        if not ok:
-            raise MessageError(f"{type(obj).__name__}.{f.name}={v!r} must be of type {t}")
-
-
-@dataclasses.dataclass(frozen=True)
+@_message
 class AllocateRequest(_Message):
     """Rollout worker -> manager: may I start a rollout for prompt ``qid``?
 
@@ -395,15 +426,12 @@ class AllocateRequest(_Message):
     incarnation of the same worker shows up.
     """
 
-    worker: str
-    incarnation: str
-    qid: str = ""
-
-    def __post_init__(self):
-        _check_types(self)
+    worker: _Name
+    incarnation: _Name
+    qid: StrictStr = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class AllocateReply(_Message):
     """``success``: a slot ``rollout_id`` started at ``version`` (train it by step ``deadline``).
 
@@ -411,94 +439,99 @@ class AllocateReply(_Message):
     trainer).
     """
 
-    success: bool
-    rollout_id: str = ""
-    version: int = 0
-    deadline: int = 0
-    reason: str = ""
+    success: StrictBool
+    rollout_id: StrictStr = ""
+    version: _Count = 0
+    deadline: _Count = 0
+    reason: StrictStr = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class ScheduleRequest(_Message):
     """Rollout worker -> manager: which server should run the next chunk of ``rollout_id``?
 
-    A continuation names the server and version of its previous chunk; it goes back to that
-    server when its version is unchanged (cached prefix).  ``exclude`` lists servers that
-    just failed this sequence.
+    ``prompt_len`` counts the tokens the server gets (prompt plus the answer so far) and
+    ``new_token_budget`` the tokens it may still generate.  A continuation names the server
+    and version of its previous chunk (``""`` / ``-1`` for none); it goes back to that server
+    when its version is unchanged (cached prefix).  ``exclude`` lists servers that just
+    failed this sequence.
     """
 
-    rollout_id: str
-    prompt_len: int
-    new_token_budget: int
-    previous_server_url: str = ""
-    previous_version: int = -1
-    exclude: Tuple[str, ...] = ()
-
-    def __post_init__(self):
-        _check_types(self)
-        object.__setattr__(self, "exclude", tuple(self.exclude))
+    rollout_id: _Name
+    prompt_len: Annotated[StrictInt, Field(ge=1)]
+    new_token_budget: _Count
+    previous_server_url: StrictStr = ""
+    previous_version: Annotated[StrictInt, Field(ge=-1)] = -1
+    exclude: Tuple[_Name, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class ScheduleReply(_Message):
     """The server to use and the weight version it runs."""
 
-    url: str
-    version: int
+    url: _Name
+    version: _Count
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class FinishRequest(_Message):
     """Rollout worker -> manager: ``rollout_id`` is done.
 
     ``accepted=False`` releases the slot (filtered group or failure).  ``accepted=True`` asks
-    for the trajectory's index; the manager may hold the answer up to ``wait_s`` seconds and
-    then reply ``wait`` (ask again).
+    for the trajectory's index; the manager may hold the answer up to ``wait_s`` seconds (it
+    caps the wait at its own limit) and then reply ``wait`` (ask again).
     """
 
-    rollout_id: str
-    accepted: bool
-    wait_s: float = 10.0
-
-    def __post_init__(self):
-        _check_types(self)
+    rollout_id: _Name
+    accepted: StrictBool
+    wait_s: Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)] = 10.0
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class FinishReply(_Message):
     """``status``: ``accepted`` (with ``index``), ``rejected`` or ``wait``."""
 
-    status: str
-    index: int = -1
+    status: Literal["accepted", "rejected", "wait"]
+    index: Annotated[StrictInt, Field(ge=-1)] = -1
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class HeartbeatRequest(_Message):
     """Rollout worker -> manager: renew every lease of this worker incarnation."""
 
-    worker: str
-    incarnation: str
-
-    def __post_init__(self):
-        _check_types(self)
+    worker: _Name
+    incarnation: _Name
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class HeartbeatReply(_Message):
     """How many rollouts the manager holds for this incarnation."""
 
-    n_rollouts: int
+    n_rollouts: _Count
 
 
-@dataclasses.dataclass(frozen=True)
+@_message
 class ServerFailureReport(_Message):
     """Rollout worker -> manager: a call to ``url`` failed with ``error`` (connection, 5xx)."""
 
-    url: str
-    error: str = ""
+    url: _Name
+    error: StrictStr = ""
 
-    def __post_init__(self):
-        _check_types(self)
+
+_MESSAGES: Dict[str, type] = {
+    c.__name__: c
+    for c in (
+        AllocateRequest,
+        AllocateReply,
+        ScheduleRequest,
+        ScheduleReply,
+        FinishRequest,
+        FinishReply,
+        HeartbeatRequest,
+        HeartbeatReply,
+        ServerFailureReport,
+    )
+}
 
 
 # ---------------------------------------------------------------- agent <-> worker

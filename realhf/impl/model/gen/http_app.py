@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from typing import Any, Dict, List, Optional
 
 import fastapi
-import uvicorn
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 try:  # orjson serialises the long logprob lists several times faster
@@ -53,6 +51,9 @@ except ImportError:  # pragma: no cover - orjson is optional
         return JSONResponse(obj, status_code=status_code)
 
 from realhf.api.core.gen_api import GenerateOutput, GenerateRequest, InvalidRequestError, parse_generate_body
+# The server thread and keep-alive settings are shared by every HTTP service of the system;
+# re-exported here, where users of the generation server have always imported them from.
+from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S, ServerThread  # noqa: F401
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
 from realhf.impl.model.gen.scheduler import QueueFullError
@@ -316,59 +317,3 @@ def prometheus_text(stats: Dict[str, Any], model_name: str) -> str:
         lines += [f"# HELP sglang:{name} {doc}", f"# TYPE sglang:{name} counter",
                   f"sglang:{name}{label} {float(stats[name])}"]
     return "\n".join(lines) + "\n"
-
-
-#: seconds an idle HTTP connection stays open on the server; clients must drop theirs sooner
-SERVER_KEEPALIVE_S = 75
-#: seconds a client keeps an idle pooled connection (below SERVER_KEEPALIVE_S)
-CLIENT_KEEPALIVE_S = 30
-
-
-class ServerThread:
-    """Run an app under uvicorn in a background thread (tests, benchmarks, embedding).
-
-    ``start(timeout)`` returns once the socket accepts connections; ``stop``
-    asks uvicorn to exit and joins the thread.
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        # Keep idle connections longer than clients do (their pools drop idle ones after
-        # CLIENT_KEEPALIVE_S): with uvicorn's 5 s default the server closed pooled connections
-        # a client was just reusing, and requests failed with "server disconnected".
-        self.config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            lifespan="off",
-            timeout_keep_alive=SERVER_KEEPALIVE_S,
-        )
-        self.server = uvicorn.Server(self.config)
-        self._thread = threading.Thread(target=self.server.run, name="gen-http", daemon=True)
-
-    @property
-    def port(self) -> int:
-        """The bound port (useful with ``port=0``)."""
-        return self.server.servers[0].sockets[0].getsockname()[1]
-
-    @property
-    def url(self) -> str:
-        """``http://host:port``."""
-        return f"http://{self.config.host}:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> "ServerThread":
-        """Start serving; raises ``TimeoutError`` when uvicorn did not come up in time."""
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise TimeoutError(f"uvicorn did not start serving within {timeout} s")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Shut uvicorn down and join its thread."""
-        self.server.should_exit = True
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"uvicorn did not stop within {timeout} s")

@@ -1,0 +1,318 @@
+"""Serve an ASGI app (FastAPI) under uvicorn: in a background thread or on the caller's loop.
+
+One helper for every HTTP service of the system (generation servers, the gserver manager,
+``python -m realhf.apps.serve``), so all of them share the same settings:
+
+- **keep-alive**: servers keep idle connections :data:`SERVER_KEEPALIVE_S` (75 s), clients drop
+  theirs after :data:`CLIENT_KEEPALIVE_S` (30 s).  With uvicorn's 5 s default the server closed
+  pooled connections that a client was just reusing, and requests failed with "server
+  disconnected"; the server must always be the side that waits longer.
+- **lifespan on**: an app's FastAPI ``lifespan`` runs before the socket serves and after it
+  stops, so a service can start and close what its routes need there.  A lifespan that fails
+  fails the start with its error (uvicorn itself only logs it and exits the process).
+- **bounded waits**: start-up (lifespan plus listening) and shutdown (graceful drain of open
+  requests) each have a timeout, and a timeout names what was being waited for.
+- **bind first**: the listening socket is bound in the caller, so a taken port is an
+  ``OSError`` naming the address right away, and ``port`` is known even after ``stop``.
+
+:class:`ServerThread` runs a server in a daemon thread with its own event loop;
+:func:`serve_until_started` starts one on the running loop (for a process whose main job is
+serving, or for a service whose other tasks share the loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any, Callable, Optional
+
+import uvicorn
+
+__all__ = [
+    "SERVER_KEEPALIVE_S",
+    "CLIENT_KEEPALIVE_S",
+    "GRACEFUL_SHUTDOWN_S",
+    "StartupError",
+    "listen_socket",
+    "make_server",
+    "serve_until_started",
+    "ServerThread",
+]
+
+#: seconds an idle HTTP connection stays open on the server; clients must drop theirs sooner
+SERVER_KEEPALIVE_S = 75
+#: seconds a client keeps an idle pooled connection (below SERVER_KEEPALIVE_S)
+CLIENT_KEEPALIVE_S = 30
+#: seconds a stopping server lets open requests finish before cancelling them; long-polls
+#: (the manager's held ``/finish_rollout``) would otherwise delay a shutdown by their full wait
+GRACEFUL_SHUTDOWN_S = 5.0
+
+
+class StartupError(RuntimeError):
+    """The server exited before it served (its lifespan start-up failed, or uvicorn did)."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port`` 0 = any free one), not yet listening.
+
+    Raises ``OSError`` naming the address when it cannot be bound.
+    """
+    try:
+        infos = socket.getaddrinfo(
+            host or "0.0.0.0", port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise OSError(
+            f"cannot listen on {host}:{port}: the host does not resolve ({e}); "
+            "pass an IP address or a resolvable host name"
+        ) from None
+    family, type_, proto, _, addr = infos[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        # A restarted server must be able to take its port back while connections of its
+        # previous incarnation linger in TIME_WAIT (Linux still refuses a second listener).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno,
+            f"cannot listen on {host}:{port}: {e.strerror}; "
+            "pick another port, or 0 for any free one",
+        ) from None
+    return sock
+
+
+class _StartupProbe:
+    """ASGI wrapper that remembers why the app's lifespan start-up failed.
+
+    Starlette reports a failing lifespan to uvicorn as a ``lifespan.startup.failed`` message
+    with the traceback; uvicorn only logs it, so without this the caller would learn nothing
+    but "exited".
+    """
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.failure: Optional[str] = None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "lifespan":
+            return await self.app(scope, receive, send)
+
+        async def probe(message):
+            if message["type"] == "lifespan.startup.failed":
+                self.failure = message.get("message") or "no message"
+            await send(message)
+
+        return await self.app(scope, receive, probe)
+
+
+def make_server(
+    app: Any,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    log_level: str = "warning",
+    graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S,
+) -> uvicorn.Server:
+    """A uvicorn server of ``app`` with the shared settings (see the module docstring)."""
+    config = uvicorn.Config(
+        _StartupProbe(app),
+        host=host,
+        port=port,
+        log_level=log_level,
+        interface="asgi3",
+        lifespan="on",
+        timeout_keep_alive=SERVER_KEEPALIVE_S,  # longer than clients keep theirs, see above
+        timeout_graceful_shutdown=graceful_shutdown_s,
+    )
+    return uvicorn.Server(config)
+
+
+def _describe(server: uvicorn.Server, sock: socket.socket) -> str:
+    try:
+        host, port = sock.getsockname()[:2]
+    except OSError:  # closed already
+        host, port = server.config.host, server.config.port
+    return f"{host}:{port}"
+
+
+async def serve_until_started(
+    server: uvicorn.Server,
+    sock: socket.socket,
+    timeout: float,
+    name: str = "HTTP server",
+) -> "asyncio.Task[None]":
+    """Start ``server`` on ``sock`` (from :func:`listen_socket`) on the running loop.
+
+    Returns the serving task once the app's lifespan start-up finished and the socket
+    accepts connections; ``server.should_exit = True`` then stops it (the task ends after a
+    graceful drain).  Raises :class:`StartupError` (with the lifespan's error) when the
+    server exited first and ``TimeoutError`` when it did not come up within ``timeout``
+    seconds; either way the start is cancelled and ``sock`` closed.
+    """
+    where = _describe(server, sock)
+    probe = server.config.app if isinstance(server.config.app, _StartupProbe) else None
+
+    async def serve() -> None:
+        try:
+            await server.serve(sockets=[sock])
+        except SystemExit:
+            # uvicorn exits the process when start-up fails; in a library that must become
+            # an ordinary error (a SystemExit would also tear down the whole event loop).
+            failure = probe.failure if probe is not None else None
+            raise StartupError(
+                f"{name} exited before serving on {where}: "
+                + (
+                    # the last line is the exception; uvicorn logged the whole traceback
+                    f"its lifespan start-up failed with {failure.strip().splitlines()[-1]}"
+                    if failure
+                    else "uvicorn failed to start (see its log above)"
+                )
+            ) from None
+
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(serve(), name=f"serve {name}")
+    deadline = loop.time() + timeout
+    try:
+        while not server.started:
+            if task.done():
+                await task  # raises StartupError (or what uvicorn raised)
+                raise StartupError(f"{name} returned before serving on {where}")
+            if loop.time() >= deadline:
+                raise TimeoutError(
+                    f"{name} did not start serving on {where} within {timeout:g} s "
+                    "(waited for the app's lifespan start-up and the listening socket); "
+                    "give start-up a longer timeout or find what its lifespan waits for"
+                )
+            await asyncio.sleep(0.01)
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            # A lifespan that ignores cancellation must not turn this into a hang too.
+            await asyncio.wait({task}, timeout=5.0)
+        sock.close()
+        raise
+    return task
+
+
+def _run_loop(main: Callable[[], Any], loop_factory: Optional[Callable[[], Any]]) -> None:
+    """``asyncio.run(main())`` on the loop uvicorn would pick (uvloop where installed)."""
+    runner_cls = getattr(asyncio, "Runner", None)  # Python >= 3.11
+    if loop_factory is not None and runner_cls is not None:
+        with runner_cls(loop_factory=loop_factory) as runner:
+            runner.run(main())
+    else:
+        asyncio.run(main())
+
+
+class ServerThread:
+    """Serve an ASGI app under uvicorn in a daemon thread with its own event loop.
+
+    ``start(timeout)`` returns once the app's lifespan start-up ran and the socket accepts
+    connections, and raises why not (``OSError`` for the address, :class:`StartupError`,
+    ``TimeoutError``).  ``stop(timeout)`` asks uvicorn to exit (open requests get
+    ``graceful_shutdown_s`` to finish, then the lifespan shutdown runs) and joins the thread.
+
+    Attributes:
+        server: the ``uvicorn.Server``; ``config`` its ``uvicorn.Config``.
+        loop: the thread's event loop once started (for ``run_coroutine_threadsafe``).
+        error: what stopped the thread, if it failed.
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        log_level: str = "warning",
+        name: str = "http-server",
+        graceful_shutdown_s: float = GRACEFUL_SHUTDOWN_S,
+    ):
+        self.name = name
+        self.host = host
+        self._port = port
+        self.server = make_server(
+            app, host, port, log_level=log_level, graceful_shutdown_s=graceful_shutdown_s
+        )
+        self.config = self.server.config
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.error: Optional[BaseException] = None
+        self._sock: Optional[socket.socket] = None
+        self._timeout = 30.0
+        self._up = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @property
+    def port(self) -> int:
+        """The bound port (with ``port=0``, the one picked at start; kept after stop)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port``."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        """Whether the serving thread is running."""
+        return self._thread.is_alive()
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Bind, start the thread and wait until it serves (see the class docstring)."""
+        if self._thread.ident is not None:
+            raise RuntimeError(f"{self.name} on {self.url} was started already; make a new one")
+        self._sock = listen_socket(self.host, self._port)
+        self._port = self._sock.getsockname()[1]
+        self._timeout = timeout
+        self._thread.start()
+        # The loop enforces `timeout` itself; the margin covers a loop too stuck to notice.
+        if not self._up.wait(timeout + 10.0):
+            self.server.should_exit = True
+            raise TimeoutError(
+                f"{self.name} did not start serving on {self.host}:{self.port} within "
+                f"{timeout:g} s, and its event loop does not respond"
+            )
+        if self.error is not None:
+            self._thread.join(10.0)
+            raise self.error
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut the server down and join its thread; ``TimeoutError`` if it does not end."""
+        if self._thread.ident is None:  # never started
+            if self._sock is not None:
+                self._sock.close()
+            return
+        self.server.should_exit = True  # uvicorn polls it every 0.1 s
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(
+                f"{self.name} on {self.url} did not stop within {timeout:g} s "
+                f"(open requests get {self.config.timeout_graceful_shutdown:g} s, then the "
+                "app's lifespan shutdown runs; one of them hangs)"
+            )
+
+    def _run(self) -> None:
+        try:
+            _run_loop(self._main, self.config.get_loop_factory())
+        except BaseException as e:  # kept for start() / the owner's health checks
+            if self.error is None and not isinstance(e, asyncio.CancelledError):
+                self.error = e
+        finally:
+            self._up.set()
+            if self._sock is not None:
+                self._sock.close()  # uvicorn closes it after serving, not after a failed start
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        try:
+            task = await serve_until_started(self.server, self._sock, self._timeout, self.name)
+        except BaseException as e:
+            self.error = e
+            raise
+        finally:
+            self._up.set()
+        await task
