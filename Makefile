@@ -8,8 +8,11 @@ PYTEST_ARGS ?=
 # torch first, as the CPU wheel 2.13.0: a bare `torch` requirement with no torch
 # installed pulls several GB of CUDA packages. Then the project without build
 # isolation, so the C++ extension compiles against this torch.
+# ninja makes the extension build parallel; without build isolation it must be there
+# before pip builds (it is not a runtime dependency).
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
 	$(PIP) install --no-build-isolation -e ".[test]"
 
 test: install

@@ -1,4 +1,4 @@
-"""Install realhf (and its sibling packages areal/, functioncall/, evaluation/).
+"""Install realhf and its sibling packages functioncall/, evaluation/ and training/.
 
 Build without isolation so the C++ extension compiles against the torch that is
 already installed (`make install` puts the CPU wheel of torch 2.13.0 there first):
@@ -71,46 +71,62 @@ setup(
     description="Reinforcement learning for language models: PPO, GRPO, SFT and "
     "fully asynchronous PPO, runnable on CPU and GPU.",
     packages=find_packages(
-        include=["realhf*", "areal*", "functioncall*", "evaluation*", "training*"]
+        include=["realhf*", "functioncall*", "evaluation*", "training*"]
     ),
-    package_data={"realhf": ["assets/**/*"]},
+    package_data={
+        "realhf": ["assets/**/*"],
+        "training": ["configs/*.yaml"],
+        "evaluation": ["data/**/*"],
+    },
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=[
         # torch is installed by `make install` as the CPU wheel 2.13.0 before this
         # runs; a bare `torch` here with no torch present would pull several GB of
         # CUDA wheels, so only a floor is given and the Makefile does the pinning.
+        # The C++ extension builds with torch's own pybind11 headers, and with ninja
+        # when present (the Makefile installs it first: a --no-build-isolation build
+        # cannot use build requirements listed here).
         "torch>=2.3",
         "transformers>=4.50",
-        "tokenizers",
         "safetensors",
         "pyzmq",
-        # etcd-sdk-python (module `pyetcd`) is the maintained fork of etcd3 with the
-        # same API; etcd3 0.12 needs protobuf<=3.20.3, which conflicts with ray.
-        "etcd-sdk-python",
         "numba",
-        "pybind11",
-        "ninja",
         "hydra-core",
         "omegaconf",
-        "h5py",
         "numpy",
         "psutil",
         "rich",
-        "tqdm",
-        "sympy",
+        # the math verifier (it brings sympy, which only it uses)
         "math-verify",
         # process pool whose tasks can time out: a hung sympy check is killed, not waited on
         "pebble",
         "fastapi",
+        "pydantic>=2",
         "uvicorn",
         "aiohttp",
-        "httpx",
-        "requests",
+        # serialises the generation server's long log-prob lists several times faster
+        "orjson",
+        # every run writes curves.png and tensorboard/ (README, "Outputs"); they stay core
+        # so that a default run never silently lacks an output.
         "matplotlib",
         "tensorboard",
     ],
-    extras_require={"test": ["pytest", "pytest-timeout", "openai"]},
+    extras_require={
+        # etcd-sdk-python (module `pyetcd`, the maintained fork of etcd3 with the same
+        # API; etcd3 0.12 needs protobuf<=3.20.3, which conflicts with ray) is needed only
+        # with name_resolve=etcd3://..., i.e. on clusters; it pulls grpc, so one machine
+        # runs without it.
+        "etcd": ["etcd-sdk-python"],
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "openai",
+            "requests",
+            "tokenizers",
+            "etcd-sdk-python",
+        ],
+    },
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

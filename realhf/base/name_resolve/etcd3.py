@@ -94,7 +94,13 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"etcd3 timeout must be positive seconds, got {timeout!r}.")
         self.host, self.port, self.timeout = host, port, float(timeout)
-        import pyetcd  # imported lazily: the client pulls in grpc
+        try:  # imported lazily: the client pulls in grpc, and is an extra
+            import pyetcd
+        except ImportError as e:
+            raise ImportError(
+                "name_resolve=etcd3 needs the etcd client: pip install 'realhf[etcd]' "
+                f"(the etcd-sdk-python package) — {e}"
+            ) from e
 
         self._etcd_exceptions = pyetcd.Etcd3Exception
         # One endpoint whose "failed" mark expires at once (time_retry=0): the
