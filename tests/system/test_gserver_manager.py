@@ -598,3 +598,47 @@ def test_no_rollout_is_admitted_before_the_trainer_announces_its_start():
     assert not reply.success and reply.reason == "trainer_not_ready"
     m.trainer_ready = True
     assert m.allocate(AllocateRequest("rw/0", "inc")).success
+
+
+def test_manager_keeps_saved_counters_while_the_trainer_has_not_started(
+    memory_name_resolve, trial, dirs, tmp_path
+):
+    # A resumed run: the saved counters must survive until the trainer says where it
+    # starts, even when that takes several save intervals (the worker used to save the
+    # fresh zeros every interval and so destroy what it was about to restore).
+    from realhf.api.core.system_api import WorkerInformation
+    from realhf.base import constants, name_resolve, names
+    from realhf.system.gserver_manager import GserverManagerWorker
+
+    constants.set_fileroot(str(tmp_path / "root"))
+    srv = _engine_server(dirs["v0"])
+    name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
+    state_path = tmp_path / "state.json"
+    saved = '{"saved": "by the run being resumed"}'
+    state_path.write_text(saved)
+    cfg = GserverManagerConfig(
+        n_servers=1,
+        train_batch_size=2,
+        host="127.0.0.1",
+        server_wait_timeout_s=30,
+        state_path=str(state_path),
+        state_save_interval_s=0.01,
+    )
+    w = GserverManagerWorker("exp", trial, "gserver_manager", 0)
+    try:
+        w.handle_control(
+            "configure",
+            worker_info=WorkerInformation("exp", trial, "gserver_manager", 0, 1),
+            config=cfg,
+        )
+        w.handle_control("start")
+        for _ in range(5):
+            time.sleep(0.02)
+            w.step()
+        assert not w.manager.trainer_ready
+    finally:
+        w._exit_hook()
+        constants.set_fileroot(None)
+        srv.stop()
+        srv.engine.close()
+    assert state_path.read_text() == saved

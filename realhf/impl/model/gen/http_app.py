@@ -37,18 +37,8 @@ import time
 from typing import Any, Dict, List, Optional
 
 import fastapi
+import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-
-try:  # orjson serialises the long logprob lists several times faster
-    import orjson
-
-    def _json(obj: Any, status_code: int = 200) -> Response:
-        return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
-
-except ImportError:  # pragma: no cover - orjson is optional
-
-    def _json(obj: Any, status_code: int = 200) -> Response:
-        return JSONResponse(obj, status_code=status_code)
 
 from realhf.api.core.gen_api import GenerateOutput, GenerateRequest, InvalidRequestError, parse_generate_body
 # The server thread and keep-alive settings are shared by every HTTP service of the system;
@@ -57,6 +47,12 @@ from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S, Serv
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
 from realhf.impl.model.gen.scheduler import QueueFullError
+
+
+def _json(obj: Any, status_code: int = 200) -> Response:
+    # orjson serialises the long log-prob lists several times faster than json
+    return Response(orjson.dumps(obj), status_code=status_code, media_type="application/json")
+
 
 # The SGLang release whose /generate protocol we speak: 0.4.6.post4 is what
 # AReaL v0.3 runs (patched with pause/continue, which upstream added later with
