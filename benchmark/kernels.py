@@ -1,6 +1,6 @@
 """Benchmark realhf's C++ kernels against Python baselines and the memcpy ceiling.
 
-    python benchmark/kernels.py [--threads N] [--seed S]
+    python benchmark/kernels.py [--threads N] [--seed S] [--vs-torch-pieces N ...] [--rounds R]
 
 In one process:
 
@@ -19,11 +19,28 @@ In one process:
 
 3. The fp32 slice at 256 .. 65536 pieces of the same total, against memmove: the cost
    per piece is what separates interval copies from one memcpy.
+4. Against what torch already offers, on the same intervals (half of a 2^26 buffer cut
+   into 256 .. 65536 shuffled pieces; fp32 and bf16), all writing into preallocated
+   outputs and checked to give results identical to ours before any timing:
+   * slice (gather): `torch.cat([buf[s:e] for s, e in intervals], out=)` (views built
+     inside the timed call), `torch.index_select(buf, 0, idx, out=)` with an int64 and
+     with an int32 element index, and `torch._foreach_copy_` over prebuilt views (private
+     API; listed because it is torch's fused multi-copy), besides the Python loop;
+   * set (scatter): `out.index_copy_(0, idx, src)` (int64 index: it accepts no other),
+     a loop of `narrow().copy_()`, and `torch._foreach_copy_` over prebuilt views, besides
+     the Python loop of `dst[s:e].copy_()`.
+   The element index `idx` and the view lists are built once, outside the timed region;
+   the index build time is printed on its own. Methods are timed in interleaved rounds
+   (each round runs every method once; the Python-level loops, `torch.cat` included, in
+   only the first 3) so that load changes hit them all alike; the figures are medians
+   over rounds of the wall time and of the process CPU time (all threads). The ratio is
+   the best torch op's time over ours (> 1: ours is faster).
 
 Prints the figures and, as its last line, one JSON object with `gae_speedup_vs_loop`,
-`slice_bw_fraction` and `set_bw_fraction` (fp32) among others. Targets: GAE >= 50x the
-loop; interval ops >= 50% of memcpy bandwidth. Timings are medians of repeated runs;
-on a shared machine they are noisy, so the load average is printed with them.
+`slice_bw_fraction` and `set_bw_fraction` (fp32) among others, and under `vs_torch` one
+record per case of section 4. Targets: GAE >= 50x the loop; interval ops >= 50% of memcpy
+bandwidth and faster than every torch op. Timings are medians of repeated runs; on a
+shared machine they are noisy, so the load average is printed with them.
 """
 
 from __future__ import annotations
@@ -174,10 +191,198 @@ def bench_piece_sizes(rng: np.random.Generator) -> dict:
     return out
 
 
+def _interleaved_times(fns: dict, rounds: int, slow=(), slow_rounds: int = 3) -> dict:
+    """{name: (median wall s, median process CPU s)}, running every fn once per round.
+
+    One warm-up round first; the Python loops (names in `slow`) skip it and run only in
+    the first `slow_rounds` rounds, to keep the default run short.
+    """
+    for name, fn in fns.items():
+        if name not in slow:
+            fn()
+    samples = {name: ([], []) for name in fns}
+    for r in range(rounds):
+        for name, fn in fns.items():
+            if name in slow and r >= slow_rounds:
+                continue
+            c0, t0 = time.process_time(), time.perf_counter()
+            fn()
+            t1, c1 = time.perf_counter(), time.process_time()
+            samples[name][0].append(t1 - t0)
+            samples[name][1].append(c1 - c0)
+    return {n: (statistics.median(w), statistics.median(c)) for n, (w, c) in samples.items()}
+
+
+def _element_index(iv: torch.Tensor, total: int) -> torch.Tensor:
+    """int64 index of every element of the intervals, in packed order (vectorised)."""
+    lens = iv[:, 1] - iv[:, 0]
+    offsets = lens.cumsum(0) - lens
+    shift = torch.repeat_interleave(iv[:, 0] - offsets, lens, output_size=total)
+    return shift.add_(torch.arange(total, dtype=torch.int64))
+
+
+_KEYS = {
+    "ours": "ours",
+    "torch.cat": "cat",
+    "index_select i64": "index_select_i64",
+    "index_select i32": "index_select_i32",
+    "index_copy_": "index_copy",
+    "narrow().copy_ loop": "narrow_loop",
+    "_foreach_copy_": "foreach_copy",
+    "Python loop": "py_loop",
+}
+
+
+# Python-level loops over the intervals: timed in at most 3 rounds (see _interleaved_times).
+_SLOW = ("torch.cat", "narrow().copy_ loop", "Python loop")
+
+
+def bench_vs_torch(rng: np.random.Generator, dtype: torch.dtype, pieces, rounds: int) -> list:
+    """Section 4: slice/set kernels against torch's own ops on the same intervals."""
+    size = 1 << 26
+    src = torch.randn(size, dtype=torch.float32).to(dtype)
+    dst = torch.zeros_like(src)
+    print(
+        f"Ours vs torch ops ({str(dtype).removeprefix('torch.')}, half of a 2^26 buffer, "
+        f"shuffled pieces; {rounds} interleaved rounds (Python loops 3), median; "
+        "ms wall / ms CPU of all threads):"
+    )
+    return [_vs_torch_case(src, dst, _disjoint_intervals(rng, size, n), rounds) for n in pieces]
+
+
+def _vs_torch_case(src: torch.Tensor, dst: torch.Tensor, iv_np: np.ndarray, rounds: int) -> dict:
+    """One case of section 4: verify every baseline against ours, then time them all."""
+    n = len(iv_np)
+    iv = torch.from_numpy(iv_np)
+    iv_list = iv_np.tolist()
+    total = int((iv[:, 1] - iv[:, 0]).sum())
+    nbytes = total * src.element_size()
+    packed = torch.empty(total, dtype=src.dtype)
+    # Built once, outside the timed region.
+    t0 = time.perf_counter()
+    idx = _element_index(iv, total)
+    idx_build = time.perf_counter() - t0
+    idx32 = idx.to(torch.int32)
+    offs = np.concatenate([[0], np.cumsum(iv_np[:, 1] - iv_np[:, 0])]).tolist()
+    src_views = [src[s:e] for s, e in iv_list]
+    dst_views = [dst[s:e] for s, e in iv_list]
+    packed_views = [packed[offs[i] : offs[i + 1]] for i in range(n)]
+
+    def py_loop_slice():
+        o = 0
+        for s, e in iv_list:
+            packed[o : o + e - s].copy_(src[s:e])
+            o += e - s
+
+    def py_loop_set():
+        o = 0
+        for s, e in iv_list:
+            dst[s:e].copy_(packed[o : o + e - s])
+            o += e - s
+
+    def narrow_set():
+        o = 0
+        for s, e in iv_list:
+            dst.narrow(0, s, e - s).copy_(packed.narrow(0, o, e - s))
+            o += e - s
+
+    gather = {
+        "ours": lambda: K.slice_intervals(src, iv, out=packed),
+        "torch.cat": lambda: torch.cat([src[s:e] for s, e in iv_list], out=packed),
+        "index_select i64": lambda: torch.index_select(src, 0, idx, out=packed),
+        "index_select i32": lambda: torch.index_select(src, 0, idx32, out=packed),
+        "_foreach_copy_": lambda: torch._foreach_copy_(packed_views, src_views),
+        "Python loop": py_loop_slice,
+    }
+    scatter = {
+        "ours": lambda: K.set_intervals(packed, dst, iv),
+        "index_copy_": lambda: dst.index_copy_(0, idx, packed),
+        "narrow().copy_ loop": narrow_set,
+        "_foreach_copy_": lambda: torch._foreach_copy_(dst_views, packed_views),
+        "Python loop": py_loop_set,
+    }
+    # Every baseline must give exactly our result before anything is timed.
+    want = K.slice_intervals(src, iv)
+    assert torch.equal(want, K.slice_intervals_reference(src, iv))
+    for label, fn in gather.items():
+        packed.zero_()
+        fn()
+        assert torch.equal(packed, want), f"slice {label} differs from ours"
+    dst.zero_()
+    want_dst = K.set_intervals(want, dst, iv).clone()
+    packed.copy_(want)
+    for label, fn in scatter.items():
+        dst.zero_()
+        fn()
+        assert torch.equal(dst, want_dst), f"set {label} differs from ours"
+    del want, want_dst
+
+    kib = nbytes / n / 1024
+    rec = {
+        "dtype": str(src.dtype).removeprefix("torch."),
+        "pieces": n,
+        "mean_piece_kib": round(kib, 2),
+        "index_build_ms": round(idx_build * 1e3, 3),
+    }
+    print(
+        f"  {n} pieces (mean {kib:.1f} KiB), {nbytes / 2**20:.0f} MiB moved; "
+        f"int64 index ({total * 8 / 2**20:.0f} MiB) built in {idx_build * 1e3:.0f} ms"
+    )
+    for op, fns in (("slice", gather), ("set", scatter)):
+        times = _interleaved_times(fns, rounds, slow=_SLOW)
+        ours_w, ours_c = times["ours"]
+        best = min((t[0], label) for label, t in times.items() if label != "ours")
+        parts = [f"{label} {w * 1e3:.2f}/{c * 1e3:.2f}" for label, (w, c) in times.items()]
+        print(f"    {op:5s} " + ", ".join(parts))
+        line = (
+            f"    {op:5s} ours {ours_w * 1e3:.2f} ms ({nbytes / ours_w / 1e9:.2f} GB/s); "
+            f"best torch: {best[1]} {best[0] * 1e3:.2f} ms -> ours {best[0] / ours_w:.2f}x"
+        )
+        if best[1].startswith("index"):
+            line += f" ({(best[0] + idx_build) / ours_w:.1f}x counting the index build)"
+        print(line)
+        for label, (w, c) in times.items():
+            rec[f"{op}_{_KEYS[label]}_ms"] = round(w * 1e3, 3)
+        rec[f"{op}_ours_cpu_ms"] = round(ours_c * 1e3, 3)
+        rec[f"{op}_best_torch_op"] = best[1]
+        rec[f"{op}_best_torch_ms"] = round(best[0] * 1e3, 3)
+        rec[f"{op}_best_torch_cpu_ms"] = round(times[best[1]][1] * 1e3, 3)
+        rec[f"{op}_speedup_vs_best_torch"] = round(best[0] / ours_w, 3)
+    return rec
+
+
+def _print_vs_torch_summary(records: list) -> None:
+    print(
+        "Summary: ours vs the best torch op, wall ms (ratio = best torch / ours; > 1: ours faster)"
+    )
+    head = f"{'ours':>8s} {'best torch op':>17s} {'ms':>8s} {'ratio':>6s}"
+    print(f"  {'dtype':8s} {'pieces':>6s} {'KiB':>6s} | slice {head} | set {head}")
+    for r in records:
+        cols = [
+            f"{r[f'{op}_ours_ms']:8.2f} {r[f'{op}_best_torch_op']:>17s} "
+            f"{r[f'{op}_best_torch_ms']:8.2f} {r[f'{op}_speedup_vs_best_torch']:5.2f}x"
+            for op in ("slice", "set")
+        ]
+        print(
+            f"  {r['dtype']:8s} {r['pieces']:6d} {r['mean_piece_kib']:6.1f} | "
+            f"      {cols[0]} |     {cols[1]}"
+        )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vs-torch-pieces",
+        type=int,
+        nargs="+",
+        default=[256, 4096, 16384, 65536],
+        help="interval counts for the comparison with torch ops (section 4)",
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timing rounds per method in section 4"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -191,6 +396,15 @@ def main():
     for dtype in (torch.float32, torch.bfloat16):
         result.update(bench_intervals(rng, dtype))
     result.update(bench_piece_sizes(rng))
+    records = []
+    for dtype in (torch.float32, torch.bfloat16):
+        records += bench_vs_torch(rng, dtype, pieces=args.vs_torch_pieces, rounds=args.rounds)
+    _print_vs_torch_summary(records)
+    result["vs_torch"] = records
+    for op in ("slice", "set"):
+        result[f"{op}_speedup_vs_best_torch_min"] = min(
+            r[f"{op}_speedup_vs_best_torch"] for r in records
+        )
     result["slice_bw_fraction"] = result["float32_slice_bw_fraction"]
     result["set_bw_fraction"] = result["float32_set_bw_fraction"]
     result["load_average"] = os.getloadavg()[0]
