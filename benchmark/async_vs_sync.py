@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from evaluation.eval_and_aggregate import evaluate  # noqa: E402
-from realhf.experiments.common import TINY_MODEL  # noqa: E402
+from realhf.experiments.building_blocks import TINY_MODEL  # noqa: E402
 
 
 def _run(name: str, fileroot: str, args) -> dict:

@@ -43,6 +43,7 @@ import datetime
 import json
 import math
 import os
+import sys
 import random
 import tempfile
 import time
@@ -54,7 +55,9 @@ from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
-from realhf.impl.model.testing import make_tiny_hf_model
+# tiny random HF models (no downloads) are test scaffolding, kept in tests/helpers/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
+from tiny_models import make_tiny_hf_model  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "realhf", "assets", "tiny")
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -37,7 +39,9 @@ import transformers
 
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.modules.attention import packed_causal_attention
-from realhf.impl.model.testing import make_tiny_hf_model
+# tiny random HF models (no downloads) are test scaffolding, kept in tests/helpers/
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
+from tiny_models import make_tiny_hf_model  # noqa: E402
 
 
 def parse_args():

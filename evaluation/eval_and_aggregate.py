@@ -101,7 +101,7 @@ def evaluate(
 
     from realhf.api.core.gen_api import GenerateRequest, SamplingParams
     from realhf.impl.model import ReaLModel
-    from realhf.impl.model.gen.config import EngineConfig
+    from realhf.impl.model.gen.engine_config import EngineConfig
     from realhf.impl.model.gen.engine import GenerationEngine
     from realhf.impl.reward.math_reward import extract_answer, normalize_answer, verify_batch
 

@@ -10,8 +10,10 @@ binary is not installed.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -20,6 +22,16 @@ import psutil
 import pytest
 
 from realhf.base import network
+
+# Test scaffolding shared across folders (tiny random HF models, the dag-test experiment)
+# lives in tests/helpers/, outside the product.  Spawned ranks inherit sys.path; launched
+# worker processes inherit PYTHONPATH, and import the dag-test experiment by name.
+HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
+if HELPERS not in sys.path:
+    sys.path.insert(0, HELPERS)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p
+)
 
 ETCD_START_TIMEOUT = 20.0
 

@@ -1,9 +1,12 @@
-"""Layers import downward only (DESIGN.md):
+"""Layers import downward only (README, "Layout and layers"):
 
     base <- api <- impl <- system <- experiments <- scheduler / apps
+    inside system:  transport <- worker <- rollout <- dag
 
-`base` imports no other realhf module. The test parses every module's imports
-statically (no import side effects) and fails naming the offending file and line.
+`base` imports no other realhf module, and no import cycle exists among the project's
+modules (module-level and function-level imports alike). The tests parse every
+module's imports statically (no import side effects) and fail naming the offending
+file and line, or the modules of the cycle.
 """
 
 import ast
@@ -22,6 +25,8 @@ RANK = {
     "scheduler": 5,
     "apps": 5,
 }
+# Rank of each sub-package of system/, checked the same way among system modules.
+SYSTEM_RANK = {"transport": 0, "worker": 1, "rollout": 2, "dag": 3}
 # scheduler and apps share a rank but must not import each other's internals
 # upward; apps may use scheduler (the CLI launches through it), not the reverse.
 EXTRA_FORBIDDEN = {"scheduler": {"apps"}}
@@ -72,6 +77,62 @@ def test_layers_import_downward_only():
             ):
                 violations.append(f"{path}:{lineno}: {src_layer} imports {mod}")
     assert not violations, "upward imports:\n" + "\n".join(violations)
+
+
+def _system_part(parts):
+    """The system sub-package of a module path (tuple of names below realhf), or None."""
+    if len(parts) > 2 and parts[0] == "system" and parts[1] in SYSTEM_RANK:
+        return parts[1]
+    return None
+
+
+def test_system_subpackages_import_downward_only():
+    violations = []
+    for path in sorted((ROOT / "system").rglob("*.py")):
+        src = _system_part(path.relative_to(ROOT).parts)
+        if src is None:
+            continue
+        for lineno, mod in _imports(path):
+            parts = mod.split(".")
+            if parts[0] != "realhf":
+                continue
+            dst = _system_part(tuple(parts[1:]) + ("",))
+            if dst is not None and SYSTEM_RANK[dst] > SYSTEM_RANK[src]:
+                violations.append(f"{path}:{lineno}: system/{src} imports {mod}")
+    assert not violations, "upward imports inside system/:\n" + "\n".join(violations)
+
+
+def test_system_modules_all_live_in_a_subpackage():
+    # a module dropped straight into system/ would escape the sub-package order
+    loose = [p.name for p in (ROOT / "system").glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"put these into one of {sorted(SYSTEM_RANK)}: {loose}"
+
+
+def _code_metrics():
+    tools = ROOT.parent / "tools"
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    import code_metrics
+
+    return code_metrics
+
+
+def test_no_import_cycles():
+    cm = _code_metrics()
+    found = cm.cycles(cm.import_graph())
+    assert not found, "import cycles (function-level imports count too):\n" + "\n".join(
+        " <-> ".join(c) for c in found
+    )
+
+
+def test_cycle_finder_sees_a_function_level_cycle():
+    cm = _code_metrics()
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cm.cycles(graph) == [["a", "b", "c"]]
+    src = "def f():\n    from realhf.system.x import y\n"
+    import ast
+
+    assert cm._imports("realhf/system/z.py", ast.parse(src), {"realhf.system.x"}) == {"realhf.system.x"}
 
 
 def test_base_imports_no_realhf():

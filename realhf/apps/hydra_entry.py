@@ -2,7 +2,7 @@
 
 from omegaconf import OmegaConf
 
-from realhf.api.quickstart.cli import ConfigError, config_from_dict
+from realhf.api.cli_parser import ConfigError, config_from_dict
 
 
 def config_from_hydra(config_cls, cfg):

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Optional
 
-from realhf.api.quickstart.cli import to_yaml
-from realhf.api.quickstart.entrypoint import get_quickstart_exp
+from realhf.api.cli_parser import to_yaml
+from realhf.experiments.registry import get_quickstart_exp
 from realhf.base import constants, logging
 from realhf.scheduler.local import JobFailure, launch_experiment
 

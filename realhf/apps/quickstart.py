@@ -15,8 +15,8 @@ import importlib
 import sys
 from typing import List, Optional
 
-from realhf.api.quickstart.cli import ConfigError, format_help, parse_config
-from realhf.api.quickstart.entrypoint import get_quickstart_exp, quickstart_experiments
+from realhf.api.cli_parser import ConfigError, format_help, parse_config
+from realhf.experiments.registry import get_quickstart_exp, quickstart_experiments
 
 #: modules that register quickstart experiments
 EXPERIMENT_MODULES = (

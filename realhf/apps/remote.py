@@ -11,11 +11,12 @@ Launchers (``realhf.scheduler.local``, later Slurm/Ray) run::
 ``--name-resolve`` takes a spec (``file:///abs/root``, ``etcd3://host:port``);
 default ``$REALHF_NAME_RESOLVE``, else the file backend under the file root.
 ``--import`` imports modules that register experiments or worker types
-(``realhf.system.{type}`` modules are found without it).
+(the built-in worker types of ``realhf.system.worker.base.BUILTIN_WORKER_MODULES`` are
+found without it).
 
 The controller rebuilds the experiment registered as ``--experiment-type``
 (default ``--experiment``) with the keyword arguments pickled in
-``--experiment-args`` and runs it (:class:`realhf.system.worker_control.Controller`);
+``--experiment-args`` and runs it (:class:`realhf.system.worker.controller.Controller`);
 it exits 0 on success, 1 when workers failed (its log and ``--summary`` name
 them and why).  A worker builds its registered type and serves control until
 told to exit; it exits 0 after ``exit``, 1 after a failure.
@@ -36,9 +37,9 @@ from typing import List, Optional
 from realhf.api.core import system_api
 from realhf.base import constants, logging, name_resolve, shutdown
 from realhf.base.atomic_file import write_json_atomic
-from realhf.system import worker_base
-from realhf.system.errors import ExperimentFailed
-from realhf.system.worker_control import Controller
+from realhf.system.worker import base as worker_base
+from realhf.system.transport.errors import ExperimentFailed
+from realhf.system.worker.controller import Controller
 
 logger = logging.getLogger("remote", "system")
 

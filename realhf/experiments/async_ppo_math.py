@@ -19,7 +19,7 @@ per step; the trainer trains with the decoupled PPO loss (``actor_train``; the p
 log-probs come from its own forward pass when a batch makes one optimizer step, otherwise
 from an ``actor_inf`` pass before it), and publishes the new weights, which the manager pushes
 to every server.  With ``max_head_offpolicyness = η`` no trajectory is trained more than η
-versions after the version that started it (exact, see realhf.system.staleness); the per-step
+versions after the version that started it (exact, see realhf.system.rollout.staleness); the per-step
 ``rollout/staleness_max`` shows it and a violation stops the run.
 
 The defaults are the sync ``ppo-math`` GRPO defaults (same model, data, group size, batch,
@@ -34,7 +34,7 @@ from dataclasses import field
 from typing import Optional
 
 from realhf.api.cli_args import ExperimentControlConfig
-from realhf.api.core.config import AgentAbstraction, DatasetAbstraction, EnvAbstraction, InterfaceAbstraction
+from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction, InterfaceAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.rollout_api import (
     SCHEDULE_POLICIES,
@@ -50,8 +50,8 @@ from realhf.api.core.worker_api import (
     TrajectoryStreamSpec,
 )
 from realhf.api.core.model_api import FinetuneSpec
-from realhf.api.quickstart.entrypoint import register_quickstart_exp
-from realhf.experiments import common
+from realhf.experiments.registry import register_quickstart_exp
+from realhf.experiments import building_blocks as blocks
 from realhf.experiments.ppo_math import PPOMathConfig, _tiny_ppo, checked_math_data, model_specs, ppo_mfcs
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 
@@ -146,19 +146,19 @@ def _threads(n: int) -> int:
 
 def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     """Compile an AsyncPPOMathConfig into servers, manager, rollout workers, trainer and master."""
-    alloc = common.allocation(cfg, decoupled=True)
+    alloc = blocks.allocation(cfg, decoupled=True)
     n_gen, n_train = alloc.gen.data, alloc.train.data
-    actor_path = common.model_path(cfg.actor, "actor")
-    tok = common.load_tokenizer(actor_path)
+    actor_path = blocks.model_path(cfg.actor, "actor")
+    tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
     B = cfg.train_batch_size
     if size // cfg.n_rollout_workers < 1:
-        raise common.ExperimentSetupError(
+        raise blocks.ExperimentSetupError(
             f"n_rollout_workers={cfg.n_rollout_workers}: the dataset has only {size} prompts"
         )
     epoch_size = (size // B) * B
     if epoch_size == 0:
-        raise common.ExperimentSetupError(
+        raise blocks.ExperimentSetupError(
             f"train_batch_size={B} is larger than the dataset ({size} prompts); lower it"
         )
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, epoch_size, B)
@@ -235,7 +235,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
         torch_num_threads=cfg.torch_threads or _threads(n_train),
-        imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
+        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
     )
     master = MasterWorkerConfig(
         seed=cfg.seed,

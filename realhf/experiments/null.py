@@ -13,13 +13,13 @@ import dataclasses
 from dataclasses import field
 
 from realhf.api.cli_args import BaseExperimentConfig, ExperimentControlConfig, ModelConfig
-from realhf.api.core.config import DatasetAbstraction
+from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import MasterWorkerConfig, ModelWorkerConfig
-from realhf.api.quickstart.entrypoint import register_quickstart_exp
-from realhf.experiments import common
+from realhf.experiments.registry import register_quickstart_exp
+from realhf.experiments import building_blocks as blocks
 from realhf.experiments.sft import SFTDatasetConfig
 
 
@@ -34,10 +34,10 @@ class NullConfig(BaseExperimentConfig):
 
 
 def build_null(cfg: NullConfig) -> ExperimentConfig:
-    alloc = common.allocation(cfg, decoupled=False)
+    alloc = blocks.allocation(cfg, decoupled=False)
     n_workers = alloc.train.data
-    path = common.model_path(cfg.model, "model")
-    data = common.data_path(cfg.dataset.path, common.TINY_SFT, "dataset.path")
+    path = blocks.model_path(cfg.model, "model")
+    data = blocks.data_path(cfg.dataset.path, blocks.TINY_SFT, "dataset.path")
     with open(data) as f:
         size = sum(1 for line in f if line.strip())
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
@@ -49,11 +49,11 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
                n_seqs=n, input_keys=("packed_input_ids", "rewards"), log_return_value=True),
     ]
     worker = ModelWorkerConfig(
-        seed=cfg.seed, models=[common.model_spec("default", cfg.model, path, trainable=True)], mfcs=mfcs,
+        seed=cfg.seed, models=[blocks.model_spec("default", cfg.model, path, trainable=True)], mfcs=mfcs,
         dataset=DatasetAbstraction("prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)),
         tokenizer_path=path, dataset_batch_size=n, timeout=cfg.worker_timeout, ft_spec=ft_spec,
-        torch_num_threads=common.torch_threads(cfg, n_workers),
-        imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.null_interface",),
+        torch_num_threads=blocks.torch_threads(cfg, n_workers),
+        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.null_interface",),
     )
     master = MasterWorkerConfig(
         seed=cfg.seed, mfcs=mfcs, exp_ctrl=cfg.exp_ctrl, n_model_workers=n_workers, train_batch_size=n,

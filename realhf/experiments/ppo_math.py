@@ -24,14 +24,14 @@ import dataclasses
 from dataclasses import field
 
 from realhf.api.cli_args import BaseExperimentConfig, ExperimentControlConfig, MicroBatchConfig, ModelConfig, OptimizerConfig
-from realhf.api.core.config import DatasetAbstraction, InterfaceAbstraction
+from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, GenerationHyperparameters
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
-from realhf.api.quickstart.entrypoint import register_quickstart_exp
-from realhf.experiments import common
+from realhf.experiments.registry import register_quickstart_exp
+from realhf.experiments import building_blocks as blocks
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.math_dataset import MathPromptDataset
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
@@ -54,7 +54,7 @@ def _tiny_ppo() -> PPOHyperparameters:
         kl_ctl=0.0,
         disable_value=True,
         group_adv_norm=True,
-        reward_output_scaling=5.0,  # verifier ±1 → ±5 (DESIGN.md); group norm makes the scale moot
+        reward_output_scaling=5.0,  # verifier ±1 → ±5 (README, "Rewards"); group norm makes the scale moot
         gen=GenerationHyperparameters(max_new_tokens=16, temperature=1.0),
     )
 
@@ -126,35 +126,35 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
 
 def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = False) -> list:
     """Model roles of PPO: actor (trained), ref (kl_ctl > 0), critic (unless disable_value)."""
-    specs = [common.model_spec("actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights)]
+    specs = [blocks.model_spec("actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights)]
     if cfg.ppo.kl_ctl > 0:
-        specs.append(common.model_spec("ref", cfg.ref, common.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
+        specs.append(blocks.model_spec("ref", cfg.ref, blocks.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
                                        trainable=False))
     if not cfg.ppo.disable_value:
-        critic_path = common.model_path(cfg.critic, "critic") if cfg.critic.path else actor_path
-        specs.append(common.model_spec("critic", cfg.critic, critic_path, trainable=True, is_critic=True))
+        critic_path = blocks.model_path(cfg.critic, "critic") if cfg.critic.path else actor_path
+        specs.append(blocks.model_spec("critic", cfg.critic, critic_path, trainable=True, is_critic=True))
     return specs
 
 
 def checked_math_data(cfg: PPOMathConfig, tokenizer) -> tuple:
     """(train path, eval path, train size), loading both files once to fail early."""
-    train = common.data_path(cfg.dataset.path, common.TINY_TRAIN, "dataset.path")
-    eval_ = common.data_path(cfg.dataset.eval_path, common.TINY_EVAL, "dataset.eval_path")
+    train = blocks.data_path(cfg.dataset.path, blocks.TINY_TRAIN, "dataset.path")
+    eval_ = blocks.data_path(cfg.dataset.eval_path, blocks.TINY_EVAL, "dataset.eval_path")
     try:
         size = len(MathPromptDataset(train, tokenizer, max_prompt_len=cfg.dataset.max_prompt_len))
         if cfg.eval:
             MathPromptDataset(eval_, tokenizer, max_prompt_len=cfg.dataset.max_prompt_len)
     except DatasetError as e:
-        raise common.ExperimentSetupError(str(e)) from None
+        raise blocks.ExperimentSetupError(str(e)) from None
     return train, eval_, size
 
 
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     """Compile a PPOMathConfig into one master and `data`-parallel model workers."""
-    alloc = common.allocation(cfg, decoupled=False)
+    alloc = blocks.allocation(cfg, decoupled=False)
     n_workers = alloc.train.data
-    actor_path = common.model_path(cfg.actor, "actor")
-    tok = common.load_tokenizer(actor_path)
+    actor_path = blocks.model_path(cfg.actor, "actor")
+    tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
@@ -172,8 +172,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
-        torch_num_threads=common.torch_threads(cfg, n_workers),
-        imports=common.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
+        torch_num_threads=blocks.torch_threads(cfg, n_workers),
+        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
     )
     master = MasterWorkerConfig(
         seed=cfg.seed,

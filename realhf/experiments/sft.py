@@ -19,14 +19,14 @@ from realhf.api.cli_args import (
     ModelConfig,
     OptimizerConfig,
 )
-from realhf.api.core.config import DatasetAbstraction
+from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
-from realhf.api.quickstart.entrypoint import register_quickstart_exp
-from realhf.experiments import common
+from realhf.experiments.registry import register_quickstart_exp
+from realhf.experiments import building_blocks as blocks
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.sft_dataset import PromptAnswerDataset
 
@@ -59,18 +59,18 @@ class SFTConfig(BaseExperimentConfig):
 
 def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     """Compile an SFTConfig into one master and `data`-parallel model workers."""
-    alloc = common.allocation(cfg, decoupled=False)
+    alloc = blocks.allocation(cfg, decoupled=False)
     n_workers = alloc.train.data
-    path = common.model_path(cfg.model, "model")
-    data = common.data_path(cfg.dataset.path, common.TINY_SFT, "dataset.path")
-    tok = common.load_tokenizer(path)
+    path = blocks.model_path(cfg.model, "model")
+    data = blocks.data_path(cfg.dataset.path, blocks.TINY_SFT, "dataset.path")
+    tok = blocks.load_tokenizer(path)
     try:  # load once here so malformed rows fail before any process starts
         size = len(PromptAnswerDataset(data, tok, max_length=cfg.dataset.max_length))
     except DatasetError as e:
-        raise common.ExperimentSetupError(str(e)) from None
+        raise blocks.ExperimentSetupError(str(e)) from None
     eval_ds = None
     if cfg.dataset.eval_path:
-        eval_path = common.data_path(cfg.dataset.eval_path, "", "dataset.eval_path")
+        eval_path = blocks.data_path(cfg.dataset.eval_path, "", "dataset.eval_path")
         eval_ds = DatasetAbstraction("prompt_answer", dict(dataset_path=eval_path, max_length=cfg.dataset.max_length))
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
@@ -88,7 +88,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     ]
     worker = ModelWorkerConfig(
         seed=cfg.seed,
-        models=[common.model_spec("default", cfg.model, path, trainable=True)],
+        models=[blocks.model_spec("default", cfg.model, path, trainable=True)],
         mfcs=mfcs,
         dataset=DatasetAbstraction("prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)),
         eval_dataset=eval_ds,
@@ -97,8 +97,8 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,
         ft_spec=ft_spec,
-        torch_num_threads=common.torch_threads(cfg, n_workers),
-        imports=common.WORKER_IMPORTS,
+        torch_num_threads=blocks.torch_threads(cfg, n_workers),
+        imports=blocks.WORKER_IMPORTS,
     )
     master = MasterWorkerConfig(
         seed=cfg.seed,

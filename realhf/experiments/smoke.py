@@ -6,7 +6,7 @@ Workers (real processes when launched by ``realhf.apps.smoke``):
   a typed :class:`SquareRequest` to every ``smoke_model`` worker over the
   request/reply stream (round 0 with syn/ack) and checks each
   :class:`SquareReply`; then it sends a request that fails remotely and checks
-  that the :class:`~realhf.system.errors.RemoteError` names the worker and
+  that the :class:`~realhf.system.transport.errors.RemoteError` names the worker and
   carries the remote traceback; then it tells the model workers to finish.
 * ``smoke_model/{i}`` — model-like workers answering those requests.
 * ``smoke_producer/{p}`` -> ``smoke_consumer/{c}`` — producers push
@@ -27,10 +27,10 @@ from typing import Dict, List, Optional, Tuple
 
 from realhf.api.core.system_api import ExperimentConfig, register_experiment
 from realhf.base.atomic_file import write_json_atomic
-from realhf.system.errors import NoMessage, RemoteError, StreamTimeout
-from realhf.system.push_pull_stream import EndOfStream, PullerStream, PusherStream, producers_of
-from realhf.system.request_reply_stream import ReplyServer, RequestClient
-from realhf.system.worker_base import PollResult, Worker, register_worker
+from realhf.system.transport.errors import NoMessage, RemoteError, StreamTimeout
+from realhf.system.transport.push_pull import EndOfStream, PullerStream, PusherStream, producers_of
+from realhf.system.transport.request_reply import ReplyServer, RequestClient
+from realhf.system.worker.base import PollResult, Worker, register_worker
 
 REQUEST_STREAM = "smoke_requests"
 PUSH_STREAM = "smoke_rollouts"

@@ -1,7 +1,7 @@
 import pytest
 
 from realhf.api.cli_args import BaseExperimentConfig, ExperimentControlConfig, OptimizerConfig
-from realhf.api.quickstart.cli import ConfigError, format_help, parse_config
+from realhf.api.cli_parser import ConfigError, format_help, parse_config
 
 
 def test_defaults_construct():

@@ -44,7 +44,7 @@ def test_cli_subprocess_exit_code(tmp_path):
 
 @pytest.mark.slow
 def test_serve_process_end_to_end(tmp_path):
-    from realhf.impl.model.testing import make_tiny_hf_model
+    from tiny_models import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen2", tmp_path / "m", vocab_size=268, perturb=0.3)
     for f in [os.path.join(ASSETS, f) for f in TOKENIZER_FILES]:

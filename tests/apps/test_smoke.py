@@ -16,7 +16,7 @@ from realhf.api.core import system_api
 from realhf.base import name_resolve, names
 from realhf.experiments import smoke as smoke_exp
 from realhf.scheduler.local import JobFailure, LocalScheduler, launch_experiment
-from realhf.system.worker_base import WorkerStatus, read_status
+from realhf.system.worker.base import WorkerStatus, read_status
 
 pytestmark = pytest.mark.slow
 

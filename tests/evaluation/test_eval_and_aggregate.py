@@ -40,7 +40,7 @@ def test_unknown_data_name_lists_known():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     from realhf.impl.model.conversion.hf import save_tokenizer
-    from realhf.impl.model.testing import make_tiny_hf_model
+    from tiny_models import make_tiny_hf_model
 
     d = tmp_path_factory.mktemp("m") / "model"
     assets = ROOT / "realhf" / "assets" / "tiny"

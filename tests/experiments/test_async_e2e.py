@@ -73,7 +73,7 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     assert "timing/actor_inf" not in rows[0]  # one optimizer step: proximal log-probs from the train pass
     batches = _check_trained(run, 4)
     # (whether a rollout spans a weight update here depends on timing; interrupted rollouts
-    # are checked deterministically in tests/system/test_partial_rollout.py)
+    # are checked deterministically in tests/system/rollout/test_partial_rollout.py)
     assert all(ve >= vs for b in batches for s, e in zip(b["version_start"], b["version_end"]) for vs, ve in zip(s, e))
     # the trainer published every version; the manager pushes the newest it sees (two quick
     # versions coalesce into one push), in increasing order. With eta=1 the step-4 batch was

@@ -3,8 +3,8 @@
 import pytest
 
 from realhf.api.core.dfg import build_graph
-from realhf.api.quickstart.cli import parse_config
-from realhf.experiments import common
+from realhf.api.cli_parser import parse_config
+from realhf.experiments import building_blocks as blocks
 from realhf.experiments.ppo_math import PPOMathConfig, build_ppo_math
 from realhf.experiments.sft import SFTConfig, build_sft
 
@@ -84,12 +84,12 @@ def test_sft_setup_errors(init_model, args, needle):
     args = [a if "model.path" in a else a for a in args]
     if not any(a.startswith("model.path") for a in args):
         args = [f"model.path={init_model}"] + args
-    with pytest.raises(common.ExperimentSetupError, match=needle):
+    with pytest.raises(blocks.ExperimentSetupError, match=needle):
         build_sft(parse_config(SFTConfig, args))
 
 
 def test_malformed_dataset_row_named(init_model, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query_id": "a", "prompt": "x", "solutions": ["1"]}\n{"query_id": "b"}\n')
-    with pytest.raises(common.ExperimentSetupError, match=r"bad.jsonl:2: missing field 'prompt'"):
+    with pytest.raises(blocks.ExperimentSetupError, match=r"bad.jsonl:2: missing field 'prompt'"):
         build_ppo_math(parse_config(PPOMathConfig, [f"actor.path={init_model}", f"dataset.path={bad}"]))

@@ -10,7 +10,7 @@ The agent puts observations (token ids to continue from, with sampling settings)
 server and lets the worker batch, pause and route requests freely.
 
 Implementations subclass :class:`Agent` and register a name with
-:func:`realhf.api.core.config.register_agent`.
+:func:`realhf.api.core.registry.register_agent`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import dataclasses
 import enum
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
-from realhf.api.core.config import InterfaceAbstraction
+from realhf.api.core.registry import InterfaceAbstraction
 
 __all__ = ["DFGError", "ModelName", "ModelInterfaceType", "MFCDef", "DataFlowGraph", "build_graph"]
 

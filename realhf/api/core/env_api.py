@@ -3,7 +3,7 @@
 An environment is an asyncio service so that many rollouts share one instance without
 threads; a slow step (a sandboxed program, a remote verifier) does not block the others.
 Implementations subclass :class:`EnvironmentService` and register a name with
-:func:`realhf.api.core.config.register_env`.
+:func:`realhf.api.core.registry.register_env`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ the :class:`ModelInterface` base class that algorithms subclass.
 
 A new algorithm is a ``ModelInterface`` subclass registered by name::
 
-    from realhf.api.core.config import register_interface
+    from realhf.api.core.registry import register_interface
     from realhf.api.core.model_api import ModelInterface
 
     class MyInterface(ModelInterface):

@@ -40,7 +40,7 @@ from typing import (
 import pydantic
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from realhf.api.core.config import AgentAbstraction, DatasetAbstraction, EnvAbstraction
+from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 
@@ -175,7 +175,7 @@ class GserverManagerConfig:
         schedule_policy: ``round_robin``, ``least_requests`` (fewest running + queued
             requests) or ``least_token_usage`` (fewest KV tokens in use).
         max_head_offpolicyness: ``η``: no trajectory is trained by a step more than η
-            versions newer than the version that started it (see realhf.system.staleness).
+            versions newer than the version that started it (see realhf.system.rollout.staleness).
         train_batch_size: trajectories (prompts) the trainer consumes per step.
         max_concurrent_rollouts: most rollouts running at once; None = train_batch_size.
         host, port: where the HTTP service listens (None = this host's IP; 0 = free port).
@@ -597,7 +597,7 @@ class Trajectory:
     Attributes:
         index: position in the manager's acceptance order.  The trainer must train index k in
             step ``k // train_batch_size`` (consume in index order, never skip one; see
-            :class:`realhf.system.staleness.IndexOrderBatcher`), which makes the staleness
+            :class:`realhf.system.rollout.staleness.IndexOrderBatcher`), which makes the staleness
             bound exact.
         sample: one item with ``group_size`` sequences and keys :data:`TRAJECTORY_KEYS`
             (``packed_input_ids`` [L], ``prompt_mask`` [L] bool, ``packed_logprobs`` [L-1]

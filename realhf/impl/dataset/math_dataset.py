@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from realhf.api.core.config import register_dataset
+from realhf.api.core.registry import register_dataset
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import logging
 from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard

@@ -17,7 +17,7 @@ processes (each process lazily creates its own pool; a forked child never uses
 its parent's). Call :func:`shutdown_pool` to stop the workers early; it also runs
 at interpreter exit.
 
-The reward convention (DESIGN.md) lives with the caller: correct → +1, wrong → −1,
+The reward convention (README, "Rewards") lives with the caller: correct → +1, wrong → −1,
 then ``(r − bias) · scaling``.
 """
 

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from realhf.api.core.agent_api import Agent
-from realhf.api.core.config import (
+from realhf.api.core.registry import (
     AgentAbstraction,
     EnvAbstraction,
     make_agent,

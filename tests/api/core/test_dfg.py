@@ -2,7 +2,7 @@
 
 import pytest
 
-from realhf.api.core.config import InterfaceAbstraction
+from realhf.api.core.registry import InterfaceAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import DFGError, MFCDef, ModelInterfaceType, ModelName, build_graph
 

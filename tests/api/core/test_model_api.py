@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from realhf.api.core.config import InterfaceAbstraction, make_interface, register_interface
+from realhf.api.core.registry import InterfaceAbstraction, make_interface, register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.dfg import ModelName
 from realhf.api.core.gen_api import SamplingParams

@@ -4,7 +4,7 @@ import pathlib
 import pytest
 from transformers import AutoTokenizer
 
-from realhf.api.core.config import make_dataset
+from realhf.api.core.registry import make_dataset
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.math_dataset import MathPromptDataset
 from realhf.impl.dataset.sft_dataset import PromptAnswerDataset

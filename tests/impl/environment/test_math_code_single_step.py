@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from realhf.api.core.config import EnvAbstraction, make_env
+from realhf.api.core.registry import EnvAbstraction, make_env
 from realhf.impl.environment.math_code_single_step import MathCodeAction, MathCodeSingleStepEnv
 
 

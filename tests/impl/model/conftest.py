@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from realhf.impl.model.testing import make_tiny_hf_model
+from tiny_models import make_tiny_hf_model
 
 # Mixed lengths, including a length-1 sequence.
 SEQLENS = [7, 19, 1, 33, 12]

@@ -10,7 +10,7 @@ import transformers
 
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.conversion.families import get_family
-from realhf.impl.model.testing import TINY_FAMILIES, make_tiny_hf_model
+from tiny_models import TINY_FAMILIES, make_tiny_hf_model
 
 TOL = 1e-4
 

@@ -5,7 +5,7 @@ Registered as backends ``"inference"`` and ``"train"``; a model worker builds on
 model=real_model, ft_spec=ft_spec, dp_group=group)`` and puts it in ``Model.module``.
 """
 
-from realhf.api.core.config import register_backend
+from realhf.api.core.registry import register_backend
 from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
 from realhf.impl.model.backend.train import TrainEngine

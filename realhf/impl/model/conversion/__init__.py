@@ -1,5 +1,5 @@
 """HuggingFace checkpoint conversion for ReaLModel (llama, qwen2, qwen3, mistral, gpt2)."""
 
-from realhf.impl.model.conversion.common import CheckpointError, UnsupportedCheckpoint
+from realhf.impl.model.conversion.hf_config import CheckpointError, UnsupportedCheckpoint
 
 __all__ = ["CheckpointError", "UnsupportedCheckpoint"]

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from realhf.impl.model.conversion.common import CheckpointError
+from realhf.impl.model.conversion.hf_config import CheckpointError
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"

@@ -18,9 +18,9 @@ from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 from realhf.impl.model.conversion import gpt2, llama_like
-from realhf.impl.model.conversion.common import UnsupportedCheckpoint
+from realhf.impl.model.conversion.hf_config import UnsupportedCheckpoint
 from realhf.impl.model.conversion.rules import copy_rule, WeightRule
-from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 
 @dataclasses.dataclass(frozen=True)

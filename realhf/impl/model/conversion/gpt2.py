@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from realhf.impl.model.conversion.common import (
+from realhf.impl.model.conversion.hf_config import (
     UnsupportedCheckpoint,
     activation_from_hf,
     activation_to_hf,
     hf_extra_from,
 )
 from realhf.impl.model.conversion.rules import WeightRule, copy_rule
-from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 
 def config_from_hf(family: str, hf, source: str) -> ReaLModelConfig:

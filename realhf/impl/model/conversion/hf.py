@@ -23,9 +23,9 @@ from realhf.impl.model.conversion.checkpoint import (
     remove_weight_files,
     write_safetensors,
 )
-from realhf.impl.model.conversion.common import CheckpointError
+from realhf.impl.model.conversion.hf_config import CheckpointError
 from realhf.impl.model.conversion.families import family_of_hf_config, get_family
-from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 logger = logging.getLogger("realhf.model.conversion")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from realhf.impl.model.conversion.common import (
+from realhf.impl.model.conversion.hf_config import (
     UnsupportedCheckpoint,
     activation_from_hf,
     activation_to_hf,
@@ -22,7 +22,7 @@ from realhf.impl.model.conversion.common import (
     rope_theta_from_hf,
 )
 from realhf.impl.model.conversion.rules import WeightRule, copy_rule
-from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 

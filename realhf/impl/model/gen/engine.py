@@ -39,11 +39,11 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
-from realhf.impl.model.gen.attention import DecodeAttention, PrefillAttention, select_decode_impl
-from realhf.impl.model.gen.config import EngineConfig
+from realhf.impl.model.gen.cache_attention import DecodeAttention, PrefillAttention, select_decode_impl
+from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
-from realhf.impl.model.gen.scheduler import Scheduler
+from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.sequence import Sequence
 
 logger = logging.getLogger("gen_engine")

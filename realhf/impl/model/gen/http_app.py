@@ -46,7 +46,7 @@ from realhf.api.core.gen_api import GenerateOutput, GenerateRequest, InvalidRequ
 from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S, ServerThread  # noqa: F401
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
-from realhf.impl.model.gen.scheduler import QueueFullError
+from realhf.impl.model.gen.batch_scheduler import QueueFullError
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Dict
 
-from realhf.api.core.config import register_interface
+from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters, Model, ModelInterface
-from realhf.impl.model.interface.common import network_of, require_keys
+from realhf.impl.model.interface.helpers import network_of, require_keys
 from realhf.impl.model.interface.math_reward_interface import decode_answers
 from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.reward.math_reward import verify_batch

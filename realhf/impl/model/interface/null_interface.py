@@ -11,10 +11,10 @@ from typing import Dict
 
 import torch
 
-from realhf.api.core.config import register_interface
+from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
-from realhf.impl.model.interface.common import require_keys
+from realhf.impl.model.interface.helpers import require_keys
 
 
 class NullInterface(ModelInterface):

@@ -34,14 +34,14 @@ import torch
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import stats_tracker
-from realhf.impl.model.interface.common import (
+from realhf.impl.model.interface.helpers import (
     all_reduce_sum,
     require_keys,
     sequence_ids,
     seqs_per_item,
 )
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.utils import ppo_functional as F
+from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.utils.functional import short1cu_seqlens, shift_one_indices
 
 __all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key", "required_keys"]

@@ -25,11 +25,11 @@ from typing import Any, Dict, Union
 import numpy as np
 import torch
 
-from realhf.api.core.config import register_interface
+from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.base import logging, stats_tracker
-from realhf.impl.model.interface.common import (
+from realhf.impl.model.interface.helpers import (
     all_reduce_min,
     engine_of,
     network_of,
@@ -39,7 +39,7 @@ from realhf.impl.model.interface.common import (
 from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
-from realhf.impl.model.utils import ppo_functional as F
+from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
 logger = logging.getLogger("ppo_actor")

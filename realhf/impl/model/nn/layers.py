@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from realhf.impl.model.modules.attention import packed_causal_attention
 from realhf.impl.model.modules.norm import norm, rms_norm
 from realhf.impl.model.modules.rotary import apply_rope
-from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 # (local name, shape, init) with init in {"normal", "ones", "zeros"}.
 ParamDecl = Tuple[str, Tuple[int, ...], str]

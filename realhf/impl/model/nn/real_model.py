@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from realhf.impl.model.modules.rotary import rope_cos_sin, rope_inv_freq
-from realhf.impl.model.nn.config import ReaLModelConfig
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.flat_param import ParamSpec, build_param_spec, flat_view
 from realhf.impl.model.nn.layers import (
     AttnFn,

@@ -1,6 +1,6 @@
 """Token-level helpers over packed sequences: shifted indexing, log-probs, normalisation, SFT loss.
 
-Conventions (shared with :mod:`realhf.impl.model.utils.ppo_functional`):
+Conventions (shared with :mod:`realhf.impl.algorithms.ppo`):
 
 - A packed batch holds B sequences of lengths L_i back to back: T = sum L_i tokens, described
   by ``cu_seqlens`` [B+1] (int, cu_seqlens[0] = 0).

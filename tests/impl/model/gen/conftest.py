@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from realhf.impl.model import ReaLModel
-from realhf.impl.model.testing import make_tiny_hf_model
+from tiny_models import make_tiny_hf_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "realhf", "assets", "tiny")

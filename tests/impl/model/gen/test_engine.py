@@ -10,7 +10,7 @@ import torch
 
 from realhf.api.core.gen_api import GenerateRequest, InvalidRequestError, SamplingParams
 from realhf.impl.model.gen import EngineClosedError, EngineConfig, GenerationEngine
-from realhf.impl.model.gen.attention import numba_available
+from realhf.impl.model.gen.cache_attention import numba_available
 from realhf.impl.model.gen.loading import load_engine, special_token_ids
 
 from .conftest import EOS, PAD, VOCAB, load, recompute_logprobs, reference_greedy

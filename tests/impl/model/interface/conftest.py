@@ -16,7 +16,7 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
-from realhf.impl.model.testing import make_tiny_hf_model
+from tiny_models import make_tiny_hf_model
 
 # Tests import the helpers in interface_testlib.py by name.
 _HERE = os.path.dirname(os.path.abspath(__file__))

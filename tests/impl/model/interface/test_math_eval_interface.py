@@ -3,11 +3,11 @@ import pathlib
 import torch
 from transformers import AutoTokenizer
 
-from realhf.api.core.config import make_interface
+from realhf.api.core.registry import make_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model
 from realhf.impl.model import ReaLModel
-from realhf.impl.model.testing import make_tiny_hf_model
+from tiny_models import make_tiny_hf_model
 
 ASSETS = pathlib.Path(__file__).resolve().parents[4] / "realhf" / "assets" / "tiny"
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from realhf.api.core.config import make_interface
+from realhf.api.core.registry import make_interface
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import Model
 from realhf.base import stats_tracker

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from interface_testlib import MB, answer_logprob_sums, on_policy
-from realhf.api.core.config import InterfaceAbstraction, make_interface
+from realhf.api.core.registry import InterfaceAbstraction, make_interface
 from realhf.api.core.model_api import Model
 from realhf.base import stats_tracker
 from realhf.impl.model.interface import PPOActorInterface

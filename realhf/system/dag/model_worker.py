@@ -1,0 +1,449 @@
+"""The model worker: hosts every model role as one data-parallel rank and runs MFCs on request.
+
+Worker type ``model_worker``; config :class:`~realhf.api.core.worker_api.ModelWorkerConfig`.
+
+On ``configure`` it joins the torch.distributed world of all model workers
+(:mod:`realhf.system.transport.process_group`: gloo on CPU, nccl with a gloo side group for data
+when CUDA is present; every wait bounded by ``config.timeout``), loads each role with
+``ReaLModel.from_hf``, its dataset shard (``dp_rank`` = worker index) and the interfaces
+of the MFCs.  It then serves the master's requests in arrival order, one at a time — the
+master relies on that order to keep collectives aligned across workers.  Handles and
+payloads are listed in :mod:`realhf.system.dag.messages`.
+
+MFC call (``generate`` / ``inference`` / ``train_step``):
+
+1. run the master's transfer plan (:func:`~realhf.system.dag.transfer.execute_plan`);
+2. assemble the local partition from the store, rename keys (``input_key_remap``);
+3. seed torch/numpy/random from (seed, MFC, global step, rank), call the interface;
+4. store the outputs (``output_key_remap``) and reply their metadata, or reply the train
+   statistics; ``stats_tracker`` records are reduced over all ranks and added;
+5. after ``train_step`` of a role with ``publish_weights``, write an HF directory to
+   ``constants.weight_publication_dir(role, version)`` and set ``names.model_version``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import shutil
+import time
+from typing import Any, Callable, Dict, List, Optional, Union
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from realhf.api.core import registry
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.model_api import FinetuneSpec, Model, StepInfo
+from realhf.api.core.worker_api import ModelWorkerConfig
+from realhf.base import constants, name_resolve, names, seeding, stats_tracker
+from realhf.impl.model.backend import InferenceEngine, TrainEngine
+from realhf.impl.model.nn.real_model import ReaLModel
+from realhf.base import recover
+from realhf.system.dag.messages import (
+    MFC_HANDLES,
+    REQUEST_STREAM,
+    CheckpointRequest,
+    DataPosition,
+    EvalReply,
+    EvalRequest,
+    FetchReply,
+    FetchRequest,
+    InitializeRequest,
+    MFCReply,
+    MFCRequest,
+    SaveRequest,
+    SpecReply,
+)
+from realhf.impl.dataset.shard_loader import ShardLoader
+from realhf.system.dag.transfer import execute_plan
+from realhf.system.transport.errors import NoMessage, StreamTimeout
+from realhf.system.dag.local_store import LocalStore
+from realhf.system.transport.process_group import init_world
+from realhf.system.transport.request_reply import Payload, ReplyServer
+from realhf.system.rollout.trajectory_stream import TrajectoryStreamLoader
+from realhf.system.worker.base import PollResult, Worker, register_worker
+
+__all__ = ["ModelWorker", "DIST_GROUP_NAME"]
+
+#: the name under ``names.distributed_master`` of the model workers' process group
+DIST_GROUP_NAME = "model_worker"
+
+# Default interface/dataset implementations register themselves on import.
+_DEFAULT_IMPORTS = ("realhf.impl.dataset", "realhf.impl.model.interface")
+
+
+def _average_stats(result) -> Dict[str, float]:
+    """A train_step result (a dict or a list of dicts) as one dict of floats."""
+    dicts = result if isinstance(result, list) else [result or {}]
+    out: Dict[str, List[float]] = {}
+    for d in dicts:
+        if not isinstance(d, dict):
+            raise TypeError(
+                f"train_step must return a dict or a list of dicts, got {type(d).__name__}"
+            )
+        for k, v in d.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().float().mean().item()
+            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
+                out.setdefault(k, []).append(float(v))
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+@register_worker("model_worker")
+class ModelWorker(Worker):
+    """See the module docstring."""
+
+    config_class = ModelWorkerConfig
+
+    # What _exit_hook releases, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way.
+    server: Optional[ReplyServer] = None
+    loader: Optional[Union[ShardLoader, TrajectoryStreamLoader]] = None
+
+    # ---- setup --------------------------------------------------------------
+
+    def _configure(self, config: ModelWorkerConfig) -> None:
+        for module in _DEFAULT_IMPORTS + tuple(config.imports):
+            importlib.import_module(module)
+        if config.torch_num_threads is not None:
+            torch.set_num_threads(config.torch_num_threads)
+        seeding.set_random_seed(config.seed, self.worker_name)
+        self.rank = self.worker_index
+        self.world_size = self.worker_info.worker_count
+        self.device = torch.device("cpu")
+        if torch.cuda.is_available():
+            # One visible device per worker under the launchers (Scheduling.gpu=1); when a
+            # worker sees several, ranks spread over them.
+            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        world = init_world(
+            self.experiment_name,
+            self.trial_name,
+            DIST_GROUP_NAME,
+            self.rank,
+            self.world_size,
+            self.device,
+            config.timeout,
+            address_ttl=max(5.0, self.status_ttl),
+        )
+        self.data_group = world.data_group
+        self.tokenizer = None
+        if config.tokenizer_path:
+            import transformers
+
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
+        self.specs = {m.role: m for m in config.models}
+        self.modules: Dict[str, Any] = {}
+        for spec in config.models:
+            self.modules[spec.role] = ReaLModel.from_hf(
+                spec.path,
+                dtype=getattr(torch, spec.dtype),
+                device=self.device,
+                is_critic=spec.is_critic,
+                gradient_checkpointing=spec.gradient_checkpointing,
+            )
+        if config.stream is not None:
+            self.loader = TrajectoryStreamLoader(
+                config.stream,
+                self.experiment_name,
+                self.trial_name,
+                self.rank,
+                self.worker_name,
+                log_path=os.path.join(constants.run_dir(), "trajectories.jsonl"),
+            )
+        else:
+            self.loader = self._make_loader(config.dataset, "dataset")
+        self.eval_loader = self._make_loader(config.eval_dataset, "eval_dataset")
+        self.mfcs: Dict[str, MFCDef] = {m.name: m for m in config.mfcs}
+        self.interfaces = {m.name: registry.make_interface(m.interface_impl) for m in config.mfcs}
+        self.evaluator = None
+        if config.evaluation is not None:
+            self.evaluator = registry.make_interface(config.evaluation.interface_impl)
+        self.models: Dict[str, Model] = {}  # built by `initialize`
+        self.engines: Dict[str, Any] = {}
+        self.store = LocalStore(self.worker_name)
+        self.server: Optional[ReplyServer] = None
+        self.handlers: Dict[str, Callable[[Any], Any]] = {
+            "spec": self._spec,
+            "initialize": self._initialize,
+            "fetch": self._fetch,
+            "evaluate": self._evaluate,
+            "save": self._save,
+            "checkpoint": self._checkpoint,
+            "clear_data_cache": self._clear_data_cache,
+            "model_version": self._model_version,
+            **{h: self._run_mfc for h in MFC_HANDLES},
+        }
+        self.versions: Dict[str, int] = {}
+
+    def _make_loader(self, abstraction, what: str) -> Optional[ShardLoader]:
+        if abstraction is None:
+            return None
+        dataset = registry.make_dataset(
+            abstraction,
+            seed=self.config.seed,
+            dp_rank=self.rank,
+            world_size=self.world_size,
+            tokenizer=self.tokenizer,
+        )
+        loader = ShardLoader(dataset, self.config.seed, f"{self.worker_name} {what}")
+        self.logger.info(
+            f"{what} {abstraction.type_!r}: {len(loader)} items in shard {self.rank}/{self.world_size}"
+        )
+        return loader
+
+    # ---- the poll loop ------------------------------------------------------
+
+    def _poll(self) -> PollResult:
+        if self.server is None:  # the master binds after the model workers are configured
+            self.server = ReplyServer(
+                self.experiment_name,
+                self.trial_name,
+                REQUEST_STREAM,
+                self.worker_name,
+                connect_timeout=self.config.timeout,
+            )
+        try:
+            req: Payload = self.server.poll(timeout=0.05)
+        except (NoMessage, StreamTimeout):
+            return PollResult()
+        if req.handle_name == "exit":
+            self.server.reply(req, None)
+            return PollResult(completed=True)
+        handler = self.handlers.get(req.handle_name)
+        try:
+            if handler is None:
+                raise ValueError(
+                    f"unknown request {req.handle_name!r}; known: {sorted(self.handlers)} + exit"
+                )
+            result = handler(req.data)
+        except Exception as e:
+            # Tell the master (it raises with our traceback), then fail: peers may be
+            # stuck in a collective with us, so carrying on is not safe.
+            self.server.reply_error(req, e)
+            raise
+        self.server.reply(req, result)
+        return PollResult(batch_count=1)
+
+    def _exit_hook(self) -> None:
+        # Each resource is None until built (class attributes above); the process group
+        # tells for itself whether it was set up.
+        if self.server is not None:
+            self.server.close()
+        if isinstance(self.loader, TrajectoryStreamLoader):
+            self.loader.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- handlers -----------------------------------------------------------
+
+    def _spec(self, _) -> SpecReply:
+        return SpecReply(
+            worker=self.worker_name,
+            dataset_size=len(self.loader) if self.loader else 0,
+            eval_dataset_size=len(self.eval_loader) if self.eval_loader else 0,
+            can_evaluate=self.evaluator is not None,
+            roles=tuple(self.specs),
+        )
+
+    def _position(self) -> DataPosition:
+        if self.loader is None:
+            return DataPosition(0, 0, 0)
+        return DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
+
+    def _initialize(self, req: InitializeRequest) -> DataPosition:
+        if self.models:
+            raise RuntimeError(
+                f"{self.worker_name} is already initialized; `initialize` comes once"
+            )
+        self.ft_spec: FinetuneSpec = req.ft_spec
+        for role, spec in self.specs.items():
+            module = self.modules[role]
+            if spec.trainable:
+                engine = TrainEngine(
+                    module,
+                    spec.optimizer_config,
+                    req.ft_spec,
+                    gradient_checkpointing=spec.gradient_checkpointing,
+                )
+            else:
+                engine = InferenceEngine(module)
+            self.engines[role] = engine
+            self.models[role] = Model(
+                name=role,
+                module=engine,
+                tokenizer=self.tokenizer,
+                device=self.device,
+                ft_spec=req.ft_spec if spec.trainable else None,
+            )
+        if req.recover_dir is not None:
+            recover.load_worker_state(
+                req.recover_dir, self.rank, self._trainable(), self.loader, self.interfaces
+            )
+            self.logger.info(f"resumed from {req.recover_dir} at data position {self._position()}")
+        if req.version > 0:
+            # Generation servers start from the roles' initial weights: give them the resumed ones.
+            for role, spec in self.specs.items():
+                if spec.publish_weights:
+                    self._publish(role, req.version)
+        return self._position()
+
+    def _trainable(self) -> Dict[str, tuple]:
+        return {r: (self.modules[r], self.engines[r]) for r, s in self.specs.items() if s.trainable}
+
+    def _fetch(self, req: FetchRequest) -> FetchReply:
+        if self.loader is None:
+            raise RuntimeError(
+                f"{self.worker_name} has no dataset (ModelWorkerConfig.dataset is None)"
+            )
+        items = self.loader.take(req.epoch, min(req.n, self.config.dataset_batch_size))
+        meta = None
+        if items:
+            sample = SequenceSample.gather(items)
+            self.store.put_sample(sample)
+            meta = sample.meta()
+        stats = self.loader.take_stats() if isinstance(self.loader, TrajectoryStreamLoader) else {}
+        return FetchReply(meta, self._position(), stats)
+
+    def _seed_for(self, what: str, step: StepInfo) -> None:
+        s = seeding.derive_seed(self.config.seed, f"{what}:step{step.global_step}:rank{self.rank}")
+        random.seed(s)
+        np.random.seed(s)
+        torch.manual_seed(s)
+
+    def _model(self, role: str) -> Model:
+        if role not in self.models:
+            raise RuntimeError(
+                f"{self.worker_name}: model {role!r} is not initialized; the master sends `initialize` first"
+            )
+        return self.models[role]
+
+    def _run_mfc(self, req: MFCRequest) -> MFCReply:
+        start = time.time()
+        mfc = self.mfcs.get(req.mfc_name)
+        if mfc is None:
+            raise KeyError(
+                f"{self.worker_name}: unknown MFC {req.mfc_name!r}; MFCs: {sorted(self.mfcs)}"
+            )
+        model = self._model(mfc.role)
+        # The store keeps host tensors and data moves over gloo (the world on CPU, a side
+        # group next to nccl on GPU).
+        tstats = execute_plan(req.plan, self.rank, self.store, self.data_group, torch.device("cpu"))
+        data = self.store.sample(req.meta)
+        if mfc.input_key_remap:
+            data.remap_keys_(mfc.input_key_remap)
+        model.version = req.step
+        self._seed_for(f"{mfc.name}:call{req.call}", req.step)
+        result = getattr(self.interfaces[mfc.name], mfc.interface_type.value)(
+            model, data, mfc.mb_spec
+        )
+        output = None
+        if mfc.is_train:
+            stats = _average_stats(result)
+            if self.specs[mfc.role].publish_weights:
+                self._publish(mfc.role, req.step.global_step + 1)
+        else:
+            output = self._store_output(mfc, data, result)
+            stats = {}
+        stats.update(stats_tracker.export(reduce_group=None))
+        return MFCReply(
+            worker=self.worker_name,
+            mfc_name=mfc.name,
+            output=output,
+            stats=stats,
+            start=start,
+            end=time.time(),
+            transfer_seconds=tstats.seconds,
+            bytes_received=tstats.bytes_received,
+            bytes_sent=tstats.bytes_sent,
+        )
+
+    def _store_output(self, mfc: MFCDef, data: SequenceSample, out) -> SequenceSample:
+        if not isinstance(out, SequenceSample) or out.data is None:
+            raise TypeError(
+                f"MFC {mfc.name!r}: {type(self.interfaces[mfc.name]).__name__}.{mfc.interface_type.value} "
+                f"must return a SequenceSample with data for its {len(data)} items, got {out!r}"
+            )
+        if sorted(out.ids) != sorted(data.ids):
+            raise ValueError(
+                f"MFC {mfc.name!r} returned items {sorted(out.ids)[:4]}... for input items "
+                f"{sorted(data.ids)[:4]}...; return one output item per input item, same ids"
+            )
+        if mfc.output_key_remap:
+            out.remap_keys_({k: v for k, v in mfc.output_key_remap.items() if k in out.keys})
+        missing = sorted(set(mfc.output_keys) - out.keys)
+        if missing:
+            raise KeyError(
+                f"MFC {mfc.name!r} must produce keys {list(mfc.output_keys)} but the output lacks "
+                f"{missing} (has {sorted(out.keys)}; output_key_remap {mfc.output_key_remap})"
+            )
+        out = out.select(mfc.output_keys)
+        self.store.put_sample(out)
+        return out.meta()
+
+    def _publish(self, role: str, version: int) -> None:
+        if self.rank == 0:
+            final = constants.weight_publication_dir(role, version)
+            tmp = final + ".tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.modules[role].save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            name_resolve.add(
+                names.model_version(self.experiment_name, self.trial_name, role),
+                str(version),
+                replace=True,
+            )
+        self.versions[role] = version
+
+    def _evaluate(self, req: EvalRequest) -> EvalReply:
+        start = time.time()
+        if self.evaluator is None or self.eval_loader is None:
+            raise RuntimeError(
+                f"{self.worker_name}: no evaluation configured (ModelWorkerConfig.evaluation)"
+            )
+        spec = self.config.evaluation
+        model = self._model(spec.role)
+        model.version = req.step
+        items = [self.eval_loader.dataset[i] for i in range(len(self.eval_loader))]
+        self._seed_for("evaluate", req.step)
+        local = self.evaluator.evaluate(model, SequenceSample.gather(items), spec.mb_spec) or {}
+        local = {k: float(v) for k, v in local.items()}
+        # Item-weighted mean over ranks: every rank reports the global value.
+        gathered: List[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (len(items), local))
+        total = sum(n for n, _ in gathered)
+        keys = sorted({k for _, m in gathered for k in m})
+        metrics = {
+            k: sum(n * m[k] for n, m in gathered if k in m)
+            / max(1, sum(n for n, m in gathered if k in m))
+            for k in keys
+        }
+        metrics.update(stats_tracker.export(reduce_group=None))
+        return EvalReply(self.worker_name, metrics, total, start, time.time())
+
+    def _save(self, req: SaveRequest) -> List[str]:
+        written = []
+        if self.rank == 0:
+            for role, path in req.dirs.items():
+                if role not in self.specs:
+                    raise KeyError(f"{self.worker_name}: cannot save unknown role {role!r}")
+                self.modules[role].save_hf(path, tokenizer=self.config.tokenizer_path or None)
+                written.append(path)
+        return written
+
+    def _checkpoint(self, req: CheckpointRequest) -> List[str]:
+        state = self.loader.state_dict() if self.loader is not None else None
+        return recover.save_worker_state(
+            req.dir, self.rank, self._trainable(), state, self.interfaces
+        )
+
+    def _clear_data_cache(self, ids) -> int:
+        return self.store.drop(ids)
+
+    def _model_version(self, _) -> Dict[str, int]:
+        return dict(self.versions)

@@ -1,0 +1,232 @@
+"""One step of the dataflow graph, run by the master over the model workers (metadata only).
+
+:class:`DagRunner` owns the master's side of the data: the :class:`SampleBuffer`, the
+request client and the shards' positions.  A step is::
+
+    load   fetch the step's items from the workers' shards (allocate_fetch)
+    run    one coroutine per MFC: wait until n_seqs of the step's items have its input
+           keys (oldest first), split them over the data-parallel ranks, send every rank
+           the request with the transfer plan, await the replies, record outputs / stats
+    clear  every MFC consumed the step's items: clear_data_cache on the workers
+
+Ordering rule (deadlock freedom): requests of one MFC go to all ranks in one
+synchronous burst (``_dispatch`` never awaits, and runs under the dispatch lock to say
+so), so every worker receives MFC requests in the same order.  Workers serve requests
+in order, hence run their data transfers and collectives in the same global order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Dict, List, Tuple
+
+from realhf.api.core.dfg import DataFlowGraph, MFCDef, ModelInterfaceType
+from realhf.api.core.model_api import StepInfo
+from realhf.api.core.worker_api import call_sizes
+from realhf.system.dag.buffer import SampleBuffer
+from realhf.system.dag.messages import FetchRequest, MFCReply, MFCRequest
+from realhf.system.dag.transfer import build_transfer_plan, partition_for_dp
+from realhf.system.transport.request_reply import RequestClient
+
+__all__ = ["DagRunner", "StepResult", "allocate_fetch"]
+
+
+def allocate_fetch(need: int, remaining: List[int]) -> List[int]:
+    """How many items to fetch from each worker: as even as the shards' leftovers allow.
+
+    Deterministic in ``(need, remaining)``, which a recover checkpoint restores, so a
+    resumed run fetches exactly what the uninterrupted one would have.
+    """
+    if need > sum(remaining) or need < 0:
+        raise ValueError(f"cannot fetch {need} items from shards with {remaining} left")
+    alloc = [0] * len(remaining)
+    left = need
+    while left:
+        open_ = [i for i, r in enumerate(remaining) if r > alloc[i]]
+        share = max(1, left // len(open_))
+        for i in open_:
+            give = min(share, remaining[i] - alloc[i], left)
+            alloc[i] += give
+            left -= give
+            if not left:
+                break
+    return alloc
+
+
+class StepResult:
+    """What one step did: its items, their tokens, and stats averaged per key."""
+
+    def __init__(self, ids: List[str], tokens: int, stats: Dict[str, float]):
+        self.ids, self.tokens, self.stats = ids, tokens, stats
+
+
+class DagRunner:
+    """Runs steps of ``graph`` over the model workers ``handlers`` (see the module docstring).
+
+    Args:
+        graph: the MFCs.
+        client: the request client (its handlers are the model workers, rank = index).
+        timeout: seconds to wait for any reply.
+        trace: a :class:`~realhf.system.dag.outputs.TraceLog` (or None).
+    """
+
+    def __init__(self, graph: DataFlowGraph, client: RequestClient, timeout: float, trace=None):
+        self.graph = graph
+        self.client = client
+        self.handlers = list(client.handlers)
+        self.n = len(self.handlers)
+        self.timeout = timeout
+        self.trace = trace
+        self.buffer = SampleBuffer()
+        self.cond = asyncio.Condition()
+        self.dispatch_lock = asyncio.Lock()
+        #: per worker: items of the current epoch not fetched yet (set by the master)
+        self.remaining: List[int] = []
+        self._stats: Dict[str, List[float]] = {}
+        self._done: Dict[str, bool] = {}
+
+    async def call(self, handle: str, datas: List[Any]) -> List[Any]:
+        """Send ``handle`` to every worker (one datum each); return their replies' data."""
+        rids = self.client.request(self.handlers, handle, datas)
+        return [r.data for r in await self.client.gather_async(rids, timeout=self.timeout)]
+
+    def _trace(self, name: str, process: str, start: float, end: float, **kw) -> None:
+        if self.trace is not None:
+            self.trace.complete(name, process, start, end, **kw)
+
+    # ---- a step -------------------------------------------------------------
+
+    async def run_step(self, step: StepInfo, batch_size: int) -> StepResult:
+        """Load, run every MFC over, and clear one step of up to ``batch_size`` items."""
+        self._stats = {}
+        ids = await self._load(step.epoch, min(batch_size, sum(self.remaining)))
+        self._done = {name: False for name in self.graph.mfcs}
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for name in self.graph.topological_order():
+                    tg.create_task(self._run_mfc(self.graph.mfcs[name], ids, step))
+        except ExceptionGroup as eg:  # the first failure names the MFC and the worker
+            raise eg.exceptions[0] from None
+        # Tokens of the step: per item, its longest key.
+        tokens = sum(
+            max((k.n_tokens for k in self.buffer.entry(i).keys.values()), default=0) for i in ids
+        )
+        await self.call("clear_data_cache", [tuple(ids)] * self.n)
+        self.buffer.remove(ids)
+        return StepResult(ids, tokens, {k: sum(v) / len(v) for k, v in sorted(self._stats.items())})
+
+    async def _load(self, epoch: int, need: int) -> List[str]:
+        """Fetch ``need`` items (metadata into the buffer; tensors stay on the workers)."""
+        want = allocate_fetch(need, self.remaining)
+        ids: List[str] = []
+        t = time.time()
+        while True:
+            asked = list(want)
+            replies = await self.call("fetch", [FetchRequest(epoch, w) for w in asked])
+            for rank, rep in enumerate(replies):
+                got = 0 if rep.meta is None else len(rep.meta)
+                if got:
+                    self.buffer.add(rep.meta, owner=rank)
+                    ids.extend(rep.meta.ids)
+                self.remaining[rank] = rep.position.remaining
+                for k, v in rep.stats.items():
+                    self._stats.setdefault(k, []).append(v)
+                if got == 0 and asked[rank] > 0 or got > asked[rank]:
+                    raise RuntimeError(
+                        f"{self.handlers[rank]} returned {got} items for a fetch of {asked[rank]} "
+                        f"(epoch {epoch}, position {rep.position}); master and worker disagree"
+                    )
+                want[rank] -= got
+            if not any(want):
+                break
+        self._trace("fetch", "master_worker/0", t, time.time(), n_items=len(ids))
+        return ids
+
+    async def _run_mfc(self, mfc: MFCDef, step_ids: List[str], step: StepInfo) -> None:
+        """Run ``mfc`` over all of the step's items, ``n_seqs`` at a time, oldest first."""
+        parents = self.graph.parents(mfc.name)
+        for call, size in enumerate(call_sizes(len(step_ids), mfc.n_seqs)):
+            async with self.cond:
+                while True:
+                    ready = self.buffer.ready(mfc.name, mfc.input_keys, among=step_ids)
+                    if len(ready) >= size:
+                        break
+                    if all(self._done[p] for p in parents):
+                        raise RuntimeError(
+                            f"MFC {mfc.name!r} needs {size} items with keys "
+                            f"{list(mfc.input_keys)} but only {len(ready)} have them after "
+                            f"its producers {parents} finished"
+                        )
+                    await self.cond.wait()
+                ids = ready[:size]
+                self.buffer.mark_consumed(ids, mfc.name)
+            async with self.dispatch_lock:
+                rids, parts = self._dispatch(mfc, ids, step, call)
+            t = time.time()
+            replies = await self.client.gather_async(rids, timeout=self.timeout)
+            async with self.cond:
+                self._absorb(mfc, parts, [r.data for r in replies], t)
+                self.cond.notify_all()
+        async with self.cond:
+            self._done[mfc.name] = True
+            self.cond.notify_all()
+
+    def _dispatch(
+        self, mfc: MFCDef, ids: List[str], step: StepInfo, call: int
+    ) -> Tuple[List[str], list]:
+        """Split, plan and send one MFC call to every rank (no await: one burst)."""
+        keys = list(mfc.input_keys)
+        by_count = mfc.interface_type == ModelInterfaceType.GENERATE
+        parts = partition_for_dp(ids, self.buffer.item_tokens(ids, keys), self.n, by_count)
+        first = self.buffer.entry(ids[0]).keys
+        plan = build_transfer_plan(
+            parts,
+            keys,
+            self.buffer.holder_map(ids, keys),
+            seqlens=lambda i, k: self.buffer.entry(i).keys[k].seqlens,
+            dtypes={k: first[k].dtype for k in keys},
+            trailing_shapes={k: first[k].trailing_shape for k in keys},
+        )
+        for s in plan:
+            self.buffer.add_holder(s.ids, s.key, s.dst)
+        datas = [
+            MFCRequest(mfc.name, step, tuple(plan), self.buffer.meta(p, keys), call) for p in parts
+        ]
+        return self.client.request(self.handlers, mfc.interface_type.value, datas), parts
+
+    def _absorb(
+        self, mfc: MFCDef, parts: List[List[str]], replies: List[MFCReply], sent: float
+    ) -> None:
+        """Record one call's replies: output ownership, stats (averaged over ranks), trace."""
+        stats: Dict[str, List[float]] = {}
+        for rank, (part, rep) in enumerate(zip(parts, replies)):
+            if rep.output is not None:
+                out = rep.output
+                if sorted(out.ids) != sorted(part) or not set(mfc.output_keys) <= out.keys:
+                    raise RuntimeError(
+                        f"MFC {mfc.name!r}: {rep.worker} replied items {sorted(out.ids)[:3]}... "
+                        f"with keys {sorted(out.keys)} for its {len(part)} items; expected "
+                        f"keys {list(mfc.output_keys)}"
+                    )
+                self.buffer.amend(out, owner=rank)
+            elif mfc.output_keys:
+                raise RuntimeError(f"MFC {mfc.name!r}: {rep.worker} replied no output")
+            for k, v in rep.stats.items():
+                stats.setdefault(k, []).append(v)
+            self._trace(
+                mfc.name,
+                self.handlers[rank],
+                rep.start,
+                rep.end,
+                tid=mfc.role,
+                n_items=len(part),
+                transfer_s=round(rep.transfer_seconds, 6),
+                bytes_received=rep.bytes_received,
+            )
+        for k, v in stats.items():
+            self._stats.setdefault(f"{mfc.name}/{k}", []).append(sum(v) / len(v))
+        self._stats.setdefault(f"timing/{mfc.name}", []).append(max(r.end for r in replies) - sent)
+        self._stats.setdefault(f"data_transfer/{mfc.name}_bytes", []).append(
+            sum(r.bytes_received for r in replies)
+        )

@@ -1,0 +1,179 @@
+"""A generation server as a worker: serve one model over SGLang's HTTP protocol.
+
+Worker type ``generation_server``.  On ``configure`` it starts its backend —
+
+* ``builtin``: our engine (:mod:`realhf.impl.model.gen`, CPU or GPU) behind its FastAPI app
+  in a thread of this process;
+* ``sglang``: ``python -m sglang.launch_server`` as a child process
+  (:mod:`realhf.system.rollout.sglang_launcher`), token ids only;
+* ``auto``: SGLang when the package and a CUDA device are present, else builtin —
+
+waits until ``/health`` answers, and registers its URL under ``names.gen_servers`` with a
+keepalive TTL (so the gserver manager stops routing to it soon after it dies).  While
+running it checks that the backend is alive (a dead backend fails the worker, naming it) and
+ends (COMPLETED) when ``names.experiment_status`` leaves RUNNING.  Weight updates and
+pauses come from the gserver manager over HTTP.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from typing import TYPE_CHECKING, Optional
+
+from realhf.api.core.rollout_api import GenerationServerConfig
+from realhf.base import constants, name_resolve, names, network
+from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
+from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
+
+if TYPE_CHECKING:  # the built-in backend is imported only when it is used
+    from realhf.base.http_server import ServerThread
+    from realhf.impl.model.gen.engine import GenerationEngine
+
+__all__ = ["resolve_backend", "GenerationServer"]
+
+
+def resolve_backend(backend: str) -> str:
+    """``builtin`` or ``sglang`` for a configured ``backend`` (``auto`` decides by what is installed)."""
+    has_sglang = importlib.util.find_spec("sglang") is not None
+    if backend == "auto":
+        import torch
+
+        return "sglang" if has_sglang and torch.cuda.is_available() else "builtin"
+    if backend == "sglang" and not has_sglang:
+        raise ValueError(
+            "GenerationServerConfig.backend='sglang' but the sglang package is not installed; "
+            "install it (GPU machines) or use backend='builtin'"
+        )
+    return backend
+
+
+@register_worker("generation_server")
+class GenerationServer(Worker):
+    """See the module docstring."""
+
+    config_class = GenerationServerConfig
+
+    # What _exit_hook releases, None until built: shutdown must work from any state,
+    # also before configure or after a configure that raised half-way (e.g. a backend
+    # that started but never became healthy).
+    engine: Optional[GenerationEngine] = None
+    http: Optional[ServerThread] = None
+    sglang: Optional[SGLangServer] = None
+    _key: Optional[str] = None
+
+    def _configure(self, config: GenerationServerConfig) -> None:
+        self.backend = resolve_backend(config.backend)
+        self.engine = self.http = self.sglang = None
+        self._key: Optional[str] = None
+        host = config.host or network.gethostip()
+        if self.backend == "builtin":
+            self.url = self._start_builtin(config, host)
+        else:
+            self.url = self._start_sglang(config, host)
+        waited = wait_healthy(self.url, config.health_timeout_s)
+        self._key = name_resolve.add_subentry(
+            names.gen_servers(self.experiment_name, self.trial_name),
+            self.url,
+            keepalive_ttl=config.registration_ttl_s,
+        )
+        self._next_check = 0.0
+        self.logger.info(
+            f"{self.backend} generation server for {config.model_path} at {self.url} (healthy after {waited:.1f}s)"
+        )
+
+    def _start_builtin(self, config: GenerationServerConfig, host: str) -> str:
+        from realhf.api.core.gen_api import GenerateRequest, SamplingParams
+        from realhf.impl.model.gen.engine_config import EngineConfig
+        from realhf.impl.model.gen.http_app import ServerThread, create_app
+        from realhf.impl.model.gen.loading import load_engine, load_tokenizer
+
+        engine_config = EngineConfig(
+            max_running_requests=config.max_running_requests,
+            context_length=config.context_length,
+            dtype=config.dtype,
+            device=config.device,
+            seed=config.seed,
+            num_threads=config.num_threads,
+            request_timeout_s=config.request_timeout_s,
+        )
+        tokenizer = load_tokenizer(config.model_path)
+        self.engine = load_engine(config.model_path, engine_config, tokenizer=tokenizer).start()
+        # One tiny request first: compiling kernels should not land on a rollout's latency.
+        warm = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+        self.engine.generate(
+            [GenerateRequest(input_ids=(0,), sampling=warm)], timeout=config.health_timeout_s
+        )
+        app = create_app(
+            self.engine,
+            tokenizer=tokenizer,
+            model_path=config.model_path,
+            served_model_name=self.worker_name.replace("/", "-"),
+        )
+        self.http = ServerThread(app, host=host, port=config.port).start(
+            timeout=config.health_timeout_s
+        )
+        return self.http.url
+
+    def _start_sglang(self, config: GenerationServerConfig, host: str) -> str:
+        port = config.port or network.find_free_port(host=host)
+        cfg = SGLangConfig(
+            model_path=config.model_path,
+            host=host,
+            port=port,
+            skip_tokenizer_init=True,
+            dtype=config.dtype,
+            context_length=config.context_length,
+            random_seed=config.seed,
+            max_running_requests=config.max_running_requests,
+            **dict(config.sglang_args),
+        )
+        log = constants.worker_log_path(
+            f"{self.worker_name}.sglang", self.experiment_name, self.trial_name
+        )
+        self.sglang = SGLangServer(cfg, log_path=log).start(health_timeout=config.health_timeout_s)
+        return cfg.url
+
+    def _backend_problem(self) -> Optional[str]:
+        if self.engine is not None and not self.engine.alive:
+            return (
+                f"its engine thread died (last error: {self.engine.last_error or 'none recorded'})"
+            )
+        if self.http is not None and not self.http._thread.is_alive():
+            return "its HTTP thread exited"
+        if self.sglang is not None and self.sglang.process.poll() is not None:
+            return f"the SGLang process exited with code {self.sglang.process.returncode} (log: {self.sglang.log_path})"
+        return None
+
+    def _poll(self) -> PollResult:
+        now = time.monotonic()
+        if now < self._next_check:
+            time.sleep(min(0.05, self._next_check - now))
+            return PollResult()
+        self._next_check = now + self.config.poll_interval_s
+        problem = self._backend_problem()
+        if problem is not None:
+            raise RuntimeError(f"generation server {self.url} ({self.backend}) is down: {problem}")
+        if experiment_ended(self.experiment_name, self.trial_name):
+            self._withdraw()
+            self.logger.info("the experiment ended; the generation server stops")
+            return PollResult(completed=True)
+        return PollResult()
+
+    def _withdraw(self) -> None:
+        if self._key is not None:
+            try:
+                name_resolve.delete(self._key)
+            except name_resolve.NameEntryNotFoundError:
+                pass
+            self._key = None
+
+    def _exit_hook(self) -> None:
+        # Each resource is None until built (class attributes above).
+        self._withdraw()
+        if self.http is not None:
+            self.http.stop()
+        if self.engine is not None:
+            self.engine.close()
+        if self.sglang is not None:
+            self.sglang.stop()

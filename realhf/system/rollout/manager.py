@@ -1,0 +1,308 @@
+"""The gserver manager's logic: admits rollouts, routes generation requests, pushes new weights.
+
+One per experiment.  :class:`GserverManager` is pure asyncio logic with its dependencies
+passed in, so tests drive it against fakes of the trainer; :mod:`.manager_service` serves it
+over HTTP and :mod:`.gserver_manager` runs both as a worker.
+
+Admission and hand-off follow :mod:`realhf.system.rollout.staleness` (exact per-sample bound).
+Routing, health checks and weight updates of the servers live in
+:mod:`realhf.system.rollout.server_pool`: when the trainer's version (``names.model_version``)
+grows, every live server is paused, updated from ``constants.weight_publication_dir`` and
+continued, each step with a timeout; a server that misses one fails the manager with a
+:class:`WeightUpdateError` naming its URL (the controller then stops the run).  Admission uses
+the version all live servers run, which is never ahead of what generates the tokens.
+
+Leases: every running rollout belongs to one rollout-worker process (name + incarnation).
+Its heartbeats renew all its leases; after ``lease_ttl_s`` without one, or when a new
+incarnation of the same worker appears, its rollouts are released and their slots freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Callable, Dict, List
+
+from realhf.api.core.rollout_api import (
+    AllocateReply,
+    AllocateRequest,
+    FinishReply,
+    FinishRequest,
+    GserverManagerConfig,
+    HeartbeatReply,
+    HeartbeatRequest,
+    ScheduleReply,
+    ScheduleRequest,
+    ServerFailureReport,
+)
+from realhf.base import logging
+from realhf.system.rollout.server_pool import (
+    NoServerAvailable,
+    ServerPool,
+    ServerState,
+    WeightUpdateError,
+    choose_server,
+    parse_metrics,
+)
+from realhf.system.rollout.staleness import StalenessController, TrainerProgress
+
+logger = logging.getLogger("gserver_manager", "system")
+
+__all__ = [
+    "GserverManager",
+    "MAX_FINISH_WAIT_S",
+    # re-exported from realhf.system.rollout.server_pool
+    "WeightUpdateError",
+    "NoServerAvailable",
+    "ServerState",
+    "choose_server",
+    "parse_metrics",
+]
+
+# Longest a /finish_rollout may be held by the manager, whatever the client asks.
+MAX_FINISH_WAIT_S = 60.0
+
+
+@dataclasses.dataclass
+class _Owner:
+    incarnation: str
+    last_seen: float
+
+
+class GserverManager:
+    """Admission, hand-off, leases and routing; see the module docstring.
+
+    Args:
+        config: the manager's settings.
+        progress: where the trainer stands (version, trained samples).
+        discover: returns the URLs registered by generation servers.
+        weight_dir: the HF directory holding weight version ``v``.
+        clock: monotonic seconds for leases (tests pass a fake).
+
+    All methods run on one event loop: :meth:`start`, then the HTTP handlers and
+    :meth:`run_background` concurrently, then :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        config: GserverManagerConfig,
+        progress: TrainerProgress,
+        discover: Callable[[], List[str]],
+        weight_dir: Callable[[int], str],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.config = config
+        self.progress = progress
+        self.clock = clock
+        self.pool = ServerPool(config, discover, weight_dir)
+        self.staleness = StalenessController(
+            config.train_batch_size, config.max_head_offpolicyness, config.concurrency
+        )
+        self.trainer_version = 0
+        self.trained_samples = 0
+        self.owners: Dict[str, _Owner] = {}
+        self._changed = asyncio.Event()
+        self._warned_trained = False
+        #: False until the trainer announced where it starts (see GserverManagerWorker);
+        #: no rollout is admitted before, so indices never start from a guess.
+        self.trainer_ready = True
+
+    @property
+    def version(self) -> int:
+        """The weight version every live server runs (admission uses it)."""
+        return self.pool.version
+
+    @property
+    def servers(self) -> Dict[str, ServerState]:
+        return self.pool.servers
+
+    # ---- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Wait for ``n_servers`` healthy servers and bring them to the trainer's version."""
+        await self.pool.open()
+        self._changed = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.server_wait_timeout_s
+        while True:
+            await self.pool.check()
+            live = self.pool.live()
+            if len(live) >= self.config.n_servers:
+                break
+            if loop.time() > deadline:
+                raise TimeoutError(
+                    f"gserver manager: {len(live)} of {self.config.n_servers} generation servers "
+                    f"registered and healthy after {self.config.server_wait_timeout_s:g}s "
+                    f"(live: {[s.url for s in live]}); check the generation_server logs"
+                )
+            await asyncio.sleep(0.1)
+        await self.poll_trainer()
+        logger.info(f"serving with {len(live)} generation servers at version {self.version}")
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    async def run_background(self) -> None:
+        """Weight watch, health checks and lease expiry until cancelled; a failure propagates."""
+        await asyncio.gather(
+            self._every(self.config.weight_poll_interval_s, self.poll_trainer),
+            self._every(self.config.health_check_interval_s, self.pool.check),
+            self._every(min(1.0, self.config.lease_ttl_s / 4), self._expire_async),
+        )
+
+    @staticmethod
+    async def _every(interval: float, fn) -> None:
+        while True:
+            await fn()
+            await asyncio.sleep(interval)
+
+    # ---- rollout API ----------------------------------------------------------
+
+    def allocate(self, req: AllocateRequest) -> AllocateReply:
+        """Admit a rollout if the concurrency cap and the staleness bound allow it."""
+        self._touch(req.worker, req.incarnation)
+        if not self.trainer_ready:
+            return AllocateReply(False, reason="trainer_not_ready")
+        if not self.pool.live():
+            return AllocateReply(False, reason="no_server")
+        adm = self.staleness.admit(self.version, f"{req.worker}#{req.incarnation}")
+        if adm is None:
+            return AllocateReply(False, reason=self.staleness.refusal(self.version) or "capacity")
+        return AllocateReply(True, adm.rollout_id, adm.version, adm.deadline)
+
+    async def schedule(self, req: ScheduleRequest) -> ScheduleReply:
+        """The server for the next chunk of ``req.rollout_id``.
+
+        A server in the middle of a weight update is paused anyway, so the answer waits for
+        the update and reports the new version: a chunk is then recorded with the version
+        that generates it.
+        """
+        for _ in range(8):
+            self.staleness.get(req.rollout_id)  # raises RolloutNotRunning
+            server = self.pool.pick(req)
+            updating = server.updating
+            if updating is None:
+                self.pool.assign(server, req)
+                return ScheduleReply(server.url, server.version)
+            await asyncio.wait_for(
+                asyncio.shield(updating.wait()), 3 * self.config.weight_update_timeout_s
+            )
+        raise NoServerAvailable(
+            f"rollout {req.rollout_id}: the servers kept updating weights while scheduling"
+        )
+
+    async def finish(self, req: FinishRequest) -> FinishReply:
+        """Release (``accepted=False``) or hand on a finished rollout, holding it if needed."""
+        if not req.accepted:
+            self.staleness.reject(req.rollout_id, "filtered")
+            self._notify()
+            return FinishReply("rejected")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, min(req.wait_s, MAX_FINISH_WAIT_S))
+        while True:
+            changed = self._changed
+            index = self.staleness.accept(req.rollout_id)  # raises RolloutNotRunning
+            if index is not None:
+                self._notify()
+                return FinishReply("accepted", index)
+            left = deadline - loop.time()
+            if left <= 0:
+                return FinishReply("wait")
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+
+    def heartbeat(self, req: HeartbeatRequest) -> HeartbeatReply:
+        self._touch(req.worker, req.incarnation)
+        return HeartbeatReply(len(self.staleness.owned_by(f"{req.worker}#{req.incarnation}")))
+
+    async def report_failure(self, report: ServerFailureReport) -> Dict[str, bool]:
+        """A client could not use ``report.url``: probe it now, drop it if it is gone."""
+        s = self.servers.get(report.url)
+        if s is None or not s.live:
+            return {"dead": True}
+        if not await self.pool.healthy(s.url):
+            self.pool.mark_dead(
+                s, f"reported by a rollout worker ({report.error}) and failed a health check"
+            )
+        return {"dead": not s.live}
+
+    def status(self) -> Dict:
+        """Counters and servers, for monitoring and tests."""
+        st = self.staleness
+        return {
+            "version": self.version,
+            "trainer_version": self.trainer_version,
+            "trained_samples": self.trained_samples,
+            "accepted_total": st.accepted_total,
+            "accepted_pending": max(0, st.accepted_total - self.trained_samples),
+            "running": st.running,
+            "capacity": st.capacity(self.version),
+            "stats": dict(st.stats),
+            "owners": {w: o.incarnation for w, o in self.owners.items()},
+            "servers": {u: s.summary() for u, s in self.servers.items()},
+        }
+
+    def _notify(self) -> None:
+        # Wake every held /finish_rollout: the set of running rollouts changed.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # ---- leases ---------------------------------------------------------------
+
+    def _touch(self, worker: str, incarnation: str) -> None:
+        cur = self.owners.get(worker)
+        if cur is not None and cur.incarnation != incarnation:
+            released = self.staleness.release_owner(f"{worker}#{cur.incarnation}")
+            if released:
+                logger.warning(
+                    f"rollout worker {worker} restarted: released {len(released)} rollouts of its previous process"
+                )
+                self._notify()
+        self.owners[worker] = _Owner(incarnation, self.clock())
+
+    def expire_leases(self) -> List[str]:
+        """Release the rollouts of workers whose heartbeats stopped; returns their ids."""
+        now, released = self.clock(), []
+        for worker, o in list(self.owners.items()):
+            if now - o.last_seen > self.config.lease_ttl_s:
+                ids = self.staleness.release_owner(f"{worker}#{o.incarnation}", "expired")
+                del self.owners[worker]
+                logger.warning(
+                    f"rollout worker {worker} sent no heartbeat for {now - o.last_seen:.1f}s "
+                    f"(lease_ttl_s={self.config.lease_ttl_s:g}): released {len(ids)} rollouts"
+                )
+                released += ids
+        if released:
+            self._notify()
+        return released
+
+    async def _expire_async(self) -> None:
+        self.expire_leases()
+
+    # ---- the trainer ------------------------------------------------------------
+
+    async def poll_trainer(self) -> None:
+        """Read the trainer's progress; push a newer version to every server."""
+        self.trainer_version = await asyncio.to_thread(self.progress.version)
+        self.trained_samples = await asyncio.to_thread(self.progress.trained_samples)
+        if self.trained_samples > self.staleness.accepted_total and not self._warned_trained:
+            self._warned_trained = True
+            logger.warning(
+                f"the trainer reports {self.trained_samples} trained samples but this manager "
+                f"accepted only {self.staleness.accepted_total}: trajectories come from elsewhere "
+                "(another manager, or a resumed run without its state), so staleness is not exact"
+            )
+        if self.trainer_version > self.version:
+            await self.pool.update_weights(self.trainer_version)
+
+    # ---- recovery -------------------------------------------------------------
+
+    def state_dict(self) -> Dict:
+        return {"staleness": self.staleness.state_dict(), "version": self.version}
+
+    def load_state_dict(self, state: Dict, trained_samples: int) -> None:
+        """Resume counters at the trainer's ``trained_samples`` (see StalenessController)."""
+        self.staleness.load_state_dict(state["staleness"], trained_samples)

@@ -1,0 +1,259 @@
+"""The gserver manager over HTTP: the FastAPI app and the thread that serves it.
+
+Endpoints (JSON bodies are the messages of :mod:`realhf.api.core.rollout_api`):
+
+=========================  =====================  ======================  ====================
+route                      body                   answer                  errors
+=========================  =====================  ======================  ====================
+POST /allocate_rollout     AllocateRequest        AllocateReply
+POST /schedule_request     ScheduleRequest        ScheduleReply           409 not running,
+                                                                          503 no live server
+POST /finish_rollout       FinishRequest          FinishReply (held up    409 not running
+                                                  to ``wait_s``)
+POST /heartbeat            HeartbeatRequest       HeartbeatReply
+POST /report_server_failure ServerFailureReport   ``{"dead": bool}``
+GET  /status                                      counters and servers
+GET  /health                                      200
+=========================  =====================  ======================  ====================
+
+Bodies are validated by FastAPI against the pydantic message classes: a malformed one gets
+400 naming every wrong field (type, tuple item, range, unknown or missing field).  Errors
+of the manager map to statuses through exception handlers: :class:`RolloutNotRunning` 409,
+:class:`NoServerAvailable` 503.  All errors answer ``{"error": {"message": ...}}``.
+
+:class:`ManagerService` serves the app from a :class:`~realhf.base.http_server.ServerThread`;
+the app's lifespan starts the manager (it waits for its generation servers), runs its
+background loops on the same event loop and closes it, so a sync worker can host it.
+Rollout workers talk to it through :class:`~realhf.system.rollout.manager_client.ManagerClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from typing import Any, Callable, Optional
+
+import fastapi
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from realhf.api.core.rollout_api import (
+    AllocateRequest,
+    FinishRequest,
+    HeartbeatRequest,
+    MessageError,
+    ScheduleRequest,
+    ServerFailureReport,
+    describe_errors,
+)
+from realhf.base import logging
+from realhf.base.http_server import ServerThread, StartupError
+from realhf.system.rollout.manager import GserverManager, NoServerAvailable
+from realhf.system.rollout.staleness import RolloutNotRunning
+
+logger = logging.getLogger("manager_service", "system")
+
+__all__ = ["create_manager_app", "ManagerService"]
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+def create_manager_app(
+    manager: GserverManager,
+    on_exit: Optional[Callable[[Optional[BaseException]], None]] = None,
+) -> fastapi.FastAPI:
+    """The FastAPI app of ``manager``; serve it on one event loop (e.g. a ServerThread).
+
+    Its lifespan starts the manager (which waits for its generation servers), runs the
+    manager's background loops while the app serves, and closes the manager at shutdown.
+    ``on_exit(error)`` is called when start-up fails or the background loops end (``error``
+    is None when they were cancelled or returned), so the host can stop serving and report:
+    routes of a manager whose loops died would answer from stale state.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: fastapi.FastAPI):
+        background: Optional[asyncio.Task] = None
+        try:
+            try:
+                await manager.start()
+            except BaseException as e:
+                if on_exit is not None:
+                    on_exit(e)
+                raise
+            background = asyncio.create_task(
+                manager.run_background(), name="gserver manager background loops"
+            )
+            if on_exit is not None:
+                background.add_done_callback(
+                    lambda t: on_exit(None if t.cancelled() else t.exception())
+                )
+            yield
+        finally:
+            if background is not None:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
+            await manager.close()
+
+    app = fastapi.FastAPI(title="realhf gserver manager", lifespan=lifespan)
+    #: route -> its body's message class, so a 400 names the message and its field
+    bodies = {
+        "/allocate_rollout": "AllocateRequest",
+        "/schedule_request": "ScheduleRequest",
+        "/finish_rollout": "FinishRequest",
+        "/heartbeat": "HeartbeatRequest",
+        "/report_server_failure": "ServerFailureReport",
+    }
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: fastapi.Request, e: RequestValidationError):
+        return _error(400, describe_errors(bodies.get(request.url.path, "request"), e.errors()))
+
+    @app.exception_handler(MessageError)
+    async def invalid_message(request: fastapi.Request, e: MessageError):
+        return _error(400, str(e))
+
+    @app.exception_handler(RolloutNotRunning)
+    async def not_running(request: fastapi.Request, e: RolloutNotRunning):
+        return _error(409, str(e))
+
+    @app.exception_handler(NoServerAvailable)
+    async def no_server(request: fastapi.Request, e: NoServerAvailable):
+        return _error(503, str(e))
+
+    # Handlers are `async def` on purpose: the manager is not thread-safe, and FastAPI runs
+    # sync handlers in a thread pool; on the loop they run between its background steps.
+
+    @app.post("/allocate_rollout")
+    async def allocate_rollout(req: AllocateRequest):
+        return manager.allocate(req).to_json()
+
+    @app.post("/schedule_request")
+    async def schedule_request(req: ScheduleRequest):
+        return (await manager.schedule(req)).to_json()
+
+    @app.post("/finish_rollout")
+    async def finish_rollout(req: FinishRequest):
+        return (await manager.finish(req)).to_json()
+
+    @app.post("/heartbeat")
+    async def heartbeat(req: HeartbeatRequest):
+        return manager.heartbeat(req).to_json()
+
+    @app.post("/report_server_failure")
+    async def report_server_failure(req: ServerFailureReport):
+        return await manager.report_failure(req)
+
+    @app.get("/status")
+    async def status():
+        return manager.status()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    return app
+
+
+class ManagerService:
+    """Serve a :class:`GserverManager` on ``host:port`` from a background thread.
+
+    ``start`` returns once the manager found its servers and the socket accepts connections
+    (or raises why not: the manager's own start-up error, or a timeout); :meth:`check`
+    re-raises a failure of the background loops (e.g. a
+    :class:`~realhf.system.rollout.gserver_manager.WeightUpdateError`, which also stops serving);
+    :meth:`call` runs a function on the service's loop; :meth:`stop` shuts everything down.
+    """
+
+    def __init__(
+        self,
+        manager: GserverManager,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log_level: str = "warning",
+    ):
+        self.manager = manager
+        self.host = host
+        self._error: Optional[BaseException] = None
+        self._http = ServerThread(
+            create_manager_app(manager, on_exit=self._on_exit),
+            host,
+            port,
+            log_level=log_level,
+            name="gserver-manager",
+        )
+
+    @property
+    def port(self) -> int:
+        """The bound port (known once started)."""
+        return self._http.port
+
+    @property
+    def address(self) -> str:
+        """``host:port``."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    @property
+    def alive(self) -> bool:
+        """Whether the service thread (HTTP and background loops) is running."""
+        return self._http.alive
+
+    def _on_exit(self, error: Optional[BaseException]) -> None:
+        # Runs on the service's loop: start-up failed, or the background loops ended.
+        if error is not None and self._error is None:
+            self._error = error
+            logger.error(f"gserver manager stopped: {error!r}", exc_info=error)
+        self._http.server.should_exit = True
+
+    def start(self, timeout: float = 360.0) -> "ManagerService":
+        """Start serving; ``timeout`` covers waiting for the generation servers."""
+        try:
+            self._http.start(timeout)
+        except StartupError:
+            if self._error is not None:
+                raise self._error from None  # the manager's own reason, not uvicorn's summary
+            raise
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"the gserver manager did not start serving within {timeout:g}s "
+                f"(it waits for its generation servers first): {e}"
+            ) from None
+        self.check()
+        return self
+
+    def check(self) -> None:
+        """Raise the error that stopped the service, if any."""
+        if self._error is not None:
+            raise self._error
+        if self._http.error is not None:
+            raise self._http.error
+        if self._http.loop is not None and not self._http.alive:
+            raise RuntimeError("the gserver manager's service thread exited")
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn()`` on the service's event loop and return its result."""
+        loop = self._http.loop
+        if loop is None or not self._http.alive:
+            return fn()
+
+        async def run():
+            return fn()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"the gserver manager's loop did not run {fn} within {timeout:g}s"
+            ) from None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving, cancel the background loops, close the manager, join the thread."""
+        self._http.stop(timeout)

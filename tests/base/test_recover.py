@@ -1,0 +1,144 @@
+"""Recover checkpoints: atomic commit, discovery, pruning, and a worker's state round trip."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from realhf.api.cli_args import OptimizerConfig
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.model_api import FinetuneSpec
+from realhf.base import recover
+from realhf.impl.dataset.shard_loader import ShardLoader
+
+
+def _commit(root, step, keep=1):
+    tmp = recover.prepare_tmp_dir(root, step)
+    with open(os.path.join(tmp, "payload"), "w") as f:
+        f.write(str(step))
+    return recover.commit(root, tmp, step, {"step": step}, keep=keep)
+
+
+def test_commit_renames_and_points_latest(tmp_path):
+    root = str(tmp_path / "recover")
+    assert recover.find_latest(str(tmp_path)) is None
+    final = _commit(root, 2)
+    assert final == os.path.join(root, "step2") and not os.path.exists(final + ".tmp")
+    assert recover.find_latest(root) == final
+    assert recover.read_master_state(final) == {"step": 2}
+
+
+def test_a_half_written_checkpoint_is_ignored_and_cleaned(tmp_path):
+    root = str(tmp_path)
+    _commit(root, 2)
+    dead = recover.prepare_tmp_dir(root, 4)  # a run died while writing step 4
+    assert recover.find_latest(root).endswith("step2")
+    assert os.path.isdir(dead)
+    _commit(root, 6)
+    assert not os.path.exists(dead)
+
+
+def test_old_checkpoints_are_pruned(tmp_path):
+    root = str(tmp_path)
+    for step in (2, 4, 6):
+        _commit(root, step, keep=2)
+    assert sorted(os.listdir(root)) == ["latest", "step4", "step6"]
+    _commit(root, 6, keep=2)  # the same step again (after a resume) replaces it
+    assert recover.find_latest(root).endswith("step6")
+
+
+def test_latest_naming_an_incomplete_dir_is_an_error(tmp_path):
+    (tmp_path / "latest").write_text("step3")
+    with pytest.raises(recover.RecoverError, match="not a complete recover checkpoint"):
+        recover.find_latest(str(tmp_path))
+
+
+class _Items:
+    def __init__(self, n):
+        self.items = [
+            SequenceSample.from_default([f"i{j}"], [1], {"packed_prompts": torch.tensor([j])})
+            for j in range(n)
+        ]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, j):
+        return self.items[j]
+
+
+def _engine(model_dir):
+    from realhf.impl.model.backend import TrainEngine
+    from realhf.impl.model.nn.real_model import ReaLModel
+
+    model = ReaLModel.from_hf(model_dir)
+    return model, TrainEngine(
+        model, OptimizerConfig(lr=1e-2, weight_decay=0.0), FinetuneSpec(1, 8, 2)
+    )
+
+
+def _step(engine):
+    g = torch.Generator().manual_seed(0)
+    data = SequenceSample.from_default(
+        ["a", "b"], [5, 4], {"packed_input_ids": torch.randint(0, 100, (9,), generator=g)}
+    )
+
+    def loss_fn(logits, mb):
+        return logits.float().pow(2).mean(), {}
+
+    return engine.train_batch(data, MicroBatchSpec(), loss_fn, lambda mb: 9.0)
+
+
+@pytest.mark.slow  # builds a model and an optimizer (imports transformers)
+def test_worker_state_round_trip(tmp_path):
+    from tiny_models import make_tiny_hf_model
+
+    path = make_tiny_hf_model("qwen2", tmp_path / "model")
+    model, engine = _engine(path)
+    _step(engine)
+    loader = ShardLoader(_Items(6), seed=1)
+    loader.take(0, 4)
+    ckpt = str(tmp_path / "ckpt")
+    written = recover.save_worker_state(ckpt, 0, {"actor": (model, engine)}, loader.state_dict())
+    assert recover.model_dir(ckpt, "actor") in written
+    assert os.path.exists(recover.optimizer_path(ckpt, "actor", 0))
+
+    model2, engine2 = _engine(path)  # fresh weights from the original directory
+    loader2 = ShardLoader(_Items(6), seed=1)
+    recover.load_worker_state(ckpt, 0, {"actor": (model2, engine2)}, loader2)
+    assert torch.equal(model.flat_params, model2.flat_params)
+    assert engine2.n_steps == 1 and (loader2.epoch, loader2.n_used) == (0, 4)
+    # The next optimizer step is bit-identical: moments and step count were restored.
+    assert _step(engine) == _step(engine2)
+    assert torch.equal(model.flat_params, model2.flat_params)
+
+    with pytest.raises(recover.RecoverError, match="rank1.pt"):
+        recover.load_worker_state(ckpt, 1, {"actor": (model2, engine2)})
+
+
+class _Counter:
+    """An interface with state (like an adaptive KL controller)."""
+
+    def __init__(self):
+        self.value = 0.0
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_interface_states_round_trip(tmp_path):
+    a, plain = _Counter(), object()
+    a.value = 0.25
+    ckpt = str(tmp_path)
+    written = recover.save_worker_state(ckpt, 1, {}, None, {"actor_train": a, "gen": plain})
+    assert written == [recover.interface_state_path(ckpt, "actor_train", 1)]
+    b = _Counter()
+    recover.load_worker_state(ckpt, 1, {}, None, {"actor_train": b, "gen": plain})
+    assert b.value == 0.25
+    with pytest.raises(recover.RecoverError, match="state of MFC 'critic_train'"):
+        recover.load_worker_state(ckpt, 1, {}, None, {"critic_train": _Counter()})

@@ -1,0 +1,347 @@
+"""The master worker in-process, against model-worker stand-ins that keep metadata only.
+
+The stand-ins (threads speaking the real request/reply stream) load a real
+``ShardLoader`` and answer every handle with metadata; they share one table of which
+rank holds which (item, key), apply the master's transfer plans to it and check that
+each MFC call finds all its input data in place.  The real model worker is tested in
+test_model_worker.py and, with the master, as processes in test_dag_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+from typing import Dict, List, Set, Tuple
+
+import pytest
+import torch
+
+from realhf.api.cli_args import ExperimentControlConfig
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.model_api import FinetuneSpec
+from realhf.api.core.system_api import WorkerInformation
+from realhf.api.core.worker_api import MasterWorkerConfig
+from realhf.base import constants, name_resolve, names
+from realhf.base import recover
+from realhf.system.dag.messages import (
+    MFC_HANDLES,
+    REQUEST_STREAM,
+    DataPosition,
+    EvalReply,
+    FetchReply,
+    MFCReply,
+    SpecReply,
+)
+from realhf.impl.dataset.shard_loader import ShardLoader
+from realhf.system.transport.errors import NoMessage, StreamTimeout
+from realhf.system.dag.master_worker import MasterWorker
+from realhf.system.transport.request_reply import ReplyServer
+from realhf.system.worker.base import WorkerStatus
+
+EXP = "master-test"
+
+# ---- stand-in model workers -------------------------------------------------------------
+
+
+class _Items:
+    def __init__(self, rank: int, world: int, n: int):
+        self.items = [
+            SequenceSample.from_default(
+                [f"q{i}"],
+                [1 + i % 5],
+                {"packed_prompts": torch.zeros(1 + i % 5, dtype=torch.long)},
+                metadata={"answer": [str(i)]},
+            )
+            for i in range(n)
+            if i % world == rank
+        ]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class StandIn(threading.Thread):
+    """Answers the master like a model worker would, with metadata only."""
+
+    def __init__(self, trial, rank, world, n_items, mfcs, held, calls, seed=1):
+        super().__init__(daemon=True)
+        self.trial, self.rank, self.world = trial, rank, world
+        self.loader = ShardLoader(_Items(rank, world, n_items), seed)
+        self.mfcs = {m.name: m for m in mfcs}
+        self.held: Dict[int, Set[Tuple[str, str]]] = held  # shared by all stand-ins
+        self.calls: List[tuple] = calls
+        self.error = None
+        self.stop = threading.Event()
+        self.call_indices: List[tuple] = []
+
+    def run(self):
+        try:
+            self._serve()
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+    def _serve(self):
+        server = ReplyServer(
+            EXP, self.trial, REQUEST_STREAM, f"model_worker/{self.rank}", connect_timeout=20
+        )
+        while not self.stop.is_set():
+            try:
+                req = server.poll(timeout=0.05)
+            except (NoMessage, StreamTimeout):
+                continue
+            h, d = req.handle_name, req.data
+            if h == "spec":
+                out = SpecReply(f"model_worker/{self.rank}", len(self.loader), 0, True, ("actor",))
+            elif h == "initialize":
+                if d.recover_dir:
+                    with open(recover.data_state_path(d.recover_dir, self.rank)) as f:
+                        self.loader.load_state_dict(json.load(f))
+                out = DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
+            elif h == "fetch":
+                items = self.loader.take(d.epoch, min(d.n, 2))  # at most 2 per call
+                meta = SequenceSample.gather(items).meta() if items else None
+                for s in items:
+                    self.held[self.rank].add((s.ids[0], "packed_prompts"))
+                out = FetchReply(
+                    meta, DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
+                )
+            elif h in MFC_HANDLES:
+                out = self._mfc(d)
+            elif h == "evaluate":
+                out = EvalReply(f"model_worker/{self.rank}", {"accuracy": 0.5}, 3, 0.0, 0.0)
+            elif h == "checkpoint":
+                out = recover.save_worker_state(d.dir, self.rank, {}, self.loader.state_dict())
+            elif h in ("save", "clear_data_cache", "model_version"):
+                out = None
+            elif h == "exit":
+                server.reply(req, None)
+                server.close()
+                return
+            else:
+                raise ValueError(h)
+            server.reply(req, out)
+
+    def _mfc(self, req):
+        mfc = self.mfcs[req.mfc_name]
+        ids = req.meta.ids
+        assert ids, "every rank gets items"
+        for step in req.plan:  # apply the plan: only the receiver records the copy
+            if step.dst == self.rank:
+                for i in step.ids:
+                    assert (i, step.key) in self.held[step.src], (step, self.rank)
+                    self.held[self.rank].add((i, step.key))
+        for i in ids:
+            for k in mfc.input_keys:
+                assert (i, k) in self.held[
+                    self.rank
+                ], f"rank {self.rank} lacks {k} of {i} for {mfc.name}"
+        self.calls.append((mfc.name, self.rank, req.step.global_step, tuple(ids)))
+        self.call_indices.append((mfc.name, req.step.global_step, req.call))
+        out = None
+        if mfc.output_keys:
+            lens = req.meta.seqlens[mfc.input_keys[0]]
+            out = SequenceSample(
+                keys=set(mfc.output_keys),
+                trailing_shapes={k: () for k in mfc.output_keys},
+                dtypes={k: torch.float32 for k in mfc.output_keys},
+                ids=list(ids),
+                seqlens={k: lens for k in mfc.output_keys},
+                data=None,
+            )
+            for i in ids:
+                for k in mfc.output_keys:
+                    self.held[self.rank].add((i, k))
+        return MFCReply(
+            f"model_worker/{self.rank}", mfc.name, out, {"n": float(len(ids))}, 1.0, 2.0
+        )
+
+
+def _mfcs(bs_a: int, bs_b: int):
+    return [
+        MFCDef(
+            "gen",
+            "actor",
+            "generate",
+            "g",
+            n_seqs=bs_a,
+            input_keys=["packed_prompts"],
+            output_keys=["seq"],
+        ),
+        MFCDef(
+            "score", "ref", "inference", "s", n_seqs=bs_b, input_keys=["seq"], output_keys=["score"]
+        ),
+        MFCDef(
+            "train",
+            "actor",
+            "train_step",
+            "t",
+            n_seqs=bs_a,
+            input_keys=["seq", "score", "packed_prompts"],
+        ),
+    ]
+
+
+def _master_config(world, n_items, bs, epochs, **kw):
+    mfcs = _mfcs(bs, kw.pop("n_seqs_b", bs))
+    return MasterWorkerConfig(
+        seed=1,
+        mfcs=mfcs,
+        n_model_workers=world,
+        train_batch_size=bs,
+        ft_spec=FinetuneSpec(epochs, n_items, bs),
+        timeout=20.0,
+        plot_curves=False,
+        exp_ctrl=ExperimentControlConfig(total_train_epochs=epochs, **kw.pop("ctl", {})),
+        **kw,
+    )
+
+
+@pytest.fixture
+def run_env(tmp_path, memory_name_resolve, trial):
+    constants.clear_experiment_trial_names()
+    constants.set_experiment_trial_names(EXP, trial)
+    constants.set_fileroot(str(tmp_path))
+    yield trial
+    constants.clear_experiment_trial_names()
+    constants.set_fileroot(None)
+
+
+def _run_master(trial, cfg, n_items, stop_after=None, held=None, calls=None):
+    """Run a master and stand-ins; returns (master, calls, stand-ins)."""
+    held = held if held is not None else {r: set() for r in range(cfg.n_model_workers)}
+    calls = calls if calls is not None else []
+    workers = [
+        StandIn(trial, r, cfg.n_model_workers, n_items, cfg.mfcs, held, calls)
+        for r in range(cfg.n_model_workers)
+    ]
+    master = MasterWorker(EXP, trial, "master_worker", 0)
+    master.handle_control(
+        "configure", worker_info=WorkerInformation(EXP, trial, "master_worker", 0, 1), config=cfg
+    )
+    for w in workers:
+        w.start()
+    master.handle_control("start")
+
+    async def drive():
+        while master.status == WorkerStatus.RUNNING:
+            await master.step_async()
+            if stop_after is not None and master.started and master.step.global_step >= stop_after:
+                return
+
+    try:
+        asyncio.run(asyncio.wait_for(drive(), 60))
+    finally:
+        master._exit_hook()
+    return master, calls, workers
+
+
+def _metrics(tmp_path, trial):
+    with open(tmp_path / EXP / trial / "metrics.jsonl") as f:
+        return [json.loads(l) for l in f]
+
+
+def test_every_item_goes_through_every_mfc_once_per_epoch(tmp_path, run_env):
+    trial = run_env
+    # 14 items, batches of 6: steps of 6, 6 and 2 items per epoch; "score" calls 3 at a time.
+    cfg = _master_config(2, 14, 6, 2, n_seqs_b=3, ctl={"eval_freq_steps": 3}, eval=True)
+    master, calls, workers = _run_master(trial, cfg, 14)
+    assert master.status == WorkerStatus.COMPLETED, master.status
+    assert all(w.error is None for w in workers), [w.error for w in workers]
+    records = _metrics(tmp_path, trial)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert [r["n_items"] for r in records] == [6, 6, 2] * 2
+    assert [r["epoch"] for r in records] == [1, 1, 1, 2, 2, 2]
+    assert [r["epoch_step"] for r in records] == [1, 2, 3] * 2
+    assert [("eval/accuracy" in r) for r in records] == [False, False, True, False, False, True]
+    for name in ("gen", "score", "train"):
+        for epoch_steps in ((0, 1, 2), (3, 4, 5)):
+            ids = [i for (n, _, s, c) in calls if n == name and s in epoch_steps for i in c]
+            assert sorted(ids) == sorted(f"q{i}" for i in range(14)), (name, epoch_steps)
+    # "score" ran in calls of 3 items (split 2 + 1 over the ranks), 2 calls for a full step.
+    score_step0 = [c for (n, r, s, c) in calls if n == "score" and s == 0]
+    assert sorted(len(c) for c in score_step0) == [1, 1, 2, 2]
+    assert sorted(set(i for i in workers[0].call_indices if i[:2] == ("score", 0))) == [
+        ("score", 0, 0),
+        ("score", 0, 1),
+    ]
+    assert records[0]["score/n"] == 1.5 and records[0]["gen/n"] == 3.0
+    trace = json.load(open(tmp_path / EXP / trial / "trace.json"))
+    xs = [e for e in trace if e["ph"] == "X" and e["name"] == "train"]
+    assert len(xs) == 6 * 2 and {e["pid"] for e in xs} == {1, 2}
+    assert name_resolve.get(names.training_samples(EXP, trial)) == "28"
+    assert os.listdir(tmp_path / EXP / trial / "tensorboard")
+
+
+def test_resume_continues_from_the_checkpoint_exactly(tmp_path, run_env):
+    trial = run_env
+    cfg = _master_config(2, 10, 4, 2, ctl={"ckpt_freq_steps": 2}, recover_mode="auto")
+    # steps/epoch = 3 (4, 4, 2); the first run "dies" after step 5 (checkpoints at 2 and 4).
+    held, calls = {0: set(), 1: set()}, []
+    master, _, workers = _run_master(trial, cfg, 10, stop_after=5, held=held, calls=calls)
+    for w in workers:  # the stand-ins were left waiting, like orphaned processes
+        assert w.error is None
+        w.stop.set()
+    root = recover.recover_root(None)
+    assert recover.find_latest(root).endswith("step4")
+    assert sorted(os.listdir(root)) == ["latest", "step4"]
+    held2, calls2 = {0: set(), 1: set()}, []
+    master2, _, workers2 = _run_master(trial, cfg, 10, held=held2, calls=calls2)
+    assert master2.status == WorkerStatus.COMPLETED
+    assert all(w.error is None for w in workers2), [w.error for w in workers2]
+    records = _metrics(tmp_path, trial)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # step 5 of the dead run dropped
+    # Steps 5 and 6 of the resumed run use exactly the items the first run left in epoch 2.
+    first = [i for (n, _, s, c) in calls if n == "train" and s in (3,) for i in c]
+    resumed = [i for (n, _, s, c) in calls2 if n == "train" and s in (4, 5) for i in c]
+    assert min(s for (_, _, s, _) in calls2) == 4
+    assert sorted(first + resumed) == sorted(f"q{i}" for i in range(10))
+    # The dead run's step 5 (index 4) drew the same items as the resumed one.
+    dead5 = sorted(i for (n, _, s, c) in calls if n == "train" and s == 4 for i in c)
+    assert dead5 == sorted(i for (n, _, s, c) in calls2 if n == "train" and s == 4 for i in c)
+
+
+def test_resume_from_a_checkpoint_at_an_epoch_boundary(tmp_path, run_env):
+    trial = run_env
+    # 3 steps per epoch and a checkpoint every 3 steps: the checkpoint of step 3 is taken
+    # when every shard is used up but the loaders have not moved to epoch 2 yet.
+    cfg = _master_config(2, 10, 4, 2, ctl={"ckpt_freq_steps": 3}, recover_mode="auto")
+    calls = []
+    _, _, workers = _run_master(trial, cfg, 10, stop_after=4, calls=calls)
+    for w in workers:
+        w.stop.set()
+    assert recover.find_latest(recover.recover_root(None)).endswith("step3")
+    calls2 = []
+    master2, _, workers2 = _run_master(trial, cfg, 10, calls=calls2)
+    assert master2.status == WorkerStatus.COMPLETED
+    assert all(w.error is None for w in workers2), [w.error for w in workers2]
+    assert [r["step"] for r in _metrics(tmp_path, trial)] == [1, 2, 3, 4, 5, 6]
+    epoch2 = sorted(i for (n, _, s, c) in calls2 if n == "train" for i in c)
+    assert epoch2 == sorted(f"q{i}" for i in range(10))
+    assert sorted(i for (n, _, s, c) in calls if n == "train" and s == 3 for i in c) == sorted(
+        i for (n, _, s, c) in calls2 if n == "train" and s == 3 for i in c
+    )
+
+
+def test_resume_mode_without_a_checkpoint_fails(tmp_path, run_env):
+    trial = run_env
+    cfg = _master_config(2, 8, 4, 1, recover_mode="resume")
+    master, _, workers = _run_master(trial, cfg, 8)
+    assert master.status == WorkerStatus.ERROR
+    from realhf.system.worker.base import read_error
+
+    assert (
+        "holds no complete recover checkpoint" in read_error(EXP, trial, "master_worker/0").message
+    )
+
+
+def test_config_rejects_calls_smaller_than_the_dp_degree():
+    with pytest.raises(ValueError, match="would get a call of 1 item"):
+        _master_config(2, 9, 4, 1)  # the last step of an epoch holds 1 item
+    with pytest.raises(ValueError, match="n_seqs=8 items per call, more than a step holds"):
+        _master_config(2, 8, 4, 1, n_seqs_b=8)

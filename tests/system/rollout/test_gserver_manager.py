@@ -1,0 +1,645 @@
+"""gserver manager: scheduling, admission, leases, held hand-offs, weight updates, dead servers.
+
+Unit tests drive :class:`GserverManager` directly with a fake clock and trainer; the others
+run it behind HTTP against real generation servers (built-in engine, tiny random model),
+in-process or — for killing a server — as separate processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import torch
+
+from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.rollout_api import (
+    AllocateRequest,
+    FinishRequest,
+    GenerateGroupRequest,
+    GserverManagerConfig,
+    HeartbeatRequest,
+    ScheduleRequest,
+)
+from realhf.base import network
+from realhf.impl.model import ReaLModel
+from realhf.impl.model.gen import EngineConfig, GenerationEngine
+from realhf.impl.model.gen.http_app import ServerThread, create_app
+from realhf.impl.model.gen.loading import load_engine
+from tiny_models import make_tiny_hf_model
+from realhf.system.rollout.manager_client import ManagerClient
+from realhf.system.rollout.manager_service import ManagerService
+from realhf.system.rollout.manager import (
+    GserverManager,
+    NoServerAvailable,
+    ServerState,
+    WeightUpdateError,
+)
+from realhf.system.rollout.partial_rollout import PartialRolloutManager
+from realhf.system.rollout.staleness import RolloutNotRunning
+
+EOS, PAD = 0, 1
+
+
+class Progress:
+    def __init__(self, v=0, trained=0):
+        self.v, self.trained = v, trained
+
+    def version(self):
+        return self.v
+
+    def trained_samples(self):
+        return self.trained
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _manager(urls=("http://a", "http://b", "http://c"), clock=None, **cfg):
+    cfg = {"n_servers": 1, "train_batch_size": 4, "max_head_offpolicyness": 1, **cfg}
+    m = GserverManager(
+        GserverManagerConfig(**cfg),
+        Progress(),
+        lambda: list(urls),
+        lambda v: f"/w/{v}",
+        clock=clock or time.monotonic,
+    )
+    for u in urls:
+        m.servers[u] = ServerState(u)
+    return m
+
+
+def _sched(m, rid, prev="", prev_v=-1, exclude=()):
+    return asyncio.run(m.schedule(ScheduleRequest(rid, 10, 100, prev, prev_v, tuple(exclude))))
+
+
+# ---------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_requests", "least_token_usage"])
+def test_schedule_spreads_and_continuations_stick_while_the_version_is_unchanged(policy):
+    m = _manager(schedule_policy=policy)
+    rid = m.allocate(AllocateRequest("w", "i")).rollout_id
+    urls = [_sched(m, rid).url for _ in range(6)]
+    assert sorted(set(urls)) == ["http://a", "http://b", "http://c"]  # load spreads in every policy
+    first = _sched(m, rid)
+    assert all(_sched(m, rid, first.url, first.version).url == first.url for _ in range(5))
+    m.servers[first.url].version = 1  # updated since: the cached prefix is worthless
+    other = [_sched(m, rid, first.url, 0).url for _ in range(3)]
+    assert other != [first.url] * 3
+    assert (
+        _sched(m, rid, first.url, 0, exclude=[u for u in m.servers if u != "http://b"]).url
+        == "http://b"
+    )
+
+
+def test_schedule_errors():
+    m = _manager()
+    with pytest.raises(RolloutNotRunning):
+        _sched(m, "nope")
+    rid = m.allocate(AllocateRequest("w", "i")).rollout_id
+    for s in m.servers.values():
+        m.pool.mark_dead(s, "killed in a test")
+    with pytest.raises(NoServerAvailable, match="killed in a test"):
+        _sched(m, rid)
+    assert m.allocate(AllocateRequest("w", "i")).reason == "no_server"
+
+
+# ---------------------------------------------------------------- admission, leases, hand-off
+
+
+def test_allocation_is_refused_for_staleness_then_capacity():
+    m = _manager(train_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=3)
+    got = [m.allocate(AllocateRequest("w", "i")) for _ in range(3)]
+    assert [g.success for g in got] == [True, True, False] and got[2].reason == "staleness"
+    assert got[0].deadline == 0 and got[0].version == 0
+    m.pool.version = 1  # the trainer stepped; (0 accepted + 2 running) // 2 = 1 <= 1
+    assert m.allocate(AllocateRequest("w", "i")).success
+    assert m.allocate(AllocateRequest("w", "i")).reason == "capacity"
+
+
+def test_silent_worker_loses_its_leases_and_a_restarted_one_its_old_rollouts():
+    clock = Clock()
+    m = _manager(clock=clock, lease_ttl_s=10, train_batch_size=100)
+    a = [m.allocate(AllocateRequest("rollout_worker/0", "inc-a")).rollout_id for _ in range(3)]
+    b = [m.allocate(AllocateRequest("rollout_worker/1", "inc-b")).rollout_id for _ in range(2)]
+    clock.t += 6
+    assert m.heartbeat(HeartbeatRequest("rollout_worker/1", "inc-b")).n_rollouts == 2
+    clock.t += 6  # worker 0 silent for 12 s > 10 s
+    assert sorted(m.expire_leases()) == sorted(a)
+    assert m.staleness.running == 2 and m.status()["stats"]["expired"] == 3
+    # worker 1 restarts: a new incarnation releases what the old process held
+    m.allocate(AllocateRequest("rollout_worker/1", "inc-b2"))
+    assert not any(m.staleness.is_running(r) for r in b) and m.staleness.running == 1
+
+
+def test_finish_holds_a_rollout_until_the_earlier_deadline_finishes():
+    async def go():
+        m = _manager(train_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=8)
+        old = [m.allocate(AllocateRequest("w", "i")).rollout_id for _ in range(4)]
+        for r in old[:2]:
+            assert (await m.finish(FinishRequest(r, True))).status == "accepted"
+        m.pool.version = 1
+        new = m.allocate(AllocateRequest("w", "i")).rollout_id
+        assert (await m.finish(FinishRequest(new, True, wait_s=0.05))).status == "wait"
+        held = asyncio.create_task(m.finish(FinishRequest(new, True, wait_s=5)))
+        await asyncio.sleep(0.05)
+        assert not held.done()
+        assert (await m.finish(FinishRequest(old[2], True))).index == 2
+        assert (
+            await m.finish(FinishRequest(old[3], False))
+        ).status == "rejected"  # filtered: frees it
+        reply = await asyncio.wait_for(held, 2)
+        assert (reply.status, reply.index) == ("accepted", 3)
+        with pytest.raises(RolloutNotRunning):
+            await m.finish(FinishRequest(old[3], True))
+
+    asyncio.run(go())
+
+
+# ---------------------------------------------------------------- with real servers
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gsm")
+    out = {}
+    for name, seed in (("v0", 0), ("v1", 1)):
+        out[name] = str(root / name)
+        make_tiny_hf_model(
+            "qwen2",
+            out[name],
+            seed=seed,
+            perturb=0.3,
+            vocab_size=268,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            max_position_embeddings=256,
+        )
+    return out
+
+
+def _engine_server(model_dir, load_weights=None):
+    if load_weights is None:
+        engine = load_engine(
+            model_dir, EngineConfig(max_running_requests=4, context_length=256, num_threads=1)
+        )
+    else:
+        model = ReaLModel.from_hf(model_dir).eval()
+        engine = GenerationEngine(
+            model,
+            EngineConfig(max_running_requests=4, context_length=256, num_threads=1),
+            eos_token_ids=[EOS],
+            pad_token_id=PAD,
+            load_weights=load_weights,
+        )
+    engine.start()
+    srv = ServerThread(create_app(engine)).start()
+    srv.engine = engine
+    return srv
+
+
+@torch.no_grad()
+def _greedy(model_dir, prompt, n):
+    model = ReaLModel.from_hf(model_dir).eval()
+    ids = list(prompt)
+    for _ in range(n):
+        logits = model(torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32))
+        ids.append(int(logits[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+def _generate(url, prompt, n):
+    r = requests.post(
+        url + "/generate",
+        json={
+            "input_ids": list(prompt),
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=60,
+    )
+    return r.json()["output_ids"]
+
+
+def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp_path):
+    servers = [_engine_server(dirs["v0"]) for _ in range(2)]
+    weights = {}
+    for v in (1, 2):  # the trainer publishes v1 (model b) then v2 (model a again)
+        weights[v] = str(tmp_path / f"v{v}")
+        shutil.copytree(dirs["v1" if v == 1 else "v0"], weights[v])
+    progress = Progress()
+    cfg = GserverManagerConfig(
+        n_servers=2,
+        weight_poll_interval_s=0.02,
+        health_check_interval_s=0.2,
+        server_wait_timeout_s=30,
+        keep_weight_versions=1,
+    )
+    m = GserverManager(
+        cfg, progress, lambda: [s.url for s in servers], lambda v: str(tmp_path / f"v{v}")
+    )
+    service = ManagerService(m).start(60)
+    try:
+        prompt = (7, 8, 9)
+        ref_a, ref_b = _greedy(dirs["v0"], prompt, 6), _greedy(dirs["v1"], prompt, 6)
+        assert ref_a != ref_b
+        progress.v = 1
+        deadline = time.monotonic() + 20
+        while service.call(lambda: m.version) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(_generate(s.url, prompt, 6) == ref_b for s in servers)
+        status = requests.get(service.url + "/status", timeout=10).json()
+        assert status["version"] == 1 and all(s["version"] == 1 for s in status["servers"].values())
+        progress.v = 2
+        while service.call(lambda: m.version) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(_generate(s.url, prompt, 6) == ref_a for s in servers)
+        assert not os.path.exists(weights[1]) and os.path.isdir(weights[2])
+        service.check()
+    finally:
+        service.stop()
+        for s in servers:
+            s.stop()
+            s.engine.close()
+
+
+def test_a_weight_update_that_times_out_names_the_server(dirs):
+    fast = _engine_server(dirs["v0"])
+    slow = _engine_server(dirs["v0"], load_weights=lambda model, path: time.sleep(3))
+    progress = Progress()
+    cfg = GserverManagerConfig(
+        n_servers=2,
+        weight_poll_interval_s=0.02,
+        server_wait_timeout_s=30,
+        weight_update_timeout_s=0.5,
+        keep_weight_versions=None,
+    )
+    m = GserverManager(cfg, progress, lambda: [fast.url, slow.url], lambda v: dirs["v1"])
+    service = ManagerService(m).start(60)
+    try:
+        progress.v = 1
+        deadline = time.monotonic() + 20
+        while service.alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(WeightUpdateError) as e:
+            service.check()
+        assert slow.url in str(e.value) and "update_weights_from_disk" in str(e.value)
+        assert "within 0.5s" in str(e.value) and "version 1" in str(e.value)
+        assert fast.url not in str(e.value)
+    finally:
+        service.stop()
+        for s in (fast, slow):
+            s.stop()
+            s.engine.close(timeout=10)
+
+
+def test_http_errors_are_typed(dirs):
+    srv = _engine_server(dirs["v0"])
+    m = GserverManager(
+        GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: ""
+    )
+    service = ManagerService(m).start(60)
+    client = ManagerClient(service.url, timeout_s=10)
+
+    async def go():
+        try:
+            with pytest.raises(RolloutNotRunning):
+                await client.schedule(ScheduleRequest("ghost", 3, 4))
+            r = requests.post(service.url + "/allocate_rollout", json={"worker": "w"}, timeout=10)
+            assert r.status_code == 400 and "incarnation" in r.json()["error"]["message"]
+            r = requests.post(service.url + "/schedule_request", json={"rollout_id": 3}, timeout=10)
+            assert r.status_code == 400
+            adm = await client.allocate("w", "i")
+            assert adm.success and (await client.heartbeat("w", "i")).n_rollouts == 1
+            assert (await client.schedule(ScheduleRequest(adm.rollout_id, 3, 4))).url == srv.url
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        service.stop()
+        srv.stop()
+        srv.engine.close()
+
+
+def test_http_bodies_are_validated_completely_and_errors_name_the_field(dirs):
+    srv = _engine_server(dirs["v0"])
+    m = GserverManager(
+        GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: ""
+    )
+    service = ManagerService(m).start(60)
+
+    def post(path, body=None, **kw):
+        r = requests.post(service.url + path, json=body, timeout=10, **kw)
+        return r.status_code, r.json()["error"]["message"] if r.status_code != 200 else r.json()
+
+    try:
+        rid = post("/allocate_rollout", {"worker": "w", "incarnation": "i"})[1]["rollout_id"]
+        sched = {"rollout_id": rid, "prompt_len": 3, "new_token_budget": 4}
+        # a string is no tuple (the old check made it ('a', 'b', 'c'))
+        status, msg = post("/schedule_request", {**sched, "exclude": "abc"})
+        assert status == 400 and msg.startswith("ScheduleRequest.exclude: ") and "'abc'" in msg
+        status, msg = post("/schedule_request", {**sched, "exclude": [srv.url, 5]})
+        assert status == 400 and "ScheduleRequest.exclude[1]: " in msg
+        status, msg = post("/schedule_request", {**sched, "prompt_len": -1, "new_token_budget": "4"})
+        assert status == 400
+        assert "ScheduleRequest.prompt_len: Input should be greater than or equal to 1" in msg
+        assert "ScheduleRequest.new_token_budget: Input should be a valid integer" in msg
+        status, msg = post("/finish_rollout", {"rollout_id": rid, "accepted": True, "wait_s": -3})
+        assert status == 400 and "FinishRequest.wait_s" in msg
+        status, msg = post("/heartbeat", {"worker": "w", "incarnation": "i", "extra": 1})
+        assert status == 400 and "HeartbeatRequest.extra: unknown field" in msg
+        status, msg = post("/allocate_rollout", data="{not json", headers={"Content-Type": "application/json"})
+        assert status == 400 and "not valid JSON" in msg
+        status, msg = post("/report_server_failure")
+        assert status == 400 and "send a ServerFailureReport JSON object" in msg
+        # semantic errors keep their statuses, now through exception handlers
+        status, msg = post("/schedule_request", {**sched, "rollout_id": "ghost"})
+        assert status == 409 and "ghost" in msg
+        assert post("/schedule_request", sched) == (200, {"url": srv.url, "version": 0})
+        service.call(lambda: m.pool.mark_dead(m.servers[srv.url], "killed by the test"))
+        status, msg = post("/schedule_request", sched)
+        assert status == 503 and "no live generation server" in msg
+        service.check()
+    finally:
+        service.stop()
+        srv.stop()
+        srv.engine.close()
+
+
+def test_a_manager_that_cannot_start_raises_its_own_error_and_frees_the_port():
+    cfg = GserverManagerConfig(server_wait_timeout_s=0.3, health_check_interval_s=0.1)
+    service = ManagerService(GserverManager(cfg, Progress(), lambda: [], lambda v: ""))
+    with pytest.raises(TimeoutError, match="0 of 1 generation servers"):
+        service.start(30)
+    assert not service.alive
+    with pytest.raises(TimeoutError, match="0 of 1 generation servers"):
+        service.check()
+    port = service.port
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _spawn_server(model_dir, port):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "realhf.apps.serve",
+            "--model-path",
+            model_dir,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            "16",
+            "--context-length",
+            "256",
+            "--num-threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+@pytest.mark.slow
+def test_killing_a_server_mid_run_moves_requests_to_the_others_then_fails_clearly(dirs):
+    ports = network.find_multiple_free_ports(2)
+    procs = [_spawn_server(dirs["v0"], p) for p in ports]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for p in procs:  # wait for the ready line
+            for line in p.stdout:
+                if "ready" in line:
+                    break
+        cfg = GserverManagerConfig(
+            n_servers=2,
+            train_batch_size=64,
+            health_check_interval_s=0.2,
+            server_wait_timeout_s=30,
+            health_timeout_s=2,
+        )
+        m = GserverManager(cfg, Progress(), lambda: list(urls), lambda v: "")
+        service = ManagerService(m).start(60)
+
+        async def go():
+            client = ManagerClient(service.url, timeout_s=30)
+            prm = PartialRolloutManager(
+                client, new_tokens_per_chunk=16, request_timeout_s=30, max_server_failures=2
+            )
+            g = GenerationHyperparameters(n=2, max_new_tokens=120, temperature=1.0)
+            try:
+
+                async def one(i):
+                    adm = await client.allocate("w", "i")
+                    return await prm.generate_group(
+                        adm.rollout_id, GenerateGroupRequest(f"q{i}", (3 + i, 4, 5), g)
+                    )
+
+                tasks = [asyncio.create_task(one(i)) for i in range(12)]
+                # kill server 0 as soon as it has work: a fixed sleep raced fast generation
+                deadline = time.monotonic() + 30
+                while (await client.status())["servers"][urls[0]]["n_scheduled"] < 2:
+                    assert time.monotonic() < deadline, "no chunk reached server 0 in 30 s"
+                    await asyncio.sleep(0.005)
+                procs[0].send_signal(signal.SIGKILL)
+                groups = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+                assert all(len(ids) > 0 for grp in groups for ids in grp.output_ids)
+                status = await client.status()
+                assert (
+                    status["servers"][urls[0]]["live"] is False
+                    and status["servers"][urls[1]]["live"]
+                )
+                # after the kill, only the survivor is scheduled
+                adm = await client.allocate("w", "i")
+                assert {
+                    (await client.schedule(ScheduleRequest(adm.rollout_id, 3, 8))).url
+                    for _ in range(4)
+                } == {urls[1]}
+                procs[1].send_signal(signal.SIGKILL)
+                with pytest.raises(NoServerAvailable, match="no live generation server"):
+                    await prm.generate_group(
+                        adm.rollout_id, GenerateGroupRequest("last", (3, 4), g)
+                    )
+                return prm.stats
+            finally:
+                await prm.close()
+                await client.close()
+
+        try:
+            stats = asyncio.run(go())
+            assert stats["server_failures"] >= 1
+        finally:
+            service.stop()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def test_manager_worker_publishes_updates_saves_and_resumes(
+    memory_name_resolve, trial, dirs, tmp_path
+):
+    from realhf.api.core.system_api import WorkerInformation
+    from realhf.base import constants, name_resolve, names
+    from realhf.system.rollout.gserver_manager import GserverManagerWorker
+    from realhf.system.worker.base import WorkerStatus
+
+    constants.set_fileroot(str(tmp_path / "root"))
+    srv = _engine_server(dirs["v0"])
+    name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
+    state_path = str(tmp_path / "state.json")
+    cfg = GserverManagerConfig(
+        n_servers=1,
+        train_batch_size=2,
+        max_head_offpolicyness=0,
+        host="127.0.0.1",
+        weight_poll_interval_s=0.05,
+        server_wait_timeout_s=30,
+        state_path=state_path,
+        state_save_interval_s=0.1,
+    )
+
+    def make():
+        w = GserverManagerWorker("exp", trial, "gserver_manager", 0)
+        w.handle_control(
+            "configure",
+            worker_info=WorkerInformation("exp", trial, "gserver_manager", 0, 1),
+            config=cfg,
+        )
+        w.handle_control("start")
+        w.step()  # reads names.trainer_start and starts admitting
+        assert w.manager.trainer_ready
+        return w
+
+    def trainer_start(trained, ckpt=None):
+        start = json.dumps({"trained_samples": trained, "version": 0, "checkpoint": ckpt})
+        name_resolve.add(names.trainer_start("exp", trial), start, replace=True)
+
+    try:
+        trainer_start(0)
+        w = make()
+        addr = name_resolve.get(names.gen_server_manager("exp", trial))
+        client = ManagerClient(f"http://{addr}", 10)
+
+        async def run_two():
+            try:
+                ids = [(await client.allocate("rw/0", "i")).rollout_id for _ in range(2)]
+                return [(await client.finish(r, True)).index for r in ids]
+            finally:
+                await client.close()
+
+        assert asyncio.run(run_two()) == [0, 1]
+        # the trainer trains them and publishes version 1
+        shutil.copytree(dirs["v1"], constants.weight_publication_dir("actor", 1, "exp", trial))
+        name_resolve.add(names.model_version("exp", trial, "actor"), "1")
+        name_resolve.add(names.training_samples("exp", trial), "2")
+        deadline = time.monotonic() + 20
+        while requests.get(f"http://{addr}/status", timeout=5).json()["version"] < 1:
+            w.step()
+            assert time.monotonic() < deadline
+        assert _generate(srv.url, (7, 8, 9), 5) == _greedy(dirs["v1"], (7, 8, 9), 5)
+        time.sleep(0.15)
+        w.step()  # saves the counters
+        name_resolve.add(names.experiment_status("exp", trial), "COMPLETE")
+        while w.status != WorkerStatus.COMPLETED:
+            w.step()
+            assert time.monotonic() < deadline
+        w._exit_hook()
+        with open(state_path) as f:
+            assert json.load(f)["staleness"]["accepted_total"] == 2
+        # a restarted manager resumes at the trainer's count and syncs the server to version 1
+        name_resolve.add(names.training_samples("exp", trial), "2", replace=True)
+        trainer_start(2, ckpt=str(tmp_path / "ckpt"))  # a resumed trainer: saved counters load
+
+        def restarted_status():
+            w2 = make()
+            try:
+                addr2 = name_resolve.get(names.gen_server_manager("exp", trial))
+                return requests.get(f"http://{addr2}/status", timeout=5).json()
+            finally:
+                w2._exit_hook()
+
+        st = restarted_status()
+        assert st["accepted_total"] == 2 and st["version"] == 1 and st["capacity"] == 2
+        os.remove(state_path)  # without saved counters the trainer's count still sets the start
+        st = restarted_status()
+        assert st["accepted_total"] == 2 and st["accepted_pending"] == 0
+    finally:
+        constants.set_fileroot(None)
+        srv.stop()
+        srv.engine.close()
+
+
+def test_no_rollout_is_admitted_before_the_trainer_announces_its_start():
+    m = _manager()
+    m.trainer_ready = False
+    from realhf.api.core.rollout_api import AllocateRequest
+
+    reply = m.allocate(AllocateRequest("rw/0", "inc"))
+    assert not reply.success and reply.reason == "trainer_not_ready"
+    m.trainer_ready = True
+    assert m.allocate(AllocateRequest("rw/0", "inc")).success
+
+
+def test_manager_keeps_saved_counters_while_the_trainer_has_not_started(
+    memory_name_resolve, trial, dirs, tmp_path
+):
+    # A resumed run: the saved counters must survive until the trainer says where it
+    # starts, even when that takes several save intervals (the worker used to save the
+    # fresh zeros every interval and so destroy what it was about to restore).
+    from realhf.api.core.system_api import WorkerInformation
+    from realhf.base import constants, name_resolve, names
+    from realhf.system.rollout.gserver_manager import GserverManagerWorker
+
+    constants.set_fileroot(str(tmp_path / "root"))
+    srv = _engine_server(dirs["v0"])
+    name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
+    state_path = tmp_path / "state.json"
+    saved = '{"saved": "by the run being resumed"}'
+    state_path.write_text(saved)
+    cfg = GserverManagerConfig(
+        n_servers=1,
+        train_batch_size=2,
+        host="127.0.0.1",
+        server_wait_timeout_s=30,
+        state_path=str(state_path),
+        state_save_interval_s=0.01,
+    )
+    w = GserverManagerWorker("exp", trial, "gserver_manager", 0)
+    try:
+        w.handle_control(
+            "configure",
+            worker_info=WorkerInformation("exp", trial, "gserver_manager", 0, 1),
+            config=cfg,
+        )
+        w.handle_control("start")
+        for _ in range(5):
+            time.sleep(0.02)
+            w.step()
+        assert not w.manager.trainer_ready
+    finally:
+        w._exit_hook()
+        constants.set_fileroot(None)
+        srv.stop()
+        srv.engine.close()
+    assert state_path.read_text() == saved

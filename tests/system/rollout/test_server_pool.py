@@ -1,0 +1,103 @@
+"""Server pool: routing policies, metrics parsing, dead-server detection against real servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from realhf.api.core.rollout_api import GserverManagerConfig, ScheduleRequest
+from realhf.impl.model.gen import EngineConfig
+from realhf.impl.model.gen.http_app import ServerThread, create_app
+from realhf.impl.model.gen.loading import load_engine
+from tiny_models import make_tiny_hf_model
+from realhf.system.rollout.server_pool import (
+    NoServerAvailable,
+    ServerPool,
+    ServerState,
+    choose_server,
+    parse_metrics,
+)
+
+
+def test_choose_server_policies():
+    a, b, c = ServerState("a"), ServerState("b"), ServerState("c")
+    assert [choose_server([a, b, c], "round_robin", i).url for i in range(4)] == list("abca")
+    a.metric_requests, b.metric_requests, c.assigned_requests = 3, 1, 2
+    assert choose_server([a, b, c], "least_requests", 0).url == "b"
+    a.metric_tokens, b.metric_tokens, c.assigned_tokens = 50, 900, 10.5
+    assert choose_server([a, b, c], "least_token_usage", 0).url == "c"
+    with pytest.raises(NoServerAvailable):
+        choose_server([], "round_robin", 0)
+
+
+def test_parse_metrics_reads_sglang_gauges():
+    text = (
+        "# HELP sglang:num_used_tokens x\n# TYPE sglang:num_used_tokens gauge\n"
+        'sglang:num_used_tokens{model_name="m"} 123.0\nsglang:num_running_reqs{model_name="m"} 2\n'
+    )
+    assert parse_metrics(text) == {"sglang:num_used_tokens": 123.0, "sglang:num_running_reqs": 2.0}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("pool") / "m")
+    make_tiny_hf_model("qwen2", path, seed=0, vocab_size=268, max_position_embeddings=64)
+    return path
+
+
+def _server(model_dir):
+    engine = load_engine(model_dir, EngineConfig(max_running_requests=2, num_threads=1)).start()
+    srv = ServerThread(create_app(engine)).start()
+    srv.engine = engine
+    return srv
+
+
+def test_discovery_health_metrics_and_dead_servers(model_dir):
+    servers = [_server(model_dir) for _ in range(3)]
+    urls = [s.url for s in servers]  # (a stopped ServerThread no longer knows its port)
+    registered = list(urls)
+    cfg = GserverManagerConfig(
+        schedule_policy="least_token_usage", max_health_failures=2, health_timeout_s=2
+    )
+    pool = ServerPool(cfg, lambda: list(registered), lambda v: "")
+
+    async def go():
+        await pool.open()
+        try:
+            await pool.check()
+            assert [s.url for s in pool.live()] == sorted(registered)
+            req = ScheduleRequest("r", prompt_len=10, new_token_budget=100)
+            first = pool.pick(req)
+            pool.assign(first, req)  # 10 + 0.4 * 100 tokens counted until the next metrics read
+            assert first.token_load == 50 and pool.pick(req) is not first
+            await pool.check()  # metrics read: idle servers use no tokens
+            assert first.token_load == 0 and first.assigned_requests == 0
+            # one server stops answering: dead after max_health_failures checks
+            servers[0].stop()
+            servers[0].engine.close()
+            await pool.check()
+            assert pool.servers[urls[0]].live  # one failure is tolerated
+            await pool.check()
+            dead = pool.servers[urls[0]]
+            assert not dead.live and "2 health checks" in dead.dead_reason
+            # another one's registration expires
+            registered.remove(urls[1])
+            await pool.check()
+            assert "registration" in pool.servers[urls[1]].dead_reason
+            assert {pool.pick(req).url for _ in range(3)} == {urls[2]}
+            # exclusion is a preference: the last live server is still used...
+            assert pool.pick(ScheduleRequest("r", 1, 1, exclude=(urls[2],))).url == urls[2]
+            # ...and with none live the error names why each one is out
+            pool.mark_dead(pool.servers[urls[2]], "test")
+            with pytest.raises(NoServerAvailable, match="registration"):
+                pool.pick(ScheduleRequest("r", 1, 1, exclude=(urls[2],)))
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        for s in servers[1:]:
+            s.stop()
+            s.engine.close()
