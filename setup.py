@@ -52,7 +52,11 @@ def _ext_modules():
     )
     import torch
 
-    if any(f.endswith(".cu") for f in cuda_sources) and torch.version.cuda and cpp_extension.CUDA_HOME:
+    if (
+        any(f.endswith(".cu") for f in cuda_sources)
+        and torch.version.cuda
+        and cpp_extension.CUDA_HOME
+    ):
         exts.append(
             cpp_extension.CUDAExtension(
                 "realhf._C_cuda",
@@ -70,16 +74,14 @@ setup(
     version="0.1.0",
     description="Reinforcement learning for language models: PPO, GRPO, SFT and "
     "fully asynchronous PPO, runnable on CPU and GPU.",
-    packages=find_packages(
-        include=["realhf*", "functioncall*", "evaluation*", "training*"]
-    ),
+    packages=find_packages(include=["realhf*", "functioncall*", "evaluation*", "training*"]),
     package_data={
         "realhf": ["assets/**/*"],
         "training": ["configs/*.yaml"],
         "evaluation": ["data/**/*"],
     },
     include_package_data=True,
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # asyncio.TaskGroup, ExceptionGroup
     install_requires=[
         # torch is installed by `make install` as the CPU wheel 2.13.0 before this
         # runs; a bare `torch` here with no torch present would pull several GB of

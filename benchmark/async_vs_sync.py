@@ -57,14 +57,18 @@ def _run(name: str, fileroot: str, args) -> dict:
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     wall = time.monotonic() - t0
     if r.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        raise SystemExit(
+            f"{name} failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        )
     run_dir = os.path.join(fileroot, name, "run0")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     samples = sum(r_["n_items"] for r_ in rows)
     seconds = rows[-1]["elapsed"]
     ckpt_root = os.path.join(run_dir, "checkpoints", "actor")
-    ckpt = os.path.join(ckpt_root, sorted(os.listdir(ckpt_root), key=lambda d: int(d.split("globalstep")[1]))[-1])
+    ckpt = os.path.join(
+        ckpt_root, sorted(os.listdir(ckpt_root), key=lambda d: int(d.split("globalstep")[1]))[-1]
+    )
     out = {
         "wall_s": round(wall, 1),
         "train_s": round(seconds, 1),
@@ -77,8 +81,11 @@ def _run(name: str, fileroot: str, args) -> dict:
     if name == "async-ppo-math":
         out["staleness_max"] = max(r_["rollout/staleness_max"] for r_ in rows)
         out["staleness_mean"] = sum(r_["rollout/staleness_mean"] for r_ in rows) / len(rows)
-    print(f"{name}: {samples} samples in {seconds:.1f} s of training ({out['samples_per_s']:.2f}/s), "
-          f"wall {wall:.0f} s, median step {out['step_s_median']:.2f} s", flush=True)
+    print(
+        f"{name}: {samples} samples in {seconds:.1f} s of training ({out['samples_per_s']:.2f}/s), "
+        f"wall {wall:.0f} s, median step {out['step_s_median']:.2f} s",
+        flush=True,
+    )
     return out
 
 
@@ -95,7 +102,9 @@ def main() -> None:
     p.add_argument("--eta", type=int, default=1, help="async max_head_offpolicyness")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--model", default="", help="start model (default: the embedded tiny SFT model)")
-    p.add_argument("--fileroot", default="", help="where the runs go (default: a temporary directory)")
+    p.add_argument(
+        "--fileroot", default="", help="where the runs go (default: a temporary directory)"
+    )
     args = p.parse_args()
     fileroot = args.fileroot or tempfile.mkdtemp(prefix="async_vs_sync_")
     sync = _run("ppo-math", fileroot, args)
@@ -105,9 +114,13 @@ def main() -> None:
     acc_sync = _acc(sync["checkpoint"], os.path.join(fileroot, "eval_sync"))
     acc_async = _acc(asyn["checkpoint"], os.path.join(fileroot, "eval_async"))
     ratio = asyn["samples_per_s"] / sync["samples_per_s"]
-    print(f"\nsamples/s   sync {sync['samples_per_s']:.2f}   async {asyn['samples_per_s']:.2f}   ratio {ratio:.2f}x")
+    print(
+        f"\nsamples/s   sync {sync['samples_per_s']:.2f}   async {asyn['samples_per_s']:.2f}   ratio {ratio:.2f}x"
+    )
     print(f"wall        sync {sync['wall_s']:.0f} s   async {asyn['wall_s']:.0f} s")
-    print(f"greedy acc  sft {100 * acc_sft:.1f}%   sync {100 * acc_sync:.1f}%   async {100 * acc_async:.1f}%")
+    print(
+        f"greedy acc  sft {100 * acc_sft:.1f}%   sync {100 * acc_sync:.1f}%   async {100 * acc_async:.1f}%"
+    )
     result = {
         "date": datetime.date.today().isoformat(),
         "steps": args.steps,

@@ -43,8 +43,8 @@ import datetime
 import json
 import math
 import os
-import sys
 import random
+import sys
 import tempfile
 import time
 
@@ -55,8 +55,11 @@ from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
+
 # tiny random HF models (no downloads) are test scaffolding, kept in tests/helpers/
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers")
+)
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "realhf", "assets", "tiny")
@@ -64,22 +67,31 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "realhf"
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-path", default=None,
-                   help="HF directory (default: the embedded checkpoint, else random weights of its shape)")
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="HF directory (default: the embedded checkpoint, else random weights of its shape)",
+    )
     p.add_argument("--n-requests", type=int, default=256)
-    p.add_argument("--max-running", type=int, default=64, help="HF batch size = our running sequences")
+    p.add_argument(
+        "--max-running", type=int, default=64, help="HF batch size = our running sequences"
+    )
     p.add_argument("--min-new", type=int, default=8)
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--http-requests", type=int, default=1024)
     p.add_argument("--http-clients", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--hf-cache", default="static", choices=["static", "dynamic"],
+        "--hf-cache",
+        default="static",
+        choices=["static", "dynamic"],
         help="transformers KV cache; static was the faster one here (48.7 vs 59.8 ms per step "
         "for 32 sequences at 1024 new tokens), so it is the default baseline",
     )
     p.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="CPU threads for both systems; 1 keeps timings stable on a shared machine, where a "
         "multi-threaded op stalls whenever another process takes one of its cores",
     )
@@ -88,10 +100,20 @@ def parse_args():
 
 def make_model(path: str) -> str:
     make_tiny_hf_model(
-        "qwen2", path, seed=0, perturb=0.3,
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=268, max_position_embeddings=4096,
-        tie_word_embeddings=True, eos_token_id=0, pad_token_id=1,
+        "qwen2",
+        path,
+        seed=0,
+        perturb=0.3,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=268,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=0,
+        pad_token_id=1,
     )
     return path
 
@@ -123,8 +145,15 @@ def run_hf(model_dir: str, prompts, budgets, batch_size: int, cache: str):
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-            top_k=0, max_new_tokens=max(bs), min_new_tokens=max(bs), pad_token_id=pad,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max(bs),
+            min_new_tokens=max(bs),
+            pad_token_id=pad,
             cache_implementation=cache,
         )
         assert out.shape[1] - width == max(bs)
@@ -133,7 +162,10 @@ def run_hf(model_dir: str, prompts, budgets, batch_size: int, cache: str):
 
 
 def run_ours(engine, prompts, budgets):
-    sp = [SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=b, ignore_eos=True) for b in budgets]
+    sp = [
+        SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=b, ignore_eos=True)
+        for b in budgets
+    ]
     reqs = [GenerateRequest(input_ids=tuple(p), sampling=s) for p, s in zip(prompts, sp)]
     start, cpu = time.perf_counter(), time.process_time()
     outs = engine.generate(reqs, timeout=3600)
@@ -152,8 +184,9 @@ def greedy_match(model_dir: str, engine, prompts, n: int = 16) -> bool:
     sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     outs = engine.generate([GenerateRequest(input_ids=tuple(p), sampling=sp) for p in prompts])
     for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n,
-                          pad_token_id=1)[0, len(p):].tolist()
+        ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n, pad_token_id=1)[
+            0, len(p) :
+        ].tolist()
         if ref != list(o.output_ids):
             return False
     return True
@@ -167,9 +200,13 @@ def _http_client(url: str, prompts, budgets, clients: int):
     async def main():
         sem = asyncio.Semaphore(clients)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as sess:
+
             async def one(p, b):
-                body = {"input_ids": p, "sampling_params": {"max_new_tokens": b, "ignore_eos": True},
-                        "return_logprob": True}
+                body = {
+                    "input_ids": p,
+                    "sampling_params": {"max_new_tokens": b, "ignore_eos": True},
+                    "return_logprob": True,
+                }
                 async with sem, sess.post(url + "/generate", json=body) as r:
                     assert r.status == 200, await r.text()
                     return len((await r.json())["output_ids"])
@@ -189,8 +226,12 @@ def run_http(engine, prompts, budgets, clients: int):
     try:
         ctx = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-            pool.submit(_http_client, srv.url, prompts[:4], [2] * 4, 4).result(timeout=600)  # warm-up
-            dt, lens = pool.submit(_http_client, srv.url, prompts, budgets, clients).result(timeout=3600)
+            pool.submit(_http_client, srv.url, prompts[:4], [2] * 4, 4).result(
+                timeout=600
+            )  # warm-up
+            dt, lens = pool.submit(_http_client, srv.url, prompts, budgets, clients).result(
+                timeout=3600
+            )
     finally:
         srv.stop()
     assert lens == list(budgets)
@@ -210,13 +251,19 @@ def main():
     budgets = [log_uniform(rng, args.min_new, args.max_new) for _ in prompts]
     useful = sum(budgets)
     ctx = max(len(p) for p in prompts) + args.max_new + 1
-    cfg = EngineConfig(max_running_requests=args.max_running, context_length=max(ctx, 128),
-                       num_threads=args.threads, seed=args.seed)
+    cfg = EngineConfig(
+        max_running_requests=args.max_running,
+        context_length=max(ctx, 128),
+        num_threads=args.threads,
+        seed=args.seed,
+    )
     engine = load_engine(model_dir, cfg).start()
-    print(f"model {model_dir}; {len(prompts)} requests, prompts {min(map(len, prompts))}-"
-          f"{max(map(len, prompts))} tokens, budgets {min(budgets)}-{max(budgets)} "
-          f"(mean {useful / len(budgets):.0f}); {args.threads} thread(s); decode attention "
-          f"{engine.decode_impl}; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"model {model_dir}; {len(prompts)} requests, prompts {min(map(len, prompts))}-"
+        f"{max(map(len, prompts))} tokens, budgets {min(budgets)}-{max(budgets)} "
+        f"(mean {useful / len(budgets):.0f}); {args.threads} thread(s); decode attention "
+        f"{engine.decode_impl}; load average {os.getloadavg()[0]:.1f}"
+    )
     try:
         match = greedy_match(model_dir, engine, prompts[:4])
         print(f"greedy outputs equal to transformers: {match}")
@@ -231,21 +278,27 @@ def main():
             min(args.max_running, len(prompts) - s) * max(budgets[s : s + args.max_running])
             for s in range(0, len(prompts), args.max_running)
         )
-        print(f"transformers generate ({args.hf_cache} cache): {hf_s:.1f} s ({hf_cpu:.1f} s CPU), "
-              f"{hf_tps:.0f} useful tokens/s "
-              f"({useful / hf_computed:.0%} of its {hf_computed} generated tokens were requested)")
+        print(
+            f"transformers generate ({args.hf_cache} cache): {hf_s:.1f} s ({hf_cpu:.1f} s CPU), "
+            f"{hf_tps:.0f} useful tokens/s "
+            f"({useful / hf_computed:.0%} of its {hf_computed} generated tokens were requested)"
+        )
         speedup = ours_tps / hf_tps
         speedup_cpu = hf_cpu / ours_cpu
-        print(f"decode speedup vs transformers: {speedup:.1f}x wall clock, {speedup_cpu:.1f}x CPU time")
+        print(
+            f"decode speedup vs transformers: {speedup:.1f}x wall clock, {speedup_cpu:.1f}x CPU time"
+        )
 
         hrng = random.Random(args.seed + 1)
         hp = [prompts[i % len(prompts)] for i in range(args.http_requests)]
         hb = [log_uniform(hrng, 4, 64) for _ in hp]
         direct_s, _ = run_ours(engine, hp, hb)
         http_s = run_http(engine, hp, hb, args.http_clients)
-        print(f"HTTP: {len(hp)} requests from {args.http_clients} clients in {http_s:.1f} s = "
-              f"{len(hp) / http_s:.1f} requests/s, {sum(hb) / http_s:.0f} tokens/s "
-              f"(engine without HTTP: {len(hp) / direct_s:.1f} requests/s)")
+        print(
+            f"HTTP: {len(hp)} requests from {args.http_clients} clients in {http_s:.1f} s = "
+            f"{len(hp) / http_s:.1f} requests/s, {sum(hb) / http_s:.0f} tokens/s "
+            f"(engine without HTTP: {len(hp) / direct_s:.1f} requests/s)"
+        )
     finally:
         engine.close()
     result = {

@@ -341,7 +341,7 @@ def _vs_torch_case(src: torch.Tensor, dst: torch.Tensor, iv_np: np.ndarray, roun
         if best[1].startswith("index"):
             line += f" ({(best[0] + idx_build) / ours_w:.1f}x counting the index build)"
         print(line)
-        for label, (w, c) in times.items():
+        for label, (w, _) in times.items():
             rec[f"{op}_{_KEYS[label]}_ms"] = round(w * 1e3, 3)
         rec[f"{op}_ours_cpu_ms"] = round(ours_c * 1e3, 3)
         rec[f"{op}_best_torch_op"] = best[1]

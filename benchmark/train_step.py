@@ -39,8 +39,11 @@ import transformers
 
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.modules.attention import packed_causal_attention
+
 # tiny random HF models (no downloads) are test scaffolding, kept in tests/helpers/
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "helpers")
+)
 from tiny_models import make_tiny_hf_model  # noqa: E402
 
 
@@ -114,7 +117,10 @@ def time_attention(lens, heads, kv_heads, head_dim, iters, seed):
     g = torch.Generator().manual_seed(seed)
     T = sum(lens)
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-    qkv = [torch.randn(T, h, head_dim, generator=g, requires_grad=True) for h in (heads, kv_heads, kv_heads)]
+    qkv = [
+        torch.randn(T, h, head_dim, generator=g, requires_grad=True)
+        for h in (heads, kv_heads, kv_heads)
+    ]
 
     def step_of(impl):
         return lambda: packed_causal_attention(*qkv, cu, impl=impl).sum().backward()

@@ -65,7 +65,9 @@ def resolve_data(name: str) -> str:
     path = os.path.join(DATA_DIR, name, "test.jsonl")
     if not os.path.isfile(path):
         known = sorted(d for d in os.listdir(DATA_DIR) if os.path.isdir(os.path.join(DATA_DIR, d)))
-        raise FileNotFoundError(f"unknown data set '{name}': no {path}; known: {known} (or pass a .jsonl path)")
+        raise FileNotFoundError(
+            f"unknown data set '{name}': no {path}; known: {known} (or pass a .jsonl path)"
+        )
     return path
 
 
@@ -101,8 +103,8 @@ def evaluate(
 
     from realhf.api.core.gen_api import GenerateRequest, SamplingParams
     from realhf.impl.model import ReaLModel
-    from realhf.impl.model.gen.engine_config import EngineConfig
     from realhf.impl.model.gen.engine import GenerationEngine
+    from realhf.impl.model.gen.engine_config import EngineConfig
     from realhf.impl.reward.math_reward import extract_answer, normalize_answer, verify_batch
 
     if not os.path.isdir(model_path):
@@ -127,11 +129,17 @@ def evaluate(
             reqs = [GenerateRequest(input_ids=ids, sampling=greedy) for ids in prompts]
             if n_samples > 0:
                 sp = SamplingParams(
-                    max_new_tokens=max_gen_tokens, temperature=temperature, top_p=top_p, n=n_samples,
+                    max_new_tokens=max_gen_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    n=n_samples,
                 )
                 for i, ids in enumerate(prompts):
                     base = SamplingParams(**{**sp.__dict__, "sampling_seed": seed * 1_000_003 + i})
-                    reqs += [GenerateRequest(input_ids=ids, sampling=base.for_sample(j)) for j in range(n_samples)]
+                    reqs += [
+                        GenerateRequest(input_ids=ids, sampling=base.for_sample(j))
+                        for j in range(n_samples)
+                    ]
             outs = engine.generate(reqs)
             texts = [tok.decode(o.output_ids, skip_special_tokens=True) for o in outs]
             lens = [len(o.output_ids) for o in outs]
@@ -147,9 +155,14 @@ def evaluate(
                 answers = [extract_answer(t) for t in s_texts]
                 answers = [normalize_answer(a) if a is not None else None for a in answers]
                 rec = {
-                    "idx": i, "query_id": p["query_id"], "prompt": p["prompt"], "solutions": p["solutions"],
-                    "greedy": texts[i], "greedy_correct": correct[i],
-                    "samples": s_texts, "sample_correct": s_ok,
+                    "idx": i,
+                    "query_id": p["query_id"],
+                    "prompt": p["prompt"],
+                    "solutions": p["solutions"],
+                    "greedy": texts[i],
+                    "greedy_correct": correct[i],
+                    "samples": s_texts,
+                    "sample_correct": s_ok,
                 }
                 records.append(rec)
                 agg["greedy_acc"] += correct[i]
@@ -162,7 +175,9 @@ def evaluate(
             summary["greedy_mean_len"] = sum(lens[:n]) / n
             if n_samples:
                 summary["sample_mean_len"] = sum(lens[n:]) / (n * n_samples)
-            summary.update(n_problems=n, n_samples=n_samples, seconds=round(time.monotonic() - t0, 2))
+            summary.update(
+                n_problems=n, n_samples=n_samples, seconds=round(time.monotonic() - t0, 2)
+            )
             summaries[name] = summary
             out_dir = os.path.join(output_path, os.path.basename(name).removesuffix(".jsonl"))
             os.makedirs(out_dir, exist_ok=True)
@@ -196,23 +211,46 @@ def format_table(summaries: Dict[str, dict]) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model_path", required=True, help="HuggingFace model directory (with tokenizer)")
-    p.add_argument("--data_names", required=True, help="comma-separated names under evaluation/data/ or .jsonl paths")
-    p.add_argument("--output_path", required=True, help="directory for samples.jsonl files and summary.json")
-    p.add_argument("--n_samples", type=int, default=0, help="sampled answers per problem besides the greedy one")
+    p.add_argument(
+        "--model_path", required=True, help="HuggingFace model directory (with tokenizer)"
+    )
+    p.add_argument(
+        "--data_names",
+        required=True,
+        help="comma-separated names under evaluation/data/ or .jsonl paths",
+    )
+    p.add_argument(
+        "--output_path", required=True, help="directory for samples.jsonl files and summary.json"
+    )
+    p.add_argument(
+        "--n_samples",
+        type=int,
+        default=0,
+        help="sampled answers per problem besides the greedy one",
+    )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--max_gen_tokens", type=int, default=32, help="most generated tokens per answer")
-    p.add_argument("--max_problems", type=int, default=None, help="evaluate only the first N problems")
+    p.add_argument(
+        "--max_gen_tokens", type=int, default=32, help="most generated tokens per answer"
+    )
+    p.add_argument(
+        "--max_problems", type=int, default=None, help="evaluate only the first N problems"
+    )
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
     if args.n_samples < 0 or args.max_gen_tokens < 1 or args.temperature <= 0:
         p.error("need n_samples >= 0, max_gen_tokens >= 1 and temperature > 0")
     try:
         summaries = evaluate(
-            args.model_path, [d for d in args.data_names.split(",") if d], args.output_path,
-            n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
-            max_gen_tokens=args.max_gen_tokens, max_problems=args.max_problems, seed=args.seed,
+            args.model_path,
+            [d for d in args.data_names.split(",") if d],
+            args.output_path,
+            n_samples=args.n_samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_gen_tokens=args.max_gen_tokens,
+            max_problems=args.max_problems,
+            seed=args.seed,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"eval_and_aggregate: {e}", file=sys.stderr)

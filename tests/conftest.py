@@ -29,9 +29,7 @@ from realhf.base import network
 HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 if HELPERS not in sys.path:
     sys.path.insert(0, HELPERS)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p
-)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p)
 
 ETCD_START_TIMEOUT = 20.0
 
@@ -69,14 +67,22 @@ def etcd_server():
     peer_url = f"http://127.0.0.1:{peer_port}"
     cmd = [
         binary,
-        "--name", "realhf-test",
-        "--data-dir", data_dir,
-        "--listen-client-urls", client_url,
-        "--advertise-client-urls", client_url,
-        "--listen-peer-urls", peer_url,
-        "--initial-advertise-peer-urls", peer_url,
-        "--initial-cluster", f"realhf-test={peer_url}",
-        "--initial-cluster-state", "new",
+        "--name",
+        "realhf-test",
+        "--data-dir",
+        data_dir,
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        f"realhf-test={peer_url}",
+        "--initial-cluster-state",
+        "new",
     ]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -88,7 +94,9 @@ def etcd_server():
                     tail = f.read()[-2000:].decode(errors="replace")
                 pytest.fail(f"etcd exited with code {proc.returncode} while starting:\n{tail}")
             if time.monotonic() > deadline:
-                pytest.fail(f"etcd on 127.0.0.1:{client_port} not healthy after {ETCD_START_TIMEOUT}s; log at {log_path}")
+                pytest.fail(
+                    f"etcd on 127.0.0.1:{client_port} not healthy after {ETCD_START_TIMEOUT}s; log at {log_path}"
+                )
             time.sleep(0.1)
         yield EtcdServer("127.0.0.1", client_port)
     finally:
@@ -99,6 +107,7 @@ def etcd_server():
 
 
 # ---- multi-process tests: nothing we launch may outlive a test ----
+
 
 def _descendants():
     out = {}

@@ -72,9 +72,7 @@ def test_layers_import_downward_only():
             dst_layer = _layer_of(mod)
             if dst_layer is None:
                 continue
-            if RANK[dst_layer] > RANK[src_layer] or dst_layer in EXTRA_FORBIDDEN.get(
-                src_layer, ()
-            ):
+            if RANK[dst_layer] > RANK[src_layer] or dst_layer in EXTRA_FORBIDDEN.get(src_layer, ()):
                 violations.append(f"{path}:{lineno}: {src_layer} imports {mod}")
     assert not violations, "upward imports:\n" + "\n".join(violations)
 
@@ -132,7 +130,9 @@ def test_cycle_finder_sees_a_function_level_cycle():
     src = "def f():\n    from realhf.system.x import y\n"
     import ast
 
-    assert cm._imports("realhf/system/z.py", ast.parse(src), {"realhf.system.x"}) == {"realhf.system.x"}
+    assert cm._imports("realhf/system/z.py", ast.parse(src), {"realhf.system.x"}) == {
+        "realhf.system.x"
+    }
 
 
 def test_base_imports_no_realhf():

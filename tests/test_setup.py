@@ -49,7 +49,9 @@ def _imported_top_modules() -> set:
                         continue
                     for name in names:
                         found.add(name.split(".")[0])
-                        found.update(SUBMODULE_DISTS[s] for s in SUBMODULE_DISTS if name.startswith(s))
+                        found.update(
+                            SUBMODULE_DISTS[s] for s in SUBMODULE_DISTS if name.startswith(s)
+                        )
     return found
 
 
@@ -74,7 +76,9 @@ def test_every_runtime_dependency_is_imported():
 
 def test_every_imported_package_is_declared():
     install, extras = _setup_lists()
-    declared = {_dist_name(r) for r in install} | {_dist_name(r) for rs in extras.values() for r in rs}
+    declared = {_dist_name(r) for r in install} | {
+        _dist_name(r) for rs in extras.values() for r in rs
+    }
     imported = _third_party(_imported_top_modules())
     missing = sorted(
         f"{d} (module {m})" for d, m in imported.items() if d not in declared and m not in OPTIONAL

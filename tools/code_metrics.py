@@ -107,8 +107,6 @@ def cycles(graph: dict) -> list:
     return out
 
 
-
-
 def metrics() -> dict:
     per_folder = Counter()
     funcs = []
@@ -121,7 +119,9 @@ def metrics() -> dict:
         long_lines += sum(1 for line in src.splitlines() if len(line) > 100)
         for node in ast.walk(ast.parse(src)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                funcs.append((node.end_lineno - node.lineno + 1, f"{path}:{node.lineno} {node.name}"))
+                funcs.append(
+                    (node.end_lineno - node.lineno + 1, f"{path}:{node.lineno} {node.name}")
+                )
     funcs.sort(reverse=True)
     lengths = sorted(n for n, _ in funcs)
     return {

@@ -8,8 +8,8 @@ import sys
 
 import hydra
 
-from realhf.experiments.sft import SFTConfig
 from realhf.apps.hydra_entry import run_from_hydra
+from realhf.experiments.sft import SFTConfig
 
 
 @hydra.main(config_path="configs", config_name="sft", version_base=None)

@@ -8,8 +8,8 @@ import sys
 
 import hydra
 
-from realhf.experiments.ppo_math import PPOMathConfig
 from realhf.apps.hydra_entry import run_from_hydra
+from realhf.experiments.ppo_math import PPOMathConfig
 
 
 @hydra.main(config_path="configs", config_name="sync-ppo", version_base=None)

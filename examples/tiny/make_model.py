@@ -17,7 +17,9 @@ import transformers
 
 from realhf.impl.model.conversion.hf import save_tokenizer
 
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "realhf", "assets", "tiny")
+ASSETS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "realhf", "assets", "tiny"
+)
 
 
 def tiny_config(vocab_size: int, eos_id: int, pad_id: int) -> transformers.Qwen2Config:

@@ -30,7 +30,9 @@ def main(argv=None):
     p.add_argument("--low", type=float, default=0.2)
     p.add_argument("--high", type=float, default=0.6)
     p.add_argument("--target", type=float, default=0.35)
-    p.add_argument("--min-step", type=int, default=0, help="skip checkpoints before this global step")
+    p.add_argument(
+        "--min-step", type=int, default=0, help="skip checkpoints before this global step"
+    )
     p.add_argument("--install", default=None, help="directory to copy the chosen weights into")
     args = p.parse_args(argv)
     ckpts = []
@@ -56,8 +58,15 @@ def main(argv=None):
             if os.path.exists(os.path.join(path, f)):
                 shutil.copy(os.path.join(path, f), os.path.join(args.install, f))
         with open(os.path.join(args.install, "sft_provenance.json"), "w") as f:
-            json.dump({"global_step": step, "greedy_acc_tiny_arith": inside[step],
-                       "all_checkpoints": {str(k): v for k, v in sorted(results.items())}}, f, indent=2)
+            json.dump(
+                {
+                    "global_step": step,
+                    "greedy_acc_tiny_arith": inside[step],
+                    "all_checkpoints": {str(k): v for k, v in sorted(results.items())},
+                },
+                f,
+                indent=2,
+            )
         print(f"installed into {args.install}")
 
 

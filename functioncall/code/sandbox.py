@@ -342,9 +342,11 @@ def _execute(cmd, cwd, env, stdin, limits, mode, uid, host_dir) -> RunResult:
         f.write(stdin)
     t0 = time.monotonic()
     timed_out = False
-    with open(paths["stdin"], "rb") as fin, open(paths["stdout"], "wb") as fout, open(
-        paths["stderr"], "wb"
-    ) as ferr:
+    with (
+        open(paths["stdin"], "rb") as fin,
+        open(paths["stdout"], "wb") as fout,
+        open(paths["stderr"], "wb") as ferr,
+    ):
         proc = subprocess.Popen(
             cmd,
             stdin=fin,

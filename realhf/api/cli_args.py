@@ -32,9 +32,7 @@ class OptimizerConfig:
     beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
     beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
     eps: float = field(default=1e-5, metadata={"help": "AdamW epsilon"})
-    lr_scheduler_type: str = field(
-        default="constant", metadata={"help": f"one of {LR_SCHEDULES}"}
-    )
+    lr_scheduler_type: str = field(default="constant", metadata={"help": f"one of {LR_SCHEDULES}"})
     warmup_steps_proportion: float = field(
         default=0.0, metadata={"help": "fraction of total steps spent warming up linearly"}
     )
@@ -55,9 +53,17 @@ class OptimizerConfig:
             0.0 <= self.warmup_steps_proportion < 1.0,
             f"optimizer.warmup_steps_proportion must be in [0, 1), got {self.warmup_steps_proportion}",
         )
-        _check(0.0 <= self.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.gradient_clipping >= 0, f"optimizer.gradient_clipping must be >= 0, got {self.gradient_clipping}")
-        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)")
+        _check(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"optimizer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}",
+        )
+        _check(
+            self.gradient_clipping >= 0,
+            f"optimizer.gradient_clipping must be >= 0, got {self.gradient_clipping}",
+        )
+        _check(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)"
+        )
 
 
 @dataclasses.dataclass
@@ -65,7 +71,8 @@ class ModelConfig:
     """A model role: where its HF checkpoint is and how it trains."""
 
     path: str = field(
-        default="", metadata={"help": "HuggingFace model directory; empty = the embedded tiny model"}
+        default="",
+        metadata={"help": "HuggingFace model directory; empty = the embedded tiny model"},
     )
     dtype: str = field(default="float32", metadata={"help": f"parameter dtype, one of {DTYPES}"})
     gradient_checkpointing: bool = field(
@@ -88,7 +95,10 @@ class MicroBatchConfig:
 
     def __post_init__(self):
         _check(self.n_mbs >= 1, f"n_mbs must be >= 1, got {self.n_mbs}")
-        _check(self.max_tokens_per_mb >= 1, f"max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}")
+        _check(
+            self.max_tokens_per_mb >= 1,
+            f"max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}",
+        )
 
 
 @dataclasses.dataclass
@@ -102,18 +112,39 @@ class ExperimentControlConfig:
     benchmark_steps: Optional[int] = field(
         default=None, metadata={"help": "stop after this many steps (None: run all epochs)"}
     )
-    save_freq_epochs: Optional[int] = field(default=None, metadata={"help": "save an HF checkpoint every N epochs"})
-    save_freq_steps: Optional[int] = field(default=None, metadata={"help": "save an HF checkpoint every N steps"})
-    save_freq_secs: Optional[int] = field(default=None, metadata={"help": "save an HF checkpoint every N seconds"})
-    ckpt_freq_epochs: Optional[int] = field(default=None, metadata={"help": "recover checkpoint every N epochs"})
-    ckpt_freq_steps: Optional[int] = field(default=None, metadata={"help": "recover checkpoint every N steps"})
-    ckpt_freq_secs: Optional[int] = field(default=None, metadata={"help": "recover checkpoint every N seconds"})
-    eval_freq_epochs: Optional[int] = field(default=None, metadata={"help": "evaluate every N epochs"})
-    eval_freq_steps: Optional[int] = field(default=None, metadata={"help": "evaluate every N steps"})
-    eval_freq_secs: Optional[int] = field(default=None, metadata={"help": "evaluate every N seconds"})
+    save_freq_epochs: Optional[int] = field(
+        default=None, metadata={"help": "save an HF checkpoint every N epochs"}
+    )
+    save_freq_steps: Optional[int] = field(
+        default=None, metadata={"help": "save an HF checkpoint every N steps"}
+    )
+    save_freq_secs: Optional[int] = field(
+        default=None, metadata={"help": "save an HF checkpoint every N seconds"}
+    )
+    ckpt_freq_epochs: Optional[int] = field(
+        default=None, metadata={"help": "recover checkpoint every N epochs"}
+    )
+    ckpt_freq_steps: Optional[int] = field(
+        default=None, metadata={"help": "recover checkpoint every N steps"}
+    )
+    ckpt_freq_secs: Optional[int] = field(
+        default=None, metadata={"help": "recover checkpoint every N seconds"}
+    )
+    eval_freq_epochs: Optional[int] = field(
+        default=None, metadata={"help": "evaluate every N epochs"}
+    )
+    eval_freq_steps: Optional[int] = field(
+        default=None, metadata={"help": "evaluate every N steps"}
+    )
+    eval_freq_secs: Optional[int] = field(
+        default=None, metadata={"help": "evaluate every N seconds"}
+    )
 
     def __post_init__(self):
-        _check(self.total_train_epochs >= 1, f"total_train_epochs must be >= 1, got {self.total_train_epochs}")
+        _check(
+            self.total_train_epochs >= 1,
+            f"total_train_epochs must be >= 1, got {self.total_train_epochs}",
+        )
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name.endswith(("_epochs", "_steps", "_secs")) and v is not None:
@@ -124,38 +155,64 @@ class ExperimentControlConfig:
 class BaseExperimentConfig:
     """Options every experiment shares: names, where outputs go, how to launch and recover."""
 
-    experiment_name: str = field(default="", metadata={"help": "experiment name; empty = the quickstart command name"})
-    trial_name: str = field(default="run0", metadata={"help": "trial name; outputs go to {fileroot}/{experiment}/{trial}"})
-    fileroot: str = field(default="", metadata={"help": "root of run outputs; empty = $REALHF_FILEROOT or ~/.cache/realhf"})
+    experiment_name: str = field(
+        default="", metadata={"help": "experiment name; empty = the quickstart command name"}
+    )
+    trial_name: str = field(
+        default="run0",
+        metadata={"help": "trial name; outputs go to {fileroot}/{experiment}/{trial}"},
+    )
+    fileroot: str = field(
+        default="",
+        metadata={"help": "root of run outputs; empty = $REALHF_FILEROOT or ~/.cache/realhf"},
+    )
     mode: str = field(default="local", metadata={"help": f"launcher, one of {LAUNCH_MODES}"})
     seed: int = field(default=1, metadata={"help": "random seed of the whole run"})
     allocation_mode: str = field(
         default="d1p1m1",
-        metadata={"help": "trainer layout dXpYmZ (data/pipe/tensor), or gen.dXpYmZ+dXpYmZ for generation servers + trainer"},
+        metadata={
+            "help": "trainer layout dXpYmZ (data/pipe/tensor), or gen.dXpYmZ+dXpYmZ for generation servers + trainer"
+        },
     )
     recover_mode: str = field(default="disabled", metadata={"help": f"one of {RECOVER_MODES}"})
-    recover_retries: int = field(default=1, metadata={"help": "restarts after a failure when recover_mode=auto"})
+    recover_retries: int = field(
+        default=1, metadata={"help": "restarts after a failure when recover_mode=auto"}
+    )
     name_resolve: str = field(
-        default="", metadata={"help": "name-resolve backend URL: file:///dir or etcd3://host:port; empty = file under fileroot"}
+        default="",
+        metadata={
+            "help": "name-resolve backend URL: file:///dir or etcd3://host:port; empty = file under fileroot"
+        },
     )
     worker_timeout: float = field(
-        default=600.0, metadata={"help": "seconds any worker may wait for a peer before failing loudly"}
+        default=600.0,
+        metadata={"help": "seconds any worker may wait for a peer before failing loudly"},
     )
     torch_threads: Optional[int] = field(
         default=None,
-        metadata={"help": "intra-op CPU threads of each training process; empty = the cores shared evenly (async: the trainer gets half the spare cores)"},
+        metadata={
+            "help": "intra-op CPU threads of each training process; empty = the cores shared evenly (async: the trainer gets half the spare cores)"
+        },
     )
     exp_ctrl: ExperimentControlConfig = field(default_factory=ExperimentControlConfig)
 
     def __post_init__(self):
-        _check(self.mode in LAUNCH_MODES, f"mode={self.mode!r}; supported launchers: {LAUNCH_MODES}")
-        _check(self.recover_mode in RECOVER_MODES, f"recover_mode={self.recover_mode!r}; use one of {RECOVER_MODES}")
-        _check(self.recover_retries >= 0, f"recover_retries must be >= 0, got {self.recover_retries}")
+        _check(
+            self.mode in LAUNCH_MODES, f"mode={self.mode!r}; supported launchers: {LAUNCH_MODES}"
+        )
+        _check(
+            self.recover_mode in RECOVER_MODES,
+            f"recover_mode={self.recover_mode!r}; use one of {RECOVER_MODES}",
+        )
+        _check(
+            self.recover_retries >= 0, f"recover_retries must be >= 0, got {self.recover_retries}"
+        )
         for name in ("experiment_name", "trial_name"):
             v = getattr(self, name)
             _check("/" not in v and "@" not in v, f"{name}={v!r} may not contain '/' or '@'")
         _check(self.worker_timeout > 0, f"worker_timeout must be > 0, got {self.worker_timeout}")
         _check(
-            self.torch_threads is None or (isinstance(self.torch_threads, int) and self.torch_threads >= 1),
+            self.torch_threads is None
+            or (isinstance(self.torch_threads, int) and self.torch_threads >= 1),
             f"torch_threads={self.torch_threads!r}: use an integer >= 1, or leave it empty",
         )

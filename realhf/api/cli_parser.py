@@ -50,7 +50,9 @@ def iter_options(cls, prefix: str = "", values: Any = None) -> Iterator[tuple[st
         else:
             default = "???"
         if dataclasses.is_dataclass(tp) and not isinstance(tp, type(None)):
-            yield from iter_options(tp, key + ".", default if dataclasses.is_dataclass(default) else None)
+            yield from iter_options(
+                tp, key + ".", default if dataclasses.is_dataclass(default) else None
+            )
             continue
         yield key, tp, default, f.metadata.get("help", "")
 

@@ -24,5 +24,5 @@ def run_from_hydra(name: str, config_cls, cfg) -> int:
     try:
         parsed = config_from_hydra(config_cls, cfg)
     except (ConfigError, ValueError) as e:
-        raise SystemExit(f"{name}: {e}")
+        raise SystemExit(f"{name}: {e}") from None
     return app_main.run(name, parsed)

@@ -17,11 +17,12 @@ import time
 from typing import Optional
 
 from realhf.api.cli_parser import to_yaml
-from realhf.experiments.registry import get_quickstart_exp
 from realhf.base import constants, logging
+from realhf.experiments.registry import get_quickstart_exp
 from realhf.scheduler.local import JobFailure, launch_experiment
 
 logger = logging.getLogger("main")
+
 
 def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
     """(experiment, trial, fileroot, name-resolve spec) with defaults filled in."""
@@ -45,7 +46,10 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     for attempt in range(attempts):
         try:
             experiment_cfg = qs.build(cfg)
-        except (ValueError, FileNotFoundError) as e:  # bad paths, rows, allocation: the user's to fix
+        except (
+            ValueError,
+            FileNotFoundError,
+        ) as e:  # bad paths, rows, allocation: the user's to fix
             print(f"{name}: {e}", file=sys.stderr)
             return 2
         logger.info(
@@ -54,7 +58,9 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         )
         try:
             launch_experiment(
-                experiment_cfg, experiment, trial,
+                experiment_cfg,
+                experiment,
+                trial,
                 run_dir=run_dir,
                 name_resolve_spec=spec,
                 experiment_type=name,
@@ -70,5 +76,7 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                 continue
             print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
             return 1
-    print(f"{name}: finished in {time.monotonic() - t0:.0f}s; outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}")
+    print(
+        f"{name}: finished in {time.monotonic() - t0:.0f}s; outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}"
+    )
     return 0

@@ -37,8 +37,8 @@ from typing import List, Optional
 from realhf.api.core import system_api
 from realhf.base import constants, logging, name_resolve, shutdown
 from realhf.base.atomic_file import write_json_atomic
-from realhf.system.worker import base as worker_base
 from realhf.system.transport.errors import ExperimentFailed
+from realhf.system.worker import base as worker_base
 from realhf.system.worker.controller import Controller
 
 logger = logging.getLogger("remote", "system")

@@ -37,13 +37,21 @@ _STARTUP_TIMEOUT_S = 60.0
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options (defaults from :class:`EngineConfig`)."""
     d = EngineConfig()
-    p = argparse.ArgumentParser(prog="python -m realhf.apps.serve", description=__doc__.split("\n")[0])
-    p.add_argument("--model-path", required=True, help="HuggingFace directory (config.json + safetensors)")
+    p = argparse.ArgumentParser(
+        prog="python -m realhf.apps.serve", description=__doc__.split("\n")[0]
+    )
+    p.add_argument(
+        "--model-path", required=True, help="HuggingFace directory (config.json + safetensors)"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--served-model-name", default=None, help="name in /v1/models (default: directory name)")
+    p.add_argument(
+        "--served-model-name", default=None, help="name in /v1/models (default: directory name)"
+    )
     p.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    p.add_argument("--context-length", type=int, default=None, help="default: the model's n_positions")
+    p.add_argument(
+        "--context-length", type=int, default=None, help="default: the model's n_positions"
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--dtype", default=d.dtype)
@@ -51,8 +59,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--decode-attn-impl", default=d.decode_attn_impl)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
-    p.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads of the engine (torch and numba); default all cores")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="CPU threads of the engine (torch and numba); default all cores",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     return p.parse_args(argv)
 
@@ -95,7 +107,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     tokenizer = load_tokenizer(args.model_path)
     engine = load_engine(args.model_path, config, tokenizer=tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
-    app = create_app(engine, tokenizer=tokenizer, model_path=args.model_path, served_model_name=name)
+    app = create_app(
+        engine, tokenizer=tokenizer, model_path=args.model_path, served_model_name=name
+    )
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     try:
         # Bind before loading anything heavy: a taken port fails in a second, not after warm-up.
@@ -108,7 +122,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         # One tiny request before the ready line: the first step loads compiled
         # kernels, which should not land on a client's latency.
-        engine.generate([GenerateRequest(input_ids=(0,), sampling=_WARMUP)], timeout=config.request_timeout_s)
+        engine.generate(
+            [GenerateRequest(input_ids=(0,), sampling=_WARMUP)], timeout=config.request_timeout_s
+        )
         asyncio.run(_serve(server, sock, args.host, port, _STARTUP_TIMEOUT_S))
     except KeyboardInterrupt:
         pass

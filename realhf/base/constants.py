@@ -201,9 +201,7 @@ def _first_blocker(path: str) -> Optional[str]:
 
 def run_dir(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
     """``{fileroot}/{experiment}/{trial}`` (defaults: this process's names)."""
-    return os.path.join(
-        get_fileroot(), experiment or experiment_name(), trial or trial_name()
-    )
+    return os.path.join(get_fileroot(), experiment or experiment_name(), trial or trial_name())
 
 
 def config_path(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
@@ -225,16 +223,12 @@ def worker_log_path(
     return os.path.join(log_dir(experiment, trial), worker.replace("/", "_") + ".log")
 
 
-def checkpoint_dir(
-    experiment: Optional[str] = None, trial: Optional[str] = None
-) -> str:
+def checkpoint_dir(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
     """``{run_dir}/checkpoints``."""
     return os.path.join(run_dir(experiment, trial), "checkpoints")
 
 
-def tensorboard_dir(
-    experiment: Optional[str] = None, trial: Optional[str] = None
-) -> str:
+def tensorboard_dir(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
     """``{run_dir}/tensorboard``."""
     return os.path.join(run_dir(experiment, trial), "tensorboard")
 

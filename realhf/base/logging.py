@@ -158,9 +158,7 @@ def getLogger(name: Optional[str] = None, type_: str = "system") -> _std_logging
     first call.
     """
     if type_ not in LOG_TYPES:
-        raise ValueError(
-            f"Unknown log type {type_!r}; valid types: {sorted(LOG_TYPES)}."
-        )
+        raise ValueError(f"Unknown log type {type_!r}; valid types: {sorted(LOG_TYPES)}.")
     full = _ROOT if name is None else f"{_ROOT}.{name}"
     with _lock:
         logger = _configured.get(full)
@@ -204,9 +202,7 @@ def add_file_handler(path: str, level: Optional[int] = None) -> _std_logging.Han
             return _file_handlers[path]
         os.makedirs(os.path.dirname(path), exist_ok=True)
         handler = _std_logging.FileHandler(path, mode="a", encoding="utf-8")
-        handler.setFormatter(
-            _std_logging.Formatter(LOG_TYPES["system"], datefmt=_DATEFMT)
-        )
+        handler.setFormatter(_std_logging.Formatter(LOG_TYPES["system"], datefmt=_DATEFMT))
         if level is not None:
             handler.setLevel(level)
         _file_handlers[path] = handler

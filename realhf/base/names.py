@@ -107,7 +107,9 @@ def push_pull_stream_root(experiment_name: str, trial_name: str) -> str:
 
 def push_pull_stream(experiment_name: str, trial_name: str, stream_name: str) -> str:
     """Puller address(es) of push/pull stream ``stream_name`` (rollouts -> trainer)."""
-    return f"{push_pull_stream_root(experiment_name, trial_name)}/{_seg('stream_name', stream_name)}"
+    return (
+        f"{push_pull_stream_root(experiment_name, trial_name)}/{_seg('stream_name', stream_name)}"
+    )
 
 
 def push_pull_stream_peers(experiment_name: str, trial_name: str, stream_name: str) -> str:
@@ -140,12 +142,16 @@ def distributed_local_peer(
 
 def distributed_master(experiment_name: str, trial_name: str, model_name: str) -> str:
     """``host:port`` of the rendezvous master of ``model_name``'s process group."""
-    return f"{distributed_root(experiment_name, trial_name)}/master/{_seg('model_name', model_name)}"
+    return (
+        f"{distributed_root(experiment_name, trial_name)}/master/{_seg('model_name', model_name)}"
+    )
 
 
 def model_version(experiment_name: str, trial_name: str, model_role: str) -> str:
     """Latest published weight version (an int as text) of model ``model_role``."""
-    return f"{trial_root(experiment_name, trial_name)}/model_version/{_seg('model_role', model_role)}"
+    return (
+        f"{trial_root(experiment_name, trial_name)}/model_version/{_seg('model_role', model_role)}"
+    )
 
 
 def metrics(experiment_name: str, trial_name: str) -> str:
@@ -191,9 +197,7 @@ def experiment_status(experiment_name: str, trial_name: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/experiment_status"
 
 
-def update_weights_from_disk(
-    experiment_name: str, trial_name: str, model_version: int
-) -> str:
+def update_weights_from_disk(experiment_name: str, trial_name: str, model_version: int) -> str:
     """Set when weights of ``model_version`` are on disk for servers to load."""
     return (
         f"{trial_root(experiment_name, trial_name)}/update_weights_from_disk/"

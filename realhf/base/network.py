@@ -59,9 +59,7 @@ def find_free_port(
         RuntimeError: when no port in the range is free.
     """
     if not (0 < low < high <= 65536):
-        raise ValueError(
-            f"Port range [{low}, {high}) is invalid; need 0 < low < high <= 65536."
-        )
+        raise ValueError(f"Port range [{low}, {high}) is invalid; need 0 < low < high <= 65536.")
     excluded = set(exclude or ())
     candidates = list(range(low, high))
     random.shuffle(candidates)

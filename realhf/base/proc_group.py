@@ -66,7 +66,9 @@ def group_alive(pgid: int) -> bool:
     return not states or any(s not in (b"Z", b"X") for s in states)
 
 
-def _wait_groups_empty(popens: Sequence[subprocess.Popen], deadline: float) -> List[subprocess.Popen]:
+def _wait_groups_empty(
+    popens: Sequence[subprocess.Popen], deadline: float
+) -> List[subprocess.Popen]:
     """Wait until ``deadline`` for the groups to empty; the popens whose group has not."""
     while True:
         for p in popens:

@@ -178,7 +178,9 @@ class StatsTracker:
             for name, x in values.items():
                 if isinstance(x, torch.Tensor):
                     if x.numel() != 1:
-                        raise ValueError(f"scalar {name!r} must be a number, got a tensor of shape {tuple(x.shape)}; use stat() for tensors.")
+                        raise ValueError(
+                            f"scalar {name!r} must be a number, got a tensor of shape {tuple(x.shape)}; use stat() for tensors."
+                        )
                     x = x.item()
                 if not isinstance(x, (int, float)) or isinstance(x, bool):
                     raise TypeError(f"scalar {name!r} must be a number, got {type(x).__name__}.")
@@ -215,7 +217,9 @@ class StatsTracker:
                 )
             for name, v in values.items():
                 if not isinstance(v, torch.Tensor):
-                    raise TypeError(f"stat {name!r} must be a tensor, got {type(v).__name__}; use scalar() for numbers.")
+                    raise TypeError(
+                        f"stat {name!r} must be a tensor, got {type(v).__name__}; use scalar() for numbers."
+                    )
                 if v.numel() != mask.numel():
                     raise ValueError(
                         f"stat {name!r} has {v.numel()} elements (shape {tuple(v.shape)}) but "
@@ -275,7 +279,12 @@ def _all_reduce_partials(local, group):
             default = {"min": math.inf, "max": -math.inf}.get(name, 0.0)
             slots[name].append((k, p.get(name, default)))
     reduced: Dict[str, Dict[str, float]] = {k: {} for k in keys}
-    for name, op in (("sum", dist.ReduceOp.SUM), ("count", dist.ReduceOp.SUM), ("min", dist.ReduceOp.MIN), ("max", dist.ReduceOp.MAX)):
+    for name, op in (
+        ("sum", dist.ReduceOp.SUM),
+        ("count", dist.ReduceOp.SUM),
+        ("min", dist.ReduceOp.MIN),
+        ("max", dist.ReduceOp.MAX),
+    ):
         entries = slots[name]
         # Every rank has the same key union, hence the same slot lengths, so
         # skipping empty slots keeps all ranks' collectives in lockstep.

@@ -31,7 +31,9 @@ class ProcessTopology:
     def __init__(self, axes: Sequence[str], dims: Sequence[int]) -> None:
         axes, dims = list(axes), list(dims)
         if len(axes) != len(dims):
-            raise ValueError(f"ProcessTopology needs one dim per axis, got axes={axes} and dims={dims}.")
+            raise ValueError(
+                f"ProcessTopology needs one dim per axis, got axes={axes} and dims={dims}."
+            )
         if not axes:
             raise ValueError("ProcessTopology needs at least one axis.")
         if len(set(axes)) != len(axes):
@@ -41,7 +43,9 @@ class ProcessTopology:
                 raise ValueError(f"ProcessTopology axis name {a!r} must be a Python identifier.")
         for a, d in zip(axes, dims):
             if not isinstance(d, int) or isinstance(d, bool) or d < 1:
-                raise ValueError(f"ProcessTopology dim of axis {a!r} must be an int >= 1, got {d!r}.")
+                raise ValueError(
+                    f"ProcessTopology dim of axis {a!r} must be an int >= 1, got {d!r}."
+                )
         self.axes = axes
         self.dims = dims
         self.ProcessCoord = collections.namedtuple("ProcessCoord", axes)
@@ -53,7 +57,10 @@ class ProcessTopology:
         return f"{type(self).__name__}({shape})"
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, ProcessTopology) and (self.axes, self.dims) == (other.axes, other.dims)
+        return isinstance(other, ProcessTopology) and (self.axes, self.dims) == (
+            other.axes,
+            other.dims,
+        )
 
     def __hash__(self) -> int:
         return hash((tuple(self.axes), tuple(self.dims)))
@@ -74,11 +81,15 @@ class ProcessTopology:
         try:
             return self.axes.index(axis)
         except ValueError:
-            raise ValueError(f"Unknown axis {axis!r}; this topology has axes {self.axes}.") from None
+            raise ValueError(
+                f"Unknown axis {axis!r}; this topology has axes {self.axes}."
+            ) from None
 
     def _check_rank(self, rank: int) -> None:
         if not isinstance(rank, int) or not 0 <= rank < self.world_size():
-            raise ValueError(f"rank {rank!r} out of range for {self!r} (world size {self.world_size()}).")
+            raise ValueError(
+                f"rank {rank!r} out of range for {self!r} (world size {self.world_size()})."
+            )
 
     def get_rank(self, **coord: int) -> int:
         """The rank at ``coord``, which must name every axis (e.g. ``pipe=1, data=0, tensor=1``)."""

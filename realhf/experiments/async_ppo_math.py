@@ -34,8 +34,14 @@ from dataclasses import field
 from typing import Optional
 
 from realhf.api.cli_args import ExperimentControlConfig
-from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction, InterfaceAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
+from realhf.api.core.model_api import FinetuneSpec
+from realhf.api.core.registry import (
+    AgentAbstraction,
+    DatasetAbstraction,
+    EnvAbstraction,
+    InterfaceAbstraction,
+)
 from realhf.api.core.rollout_api import (
     SCHEDULE_POLICIES,
     GenerationServerConfig,
@@ -49,10 +55,15 @@ from realhf.api.core.worker_api import (
     ModelWorkerConfig,
     TrajectoryStreamSpec,
 )
-from realhf.api.core.model_api import FinetuneSpec
-from realhf.experiments.registry import register_quickstart_exp
 from realhf.experiments import building_blocks as blocks
-from realhf.experiments.ppo_math import PPOMathConfig, _tiny_ppo, checked_math_data, model_specs, ppo_mfcs
+from realhf.experiments.ppo_math import (
+    PPOMathConfig,
+    _tiny_ppo,
+    checked_math_data,
+    model_specs,
+    ppo_mfcs,
+)
+from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 
 
@@ -65,16 +76,22 @@ def _tiny_async_ppo() -> PPOHyperparameters:
 @dataclasses.dataclass
 class GenServerOptions:
     max_running_requests: int = field(
-        default=256, metadata={"help": "sequences one generation server decodes at once (a batch of 32 prompts x 8 answers is 256)"}
+        default=256,
+        metadata={
+            "help": "sequences one generation server decodes at once (a batch of 32 prompts x 8 answers is 256)"
+        },
     )
     context_length: Optional[int] = field(
-        default=None, metadata={"help": "longest prompt + answer a server holds; empty = the model's limit"}
+        default=None,
+        metadata={"help": "longest prompt + answer a server holds; empty = the model's limit"},
     )
     num_threads: Optional[int] = field(
-        default=None, metadata={"help": "CPU threads per built-in server; empty = half of the spare cores"}
+        default=None,
+        metadata={"help": "CPU threads per built-in server; empty = half of the spare cores"},
     )
     schedule_policy: str = field(
-        default="round_robin", metadata={"help": f"how the manager picks a server: {', '.join(SCHEDULE_POLICIES)}"}
+        default="round_robin",
+        metadata={"help": f"how the manager picks a server: {', '.join(SCHEDULE_POLICIES)}"},
     )
 
     def __post_init__(self):
@@ -90,33 +107,57 @@ class AsyncPPOMathConfig(PPOMathConfig):
 
     allocation_mode: str = field(
         default="gen.d1p1m1+d1p1m1",
-        metadata={"help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine) or 'sglang.d4p1m1+d2p1m1'"},
+        metadata={
+            "help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine) or 'sglang.d4p1m1+d2p1m1'"
+        },
     )
     ppo: PPOHyperparameters = field(default_factory=_tiny_async_ppo)
     group_size: Optional[int] = field(
-        default=None, metadata={"help": "answers per prompt; sets ppo.group_size (empty = keep ppo.group_size)"}
+        default=None,
+        metadata={"help": "answers per prompt; sets ppo.group_size (empty = keep ppo.group_size)"},
     )
     max_head_offpolicyness: int = field(
         default=1,
-        metadata={"help": "η: no trajectory is trained more than η weight versions after the version that started it (0 = on-policy batches)"},
+        metadata={
+            "help": "η: no trajectory is trained more than η weight versions after the version that started it (0 = on-policy batches)"
+        },
     )
     max_concurrent_rollouts: Optional[int] = field(
-        default=None, metadata={"help": "most prompts being rolled out at once over all rollout workers; empty = train_batch_size"}
+        default=None,
+        metadata={
+            "help": "most prompts being rolled out at once over all rollout workers; empty = train_batch_size"
+        },
     )
     new_tokens_per_chunk: int = field(
         default=1024,
-        metadata={"help": "tokens per generate call; a longer answer is generated in chunks, each resumable after a weight update"},
+        metadata={
+            "help": "tokens per generate call; a longer answer is generated in chunks, each resumable after a weight update"
+        },
     )
     flush_request_timeout: float = field(
         default=300.0,
-        metadata={"help": "seconds each step of a weight update (pause, load, continue) may take on one server before the run fails naming it"},
+        metadata={
+            "help": "seconds each step of a weight update (pause, load, continue) may take on one server before the run fails naming it"
+        },
     )
-    n_rollout_workers: int = field(default=1, metadata={"help": "rollout worker processes (the dataset is sharded over them)"})
-    success_rate_lb: float = field(default=0.0, metadata={"help": "drop prompt groups whose share of correct answers is below this"})
-    success_rate_ub: float = field(default=1.0, metadata={"help": "drop prompt groups whose share of correct answers is above this (e.g. 0.99 drops all-solved groups)"})
+    n_rollout_workers: int = field(
+        default=1, metadata={"help": "rollout worker processes (the dataset is sharded over them)"}
+    )
+    success_rate_lb: float = field(
+        default=0.0,
+        metadata={"help": "drop prompt groups whose share of correct answers is below this"},
+    )
+    success_rate_ub: float = field(
+        default=1.0,
+        metadata={
+            "help": "drop prompt groups whose share of correct answers is above this (e.g. 0.99 drops all-solved groups)"
+        },
+    )
     gen_server: GenServerOptions = field(default_factory=GenServerOptions)
     exp_ctrl: ExperimentControlConfig = field(
-        default_factory=lambda: ExperimentControlConfig(benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1)
+        default_factory=lambda: ExperimentControlConfig(
+            benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1
+        )
     )
 
     def __post_init__(self):
@@ -125,14 +166,22 @@ class AsyncPPOMathConfig(PPOMathConfig):
                 raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
             self.ppo = dataclasses.replace(self.ppo, group_size=self.group_size)
         super().__post_init__()
-        for name, lo in (("max_head_offpolicyness", 0), ("new_tokens_per_chunk", 1), ("n_rollout_workers", 1)):
+        for name, lo in (
+            ("max_head_offpolicyness", 0),
+            ("new_tokens_per_chunk", 1),
+            ("n_rollout_workers", 1),
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
         if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
-            raise ValueError(f"max_concurrent_rollouts must be >= 1 or empty, got {self.max_concurrent_rollouts}")
+            raise ValueError(
+                f"max_concurrent_rollouts must be >= 1 or empty, got {self.max_concurrent_rollouts}"
+            )
         if not self.flush_request_timeout > 0:
-            raise ValueError(f"flush_request_timeout must be > 0 seconds, got {self.flush_request_timeout}")
+            raise ValueError(
+                f"flush_request_timeout must be > 0 seconds, got {self.flush_request_timeout}"
+            )
         if not 0 <= self.success_rate_lb <= self.success_rate_ub <= 1:
             raise ValueError(
                 f"need 0 <= success_rate_lb <= success_rate_ub <= 1, got {self.success_rate_lb}, {self.success_rate_ub}"
@@ -227,9 +276,17 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             max_head_offpolicyness=cfg.max_head_offpolicyness,
             wait_timeout_s=0.9 * cfg.worker_timeout,
         ),
-        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args)) if cfg.eval else None,
-        evaluation=EvalSpec(role="actor", interface_impl=InterfaceAbstraction(
-            "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens})) if cfg.eval else None,
+        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args))
+        if cfg.eval
+        else None,
+        evaluation=EvalSpec(
+            role="actor",
+            interface_impl=InterfaceAbstraction(
+                "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens}
+            ),
+        )
+        if cfg.eval
+        else None,
         tokenizer_path=actor_path,
         dataset_batch_size=B,
         timeout=cfg.worker_timeout,

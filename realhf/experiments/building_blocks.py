@@ -12,8 +12,8 @@ import os
 from typing import Optional
 
 from realhf.api.cli_args import BaseExperimentConfig, ModelConfig
-from realhf.api.core.worker_api import ModelSpec
 from realhf.api.core.allocation import AllocationMode, parse_allocation_mode
+from realhf.api.core.worker_api import ModelSpec
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
 #: the embedded tiny SFT model (a complete HF directory with its tokenizer)
@@ -96,8 +96,15 @@ def load_tokenizer(path: str):
         raise ExperimentSetupError(f"cannot load a tokenizer from '{path}': {e}") from None
 
 
-def model_spec(role: str, cfg: ModelConfig, path: str, *, trainable: bool, is_critic: bool = False,
-               publish_weights: bool = False) -> ModelSpec:
+def model_spec(
+    role: str,
+    cfg: ModelConfig,
+    path: str,
+    *,
+    trainable: bool,
+    is_critic: bool = False,
+    publish_weights: bool = False,
+) -> ModelSpec:
     return ModelSpec(
         role=role,
         path=path,

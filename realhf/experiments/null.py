@@ -13,13 +13,13 @@ import dataclasses
 from dataclasses import field
 
 from realhf.api.cli_args import BaseExperimentConfig, ExperimentControlConfig, ModelConfig
-from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
+from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import MasterWorkerConfig, ModelWorkerConfig
-from realhf.experiments.registry import register_quickstart_exp
 from realhf.experiments import building_blocks as blocks
+from realhf.experiments.registry import register_quickstart_exp
 from realhf.experiments.sft import SFTDatasetConfig
 
 
@@ -30,7 +30,9 @@ class NullConfig(BaseExperimentConfig):
     model: ModelConfig = field(default_factory=ModelConfig)
     dataset: SFTDatasetConfig = field(default_factory=SFTDatasetConfig)
     train_batch_size: int = field(default=64, metadata={"help": "items per step"})
-    exp_ctrl: ExperimentControlConfig = field(default_factory=lambda: ExperimentControlConfig(benchmark_steps=10))
+    exp_ctrl: ExperimentControlConfig = field(
+        default_factory=lambda: ExperimentControlConfig(benchmark_steps=10)
+    )
 
 
 def build_null(cfg: NullConfig) -> ExperimentConfig:
@@ -43,24 +45,54 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     n = cfg.train_batch_size
     mfcs = [
-        MFCDef(name="null_inf", model_name="default", interface_type="inference", interface_impl="null",
-               n_seqs=n, input_keys=("packed_input_ids",), output_keys=("rewards",)),
-        MFCDef(name="null_train", model_name="default", interface_type="train_step", interface_impl="null",
-               n_seqs=n, input_keys=("packed_input_ids", "rewards"), log_return_value=True),
+        MFCDef(
+            name="null_inf",
+            model_name="default",
+            interface_type="inference",
+            interface_impl="null",
+            n_seqs=n,
+            input_keys=("packed_input_ids",),
+            output_keys=("rewards",),
+        ),
+        MFCDef(
+            name="null_train",
+            model_name="default",
+            interface_type="train_step",
+            interface_impl="null",
+            n_seqs=n,
+            input_keys=("packed_input_ids", "rewards"),
+            log_return_value=True,
+        ),
     ]
     worker = ModelWorkerConfig(
-        seed=cfg.seed, models=[blocks.model_spec("default", cfg.model, path, trainable=True)], mfcs=mfcs,
-        dataset=DatasetAbstraction("prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)),
-        tokenizer_path=path, dataset_batch_size=n, timeout=cfg.worker_timeout, ft_spec=ft_spec,
+        seed=cfg.seed,
+        models=[blocks.model_spec("default", cfg.model, path, trainable=True)],
+        mfcs=mfcs,
+        dataset=DatasetAbstraction(
+            "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
+        ),
+        tokenizer_path=path,
+        dataset_batch_size=n,
+        timeout=cfg.worker_timeout,
+        ft_spec=ft_spec,
         torch_num_threads=blocks.torch_threads(cfg, n_workers),
         imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.null_interface",),
     )
     master = MasterWorkerConfig(
-        seed=cfg.seed, mfcs=mfcs, exp_ctrl=cfg.exp_ctrl, n_model_workers=n_workers, train_batch_size=n,
-        ft_spec=ft_spec, timeout=cfg.worker_timeout, recover_mode=cfg.recover_mode, log_stats_keys=("null/",),
+        seed=cfg.seed,
+        mfcs=mfcs,
+        exp_ctrl=cfg.exp_ctrl,
+        n_model_workers=n_workers,
+        train_batch_size=n,
+        ft_spec=ft_spec,
+        timeout=cfg.worker_timeout,
+        recover_mode=cfg.recover_mode,
+        log_stats_keys=("null/",),
     )
-    return ExperimentConfig(workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
-                            completion_types=("master_worker",))
+    return ExperimentConfig(
+        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
+        completion_types=("master_worker",),
+    )
 
 
 register_quickstart_exp("null", NullConfig, build_null)

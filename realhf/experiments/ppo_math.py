@@ -23,28 +23,53 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 
-from realhf.api.cli_args import BaseExperimentConfig, ExperimentControlConfig, MicroBatchConfig, ModelConfig, OptimizerConfig
-from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
+from realhf.api.cli_args import (
+    BaseExperimentConfig,
+    ExperimentControlConfig,
+    MicroBatchConfig,
+    ModelConfig,
+    OptimizerConfig,
+)
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, GenerationHyperparameters
+from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
-from realhf.experiments.registry import register_quickstart_exp
 from realhf.experiments import building_blocks as blocks
+from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.math_dataset import MathPromptDataset
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 
-GEN_KEYS = ("packed_input_ids", "prompt_mask", "packed_logprobs", "seq_no_eos_mask", "version_start", "version_end")
+GEN_KEYS = (
+    "packed_input_ids",
+    "prompt_mask",
+    "packed_logprobs",
+    "seq_no_eos_mask",
+    "version_start",
+    "version_end",
+)
 
 
 @dataclasses.dataclass
 class MathDatasetConfig:
-    path: str = field(default="", metadata={"help": "math jsonl ({query_id, prompt, task, solutions}); empty = embedded tiny data"})
-    eval_path: str = field(default="", metadata={"help": "held-out math jsonl for greedy accuracy; empty = embedded eval split"})
-    max_prompt_len: int = field(default=1024, metadata={"help": "drop prompts longer than this many tokens"})
-    eval_max_new_tokens: int = field(default=16, metadata={"help": "most tokens of a greedy eval answer"})
+    path: str = field(
+        default="",
+        metadata={
+            "help": "math jsonl ({query_id, prompt, task, solutions}); empty = embedded tiny data"
+        },
+    )
+    eval_path: str = field(
+        default="",
+        metadata={"help": "held-out math jsonl for greedy accuracy; empty = embedded eval split"},
+    )
+    max_prompt_len: int = field(
+        default=1024, metadata={"help": "drop prompts longer than this many tokens"}
+    )
+    eval_max_new_tokens: int = field(
+        default=16, metadata={"help": "most tokens of a greedy eval answer"}
+    )
 
 
 def _tiny_ppo() -> PPOHyperparameters:
@@ -71,13 +96,20 @@ class PPOMathConfig(BaseExperimentConfig):
     )
     ref: ModelConfig = field(default_factory=ModelConfig)
     dataset: MathDatasetConfig = field(default_factory=MathDatasetConfig)
-    train_batch_size: int = field(default=32, metadata={"help": "prompts per step (each with group_size answers)"})
+    train_batch_size: int = field(
+        default=32, metadata={"help": "prompts per step (each with group_size answers)"}
+    )
     ppo: PPOHyperparameters = field(default_factory=_tiny_ppo)
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     exp_ctrl: ExperimentControlConfig = field(
-        default_factory=lambda: ExperimentControlConfig(benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1)
+        default_factory=lambda: ExperimentControlConfig(
+            benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1
+        )
     )
-    eval: bool = field(default=True, metadata={"help": "measure greedy accuracy on the eval split at exp_ctrl.eval_freq_*"})
+    eval: bool = field(
+        default=True,
+        metadata={"help": "measure greedy accuracy on the eval split at exp_ctrl.eval_freq_*"},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -90,49 +122,138 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
     hp = dataclasses.replace(cfg.ppo, seed=cfg.seed)  # one seed for the whole run
     n = cfg.train_batch_size
     actor = InterfaceAbstraction("ppo_actor", {"hparams": hp})
-    train_keys = ["packed_input_ids", "prompt_mask", "packed_logprobs", "rewards", "seq_no_eos_mask"]
+    train_keys = [
+        "packed_input_ids",
+        "prompt_mask",
+        "packed_logprobs",
+        "rewards",
+        "seq_no_eos_mask",
+    ]
     mfcs = []
     if include_gen:
-        mfcs.append(MFCDef(name="actor_gen", model_name="actor", interface_type="generate", interface_impl=actor,
-                           n_seqs=n, input_keys=("packed_prompts",), output_keys=GEN_KEYS, mb_spec=mb_spec))
-        mfcs.append(MFCDef(
-            name="rew_inf", model_name="actor", interface_type="inference",
-            interface_impl=InterfaceAbstraction("math_reward", {
-                "output_scaling": hp.reward_output_scaling, "output_bias": hp.reward_output_bias}),
-            n_seqs=n, input_keys=("packed_input_ids", "prompt_mask"), output_keys=("rewards",), mb_spec=mb_spec))
+        mfcs.append(
+            MFCDef(
+                name="actor_gen",
+                model_name="actor",
+                interface_type="generate",
+                interface_impl=actor,
+                n_seqs=n,
+                input_keys=("packed_prompts",),
+                output_keys=GEN_KEYS,
+                mb_spec=mb_spec,
+            )
+        )
+        mfcs.append(
+            MFCDef(
+                name="rew_inf",
+                model_name="actor",
+                interface_type="inference",
+                interface_impl=InterfaceAbstraction(
+                    "math_reward",
+                    {
+                        "output_scaling": hp.reward_output_scaling,
+                        "output_bias": hp.reward_output_bias,
+                    },
+                ),
+                n_seqs=n,
+                input_keys=("packed_input_ids", "prompt_mask"),
+                output_keys=("rewards",),
+                mb_spec=mb_spec,
+            )
+        )
     if hp.kl_ctl > 0:
-        mfcs.append(MFCDef(name="ref_inf", model_name="ref", interface_type="inference", interface_impl=actor,
-                           n_seqs=n, input_keys=("packed_input_ids",), output_keys=("packed_ref_logprobs",),
-                           output_key_remap={"logprobs": "packed_ref_logprobs"}, mb_spec=mb_spec))
+        mfcs.append(
+            MFCDef(
+                name="ref_inf",
+                model_name="ref",
+                interface_type="inference",
+                interface_impl=actor,
+                n_seqs=n,
+                input_keys=("packed_input_ids",),
+                output_keys=("packed_ref_logprobs",),
+                output_key_remap={"logprobs": "packed_ref_logprobs"},
+                mb_spec=mb_spec,
+            )
+        )
         train_keys.append("packed_ref_logprobs")
     if hp.needs_proximal_recompute:
-        mfcs.append(MFCDef(name="actor_inf", model_name="actor", interface_type="inference", interface_impl=actor,
-                           n_seqs=n, input_keys=("packed_input_ids",), output_keys=("proximal_logprobs",),
-                           output_key_remap={"logprobs": "proximal_logprobs"}, mb_spec=mb_spec))
+        mfcs.append(
+            MFCDef(
+                name="actor_inf",
+                model_name="actor",
+                interface_type="inference",
+                interface_impl=actor,
+                n_seqs=n,
+                input_keys=("packed_input_ids",),
+                output_keys=("proximal_logprobs",),
+                output_key_remap={"logprobs": "proximal_logprobs"},
+                mb_spec=mb_spec,
+            )
+        )
         train_keys.append("proximal_logprobs")
     if not hp.disable_value:
         critic = InterfaceAbstraction("ppo_critic", {"hparams": hp})
-        mfcs.append(MFCDef(name="critic_inf", model_name="critic", interface_type="inference", interface_impl=critic,
-                           n_seqs=n, input_keys=("packed_input_ids", "seq_no_eos_mask"), output_keys=("values",),
-                           mb_spec=mb_spec))
+        mfcs.append(
+            MFCDef(
+                name="critic_inf",
+                model_name="critic",
+                interface_type="inference",
+                interface_impl=critic,
+                n_seqs=n,
+                input_keys=("packed_input_ids", "seq_no_eos_mask"),
+                output_keys=("values",),
+                mb_spec=mb_spec,
+            )
+        )
         train_keys.append("values")
-        mfcs.append(MFCDef(name="critic_train", model_name="critic", interface_type="train_step",
-                           interface_impl=critic, n_seqs=n, input_keys=tuple(train_keys), mb_spec=mb_spec,
-                           log_return_value=True))
-    mfcs.append(MFCDef(name="actor_train", model_name="actor", interface_type="train_step", interface_impl=actor,
-                       n_seqs=n, input_keys=tuple(train_keys), mb_spec=mb_spec, log_return_value=True))
+        mfcs.append(
+            MFCDef(
+                name="critic_train",
+                model_name="critic",
+                interface_type="train_step",
+                interface_impl=critic,
+                n_seqs=n,
+                input_keys=tuple(train_keys),
+                mb_spec=mb_spec,
+                log_return_value=True,
+            )
+        )
+    mfcs.append(
+        MFCDef(
+            name="actor_train",
+            model_name="actor",
+            interface_type="train_step",
+            interface_impl=actor,
+            n_seqs=n,
+            input_keys=tuple(train_keys),
+            mb_spec=mb_spec,
+            log_return_value=True,
+        )
+    )
     return mfcs
 
 
 def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = False) -> list:
     """Model roles of PPO: actor (trained), ref (kl_ctl > 0), critic (unless disable_value)."""
-    specs = [blocks.model_spec("actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights)]
+    specs = [
+        blocks.model_spec(
+            "actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights
+        )
+    ]
     if cfg.ppo.kl_ctl > 0:
-        specs.append(blocks.model_spec("ref", cfg.ref, blocks.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
-                                       trainable=False))
+        specs.append(
+            blocks.model_spec(
+                "ref",
+                cfg.ref,
+                blocks.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
+                trainable=False,
+            )
+        )
     if not cfg.ppo.disable_value:
         critic_path = blocks.model_path(cfg.critic, "critic") if cfg.critic.path else actor_path
-        specs.append(blocks.model_spec("critic", cfg.critic, critic_path, trainable=True, is_critic=True))
+        specs.append(
+            blocks.model_spec("critic", cfg.critic, critic_path, trainable=True, is_critic=True)
+        )
     return specs
 
 
@@ -165,9 +286,17 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         models=model_specs(cfg, actor_path),
         mfcs=mfcs,
         dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
-        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args)) if cfg.eval else None,
-        evaluation=EvalSpec(role="actor", interface_impl=InterfaceAbstraction(
-            "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens})) if cfg.eval else None,
+        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args))
+        if cfg.eval
+        else None,
+        evaluation=EvalSpec(
+            role="actor",
+            interface_impl=InterfaceAbstraction(
+                "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens}
+            ),
+        )
+        if cfg.eval
+        else None,
         tokenizer_path=actor_path,
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,

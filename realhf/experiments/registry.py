@@ -29,12 +29,18 @@ class QuickstartExperiment:
 _REGISTRY: Dict[str, QuickstartExperiment] = {}
 
 
-def register_quickstart_exp(name: str, config_cls: type, build: Callable, description: str = "") -> None:
+def register_quickstart_exp(
+    name: str, config_cls: type, build: Callable, description: str = ""
+) -> None:
     """Register a quickstart experiment (re-registering the same objects is a no-op)."""
     old = _REGISTRY.get(name)
-    new = QuickstartExperiment(name, config_cls, build, description or (config_cls.__doc__ or "").strip().split("\n")[0])
+    new = QuickstartExperiment(
+        name, config_cls, build, description or (config_cls.__doc__ or "").strip().split("\n")[0]
+    )
     if old is not None and (old.config_cls is not config_cls or old.build is not build):
-        raise ValueError(f"quickstart experiment '{name}' is already registered by {old.build.__module__}")
+        raise ValueError(
+            f"quickstart experiment '{name}' is already registered by {old.build.__module__}"
+        )
     _REGISTRY[name] = new
     # The controller and workers rebuild the run from the system registry with the
     # pickled config as the only argument.
@@ -47,7 +53,9 @@ def get_quickstart_exp(name: str) -> QuickstartExperiment:
     if name not in _REGISTRY:
         close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown quickstart experiment '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))})")
+        raise KeyError(
+            f"unknown quickstart experiment '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))})"
+        )
     return _REGISTRY[name]
 
 

@@ -19,23 +19,30 @@ from realhf.api.cli_args import (
     ModelConfig,
     OptimizerConfig,
 )
-from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
+from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
-from realhf.experiments.registry import register_quickstart_exp
 from realhf.experiments import building_blocks as blocks
+from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.sft_dataset import PromptAnswerDataset
 
 
 @dataclasses.dataclass
 class SFTDatasetConfig:
-    path: str = field(default="", metadata={"help": "SFT jsonl ({id, prompt, answer}); empty = embedded tiny data"})
-    eval_path: str = field(default="", metadata={"help": "held-out SFT jsonl for eval loss; empty = none"})
-    max_length: int = field(default=1024, metadata={"help": "drop rows longer than this many tokens"})
+    path: str = field(
+        default="",
+        metadata={"help": "SFT jsonl ({id, prompt, answer}); empty = embedded tiny data"},
+    )
+    eval_path: str = field(
+        default="", metadata={"help": "held-out SFT jsonl for eval loss; empty = none"}
+    )
+    max_length: int = field(
+        default=1024, metadata={"help": "drop rows longer than this many tokens"}
+    )
 
 
 @dataclasses.dataclass
@@ -71,7 +78,9 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     eval_ds = None
     if cfg.dataset.eval_path:
         eval_path = blocks.data_path(cfg.dataset.eval_path, "", "dataset.eval_path")
-        eval_ds = DatasetAbstraction("prompt_answer", dict(dataset_path=eval_path, max_length=cfg.dataset.max_length))
+        eval_ds = DatasetAbstraction(
+            "prompt_answer", dict(dataset_path=eval_path, max_length=cfg.dataset.max_length)
+        )
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
     mfcs = [
@@ -90,9 +99,13 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         seed=cfg.seed,
         models=[blocks.model_spec("default", cfg.model, path, trainable=True)],
         mfcs=mfcs,
-        dataset=DatasetAbstraction("prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)),
+        dataset=DatasetAbstraction(
+            "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
+        ),
         eval_dataset=eval_ds,
-        evaluation=EvalSpec(role="default", interface_impl="sft", mb_spec=mb_spec) if eval_ds else None,
+        evaluation=EvalSpec(role="default", interface_impl="sft", mb_spec=mb_spec)
+        if eval_ds
+        else None,
         tokenizer_path=path,
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,

@@ -124,7 +124,7 @@ def _check_gae(rewards, values, cu_seqlens, bootstrap):
     if B and bool((cu[1:] < cu[:-1]).any()):
         i = int(torch.nonzero(cu[1:] < cu[:-1])[0])
         raise ValueError(
-            f"gae_packed: cu_seqlens decreases at sequence {i}: {cu[i:i + 2].tolist()}"
+            f"gae_packed: cu_seqlens decreases at sequence {i}: {cu[i : i + 2].tolist()}"
         )
 
 

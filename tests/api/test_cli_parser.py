@@ -38,7 +38,9 @@ def test_yaml_then_overrides(tmp_path):
 
 
 def test_unknown_key_suggests_closest():
-    with pytest.raises(ConfigError, match=r"unknown config key 'optimizer.lrr'.*did you mean 'optimizer.lr'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'optimizer.lrr'.*did you mean 'optimizer.lr'"
+    ):
         parse_config(Exp, ["optimizer.lrr=1"])
     with pytest.raises(ConfigError, match=r"did you mean 'optimizer.lr'"):
         parse_config(Exp, ["lr=1"])

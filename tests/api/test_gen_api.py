@@ -16,8 +16,17 @@ from realhf.api.core.gen_api import (
 
 def test_sampling_params_from_sglang_dict_and_greedy_rule():
     sp = SamplingParams.from_dict(
-        {"n": 2, "temperature": 0.0, "top_p": 0.9, "top_k": -1, "max_new_tokens": 7,
-         "min_new_tokens": 1, "stop_token_ids": [0, 1], "frequency_penalty": 0.0, "stop": None}
+        {
+            "n": 2,
+            "temperature": 0.0,
+            "top_p": 0.9,
+            "top_k": -1,
+            "max_new_tokens": 7,
+            "min_new_tokens": 1,
+            "stop_token_ids": [0, 1],
+            "frequency_penalty": 0.0,
+            "stop": None,
+        }
     )
     assert sp.n == 2 and sp.max_new_tokens == 7 and sp.stop_token_ids == (0, 1)
     assert sp.greedy
@@ -64,8 +73,13 @@ def test_seeds_of_samples_are_distinct_and_stable():
 
 def test_parse_single_prompt_body():
     b = parse_generate_body(
-        {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "return_logprob": True,
-         "stream": False, "rid": "abc"}
+        {
+            "input_ids": [1, 2, 3],
+            "sampling_params": {"max_new_tokens": 4},
+            "return_logprob": True,
+            "stream": False,
+            "rid": "abc",
+        }
     )
     assert not b.returns_list and b.prompts == [[1, 2, 3]] and b.return_logprob == [True]
     [[req]] = b.requests(b.prompts)
@@ -116,8 +130,12 @@ def test_bad_bodies_are_rejected_with_the_field(body, needle):
 
 def test_output_in_sglang_form_and_back():
     out = GenerateOutput(
-        rid="r", prompt_len=3, output_ids=(7, 0), output_logprobs=(-0.5, -1.25),
-        finish_reason=FinishReason("stop", matched=0), e2e_latency=0.1,
+        rid="r",
+        prompt_len=3,
+        output_ids=(7, 0),
+        output_logprobs=(-0.5, -1.25),
+        finish_reason=FinishReason("stop", matched=0),
+        e2e_latency=0.1,
     )
     d = out.to_sglang(text="hi", return_logprob=True)
     assert d["text"] == "hi" and d["output_ids"] == [7, 0]

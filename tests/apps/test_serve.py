@@ -15,7 +15,12 @@ import requests
 
 from realhf.apps.serve import READY_LINE, main
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "realhf", "assets", "tiny")
 
 
@@ -37,8 +42,12 @@ def test_bad_engine_option_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_subprocess_exit_code(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "realhf.apps.serve", "--model-path", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "realhf.apps.serve", "--model-path", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "--model-path" in p.stderr
 
 
@@ -53,9 +62,22 @@ def test_serve_process_end_to_end(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "realhf.apps.serve", "--model-path", model, "--port", str(port),
-         "--max-running-requests", "4", "--context-length", "128"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "realhf.apps.serve",
+            "--model-path",
+            model,
+            "--port",
+            str(port),
+            "--max-running-requests",
+            "4",
+            "--context-length",
+            "128",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -68,8 +90,15 @@ def test_serve_process_end_to_end(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         url = f"http://127.0.0.1:{port}"
         assert requests.get(url + "/health", timeout=10).status_code == 200
-        d = requests.post(url + "/generate", json={"text": "Compute 1+2.", "sampling_params": {"max_new_tokens": 4},
-                                                  "return_logprob": True}, timeout=60).json()
+        d = requests.post(
+            url + "/generate",
+            json={
+                "text": "Compute 1+2.",
+                "sampling_params": {"max_new_tokens": 4},
+                "return_logprob": True,
+            },
+            timeout=60,
+        ).json()
         assert len(d["meta_info"]["output_token_logprobs"]) == len(d["output_ids"]) <= 4
         assert isinstance(d["text"], str)
         r = requests.post(url + "/generate", json={"input_ids": [1] * 200}, timeout=60)

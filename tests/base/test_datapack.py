@@ -74,7 +74,7 @@ def test_partition_balanced_matches_brute_force(seed):
     parts = partition_balanced(lengths, k, min_size)
     assert len(parts) == k
     assert parts[0][0] == 0 and parts[-1][1] == n
-    for (s, e), (s2, _) in zip(parts, parts[1:]):
+    for (_, e), (s2, _) in zip(parts, parts[1:]):
         assert e == s2
     assert all(e - s >= min_size for s, e in parts)
     assert partition_cost(lengths, parts) == _brute_partition_cost(lengths, k, min_size)

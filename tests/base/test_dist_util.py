@@ -116,7 +116,9 @@ def test_nccl_reduces_a_cpu_tensor_on_the_gpu_and_copies_back(tmp_path, monkeypa
     result lands back in the same CPU tensor."""
     torch.cuda.set_device(0)
     store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl", store=store, rank=0, world_size=1, timeout=timedelta(seconds=60)
+    )
     seen = []
     real = dist.all_reduce
 

@@ -125,9 +125,7 @@ def test_serve_until_started_on_the_running_loop():
         port = sock.getsockname()[1]
         server = make_server(_app())
         task = await serve_until_started(server, sock, timeout=10, name="loop-server")
-        reply = await asyncio.to_thread(
-            requests.get, f"http://127.0.0.1:{port}/ping", timeout=10
-        )
+        reply = await asyncio.to_thread(requests.get, f"http://127.0.0.1:{port}/ping", timeout=10)
         server.should_exit = True
         await asyncio.wait_for(task, 10)
         return reply.json(), port

@@ -70,7 +70,10 @@ def test_module_loggers_print_formatted_info_and_reach_worker_files(capsys, tmp_
         mod.info("graded %d answers", 8)
         mod.warning("slow check")
         err = capsys.readouterr().err
-        assert re.search(r"\d{8}-\d\d:\d\d:\d\d\.\d{3} realhf.impl.reward.some_module INFO: graded 8 answers", err)
+        assert re.search(
+            r"\d{8}-\d\d:\d\d:\d\d\.\d{3} realhf.impl.reward.some_module INFO: graded 8 answers",
+            err,
+        )
         assert "realhf.impl.reward.some_module WARNING: slow check" in err
         assert err.count("graded 8 answers") == 1  # printed once, not again via the root logger
         text = path.read_text()

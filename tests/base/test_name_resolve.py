@@ -272,14 +272,23 @@ def test_default_backend_is_file_under_fileroot_and_env_overrides(tmp_path):
     )
     env = {k: v for k, v in os.environ.items() if k != name_resolve.ENV_VAR}
     env["REALHF_FILEROOT"] = str(tmp_path / "root")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["FileNameRecordRepository", str(tmp_path / "root" / "name_resolve")]
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [
+        "FileNameRecordRepository",
+        str(tmp_path / "root" / "name_resolve"),
+    ]
     assert (tmp_path / "root" / "name_resolve" / "d" / "k" / ".entry").exists()
     env[name_resolve.ENV_VAR] = f"file://{tmp_path / 'other'}"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split() == ["FileNameRecordRepository", str(tmp_path / "other")]
     env[name_resolve.ENV_VAR] = "memory"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.split()[0] == "MemoryNameRecordRepository"
 
 
@@ -297,7 +306,9 @@ def test_forked_child_exit_keeps_parent_entries(tmp_path):
         print(nr.get("p/k"))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "parent's"
     # ...and the parent's own clean exit removed it.

@@ -36,9 +36,15 @@ def test_every_key_is_under_the_trial_root(monkeypatch):
 
 
 def test_roots_contain_their_children():
-    assert names.request_reply_stream("e", "t", "s").startswith(names.request_reply_stream_root("e", "t") + "/")
-    assert names.push_pull_stream("e", "t", "s").startswith(names.push_pull_stream_root("e", "t") + "/")
-    assert names.distributed_master("e", "t", "m").startswith(names.distributed_root("e", "t") + "/")
+    assert names.request_reply_stream("e", "t", "s").startswith(
+        names.request_reply_stream_root("e", "t") + "/"
+    )
+    assert names.push_pull_stream("e", "t", "s").startswith(
+        names.push_pull_stream_root("e", "t") + "/"
+    )
+    assert names.distributed_master("e", "t", "m").startswith(
+        names.distributed_root("e", "t") + "/"
+    )
     assert names.worker_status("e", "t", "w").startswith(names.worker_status_root("e", "t") + "/")
 
 

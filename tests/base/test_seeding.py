@@ -26,7 +26,12 @@ def test_same_seed_same_draws_different_keys_differ():
 
 def test_derivation_is_stable_across_processes():
     code = "from realhf.base import seeding; print(seeding.derive_seed(42, 'rollout_worker/3'))"
-    out = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout for _ in range(2)]
+    out = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        ).stdout
+        for _ in range(2)
+    ]
     assert out[0] == out[1] == f"{seeding.derive_seed(42, 'rollout_worker/3')}\n"
     assert 0 <= seeding.derive_seed(42, "x") < 2**32
 

@@ -24,7 +24,11 @@ def _run(body: str):
     [
         ("shutdown.run_and_exit(lambda: 3)", 3, ""),
         ("shutdown.run_and_exit(lambda: None)", 0, ""),
-        ("def m(): raise SystemExit('bad option --x')\nshutdown.run_and_exit(m)", 1, "bad option --x"),
+        (
+            "def m(): raise SystemExit('bad option --x')\nshutdown.run_and_exit(m)",
+            1,
+            "bad option --x",
+        ),
         ("def m(): raise SystemExit(4)\nshutdown.run_and_exit(m)", 4, ""),
         ("def m(): raise ValueError('boom')\nshutdown.run_and_exit(m)", 1, "ValueError: boom"),
         ("def m(): raise KeyboardInterrupt\nshutdown.run_and_exit(m)", 130, ""),

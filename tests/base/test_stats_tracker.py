@@ -39,7 +39,11 @@ def test_masked_per_token_stats():
     mask1 = torch.tensor([[True, True, False], [True, False, False]])
     st.denominator(n_tokens=mask1)
     st.stat(denominator="n_tokens", ratio=torch.tensor([[1.0, 2.0, 99.0], [3.0, 99.0, 99.0]]))
-    st.stat(denominator="n_tokens", reduce_type="avg_min_max", kl=torch.tensor([[0.0, -2.0, 50.0], [4.0, 50.0, 50.0]]))
+    st.stat(
+        denominator="n_tokens",
+        reduce_type="avg_min_max",
+        kl=torch.tensor([[0.0, -2.0, 50.0], [4.0, 50.0, 50.0]]),
+    )
     st.denominator(n_tokens=torch.tensor([True, False]))
     st.stat(denominator="n_tokens", ratio=torch.tensor([6.0, 99.0]))
     out = st.export(reset=False)
@@ -116,7 +120,12 @@ _CHILD = textwrap.dedent(
 def test_export_reduces_across_two_gloo_ranks():
     (port,) = network.find_multiple_free_ports(1)
     procs = [
-        subprocess.Popen([sys.executable, "-c", _CHILD, str(r), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for r in range(2)
     ]
     results = []

@@ -19,7 +19,9 @@ def _brute_pass_at_k(n, c, k):
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 
-@pytest.mark.parametrize("n,c,k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (8, 3, 4), (16, 15, 8), (5, 5, 5)])
+@pytest.mark.parametrize(
+    "n,c,k", [(4, 0, 1), (4, 1, 1), (4, 1, 2), (8, 3, 4), (16, 15, 8), (5, 5, 5)]
+)
 def test_pass_at_k_matches_combinatorics(n, c, k):
     assert ev.pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(n, c, k))
 
@@ -39,8 +41,9 @@ def test_unknown_data_name_lists_known():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from realhf.impl.model.conversion.hf import save_tokenizer
     from tiny_models import make_tiny_hf_model
+
+    from realhf.impl.model.conversion.hf import save_tokenizer
 
     d = tmp_path_factory.mktemp("m") / "model"
     assets = ROOT / "realhf" / "assets" / "tiny"
@@ -52,9 +55,25 @@ def tiny_model(tmp_path_factory):
 def test_cli_end_to_end(tiny_model, tmp_path):
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model_path", str(tiny_model), "--data_names", "tiny_arith",
-         "--output_path", str(out), "--n_samples", "4", "--max_gen_tokens", "6", "--max_problems", "12"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model_path",
+            str(tiny_model),
+            "--data_names",
+            "tiny_arith",
+            "--output_path",
+            str(out),
+            "--n_samples",
+            "4",
+            "--max_gen_tokens",
+            "6",
+            "--max_problems",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "summary.json").read_text())["results"]["tiny_arith"]
@@ -68,8 +87,18 @@ def test_cli_end_to_end(tiny_model, tmp_path):
 
 def test_cli_missing_model_dir(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model_path", str(tmp_path / "none"), "--data_names", "tiny_arith",
-         "--output_path", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model_path",
+            str(tmp_path / "none"),
+            "--data_names",
+            "tiny_arith",
+            "--output_path",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 2 and "does not exist" in r.stderr

@@ -80,9 +80,7 @@ def test_splits_sizes_balance_and_disjointness():
     assert len(set(train_ids)) == len(train_ids) and len(set(eval_ids)) == len(eval_ids)
     assert not set(train_ids) & set(eval_ids)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
-    kinds = lambda recs: collections.Counter(
-        r["query_id"].split("-")[0] for r in recs
-    )  # noqa: E731
+    kinds = lambda recs: collections.Counter(r["query_id"].split("-")[0] for r in recs)  # noqa: E731
     assert set(kinds(train).values()) == {len(train) // 3}
     assert sorted(kinds(held_out).values()) == [166, 167, 167]
     # kinds interleave (shuffled), not in blocks

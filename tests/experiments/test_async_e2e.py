@@ -24,13 +24,26 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 B, ETA = 4, 1
 SMALL = [
-    f"train_batch_size={B}", "ppo.group_size=2", "ppo.gen.max_new_tokens=6", "new_tokens_per_chunk=2",
-    f"max_head_offpolicyness={ETA}", "dataset.eval_max_new_tokens=4", "worker_timeout=120",
+    f"train_batch_size={B}",
+    "ppo.group_size=2",
+    "ppo.gen.max_new_tokens=6",
+    "new_tokens_per_chunk=2",
+    f"max_head_offpolicyness={ETA}",
+    "dataset.eval_max_new_tokens=4",
+    "worker_timeout=120",
 ]
 
 
 def _cmd(tmp_path, *args):
-    return [sys.executable, "-m", "realhf.apps.quickstart", "async-ppo-math", f"fileroot={tmp_path}", *SMALL, *args]
+    return [
+        sys.executable,
+        "-m",
+        "realhf.apps.quickstart",
+        "async-ppo-math",
+        f"fileroot={tmp_path}",
+        *SMALL,
+        *args,
+    ]
 
 
 def _rows(path):
@@ -62,19 +75,31 @@ def _check_trained(run, n_steps):
 
 
 def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
-    r = subprocess.run(_cmd(tmp_path, "exp_ctrl.benchmark_steps=4", "exp_ctrl.eval_freq_steps=4"),
-                       capture_output=True, text=True, timeout=400, cwd=ROOT)
+    r = subprocess.run(
+        _cmd(tmp_path, "exp_ctrl.benchmark_steps=4", "exp_ctrl.eval_freq_steps=4"),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "async-ppo-math" / "run0"
     rows = _rows(run / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3, 4]
     assert all(x["rollout/staleness_max"] <= ETA for x in rows)
     assert "eval/greedy_acc" in rows[-1] and "actor_train/ppo_actor/behave_imp_weight" in rows[0]
-    assert "timing/actor_inf" not in rows[0]  # one optimizer step: proximal log-probs from the train pass
+    assert (
+        "timing/actor_inf" not in rows[0]
+    )  # one optimizer step: proximal log-probs from the train pass
     batches = _check_trained(run, 4)
     # (whether a rollout spans a weight update here depends on timing; interrupted rollouts
     # are checked deterministically in tests/system/rollout/test_partial_rollout.py)
-    assert all(ve >= vs for b in batches for s, e in zip(b["version_start"], b["version_end"]) for vs, ve in zip(s, e))
+    assert all(
+        ve >= vs
+        for b in batches
+        for s, e in zip(b["version_start"], b["version_end"])
+        for vs, ve in zip(s, e)
+    )
     # the trainer published every version; the manager pushes the newest it sees (two quick
     # versions coalesce into one push), in increasing order. With eta=1 the step-4 batch was
     # generated at version >= 2, so a mid-run push of version 2 or 3 must have happened.
@@ -98,15 +123,27 @@ def _wait_for_step(run, step, proc, timeout=300):
 
 def test_killed_trainer_resumes_exactly(tmp_path):
     proc = subprocess.Popen(
-        _cmd(tmp_path, "exp_ctrl.benchmark_steps=7", "exp_ctrl.ckpt_freq_steps=2", "eval=false",
-             "recover_mode=auto", "recover_retries=1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        _cmd(
+            tmp_path,
+            "exp_ctrl.benchmark_steps=7",
+            "exp_ctrl.ckpt_freq_steps=2",
+            "eval=false",
+            "recover_mode=auto",
+            "recover_retries=1",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
     )
     run = tmp_path / "async-ppo-math" / "run0"
     try:
         _wait_for_step(run, 3, proc)  # a recover checkpoint of step 2 exists
-        victims = [p for p in psutil.process_iter(["cmdline"])
-                   if "model_worker" in " ".join(p.info["cmdline"] or []) and _child_of(p, proc.pid)]
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "model_worker" in " ".join(p.info["cmdline"] or []) and _child_of(p, proc.pid)
+        ]
         assert victims, "no model worker process found"
         for p in victims:
             p.kill()
@@ -123,8 +160,11 @@ def test_killed_trainer_resumes_exactly(tmp_path):
     master = (run / "logs" / "master_worker_0.log").read_text()
     assert "(resumed from" in master
     manager = (run / "logs" / "gserver_manager_0.log").read_text()
-    resumed_at = [int(x.split("the trainer starts at ")[1].split()[0])
-                  for x in manager.splitlines() if "the trainer starts at" in x]
+    resumed_at = [
+        int(x.split("the trainer starts at ")[1].split()[0])
+        for x in manager.splitlines()
+        if "the trainer starts at" in x
+    ]
     assert resumed_at[0] == 0 and resumed_at[-1] in (2 * B, 4 * B, 6 * B)
     rollout = (run / "logs" / "rollout_worker_0.log").read_text()
     assert "already trained are skipped" in rollout

@@ -2,8 +2,8 @@
 
 import pytest
 
-from realhf.api.core.dfg import build_graph
 from realhf.api.cli_parser import parse_config
+from realhf.api.core.dfg import build_graph
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.ppo_math import PPOMathConfig, build_ppo_math
 from realhf.experiments.sft import SFTConfig, build_sft
@@ -15,8 +15,11 @@ def init_model(tmp_path_factory):
     import sys
 
     out = tmp_path_factory.mktemp("init") / "m"
-    subprocess.run([sys.executable, "examples/tiny/make_model.py", "--out", str(out)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "examples/tiny/make_model.py", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     return str(out)
 
 
@@ -34,21 +37,46 @@ def test_default_ppo_is_grpo_without_critic_or_ref(init_model):
 def test_full_ppo_graph(init_model):
     # Two minibatches make two optimizer steps per batch, so the proximal policy differs from
     # the train forward's and actor_inf must recompute it.
-    cfg = parse_config(PPOMathConfig, [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "ppo.disable_value=false",
-                                       "ppo.use_decoupled_loss=true", "ppo.ppo_n_minibatches=2",
-                                       "allocation_mode=d2p1m1"])
+    cfg = parse_config(
+        PPOMathConfig,
+        [
+            f"actor.path={init_model}",
+            "ppo.kl_ctl=0.1",
+            "ppo.disable_value=false",
+            "ppo.use_decoupled_loss=true",
+            "ppo.ppo_n_minibatches=2",
+            "allocation_mode=d2p1m1",
+        ],
+    )
     exp = build_ppo_math(cfg)
-    assert _mfc_names(exp) == ["actor_gen", "actor_inf", "actor_train", "critic_inf", "critic_train", "ref_inf", "rew_inf"]
+    assert _mfc_names(exp) == [
+        "actor_gen",
+        "actor_inf",
+        "actor_train",
+        "critic_inf",
+        "critic_train",
+        "ref_inf",
+        "rew_inf",
+    ]
     assert len(exp.workers["model_worker"]) == 2
     g = build_graph(exp.workers["master_worker"][0].mfcs)
     assert g.dataset_keys == {"packed_prompts"} or set(g.dataset_keys) == {"packed_prompts"}
     train = next(m for m in exp.workers["master_worker"][0].mfcs if m.name == "actor_train")
-    assert {"packed_ref_logprobs", "values", "proximal_logprobs", "rewards"} <= set(train.input_keys)
+    assert {"packed_ref_logprobs", "values", "proximal_logprobs", "rewards"} <= set(
+        train.input_keys
+    )
 
 
 def test_decoupled_one_step_takes_proximal_from_train_forward(init_model):
-    cfg = parse_config(PPOMathConfig, [f"actor.path={init_model}", "ppo.use_decoupled_loss=true",
-                                       "ppo.ppo_n_minibatches=1", "ppo.recompute_logprob=false"])
+    cfg = parse_config(
+        PPOMathConfig,
+        [
+            f"actor.path={init_model}",
+            "ppo.use_decoupled_loss=true",
+            "ppo.ppo_n_minibatches=1",
+            "ppo.recompute_logprob=false",
+        ],
+    )
     exp = build_ppo_math(cfg)
     assert "actor_inf" not in _mfc_names(exp)
     train = next(m for m in exp.workers["master_worker"][0].mfcs if m.name == "actor_train")
@@ -57,8 +85,15 @@ def test_decoupled_one_step_takes_proximal_from_train_forward(init_model):
 
 def test_torch_threads_default_shares_the_cores_and_can_be_set(init_model, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    threads = lambda *a: [w.torch_num_threads for w in build_ppo_math(parse_config(
-        PPOMathConfig, [f"actor.path={init_model}", *a])).workers["model_worker"]]
+
+    def threads(*a):
+        return [
+            w.torch_num_threads
+            for w in build_ppo_math(
+                parse_config(PPOMathConfig, [f"actor.path={init_model}", *a])
+            ).workers["model_worker"]
+        ]
+
     assert threads() == [8]
     assert threads("allocation_mode=d2p1m1") == [4, 4]
     assert threads("allocation_mode=d2p1m1", "torch_threads=3") == [3, 3]
@@ -92,4 +127,6 @@ def test_malformed_dataset_row_named(init_model, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query_id": "a", "prompt": "x", "solutions": ["1"]}\n{"query_id": "b"}\n')
     with pytest.raises(blocks.ExperimentSetupError, match=r"bad.jsonl:2: missing field 'prompt'"):
-        build_ppo_math(parse_config(PPOMathConfig, [f"actor.path={init_model}", f"dataset.path={bad}"]))
+        build_ppo_math(
+            parse_config(PPOMathConfig, [f"actor.path={init_model}", f"dataset.path={bad}"])
+        )

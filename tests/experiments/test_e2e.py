@@ -15,15 +15,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def init_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("init") / "m"
-    subprocess.run([sys.executable, os.path.join(ROOT, "examples/tiny/make_model.py"), "--out", str(out)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples/tiny/make_model.py"), "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )
     return str(out)
 
 
 def _quickstart(args, tmp_path, timeout=400):
     r = subprocess.run(
         [sys.executable, "-m", "realhf.apps.quickstart", *args, f"fileroot={tmp_path}"],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
     return r
 
@@ -34,8 +40,17 @@ def _metrics(run_dir):
 
 
 def test_sft_two_data_parallel_workers(init_model, tmp_path):
-    r = _quickstart(["sft", f"model.path={init_model}", "allocation_mode=d2p1m1", "train_batch_size=16",
-                     "exp_ctrl.benchmark_steps=4", "exp_ctrl.save_freq_steps=4"], tmp_path)
+    r = _quickstart(
+        [
+            "sft",
+            f"model.path={init_model}",
+            "allocation_mode=d2p1m1",
+            "train_batch_size=16",
+            "exp_ctrl.benchmark_steps=4",
+            "exp_ctrl.save_freq_steps=4",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     run = tmp_path / "sft" / "run0"
     rows = _metrics(run)
@@ -51,9 +66,19 @@ def test_sft_two_data_parallel_workers(init_model, tmp_path):
 
 
 def test_ppo_math_grpo_runs_and_evaluates(init_model, tmp_path):
-    r = _quickstart(["ppo-math", f"actor.path={init_model}", "train_batch_size=4", "ppo.group_size=2",
-                     "ppo.gen.max_new_tokens=4", "exp_ctrl.benchmark_steps=2", "exp_ctrl.eval_freq_steps=2",
-                     "dataset.eval_max_new_tokens=4"], tmp_path)
+    r = _quickstart(
+        [
+            "ppo-math",
+            f"actor.path={init_model}",
+            "train_batch_size=4",
+            "ppo.group_size=2",
+            "ppo.gen.max_new_tokens=4",
+            "exp_ctrl.benchmark_steps=2",
+            "exp_ctrl.eval_freq_steps=2",
+            "dataset.eval_max_new_tokens=4",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     run = tmp_path / "ppo-math" / "run0"
     rows = _metrics(run)
@@ -64,7 +89,9 @@ def test_ppo_math_grpo_runs_and_evaluates(init_model, tmp_path):
 
 
 def test_null_experiment_moves_data_between_two_workers(tmp_path):
-    r = _quickstart(["null", "allocation_mode=d2p1m1", "exp_ctrl.benchmark_steps=3"], tmp_path, timeout=200)
+    r = _quickstart(
+        ["null", "allocation_mode=d2p1m1", "exp_ctrl.benchmark_steps=3"], tmp_path, timeout=200
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     rows = _metrics(tmp_path / "null" / "run0")
     assert [x["step"] for x in rows] == [1, 2, 3]

@@ -28,15 +28,15 @@ import numpy as np
 import torch
 
 from realhf.api.cli_args import ExperimentControlConfig, OptimizerConfig
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.dfg import MFCDef
+from realhf.api.core.model_api import FinetuneSpec, ModelInterface
 from realhf.api.core.registry import (
     DatasetAbstraction,
     InterfaceAbstraction,
     register_dataset,
     register_interface,
 )
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
-from realhf.api.core.dfg import MFCDef
-from realhf.api.core.model_api import FinetuneSpec, ModelInterface
 from realhf.api.core.system_api import ExperimentConfig, register_experiment
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelSpec, ModelWorkerConfig
 from realhf.base import seeding

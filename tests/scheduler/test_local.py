@@ -122,7 +122,8 @@ def test_ctrl_c_is_forwarded_and_nothing_remains(tmp_path, no_leftover_processes
     """SIGINT to a launcher process: jobs get SIGINT, launcher exits, no orphans."""
     marker = tmp_path / "pids"
     script = tmp_path / "launcher.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, time
         from realhf.scheduler.local import LocalScheduler
         s = LocalScheduler({str(tmp_path)!r})
@@ -136,7 +137,8 @@ def test_ctrl_c_is_forwarded_and_nothing_remains(tmp_path, no_leftover_processes
         except KeyboardInterrupt:
             print("launcher interrupted", flush=True)
             sys.exit(130)
-    """))
+    """)
+    )
     launcher = subprocess.Popen([PY, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20

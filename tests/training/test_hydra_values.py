@@ -17,7 +17,9 @@ from hydra import compose, initialize_config_dir
 from realhf.apps import main as app_main
 from realhf.apps.hydra_entry import config_from_hydra
 
-TRAINING = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "training")
+TRAINING = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "training"
+)
 
 #: (hydra override, field, expected value); each was corrupted by the re-parse
 TRICKY = [
@@ -30,7 +32,9 @@ TRICKY = [
 
 @pytest.mark.parametrize("script", ["main_sft.py", "main_sync_ppo.py", "main_async_ppo.py"])
 @pytest.mark.parametrize("override, field, expected", TRICKY)
-def test_value_reaches_the_config_through_the_entry_script(script, override, field, expected, monkeypatch, tmp_path):
+def test_value_reaches_the_config_through_the_entry_script(
+    script, override, field, expected, monkeypatch, tmp_path
+):
     seen = {}
 
     def fake_run(name, cfg):

@@ -422,9 +422,9 @@ class DataFlowGraph:
         for n, m in self.mfcs.items():
             ds = [k for k in m.input_keys if k in self.dataset_keys]
             if ds:
-                out.append(f"  dataset -- \"{', '.join(ds)}\" --> {n}")
+                out.append(f'  dataset -- "{", ".join(ds)}" --> {n}')
         for (p, c), keys in self.edges.items():
-            out.append(f"  {p} -- \"{', '.join(keys)}\" --> {c}")
+            out.append(f'  {p} -- "{", ".join(keys)}" --> {c}')
         return "\n".join(out)
 
 

@@ -150,9 +150,7 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is None:
             ids = ()
-        if not isinstance(ids, (list, tuple)) or not all(
-            _is_int(t) and t >= 0 for t in ids
-        ):
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise _bad("stop_token_ids", self.stop_token_ids, "use a list of token ids >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
@@ -460,12 +458,16 @@ def parse_generate_body(body: Any) -> GenerateBatch:
     texts: Optional[List[str]] = None
     if ids is not None:
         if not isinstance(ids, list) or not ids:
-            raise _bad("input_ids", ids, "use a non-empty list of token ids or a list of such lists")
+            raise _bad(
+                "input_ids", ids, "use a non-empty list of token ids or a list of such lists"
+            )
         batched = isinstance(ids[0], list)
         prompts = ids if batched else [ids]
         for p in prompts:
             if not isinstance(p, list) or not p or not all(_is_int(t) and t >= 0 for t in p):
-                raise _bad("input_ids", p, "every prompt must be a non-empty list of token ids >= 0")
+                raise _bad(
+                    "input_ids", p, "every prompt must be a non-empty list of token ids >= 0"
+                )
     else:
         batched = isinstance(text, list)
         texts = text if batched else [text]

@@ -40,9 +40,9 @@ from typing import (
 import pydantic
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 
 __all__ = [
     "GENERATION_BACKENDS",
@@ -390,7 +390,9 @@ def describe_errors(name: str, errors: Iterable[Mapping[str, Any]]) -> str:
         field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
         msg = e.get("msg", "invalid")
         if kind == "unexpected_keyword_argument":
-            accepted = [f.name for f in dataclasses.fields(_MESSAGES[name])] if name in _MESSAGES else []
+            accepted = (
+                [f.name for f in dataclasses.fields(_MESSAGES[name])] if name in _MESSAGES else []
+            )
             msg = f"unknown field; accepted: {accepted}"
         elif kind != "missing":
             msg += f" (got {e.get('input')!r})"

@@ -16,10 +16,10 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from realhf.api.cli_args import DTYPES, RECOVER_MODES, ExperimentControlConfig, OptimizerConfig
-from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec
+from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 
 __all__ = [
     "ModelSpec",

@@ -110,7 +110,7 @@ def from_spec(spec: str) -> NameRecordRepository:
     if s == "file":
         return make_repository("file")
     if s.startswith("file://"):
-        root = s[len("file://"):]
+        root = s[len("file://") :]
         if not root.startswith("/"):
             raise ValueError(
                 f"{ENV_VAR}={spec!r}: a file root must be absolute, e.g. file:///tmp/nr."
@@ -165,7 +165,9 @@ def add(
     replace: bool = False,
 ) -> None:
     """See :meth:`NameRecordRepository.add`."""
-    repository().add(name, value, delete_on_exit=delete_on_exit, keepalive_ttl=keepalive_ttl, replace=replace)
+    repository().add(
+        name, value, delete_on_exit=delete_on_exit, keepalive_ttl=keepalive_ttl, replace=replace
+    )
 
 
 def add_subentry(name: str, value, **kwargs) -> str:

@@ -140,7 +140,7 @@ class NameRecordRepository(abc.ABC):
         """Delete prefix and everything below it; backends may do better."""
         self._remove([k for k, _ in self._items(prefix)])
 
-    def _close_backend(self) -> None:
+    def _close_backend(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release backend resources (connections); called once by close()."""
 
     # ---- public API --------------------------------------------------------
@@ -207,7 +207,9 @@ class NameRecordRepository(abc.ABC):
         key = normalize_key(name)
         value = self._read(key)
         if value is None:
-            raise NameEntryNotFoundError(f"name-resolve key {key!r} not found ({self.backend} backend).")
+            raise NameEntryNotFoundError(
+                f"name-resolve key {key!r} not found ({self.backend} backend)."
+            )
         return value
 
     def get_subtree(self, name_root: str) -> List[str]:
@@ -227,7 +229,9 @@ class NameRecordRepository(abc.ABC):
         with self._owned_lock:
             self._owned.pop(key, None)
         if self._remove([key]) == 0:
-            raise NameEntryNotFoundError(f"name-resolve key {key!r} not found ({self.backend} backend); nothing to delete.")
+            raise NameEntryNotFoundError(
+                f"name-resolve key {key!r} not found ({self.backend} backend); nothing to delete."
+            )
 
     def clear_subtree(self, name_root: str) -> None:
         """Delete ``name_root`` and every key below it (no error if none)."""
@@ -311,9 +315,7 @@ class NameRecordRepository(abc.ABC):
             except Exception:
                 logger.exception(f"watch_names callback for {keys} raised")
 
-        thread = threading.Thread(
-            target=_watch, name=f"name_resolve-watch-{keys[0]}", daemon=True
-        )
+        thread = threading.Thread(target=_watch, name=f"name_resolve-watch-{keys[0]}", daemon=True)
         thread.start()
         self._watchers.append(thread)
         return thread

@@ -34,7 +34,7 @@ def parse_address(address: str) -> Tuple[str, int]:
     rest = address.strip()
     for scheme in ("etcd3://", "etcd://", "http://"):
         if rest.startswith(scheme):
-            rest = rest[len(scheme):]
+            rest = rest[len(scheme) :]
     rest = rest.rstrip("/")
     host, sep, port_s = rest.rpartition(":")
     if not sep or not host or not port_s.isdigit() or "/" in host or " " in host:
@@ -107,9 +107,7 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         # library default benches a failed endpoint for 300 s, which would
         # turn one network blip into five minutes of errors.
         endpoint = pyetcd.Endpoint(host, port, secure=False, time_retry=0.0)
-        self._client = pyetcd.MultiEndpointEtcd3Client(
-            endpoints=[endpoint], timeout=self.timeout
-        )
+        self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=self.timeout)
         self._leases: Dict[str, object] = {}  # key -> pyetcd Lease we own
         try:
             self._client.status()
@@ -152,7 +150,7 @@ class Etcd3NameRecordRepository(NameRecordRepository):
                 f"name-resolve key {key!r} already exists ({self._where()}); pass "
                 "replace=True to overwrite."
             )
-        (_value, meta), = responses[-1]
+        ((_value, meta),) = responses[-1]
         old = self._leases.pop(key, None)
         if old is not None:  # our own earlier entry under this key
             self._revoke_quietly(old)

@@ -31,7 +31,9 @@ class MemoryNameRecordRepository(NameRecordRepository):
         token = uuid.uuid4().hex
         with self._lock:
             if key in self._store and not replace:
-                raise NameEntryExistsError(f"name-resolve key {key!r} already exists (memory backend); pass replace=True to overwrite.")
+                raise NameEntryExistsError(
+                    f"name-resolve key {key!r} already exists (memory backend); pass replace=True to overwrite."
+                )
             self._store[key] = (value, token)
         return token
 

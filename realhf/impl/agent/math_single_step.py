@@ -24,9 +24,9 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from realhf.api.core.agent_api import Agent
-from realhf.api.core.registry import register_agent
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 from realhf.impl.environment.math_code_single_step import MathCodeAction
 

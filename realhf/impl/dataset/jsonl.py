@@ -30,9 +30,13 @@ def read_jsonl(path: str, required: Mapping[str, type | tuple]) -> List[Dict[str
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+                raise DatasetError(
+                    f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})"
+                ) from None
             if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+                raise DatasetError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
+                )
             for key, tp in required.items():
                 if key not in row:
                     raise DatasetError(f"{path}:{lineno}: missing field '{key}'")
@@ -59,7 +63,9 @@ class ItemDataset:
 
     items: list
 
-    def _finish(self, path: str, dropped: int, why: str, dp_rank: int, world_size: int, log) -> None:
+    def _finish(
+        self, path: str, dropped: int, why: str, dp_rank: int, world_size: int, log
+    ) -> None:
         """Log what was dropped and refuse a shard with nothing left."""
         if dropped:
             log.warning(f"{path}: dropped {dropped} {why}")

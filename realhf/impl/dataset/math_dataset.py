@@ -13,8 +13,8 @@ from typing import Optional
 
 import torch
 
-from realhf.api.core.registry import register_dataset
 from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.registry import register_dataset
 from realhf.base import logging
 from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard
 
@@ -41,13 +41,19 @@ class MathPromptDataset(ItemDataset):
         for i, row in enumerate(rows):
             task = row.get("task", "math")
             if task not in TASKS:
-                raise DatasetError(f"{dataset_path}: row {i + 1} has task {task!r}; use one of {TASKS}")
+                raise DatasetError(
+                    f"{dataset_path}: row {i + 1} has task {task!r}; use one of {TASKS}"
+                )
             if task in ("math", "stem") and not (
                 isinstance(row.get("solutions"), list) and row["solutions"]
             ):
-                raise DatasetError(f"{dataset_path}: row {i + 1} ({row['query_id']}) needs a non-empty 'solutions' list")
+                raise DatasetError(
+                    f"{dataset_path}: row {i + 1} ({row['query_id']}) needs a non-empty 'solutions' list"
+                )
             if task == "code" and not isinstance(row.get("input_output"), str):
-                raise DatasetError(f"{dataset_path}: row {i + 1} ({row['query_id']}) needs 'input_output' (a JSON string)")
+                raise DatasetError(
+                    f"{dataset_path}: row {i + 1} ({row['query_id']}) needs 'input_output' (a JSON string)"
+                )
         ids = [str(r["query_id"]) for r in rows]
         if len(set(ids)) != len(ids):
             dup = next(x for x in ids if ids.count(x) > 1)
@@ -73,7 +79,14 @@ class MathPromptDataset(ItemDataset):
                     metadata=meta,
                 )
             )
-        self._finish(dataset_path, dropped, f"prompts longer than {max_prompt_len} tokens (or empty)", dp_rank, world_size, logger)
+        self._finish(
+            dataset_path,
+            dropped,
+            f"prompts longer than {max_prompt_len} tokens (or empty)",
+            dp_rank,
+            world_size,
+            logger,
+        )
 
 
 register_dataset("math_prompt", MathPromptDataset)

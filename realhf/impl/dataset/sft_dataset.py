@@ -11,8 +11,8 @@ from typing import Optional
 
 import torch
 
-from realhf.api.core.registry import register_dataset
 from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.registry import register_dataset
 from realhf.base import logging
 from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard
 
@@ -59,11 +59,20 @@ class PromptAnswerDataset(ItemDataset):
                     seqlens=[len(toks)],
                     data={
                         "packed_input_ids": torch.tensor(toks, dtype=torch.long),
-                        "prompt_mask": torch.tensor([1] * len(p) + [0] * (len(a) + 1), dtype=torch.bool),
+                        "prompt_mask": torch.tensor(
+                            [1] * len(p) + [0] * (len(a) + 1), dtype=torch.bool
+                        ),
                     },
                 )
             )
-        self._finish(dataset_path, dropped, f"rows longer than {max_length} tokens (or empty prompts)", dp_rank, world_size, logger)
+        self._finish(
+            dataset_path,
+            dropped,
+            f"rows longer than {max_length} tokens (or empty prompts)",
+            dp_rank,
+            world_size,
+            logger,
+        )
 
 
 register_dataset("prompt_answer", PromptAnswerDataset)

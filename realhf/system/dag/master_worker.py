@@ -31,9 +31,8 @@ from typing import Any, Dict, List, Optional
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
-from realhf.base import constants, name_resolve, names
+from realhf.base import constants, name_resolve, names, recover
 from realhf.base.timeutil import FrequencyControl
-from realhf.base import recover
 from realhf.system.dag.messages import (
     REQUEST_STREAM,
     CheckpointRequest,
@@ -42,7 +41,6 @@ from realhf.system.dag.messages import (
     InitializeRequest,
     SaveRequest,
 )
-from realhf.system.dag.runner import DagRunner
 from realhf.system.dag.outputs import (
     MetricsLog,
     ProgressDisplay,
@@ -50,6 +48,7 @@ from realhf.system.dag.outputs import (
     TraceLog,
     plot_curves,
 )
+from realhf.system.dag.runner import DagRunner
 from realhf.system.transport.request_reply import RequestClient
 from realhf.system.worker.base import AsyncWorker, PollResult, register_worker
 

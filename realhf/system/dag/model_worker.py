@@ -39,10 +39,11 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, Model, StepInfo
 from realhf.api.core.worker_api import ModelWorkerConfig
-from realhf.base import constants, name_resolve, names, seeding, stats_tracker
+from realhf.base import constants, name_resolve, names, recover, seeding, stats_tracker
+from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.nn.real_model import ReaLModel
-from realhf.base import recover
+from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.messages import (
     MFC_HANDLES,
     REQUEST_STREAM,
@@ -58,13 +59,11 @@ from realhf.system.dag.messages import (
     SaveRequest,
     SpecReply,
 )
-from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.system.dag.transfer import execute_plan
+from realhf.system.rollout.trajectory_stream import TrajectoryStreamLoader
 from realhf.system.transport.errors import NoMessage, StreamTimeout
-from realhf.system.dag.local_store import LocalStore
 from realhf.system.transport.process_group import init_world
 from realhf.system.transport.request_reply import Payload, ReplyServer
-from realhf.system.rollout.trajectory_stream import TrajectoryStreamLoader
 from realhf.system.worker.base import PollResult, Worker, register_worker
 
 __all__ = ["ModelWorker", "DIST_GROUP_NAME"]

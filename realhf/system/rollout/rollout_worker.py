@@ -40,9 +40,9 @@ from realhf.base import name_resolve, names, seeding
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.system.rollout.manager_client import ManagerClient, ManagerUnavailable
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
-from realhf.system.transport.push_pull import PusherStream
 from realhf.system.rollout.staleness import RolloutNotRunning
 from realhf.system.rollout.trajectory_stream import rollout_position
+from realhf.system.transport.push_pull import PusherStream
 from realhf.system.worker.base import AsyncWorker, PollResult, experiment_ended, register_worker
 
 __all__ = ["RolloutWorker"]

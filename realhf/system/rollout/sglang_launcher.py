@@ -104,7 +104,11 @@ class SGLangConfig:
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 _fail(name, getattr(self, name), "use an integer >= 1")
         if self.dp_size != 1:
-            _fail("dp_size", self.dp_size, "run one SGLang server per data-parallel replica (dp_size=1)")
+            _fail(
+                "dp_size",
+                self.dp_size,
+                "run one SGLang server per data-parallel replica (dp_size=1)",
+            )
         if not 0 <= self.node_rank < self.nnodes:
             _fail("node_rank", self.node_rank, f"use 0..{self.nnodes - 1}")
         if self.base_gpu_id < 0:
@@ -119,7 +123,12 @@ class SGLangConfig:
             _fail("schedule_policy", self.schedule_policy, f"use one of {_POLICIES}")
         if self.log_level not in _LOG_LEVELS:
             _fail("log_level", self.log_level, f"use one of {_LOG_LEVELS}")
-        for name in ("context_length", "max_running_requests", "max_prefill_tokens", "chunked_prefill_size"):
+        for name in (
+            "context_length",
+            "max_running_requests",
+            "max_prefill_tokens",
+            "chunked_prefill_size",
+        ):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int) and v >= 1):
                 _fail(name, v, "use an integer >= 1 or None")
@@ -233,7 +242,9 @@ class SGLangServer:
         finally:
             log.close()  # the child holds its own descriptor
         try:
-            wait_healthy(self.config.url, health_timeout, process=self.process, log_path=self.log_path)
+            wait_healthy(
+                self.config.url, health_timeout, process=self.process, log_path=self.log_path
+            )
         except BaseException:
             self.stop()
             raise

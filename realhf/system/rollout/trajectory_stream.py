@@ -34,11 +34,10 @@ from typing import Any, Dict, List, Optional
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.rollout_api import Trajectory
 from realhf.api.core.worker_api import TrajectoryStreamSpec
-from realhf.base import logging
-from realhf.base import recover
+from realhf.base import logging, recover
+from realhf.system.rollout.staleness import IndexOrderBatcher
 from realhf.system.transport.errors import StreamTimeout
 from realhf.system.transport.push_pull import EndOfStream, PullerStream
-from realhf.system.rollout.staleness import IndexOrderBatcher
 
 logger = logging.getLogger("stream_loader", "system")
 
@@ -203,7 +202,9 @@ class TrajectoryStreamLoader:
         with open(self.log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
-    def _batch_stats(self, batch: List[Trajectory], version: int, waited: float) -> Dict[str, float]:
+    def _batch_stats(
+        self, batch: List[Trajectory], version: int, waited: float
+    ) -> Dict[str, float]:
         per_seq = [version - int(v) for t in batch for v in t.sample.data["version_start"].tolist()]
         rewards = [r for t in batch for r in t.sample.data["rewards"].tolist()]
         now = time.time()
@@ -213,7 +214,8 @@ class TrajectoryStreamLoader:
             "rollout/staleness_mean": sum(per_seq) / len(per_seq),
             "rollout/staleness_max": float(max(per_seq)),
             "rollout/version_start_min": float(min(t.version_start for t in batch)),
-            "rollout/interrupted_frac": sum(t.version_end > t.version_start for t in batch) / len(batch),
+            "rollout/interrupted_frac": sum(t.version_end > t.version_start for t in batch)
+            / len(batch),
             "rollout/age_s": sum(now - t.birth_time for t in batch) / len(batch),
             "rollout/wait_s": waited,
             "rollout/queued": float(self.batcher.pending),

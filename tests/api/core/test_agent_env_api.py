@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from realhf.api.core.agent_api import Agent
+from realhf.api.core.env_api import EnvironmentService, StepResult
 from realhf.api.core.registry import (
     AgentAbstraction,
     EnvAbstraction,
@@ -13,7 +14,6 @@ from realhf.api.core.registry import (
     register_agent,
     register_env,
 )
-from realhf.api.core.env_api import EnvironmentService, StepResult
 
 
 class GuessEnv(EnvironmentService):

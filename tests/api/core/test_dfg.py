@@ -2,9 +2,9 @@
 
 import pytest
 
-from realhf.api.core.registry import InterfaceAbstraction
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import DFGError, MFCDef, ModelInterfaceType, ModelName, build_graph
+from realhf.api.core.registry import InterfaceAbstraction
 
 TRAJ = ("packed_input_ids", "packed_logprobs", "prompt_mask", "seq_no_eos_mask")
 

@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from realhf.api.core.registry import InterfaceAbstraction, make_interface, register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.dfg import ModelName
 from realhf.api.core.gen_api import SamplingParams
@@ -14,6 +13,7 @@ from realhf.api.core.model_api import (
     ModelInterface,
     StepInfo,
 )
+from realhf.api.core.registry import InterfaceAbstraction, make_interface, register_interface
 
 
 def test_generation_defaults_and_greedy():

@@ -60,7 +60,10 @@ def _error(cls, data) -> str:
 
 def test_a_string_is_not_a_tuple():
     # The old check turned "abc" into ('a', 'b', 'c'): three bogus URLs to exclude.
-    msg = _error(ScheduleRequest, {"rollout_id": "r", "prompt_len": 1, "new_token_budget": 1, "exclude": "abc"})
+    msg = _error(
+        ScheduleRequest,
+        {"rollout_id": "r", "prompt_len": 1, "new_token_budget": 1, "exclude": "abc"},
+    )
     assert msg.startswith("ScheduleRequest.exclude: ") and "tuple" in msg and "'abc'" in msg
 
 
@@ -76,9 +79,21 @@ def test_tuple_items_are_checked():
 @pytest.mark.parametrize(
     "cls, data, field",
     [
-        (ScheduleRequest, {"rollout_id": "r", "prompt_len": 0, "new_token_budget": 1}, "prompt_len"),
-        (ScheduleRequest, {"rollout_id": "r", "prompt_len": 1, "new_token_budget": -5}, "new_token_budget"),
-        (ScheduleRequest, {"rollout_id": "r", "prompt_len": 1, "new_token_budget": 1, "previous_version": -2}, "previous_version"),
+        (
+            ScheduleRequest,
+            {"rollout_id": "r", "prompt_len": 0, "new_token_budget": 1},
+            "prompt_len",
+        ),
+        (
+            ScheduleRequest,
+            {"rollout_id": "r", "prompt_len": 1, "new_token_budget": -5},
+            "new_token_budget",
+        ),
+        (
+            ScheduleRequest,
+            {"rollout_id": "r", "prompt_len": 1, "new_token_budget": 1, "previous_version": -2},
+            "previous_version",
+        ),
         (ScheduleRequest, {"rollout_id": "", "prompt_len": 1, "new_token_budget": 1}, "rollout_id"),
         (FinishRequest, {"rollout_id": "r", "accepted": True, "wait_s": -1}, "wait_s"),
         (FinishRequest, {"rollout_id": "r", "accepted": True, "wait_s": float("inf")}, "wait_s"),
@@ -94,8 +109,16 @@ def test_ranges_are_checked(cls, data, field):
 @pytest.mark.parametrize(
     "cls, data, field",
     [
-        (ScheduleRequest, {"rollout_id": "r", "prompt_len": "12", "new_token_budget": 1}, "prompt_len"),
-        (ScheduleRequest, {"rollout_id": "r", "prompt_len": 1.5, "new_token_budget": 1}, "prompt_len"),
+        (
+            ScheduleRequest,
+            {"rollout_id": "r", "prompt_len": "12", "new_token_budget": 1},
+            "prompt_len",
+        ),
+        (
+            ScheduleRequest,
+            {"rollout_id": "r", "prompt_len": 1.5, "new_token_budget": 1},
+            "prompt_len",
+        ),
         (ScheduleRequest, {"rollout_id": 3, "prompt_len": 1, "new_token_budget": 1}, "rollout_id"),
         (FinishRequest, {"rollout_id": "r", "accepted": 1}, "accepted"),
         (FinishRequest, {"rollout_id": "r", "accepted": "yes"}, "accepted"),
@@ -109,15 +132,28 @@ def test_types_are_strict(cls, data, field):
 
 def test_unknown_and_missing_fields_are_named():
     msg = _error(AllocateRequest, {"worker": "w", "incarnaton": "i"})
-    assert "AllocateRequest.incarnaton: unknown field; accepted: ['worker', 'incarnation', 'qid']" in msg
+    assert (
+        "AllocateRequest.incarnaton: unknown field; accepted: ['worker', 'incarnation', 'qid']"
+        in msg
+    )
     assert "AllocateRequest.incarnation: Field required" in msg
     assert "HeartbeatReply: Input should be a dictionary" in _error(HeartbeatReply, [1])
 
 
 def test_describe_errors_reads_fastapi_body_errors():
     errors = [
-        {"type": "tuple_type", "loc": ("body", "exclude"), "msg": "Input should be a valid tuple", "input": "abc"},
-        {"type": "json_invalid", "loc": ("body", 3), "msg": "JSON decode error", "ctx": {"error": "Expecting value"}},
+        {
+            "type": "tuple_type",
+            "loc": ("body", "exclude"),
+            "msg": "Input should be a valid tuple",
+            "input": "abc",
+        },
+        {
+            "type": "json_invalid",
+            "loc": ("body", 3),
+            "msg": "JSON decode error",
+            "ctx": {"error": "Expecting value"},
+        },
         {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None},
     ]
     out = describe_errors("ScheduleRequest", errors)

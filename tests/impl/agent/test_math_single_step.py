@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
-from realhf.api.core.registry import AgentAbstraction, make_agent
 from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.registry import AgentAbstraction, make_agent
 from realhf.api.core.rollout_api import (
     TRAJECTORY_KEYS,
     GenerateGroupRequest,

@@ -100,7 +100,7 @@ def test_actor_loss_clip_and_dual_clip():
     assert st["importance_weight"].item() == pytest.approx((1.5 + 0.5 + 1.1 + 5.0) / 4)
     loss.backward()
     # only unclipped tokens carry gradient: d/dlp (-A rho)/4 = -A rho / 4
-    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, -0.5 * 1.1 / 4, -(-1.0) * 5.0 / 4, 0.0])
+    assert lp.grad.tolist() == pytest.approx([0.0, 0.0, -0.5 * 1.1 / 4, 1.0 * 5.0 / 4, 0.0])
     lp, old, adv, mask = _actor_case()
     loss, st = F.actor_loss_fn(lp, old, adv, 0.2, mask, c_clip=3.0)
     assert loss.item() == pytest.approx((-1.2 + 1.6 - 0.55 + 3.0) / 4)

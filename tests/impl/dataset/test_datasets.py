@@ -53,11 +53,20 @@ def test_sft_prompt_mask_covers_prompt_only(tok):
 @pytest.mark.parametrize(
     "rows, needle",
     [
-        ([{"query_id": "a", "task": "math", "solutions": ["1"]}], r"d.jsonl:1: missing field 'prompt'"),
-        ([{"query_id": "a", "prompt": "x", "solutions": ["1"]}, "{not json"], r"d.jsonl:2: invalid JSON"),
+        (
+            [{"query_id": "a", "task": "math", "solutions": ["1"]}],
+            r"d.jsonl:1: missing field 'prompt'",
+        ),
+        (
+            [{"query_id": "a", "prompt": "x", "solutions": ["1"]}, "{not json"],
+            r"d.jsonl:2: invalid JSON",
+        ),
         ([{"query_id": "a", "prompt": 5, "solutions": ["1"]}], r"field 'prompt' must be str"),
         ([{"query_id": "a", "prompt": "x"}], r"needs a non-empty 'solutions'"),
-        ([{"query_id": "a", "prompt": "x", "solutions": ["1"]}] * 2, r"query_id 'a' appears more than once"),
+        (
+            [{"query_id": "a", "prompt": "x", "solutions": ["1"]}] * 2,
+            r"query_id 'a' appears more than once",
+        ),
         ([], r"has no rows"),
     ],
 )

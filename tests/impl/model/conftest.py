@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_hf_model
 
 # Mixed lengths, including a length-1 sequence.

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 import transformers
+from tiny_models import TINY_FAMILIES, make_tiny_hf_model
 
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.conversion.families import get_family
-from tiny_models import TINY_FAMILIES, make_tiny_hf_model
 
 TOL = 1e-4
 
@@ -50,7 +50,9 @@ def test_mistral_sliding_window_matches_hf(tiny_hf_dir, packed_batch):
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_save_load_round_trip_and_transformers_loads_it(family, tiny_hf_dir, packed_batch, tmp_path):
+def test_save_load_round_trip_and_transformers_loads_it(
+    family, tiny_hf_dir, packed_batch, tmp_path
+):
     ids, cu, _ = packed_batch
     first = ReaLModel.from_hf(tiny_hf_dir(family)).eval()
     first.save_hf(tmp_path)
@@ -194,7 +196,9 @@ def test_old_gpt2_names_without_transformer_prefix(tiny_hf_dir, tmp_path):
 
     src = tiny_hf_dir("gpt2")
     sd = load_hf(src).state_dict()
-    old = {k.removeprefix("transformer."): v.clone() for k, v in sd.items() if k != "lm_head.weight"}
+    old = {
+        k.removeprefix("transformer."): v.clone() for k, v in sd.items() if k != "lm_head.weight"
+    }
     shutil.copy(os.path.join(src, "config.json"), tmp_path)
     save_file(old, str(tmp_path / "model.safetensors"))
     assert torch.equal(ReaLModel.from_hf(tmp_path).flat_params, ReaLModel.from_hf(src).flat_params)
@@ -315,7 +319,8 @@ def test_mismatched_shape_names_file_and_parameter(tiny_hf_dir, tmp_path):
     sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(100, 64)
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(
-        ValueError, match=r"model\.safetensors: parameter 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(100, 64\), expected \(128, 64\)"
+        ValueError,
+        match=r"model\.safetensors: parameter 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(100, 64\), expected \(128, 64\)",
     ):
         ReaLModel.from_hf(tmp_path)
 

@@ -15,15 +15,15 @@ import json
 import os
 import time
 
+import dag_test_experiment as dag_test
 import psutil
 import pytest
 import torch
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.system_api import make_experiment
 from realhf.base import name_resolve, names
-import dag_test_experiment as dag_test
 from realhf.impl.model.nn.real_model import ReaLModel
-from tiny_models import make_tiny_hf_model
 from realhf.scheduler.local import JobFailure, launch_experiment
 
 pytestmark = pytest.mark.slow

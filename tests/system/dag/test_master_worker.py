@@ -24,8 +24,9 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.system_api import WorkerInformation
 from realhf.api.core.worker_api import MasterWorkerConfig
-from realhf.base import constants, name_resolve, names
-from realhf.base import recover
+from realhf.base import constants, name_resolve, names, recover
+from realhf.impl.dataset.shard_loader import ShardLoader
+from realhf.system.dag.master_worker import MasterWorker
 from realhf.system.dag.messages import (
     MFC_HANDLES,
     REQUEST_STREAM,
@@ -35,9 +36,7 @@ from realhf.system.dag.messages import (
     MFCReply,
     SpecReply,
 )
-from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.system.transport.errors import NoMessage, StreamTimeout
-from realhf.system.dag.master_worker import MasterWorker
 from realhf.system.transport.request_reply import ReplyServer
 from realhf.system.worker.base import WorkerStatus
 
@@ -138,9 +137,9 @@ class StandIn(threading.Thread):
                     self.held[self.rank].add((i, step.key))
         for i in ids:
             for k in mfc.input_keys:
-                assert (i, k) in self.held[
-                    self.rank
-                ], f"rank {self.rank} lacks {k} of {i} for {mfc.name}"
+                assert (i, k) in self.held[self.rank], (
+                    f"rank {self.rank} lacks {k} of {i} for {mfc.name}"
+                )
         self.calls.append((mfc.name, self.rank, req.step.global_step, tuple(ids)))
         self.call_indices.append((mfc.name, req.step.global_step, req.call))
         out = None

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import os
 
+import dag_test_experiment as dag_test  # noqa: F401  (registers the experiment)
 import pytest
 import torch
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.system_api import WorkerInformation, make_experiment
-from realhf.base import constants, name_resolve, names
-import dag_test_experiment as dag_test  # noqa: F401  (registers the experiment)
+from realhf.base import constants, name_resolve, names, recover
 from realhf.impl.model.nn.real_model import ReaLModel
-from tiny_models import make_tiny_hf_model
-from realhf.base import recover
 from realhf.system.dag.messages import (
     REQUEST_STREAM,
     CheckpointRequest,
@@ -24,8 +23,8 @@ from realhf.system.dag.messages import (
     MFCRequest,
     SaveRequest,
 )
-from realhf.system.transport.errors import RemoteError, StreamTimeout
 from realhf.system.dag.model_worker import ModelWorker
+from realhf.system.transport.errors import RemoteError, StreamTimeout
 from realhf.system.transport.request_reply import RequestClient
 from realhf.system.worker.base import WorkerStatus, read_error
 

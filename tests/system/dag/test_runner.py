@@ -23,7 +23,7 @@ def test_allocate_fetch_takes_exactly_what_is_asked_within_each_shard(remaining)
         assert sum(alloc) == need
         assert all(0 <= a <= r for a, r in zip(alloc, remaining))
         # Shards that could give more never give 2+ fewer than another shard.
-        for i, (a, r) in enumerate(zip(alloc, remaining)):
+        for a, r in zip(alloc, remaining):
             if a < r:
                 assert all(b <= a + 1 for b in alloc), (need, alloc)
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from realhf.base import network, shutdown
+from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.transfer import (
     DataTransferError,
     TransferStep,
@@ -26,7 +27,6 @@ from realhf.system.dag.transfer import (
     execute_plan,
     partition_for_dp,
 )
-from realhf.system.dag.local_store import LocalStore
 
 # ---- partition_for_dp -------------------------------------------------------------
 

@@ -6,11 +6,11 @@ import importlib.util
 
 import pytest
 import requests
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.rollout_api import GenerationServerConfig
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
-from tiny_models import make_tiny_hf_model
 from realhf.system.rollout.generation_server import GenerationServer, resolve_backend
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
 

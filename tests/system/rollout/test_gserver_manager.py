@@ -20,6 +20,7 @@ import time
 import pytest
 import requests
 import torch
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.rollout_api import (
@@ -35,15 +36,14 @@ from realhf.impl.model import ReaLModel
 from realhf.impl.model.gen import EngineConfig, GenerationEngine
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
-from tiny_models import make_tiny_hf_model
-from realhf.system.rollout.manager_client import ManagerClient
-from realhf.system.rollout.manager_service import ManagerService
 from realhf.system.rollout.manager import (
     GserverManager,
     NoServerAvailable,
     ServerState,
     WeightUpdateError,
 )
+from realhf.system.rollout.manager_client import ManagerClient
+from realhf.system.rollout.manager_service import ManagerService
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
 from realhf.system.rollout.staleness import RolloutNotRunning
 
@@ -356,7 +356,9 @@ def test_http_bodies_are_validated_completely_and_errors_name_the_field(dirs):
         assert status == 400 and msg.startswith("ScheduleRequest.exclude: ") and "'abc'" in msg
         status, msg = post("/schedule_request", {**sched, "exclude": [srv.url, 5]})
         assert status == 400 and "ScheduleRequest.exclude[1]: " in msg
-        status, msg = post("/schedule_request", {**sched, "prompt_len": -1, "new_token_budget": "4"})
+        status, msg = post(
+            "/schedule_request", {**sched, "prompt_len": -1, "new_token_budget": "4"}
+        )
         assert status == 400
         assert "ScheduleRequest.prompt_len: Input should be greater than or equal to 1" in msg
         assert "ScheduleRequest.new_token_budget: Input should be a valid integer" in msg
@@ -364,7 +366,9 @@ def test_http_bodies_are_validated_completely_and_errors_name_the_field(dirs):
         assert status == 400 and "FinishRequest.wait_s" in msg
         status, msg = post("/heartbeat", {"worker": "w", "incarnation": "i", "extra": 1})
         assert status == 400 and "HeartbeatRequest.extra: unknown field" in msg
-        status, msg = post("/allocate_rollout", data="{not json", headers={"Content-Type": "application/json"})
+        status, msg = post(
+            "/allocate_rollout", data="{not json", headers={"Content-Type": "application/json"}
+        )
         assert status == 400 and "not valid JSON" in msg
         status, msg = post("/report_server_failure")
         assert status == 400 and "send a ServerFailureReport JSON object" in msg

@@ -9,16 +9,16 @@ import threading
 import time
 
 import pytest
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.rollout_api import GenerateGroupRequest, GserverManagerConfig
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
-from tiny_models import make_tiny_hf_model
+from realhf.system.rollout.gserver_manager import GserverManager
 from realhf.system.rollout.manager_client import ManagerClient
 from realhf.system.rollout.manager_service import ManagerService
-from realhf.system.rollout.gserver_manager import GserverManager
 from realhf.system.rollout.partial_rollout import GenerationFailed, PartialRolloutManager
 
 EOS, PAD = 0, 1
@@ -156,13 +156,13 @@ def test_weight_update_aborts_and_the_rollout_resumes_with_its_prefix(stack, ser
     t.start()
     (m,), _, stats = asyncio.run(_generate(service, prompt, chunk=1 << 30))
     t.join()
-    assert (
-        m.n_interrupted >= 1 and stats["interrupted"] >= 1
-    ), "the pause did not land mid-generation"
+    assert m.n_interrupted >= 1 and stats["interrupted"] >= 1, (
+        "the pause did not land mid-generation"
+    )
     assert m.n_chunks >= 2
-    assert (
-        m.output_ids == ref.output_ids
-    ), "the resubmitted prefix must continue the same greedy answer"
+    assert m.output_ids == ref.output_ids, (
+        "the resubmitted prefix must continue the same greedy answer"
+    )
     assert len(m.output_logprobs) == BUDGET
     assert max(abs(a - b) for a, b in zip(m.output_logprobs, ref.output_logprobs)) < 1e-4
     assert m.version_start == 0 and m.version_end == 1

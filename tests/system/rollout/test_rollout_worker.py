@@ -15,6 +15,7 @@ import time
 
 import pytest
 import requests
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 from realhf.api.core.rollout_api import (
@@ -25,17 +26,16 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
+from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
-from realhf.impl.model.conversion.hf import save_tokenizer
-from tiny_models import make_tiny_hf_model
-from realhf.system.transport.errors import StreamTimeout
-from realhf.system.rollout.manager_service import ManagerService
 from realhf.system.rollout.gserver_manager import GserverManager
-from realhf.system.transport.push_pull import PullerStream
+from realhf.system.rollout.manager_service import ManagerService
 from realhf.system.rollout.rollout_worker import RolloutWorker
 from realhf.system.rollout.staleness import IndexOrderBatcher
+from realhf.system.transport.errors import StreamTimeout
+from realhf.system.transport.push_pull import PullerStream
 from realhf.system.worker.base import WorkerStatus
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")

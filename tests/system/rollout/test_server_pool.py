@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.rollout_api import GserverManagerConfig, ScheduleRequest
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
-from tiny_models import make_tiny_hf_model
 from realhf.system.rollout.server_pool import (
     NoServerAvailable,
     ServerPool,

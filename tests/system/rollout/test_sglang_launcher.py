@@ -16,7 +16,12 @@ import time
 import psutil
 import pytest
 
-from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, build_command, wait_healthy
+from realhf.system.rollout.sglang_launcher import (
+    SGLangConfig,
+    SGLangServer,
+    build_command,
+    wait_healthy,
+)
 
 
 def _free_port() -> int:
@@ -167,7 +172,13 @@ def test_stop_ends_the_servers_children(tmp_path, no_leftover_processes, server_
     pid_file = str(tmp_path / "child.pid")
     port = _free_port()
     server = SGLangServer(SGLangConfig(model_path="m", port=port), log_path=str(tmp_path / "s.log"))
-    server.command = [sys.executable, str(script), str(port), pid_file, str(int(server_ignores_term))]
+    server.command = [
+        sys.executable,
+        str(script),
+        str(port),
+        pid_file,
+        str(int(server_ignores_term)),
+    ]
     child = None
     try:
         server.start(health_timeout=30)
@@ -190,7 +201,9 @@ def test_stop_ends_the_servers_children(tmp_path, no_leftover_processes, server_
 def test_a_server_that_dies_while_starting_leaves_no_children(tmp_path, no_leftover_processes):
     """The server exits before /health answers; the child it left behind is stopped too."""
     pid_file = str(tmp_path / "child.pid")
-    server = SGLangServer(SGLangConfig(model_path="m", port=_free_port()), log_path=str(tmp_path / "s.log"))
+    server = SGLangServer(
+        SGLangConfig(model_path="m", port=_free_port()), log_path=str(tmp_path / "s.log")
+    )
     server.command = [
         sys.executable,
         "-c",
@@ -245,7 +258,6 @@ def test_start_waits_for_health_and_stop_ends_the_process(tmp_path):
 @pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="SGLang needs a CUDA GPU")
 def test_real_sglang_server_serves_generate(tmp_path):
     import requests
-
     from tiny_models import make_tiny_hf_model
 
     model = make_tiny_hf_model("qwen2", tmp_path / "m")

@@ -10,27 +10,43 @@ import torch
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.rollout_api import GroupGeneration, Trajectory
 from realhf.api.core.worker_api import TrajectoryStreamSpec
-from realhf.impl.agent.math_single_step import build_trajectory
 from realhf.base import recover
+from realhf.impl.agent.math_single_step import build_trajectory
+from realhf.system.rollout.trajectory_stream import (
+    StalenessViolation,
+    TrajectoryStreamLoader,
+    rollout_position,
+)
 from realhf.system.transport.push_pull import PusherStream
-from realhf.system.rollout.trajectory_stream import StalenessViolation, TrajectoryStreamLoader, rollout_position
 
 
 def _prompt(qid: str) -> SequenceSample:
     ids = torch.tensor([3, 4, 5])
     return SequenceSample(
-        keys={"packed_prompts"}, trailing_shapes={"packed_prompts": ()},
-        dtypes={"packed_prompts": torch.long}, ids=[qid], seqlens={"packed_prompts": [[3]]},
-        data={"packed_prompts": ids}, metadata={"query_id": [qid]},
+        keys={"packed_prompts"},
+        trailing_shapes={"packed_prompts": ()},
+        dtypes={"packed_prompts": torch.long},
+        ids=[qid],
+        seqlens={"packed_prompts": [[3]]},
+        data={"packed_prompts": ids},
+        metadata={"query_id": [qid]},
     )
 
 
-def _traj(index: int, v0: int = 0, v1: int = 0, worker: str = "rollout_worker/0", epoch: int = 0) -> Trajectory:
+def _traj(
+    index: int, v0: int = 0, v1: int = 0, worker: str = "rollout_worker/0", epoch: int = 0
+) -> Trajectory:
     qid = f"q{index}"
-    gen = GroupGeneration(qid, (3, 4, 5), ((6, 7), (8,)), ((-0.5, -0.25), (-1.0,)), (False, True),
-                          (v0, v0), (v1, v1))
-    return Trajectory(index, build_trajectory(_prompt(qid), gen, [5.0, -5.0]), f"r{index}", worker,
-                      data_epoch=epoch)
+    gen = GroupGeneration(
+        qid, (3, 4, 5), ((6, 7), (8,)), ((-0.5, -0.25), (-1.0,)), (False, True), (v0, v0), (v1, v1)
+    )
+    return Trajectory(
+        index,
+        build_trajectory(_prompt(qid), gen, [5.0, -5.0]),
+        f"r{index}",
+        worker,
+        data_epoch=epoch,
+    )
 
 
 @pytest.fixture
@@ -38,9 +54,12 @@ def stream(memory_name_resolve, trial, tmp_path):
     made = []
 
     def make(B=2, eta=1, epoch_size=4, rank=0, timeout=5.0):
-        spec = TrajectoryStreamSpec(epoch_size=epoch_size, batch_size=B, max_head_offpolicyness=eta,
-                                    wait_timeout_s=timeout)
-        loader = TrajectoryStreamLoader(spec, "exp", trial, rank, log_path=str(tmp_path / "traj.jsonl"))
+        spec = TrajectoryStreamSpec(
+            epoch_size=epoch_size, batch_size=B, max_head_offpolicyness=eta, wait_timeout_s=timeout
+        )
+        loader = TrajectoryStreamLoader(
+            spec, "exp", trial, rank, log_path=str(tmp_path / "traj.jsonl")
+        )
         made.append(loader)
         if rank != 0:
             return loader, None
@@ -69,14 +88,22 @@ def test_batches_are_released_in_index_order_exactly_b_at_a_time(stream, tmp_pat
     with pytest.raises(ValueError, match="exactly batch_size=2"):
         loader.take(1, 1)
     lines = [json.loads(l) for l in open(tmp_path / "traj.jsonl")]
-    assert [(r["step"], r["indices"], r["trained_version"]) for r in lines] == [(1, [0, 1], 0), (2, [2, 3], 1)]
-    assert lines[1]["version_start"] == [[1, 1], [1, 1]] and lines[0]["workers"] == ["rollout_worker/0"] * 2
+    assert [(r["step"], r["indices"], r["trained_version"]) for r in lines] == [
+        (1, [0, 1], 0),
+        (2, [2, 3], 1),
+    ]
+    assert (
+        lines[1]["version_start"] == [[1, 1], [1, 1]]
+        and lines[0]["workers"] == ["rollout_worker/0"] * 2
+    )
 
 
 def test_a_missing_index_times_out_naming_it(stream):
     loader, pusher = stream(B=2, timeout=1.0)
     pusher.push(_traj(1), timeout=5)
-    with pytest.raises(TimeoutError, match=r"trajectories \[0\.\.0\] of step 0 \(1 later ones arrived\)"):
+    with pytest.raises(
+        TimeoutError, match=r"trajectories \[0\.\.0\] of step 0 \(1 later ones arrived\)"
+    ):
         loader.take(0, 2)
 
 

@@ -262,7 +262,8 @@ class TrainEngine(InferenceEngine):
         elif not math.isfinite(grad_norm):
             # After the all-reduce every rank holds the same gradient, hence takes the same decision.
             warnings.warn(
-                f"train_batch: gradient norm is {grad_norm}; skipping optimizer step {step}"
+                f"train_batch: gradient norm is {grad_norm}; skipping optimizer step {step}",
+                stacklevel=2,
             )
             logger.warning(f"non-finite gradient norm {grad_norm}: optimizer step {step} skipped")
             skipped = True

@@ -93,7 +93,9 @@ class CheckpointReader:
             except CheckpointError:
                 raise
             except Exception as e:  # corrupt / truncated files raise many types
-                raise CheckpointError(f"{path}: cannot read weight file ({type(e).__name__}: {e})") from e
+                raise CheckpointError(
+                    f"{path}: cannot read weight file ({type(e).__name__}: {e})"
+                ) from e
         return self._handles[fname]
 
     def describe(self) -> str:
@@ -121,7 +123,9 @@ class CheckpointReader:
         try:
             return h.get_tensor(key)
         except Exception as e:
-            raise CheckpointError(f"{self.file_of(key)}: cannot read parameter {key!r} ({e})") from e
+            raise CheckpointError(
+                f"{self.file_of(key)}: cannot read parameter {key!r} ({e})"
+            ) from e
 
     def keys(self) -> Iterable[str]:
         """All stored tensor names."""
@@ -173,7 +177,9 @@ def write_safetensors(
         size += nbytes
         total += nbytes
     n = len(shards)
-    names = [SAFE_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = (
+        [SAFE_SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     weight_map = {}
     for fname, shard in zip(names, shards):
         tensors = {name: make() for name, make in shard}

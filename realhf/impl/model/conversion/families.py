@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from realhf.impl.model.conversion import gpt2, llama_like
 from realhf.impl.model.conversion.hf_config import UnsupportedCheckpoint
-from realhf.impl.model.conversion.rules import copy_rule, WeightRule
+from realhf.impl.model.conversion.rules import WeightRule, copy_rule
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 
@@ -68,11 +68,22 @@ class HFFamily:
 
 
 _ALL = [
-    HFFamily("llama", "llama", "LlamaForCausalLM", "LlamaForTokenClassification", "score", llama_like),
-    HFFamily("qwen2", "qwen2", "Qwen2ForCausalLM", "Qwen2ForTokenClassification", "score", llama_like),
-    HFFamily("qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen3ForTokenClassification", "score", llama_like),
     HFFamily(
-        "mistral", "mistral", "MistralForCausalLM", "MistralForTokenClassification", "score", llama_like
+        "llama", "llama", "LlamaForCausalLM", "LlamaForTokenClassification", "score", llama_like
+    ),
+    HFFamily(
+        "qwen2", "qwen2", "Qwen2ForCausalLM", "Qwen2ForTokenClassification", "score", llama_like
+    ),
+    HFFamily(
+        "qwen3", "qwen3", "Qwen3ForCausalLM", "Qwen3ForTokenClassification", "score", llama_like
+    ),
+    HFFamily(
+        "mistral",
+        "mistral",
+        "MistralForCausalLM",
+        "MistralForTokenClassification",
+        "score",
+        llama_like,
     ),
     HFFamily("gpt2", "gpt2", "GPT2LMHeadModel", "GPT2ForTokenClassification", "classifier", gpt2),
 ]
@@ -83,7 +94,9 @@ _BY_MODEL_TYPE = {f.model_type: f for f in _ALL}
 def get_family(name: str) -> HFFamily:
     """The family called ``name`` (our ``ReaLModelConfig.family``)."""
     if name not in FAMILIES:
-        raise UnsupportedCheckpoint(f"family {name!r} is not supported; use one of {sorted(FAMILIES)}")
+        raise UnsupportedCheckpoint(
+            f"family {name!r} is not supported; use one of {sorted(FAMILIES)}"
+        )
     return FAMILIES[name]
 
 

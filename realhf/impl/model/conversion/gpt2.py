@@ -123,7 +123,11 @@ def weight_rules(cfg: ReaLModelConfig) -> List[WeightRule]:
                 (H, H, H),
             ),
             WeightRule(
-                p + "attn.c_attn.bias", tuple(n + ".bias" for n in qkv), (3 * H,), "split", (H, H, H)
+                p + "attn.c_attn.bias",
+                tuple(n + ".bias" for n in qkv),
+                (3 * H,),
+                "split",
+                (H, H, H),
             ),
             WeightRule(p + "attn.c_proj.weight", (o + "attn.c_proj.weight",), (H, H), "transpose"),
             copy_rule(p + "attn.c_proj.bias", o + "attn.c_proj.bias", (H,)),

@@ -23,8 +23,8 @@ from realhf.impl.model.conversion.checkpoint import (
     remove_weight_files,
     write_safetensors,
 )
-from realhf.impl.model.conversion.hf_config import CheckpointError
 from realhf.impl.model.conversion.families import family_of_hf_config, get_family
+from realhf.impl.model.conversion.hf_config import CheckpointError
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 logger = logging.getLogger("realhf.model.conversion")
@@ -49,7 +49,9 @@ def read_config_json(model_dir: Union[str, os.PathLike]) -> Dict[str, Any]:
     """The raw config.json of a HF directory."""
     path = os.path.join(str(model_dir), "config.json")
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: not found; {model_dir} is not a HuggingFace model directory")
+        raise CheckpointError(
+            f"{path}: not found; {model_dir} is not a HuggingFace model directory"
+        )
     try:
         with open(path) as f:
             return json.load(f)
@@ -57,7 +59,9 @@ def read_config_json(model_dir: Union[str, os.PathLike]) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from e
 
 
-def config_from_hf_dir(model_dir: Union[str, os.PathLike], is_critic: bool = False) -> ReaLModelConfig:
+def config_from_hf_dir(
+    model_dir: Union[str, os.PathLike], is_critic: bool = False
+) -> ReaLModelConfig:
     """Our config for the model in ``model_dir`` (family from config.json)."""
     import transformers
 

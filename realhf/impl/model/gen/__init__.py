@@ -9,7 +9,7 @@ running set), :mod:`.engine` (the engine thread), :mod:`.config`,
 :mod:`.openai_api` (the HTTP server; imported explicitly, they pull in FastAPI).
 """
 
-from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
+from realhf.impl.model.gen.engine_config import EngineConfig
 
 __all__ = ["EngineConfig", "GenerationEngine", "EngineClosedError"]

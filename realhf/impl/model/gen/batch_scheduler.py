@@ -13,7 +13,7 @@ import collections
 from typing import Deque, List, Optional
 
 from realhf.impl.model.gen.kv_cache import SlotKVCache
-from realhf.impl.model.gen.sequence import Sequence, SeqStatus
+from realhf.impl.model.gen.sequence import SeqStatus, Sequence
 
 
 class QueueFullError(RuntimeError):

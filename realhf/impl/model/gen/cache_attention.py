@@ -47,7 +47,9 @@ _KERNEL_LOCK = threading.Lock()
 if _nb is not None:
 
     @_nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)
-    def _decode_kernel(q, k_new, v_new, kc, vc, slots, lens, window, scale, out):  # pragma: no cover
+    def _decode_kernel(
+        q, k_new, v_new, kc, vc, slots, lens, window, scale, out
+    ):  # pragma: no cover
         # q, out: [B, n_kv, g, d]; k_new, v_new: [B, n_kv, d]; kc, vc: [S, n_kv,
         # cap, d]. Per (sequence, kv head): store the new key/value at position
         # lens-1 of the slot, then scores of each of the g query heads against
@@ -128,7 +130,9 @@ def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> str:
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode attention impl {impl!r} is unknown; use one of {DECODE_IMPLS}")
     if impl != "auto":
-        if impl == "numba" and (_nb is None or cache.device.type != "cpu" or cache.dtype != torch.float32):
+        if impl == "numba" and (
+            _nb is None or cache.device.type != "cpu" or cache.dtype != torch.float32
+        ):
             raise ValueError(
                 "decode attention impl 'numba' needs numba and a float32 CPU cache; use 'padded'"
             )

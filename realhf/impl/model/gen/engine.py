@@ -28,7 +28,8 @@ import queue
 import threading
 import time
 import traceback
-from typing import Callable, Deque, Iterable, List, Optional, Sequence as Seq, Tuple
+from typing import Callable, Deque, Iterable, List, Optional, Tuple
+from typing import Sequence as Seq
 
 import torch
 
@@ -39,11 +40,15 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
-from realhf.impl.model.gen.cache_attention import DecodeAttention, PrefillAttention, select_decode_impl
+from realhf.impl.model.gen.batch_scheduler import Scheduler
+from realhf.impl.model.gen.cache_attention import (
+    DecodeAttention,
+    PrefillAttention,
+    select_decode_impl,
+)
 from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
-from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.sequence import Sequence
 
 logger = logging.getLogger("gen_engine")
@@ -191,7 +196,9 @@ class GenerationEngine:
         self._wake.set()
         return seq.future
 
-    def generate(self, reqs: Seq[GenerateRequest], timeout: Optional[float] = None) -> List[GenerateOutput]:
+    def generate(
+        self, reqs: Seq[GenerateRequest], timeout: Optional[float] = None
+    ) -> List[GenerateOutput]:
         """Submit requests and wait for all outputs (in order)."""
         futs = [self.submit(r) for r in reqs]
         deadline = time.monotonic() + (timeout or self.config.request_timeout_s)
@@ -200,7 +207,9 @@ class GenerationEngine:
             try:
                 outs.append(f.result(timeout=max(0.0, deadline - time.monotonic())))
             except concurrent.futures.TimeoutError:
-                raise TimeoutError(f"generation of request {r.rid} did not finish in time") from None
+                raise TimeoutError(
+                    f"generation of request {r.rid} did not finish in time"
+                ) from None
         return outs
 
     def abort(self, rid: str, timeout: Optional[float] = None) -> bool:
@@ -256,7 +265,9 @@ class GenerationEngine:
         try:
             return fut.result(timeout=t)
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the engine thread did not carry out {name!r} within {t} s") from None
+            raise TimeoutError(
+                f"the engine thread did not carry out {name!r} within {t} s"
+            ) from None
 
     def _loop(self) -> None:
         n = self.config.num_threads
@@ -395,7 +406,9 @@ class GenerationEngine:
             attn_fn=attn_fn,
         )
         if prefill:  # keep each prompt's last position
-            logits = logits[torch.tensor(list(range(B)) + [b - 1 for b in bounds[B + 1 :]], device=dev)]
+            logits = logits[
+                torch.tensor(list(range(B)) + [b - 1 for b in bounds[B + 1 :]], device=dev)
+            ]
             self.total_prompt_tokens += pbounds[-1]
         return sample(logits, self._sampling_batch(decode + prefill))
 
@@ -427,7 +440,9 @@ class GenerationEngine:
             ),
         )
 
-    def _postprocess(self, seqs: List[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def _postprocess(
+        self, seqs: List[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor
+    ) -> None:
         toks = tokens.tolist()
         lps = logprobs.tolist()
         done: List[Tuple[Sequence, FinishReason]] = []

@@ -72,7 +72,9 @@ class EngineConfig:
             _fail("device", self.device, "use auto, cpu, cuda or cuda:N")
         if self.decode_attn_impl not in DECODE_IMPLS:
             _fail("decode_attn_impl", self.decode_attn_impl, f"use one of {DECODE_IMPLS}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or self.num_threads < 1
+        ):
             _fail("num_threads", self.num_threads, "use an integer >= 1 or None")
         for name in ("request_timeout_s", "control_timeout_s"):
             if not getattr(self, name) > 0:

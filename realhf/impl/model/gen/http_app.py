@@ -40,13 +40,19 @@ import fastapi
 import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from realhf.api.core.gen_api import GenerateOutput, GenerateRequest, InvalidRequestError, parse_generate_body
+from realhf.api.core.gen_api import (
+    GenerateOutput,
+    GenerateRequest,
+    InvalidRequestError,
+    parse_generate_body,
+)
+
 # The server thread and keep-alive settings are shared by every HTTP service of the system;
 # re-exported here, where users of the generation server have always imported them from.
 from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S, ServerThread  # noqa: F401
 from realhf.impl.model.gen import openai_api
-from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
+from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:
@@ -107,7 +113,9 @@ def create_app(
         except asyncio.TimeoutError:
             for r in flat:
                 await asyncio.to_thread(engine.abort, r.rid)
-            raise _HTTPError(504, f"generation did not finish within {timeout} s; aborted") from None
+            raise _HTTPError(
+                504, f"generation did not finish within {timeout} s; aborted"
+            ) from None
         it = iter(outs)
         return [[next(it) for _ in g] for g in groups]
 
@@ -181,7 +189,7 @@ def create_app(
     async def update_weights_from_disk(request: fastapi.Request):
         body = await _json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-            raise InvalidRequestError("send {\"model_path\": \"<HF directory>\"}")
+            raise InvalidRequestError('send {"model_path": "<HF directory>"}')
         extra = set(body) - {"model_path", "load_format", "abort_all_requests", "weight_version"}
         if extra:
             raise InvalidRequestError(f"unknown fields {sorted(extra)}")
@@ -193,7 +201,11 @@ def create_app(
             version = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"])
         except Exception as e:  # a bad checkpoint must not take the server down
             return JSONResponse(
-                {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": paused},
+                {
+                    "success": False,
+                    "message": f"Failed to update weights: {e}",
+                    "num_paused_requests": paused,
+                },
                 status_code=400,
             )
         return {
@@ -216,7 +228,7 @@ def create_app(
     async def abort_request(request: fastapi.Request):
         body = await _json_body(request)
         if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
-            raise InvalidRequestError("send {\"rid\": \"<request id>\"}")
+            raise InvalidRequestError('send {"rid": "<request id>"}')
         found = await asyncio.to_thread(engine.abort, body["rid"])
         return {"success": found}
 
@@ -278,7 +290,9 @@ def create_app(
     @handle_errors(openai=True)
     async def chat_completions(request: fastapi.Request):
         ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
-        group = [GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)]
+        group = [
+            GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)
+        ]
         outs = await run([group])
         return _json(openai_api.chat_response(outs[0], served_model_name, tokenizer, logprobs))
 
@@ -307,9 +321,15 @@ def prometheus_text(stats: Dict[str, Any], model_name: str) -> str:
     label = '{model_name="%s"}' % model_name.replace('"', "'")
     lines = []
     for name, doc in _GAUGES:
-        lines += [f"# HELP sglang:{name} {doc}", f"# TYPE sglang:{name} gauge",
-                  f"sglang:{name}{label} {float(stats[name])}"]
+        lines += [
+            f"# HELP sglang:{name} {doc}",
+            f"# TYPE sglang:{name} gauge",
+            f"sglang:{name}{label} {float(stats[name])}",
+        ]
     for name, doc in _COUNTERS:
-        lines += [f"# HELP sglang:{name} {doc}", f"# TYPE sglang:{name} counter",
-                  f"sglang:{name}{label} {float(stats[name])}"]
+        lines += [
+            f"# HELP sglang:{name} {doc}",
+            f"# TYPE sglang:{name} counter",
+            f"sglang:{name}{label} {float(stats[name])}",
+        ]
     return "\n".join(lines) + "\n"

@@ -6,8 +6,8 @@ import json
 import os
 from typing import List, Optional, Tuple
 
-from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.engine import GenerationEngine
+from realhf.impl.model.gen.engine_config import EngineConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 

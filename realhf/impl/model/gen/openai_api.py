@@ -17,9 +17,23 @@ from typing import Any, Dict, List, Optional, Tuple
 from realhf.api.core.gen_api import GenerateOutput, InvalidRequestError, SamplingParams
 
 _COMMON = {
-    "model", "max_tokens", "temperature", "top_p", "n", "stop", "stream", "seed",
-    "presence_penalty", "frequency_penalty", "logit_bias", "user",
-    "top_k", "min_tokens", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "stream",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "top_k",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
 }
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 _CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
@@ -41,7 +55,9 @@ def _check_fields(body: Any, allowed: set) -> Dict[str, Any]:
         raise InvalidRequestError("the request body must be a JSON object")
     for k, v in body.items():
         if k not in allowed:
-            raise InvalidRequestError(f"{k}={v!r} is invalid: unknown field; accepted: {sorted(allowed)}")
+            raise InvalidRequestError(
+                f"{k}={v!r} is invalid: unknown field; accepted: {sorted(allowed)}"
+            )
         if k in _NEUTRAL and v not in _NEUTRAL[k]:
             raise InvalidRequestError(
                 f"{k}={v!r} is invalid: not supported by the built-in engine "
@@ -72,14 +88,18 @@ def completion_prompts(body: Any, tokenizer) -> Tuple[List[List[int]], SamplingP
     if isinstance(prompt, str):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise InvalidRequestError(f"prompt={prompt!r} is invalid: use a string, token ids or a list of them")
+        raise InvalidRequestError(
+            f"prompt={prompt!r} is invalid: use a string, token ids or a list of them"
+        )
     if all(isinstance(t, int) for t in prompt):
         prompts = [prompt]
     elif all(isinstance(p, list) for p in prompt):
         prompts = prompt
     elif all(isinstance(p, str) for p in prompt):
         if tokenizer is None:
-            raise InvalidRequestError("text prompts need a tokenizer; this server has none (send token ids)")
+            raise InvalidRequestError(
+                "text prompts need a tokenizer; this server has none (send token ids)"
+            )
         prompts = [tokenizer.encode(p) for p in prompt]
     else:
         raise InvalidRequestError("prompt mixes strings and token ids")
@@ -101,9 +121,15 @@ def chat_prompt(body: Any, tokenizer) -> Tuple[List[int], SamplingParams, bool]:
             "chat completions need a tokenizer with a chat template; this server has none"
         )
     msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in msgs
+    if (
+        not isinstance(msgs, list)
+        or not msgs
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in msgs
+        )
     ):
         raise InvalidRequestError("messages must be a non-empty list of {role, content} strings")
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -170,7 +196,9 @@ def completion_response(
     }
 
 
-def chat_response(outs: List[GenerateOutput], model: str, tokenizer, logprobs: bool) -> Dict[str, Any]:
+def chat_response(
+    outs: List[GenerateOutput], model: str, tokenizer, logprobs: bool
+) -> Dict[str, Any]:
     """OpenAI ``chat.completion`` object for the samples of one conversation."""
     choices = []
     for idx, o in enumerate(outs):

@@ -18,15 +18,15 @@ from typing import Any, Dict, Union
 
 import torch
 
-from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
+from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import engine_of, require_keys
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
 from realhf.impl.model.interface.ppo_interface import make_kl_controller, run_minibatches
-from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.utils.functional import masked_mean, shift_one_indices
 
 __all__ = ["PPOCriticInterface"]

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Dict
 
-from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters, Model, ModelInterface
+from realhf.api.core.registry import register_interface
 from realhf.impl.model.interface.helpers import network_of, require_keys
 from realhf.impl.model.interface.math_reward_interface import decode_answers
 from realhf.impl.model.interface.offline_generation import generate_offline
@@ -34,16 +34,25 @@ class MathEvalInterface(ModelInterface):
         self.gconfig = GenerationHyperparameters(n=1, max_new_tokens=max_new_tokens, greedy=True)
         self.timeout_s = float(timeout_s)
 
-    def evaluate(self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec) -> Dict[str, float]:
+    def evaluate(
+        self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
+    ) -> Dict[str, float]:
         require_keys(data, ["packed_prompts"], "math_eval")
         if "solutions" not in data.metadata:
-            raise KeyError("math_eval needs the eval set's reference answers as item metadata 'solutions'")
+            raise KeyError(
+                "math_eval needs the eval set's reference answers as item metadata 'solutions'"
+            )
         out = generate_offline(network_of(model), data, self.gconfig, model.tokenizer)
         texts = decode_answers(out, model.tokenizer)
-        correct = verify_batch(texts, [list(s) for s in data.metadata["solutions"]], timeout=self.timeout_s)
+        correct = verify_batch(
+            texts, [list(s) for s in data.metadata["solutions"]], timeout=self.timeout_s
+        )
         # one greedy answer per prompt, in item order
         answer_lens = [
-            L - p for L, p in zip(out.flat_seqlens("packed_input_ids"), data.flat_seqlens("packed_prompts"))
+            L - p
+            for L, p in zip(
+                out.flat_seqlens("packed_input_ids"), data.flat_seqlens("packed_prompts")
+            )
         ]
         return {
             "eval/greedy_acc": sum(correct) / len(correct),

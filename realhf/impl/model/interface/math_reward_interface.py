@@ -19,9 +19,9 @@ from typing import List
 
 import torch
 
-from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
 from realhf.impl.model.interface.helpers import require_keys
 from realhf.impl.reward.math_reward import verify_batch

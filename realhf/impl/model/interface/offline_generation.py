@@ -17,8 +17,8 @@ import torch
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.gen_api import GenerateOutput, GenerateRequest
 from realhf.api.core.model_api import GenerationHyperparameters
-from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.engine import GenerationEngine
+from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.interface.helpers import require_keys, stable_seed
 
 __all__ = ["generate_offline", "outputs_to_sample"]

@@ -34,15 +34,15 @@ import torch
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import stats_tracker
+from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import (
     all_reduce_sum,
     require_keys,
-    sequence_ids,
     seqs_per_item,
+    sequence_ids,
 )
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.algorithms import ppo as F
-from realhf.impl.model.utils.functional import short1cu_seqlens, shift_one_indices
+from realhf.impl.model.utils.functional import shift_one_indices, short1cu_seqlens
 
 __all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key", "required_keys"]
 

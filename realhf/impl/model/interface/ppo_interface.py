@@ -25,10 +25,11 @@ from typing import Any, Dict, Union
 import numpy as np
 import torch
 
-from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
+from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import (
     all_reduce_min,
     engine_of,
@@ -39,7 +40,6 @@ from realhf.impl.model.interface.helpers import (
 from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
-from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
 logger = logging.getLogger("ppo_actor")
@@ -180,7 +180,9 @@ class PPOActorInterface(ModelInterface):
                 hp.eps_clip,
                 d["ppo_loss_mask"],
                 c_clip=hp.c_clip,
-                proximal_logprobs=logp.detach() if hp.proximal_from_train_forward else d.get("proximal_logprobs"),
+                proximal_logprobs=logp.detach()
+                if hp.proximal_from_train_forward
+                else d.get("proximal_logprobs"),
                 behav_imp_weight_cap=hp.behav_imp_weight_cap,
                 early_stop_imp_ratio=hp.early_stop_imp_ratio,
                 group=group,

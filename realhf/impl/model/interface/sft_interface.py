@@ -18,9 +18,9 @@ from typing import Dict
 
 import torch
 
-from realhf.api.core.registry import register_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
 from realhf.impl.model.interface.helpers import all_reduce_sum, dp_group_of, engine_of, require_keys
 from realhf.impl.model.utils.functional import sft_loss, shift_one_indices

@@ -155,8 +155,16 @@ def packed_causal_attention(
             max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         return fn(
-            q, k, v, cu, cu, max_seqlen, max_seqlen,
-            softmax_scale=scale, causal=True, window_size=window,
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window,
         )
     if impl == "sdpa_masked":
         return _masked(q, k, v, cu_seqlens, scale, sliding_window)

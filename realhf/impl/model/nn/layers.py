@@ -70,7 +70,9 @@ def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(mod: nn.Module, x: torch.Tensor, cfg: ReaLModelConfig) -> torch.Tensor:
-    return norm(x, mod.weight, getattr(mod, "bias", None), cfg.layer_norm_epsilon, cfg.layer_norm_type)
+    return norm(
+        x, mod.weight, getattr(mod, "bias", None), cfg.layer_norm_epsilon, cfg.layer_norm_type
+    )
 
 
 def _norm_decls(prefix: str, cfg: ReaLModelConfig, dim: int) -> List[ParamDecl]:

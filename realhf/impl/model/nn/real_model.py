@@ -26,7 +26,6 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from realhf.impl.model.modules.rotary import rope_cos_sin, rope_inv_freq
-from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.flat_param import ParamSpec, build_param_spec, flat_view
 from realhf.impl.model.nn.layers import (
     AttnFn,
@@ -35,6 +34,7 @@ from realhf.impl.model.nn.layers import (
     PackedContext,
     TransformerBlock,
 )
+from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -245,8 +245,7 @@ class ReaLModel(nn.Module):
         T = input_ids.shape[0]
         if int(cu_seqlens[-1]) != T:
             raise ValueError(
-                f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of packed "
-                f"tokens {T}"
+                f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of packed tokens {T}"
             )
         cu_seqlens = cu_seqlens.to(input_ids.device)
         if position_ids is None:

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from backend_testlib import batch, tiny_model
+
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs

@@ -6,8 +6,8 @@ import io
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from backend_testlib import batch, dp_rank_main, lm_loss, lm_weight, optimizer_config, tiny_model
+
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.impl.model.backend import TrainEngine

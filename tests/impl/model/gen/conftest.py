@@ -8,11 +8,16 @@ from typing import List
 
 import pytest
 import torch
-
-from realhf.impl.model import ReaLModel
 from tiny_models import make_tiny_hf_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+from realhf.impl.model import ReaLModel
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "..", "..", "realhf", "assets", "tiny")
 VOCAB = 268  # the embedded tokenizer's size
 EOS, PAD = 0, 1
@@ -21,8 +26,14 @@ EOS, PAD = 0, 1
 def make_model_dir(path, *, seed: int, tokenizer: bool = True) -> str:
     """A tiny qwen2 checkpoint whose greedy outputs vary (large weight noise)."""
     make_tiny_hf_model(
-        "qwen2", path, seed=seed, perturb=0.3, vocab_size=VOCAB,
-        eos_token_id=EOS, pad_token_id=PAD, max_position_embeddings=512,
+        "qwen2",
+        path,
+        seed=seed,
+        perturb=0.3,
+        vocab_size=VOCAB,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        max_position_embeddings=512,
     )
     if tokenizer:
         for f in [os.path.join(ASSETS, f) for f in TOKENIZER_FILES]:

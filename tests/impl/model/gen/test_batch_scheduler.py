@@ -4,19 +4,28 @@ import pytest
 import torch
 
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
-from realhf.impl.model.gen.kv_cache import SlotKVCache
 from realhf.impl.model.gen.batch_scheduler import QueueFullError, Scheduler
-from realhf.impl.model.gen.sequence import Sequence, SeqStatus
+from realhf.impl.model.gen.kv_cache import SlotKVCache
+from realhf.impl.model.gen.sequence import SeqStatus, Sequence
 
 
 def _seq(plen, rid=None):
-    req = GenerateRequest(input_ids=[1] * plen, sampling=SamplingParams(max_new_tokens=4), rid=rid or "")
+    req = GenerateRequest(
+        input_ids=[1] * plen, sampling=SamplingParams(max_new_tokens=4), rid=rid or ""
+    )
     return Sequence(req, 4, frozenset())
 
 
 def _sched(slots=3, prefill=10, queue=100):
-    cache = SlotKVCache(n_layers=1, n_kv_heads=1, head_dim=2, n_slots=slots, slot_len=16,
-                        dtype=torch.float32, device=torch.device("cpu"))
+    cache = SlotKVCache(
+        n_layers=1,
+        n_kv_heads=1,
+        head_dim=2,
+        n_slots=slots,
+        slot_len=16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     return Scheduler(cache, max_prefill_tokens=prefill, max_queued_requests=queue)
 
 

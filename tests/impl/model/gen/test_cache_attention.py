@@ -36,8 +36,15 @@ def _impls():
 @pytest.mark.parametrize("window", [None, 5])
 def test_decode_matches_reference_for_scattered_slots(impl, window):
     torch.manual_seed(0)
-    cache = SlotKVCache(n_layers=2, n_kv_heads=N_KV, head_dim=D, n_slots=8, slot_len=32,
-                        dtype=torch.float32, device=torch.device("cpu"))
+    cache = SlotKVCache(
+        n_layers=2,
+        n_kv_heads=N_KV,
+        head_dim=D,
+        n_slots=8,
+        slot_len=32,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     cache.k.normal_()
     cache.v.normal_()
     slots = torch.tensor([6, 1, 3])  # not contiguous, not sorted
@@ -82,7 +89,9 @@ def test_select_decode_impl():
 
 
 @pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("lens, padded", [([9, 1, 1], False), ([5, 1, 7], True), ([5, 4, 7], True), ([6], False)])
+@pytest.mark.parametrize(
+    "lens, padded", [([9, 1, 1], False), ([5, 1, 7], True), ([5, 4, 7], True), ([6], False)]
+)
 def test_prefill_is_causal_per_prompt(window, lens, padded):
     torch.manual_seed(2)
     T = sum(lens)
@@ -94,13 +103,22 @@ def test_prefill_is_causal_per_prompt(window, lens, padded):
     out = prefill_attention(q, k, v, bounds, sliding_window=window)
     for s, e in zip(bounds[:-1], bounds[1:]):
         for t in range(s, e):
-            ref = _ref_attn(q[t], k[s : t + 1].transpose(0, 1), v[s : t + 1].transpose(0, 1), window)
+            ref = _ref_attn(
+                q[t], k[s : t + 1].transpose(0, 1), v[s : t + 1].transpose(0, 1), window
+            )
             torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-4)
 
 
 def test_cache_write_places_tokens_at_slot_and_position():
-    cache = SlotKVCache(n_layers=3, n_kv_heads=N_KV, head_dim=D, n_slots=4, slot_len=8,
-                        dtype=torch.float32, device=torch.device("cpu"))
+    cache = SlotKVCache(
+        n_layers=3,
+        n_kv_heads=N_KV,
+        head_dim=D,
+        n_slots=4,
+        slot_len=8,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     k, v = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
     cache.write(2, torch.tensor([3, 3, 0]), torch.tensor([0, 1, 5]), k, v)
     torch.testing.assert_close(cache.k[2, 3, :, 0], k[0])
@@ -109,8 +127,15 @@ def test_cache_write_places_tokens_at_slot_and_position():
 
 
 def test_cache_slots_are_lowest_first_and_checked():
-    cache = SlotKVCache(n_layers=1, n_kv_heads=1, head_dim=2, n_slots=3, slot_len=4,
-                        dtype=torch.float32, device=torch.device("cpu"))
+    cache = SlotKVCache(
+        n_layers=1,
+        n_kv_heads=1,
+        head_dim=2,
+        n_slots=3,
+        slot_len=4,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     assert [cache.alloc(), cache.alloc()] == [0, 1]
     cache.free(0)
     assert cache.alloc() == 0
@@ -128,8 +153,15 @@ def test_new_cache_is_finite_even_in_reused_memory():
     # The padded decode path multiplies masked positions by weight 0, and
     # 0 * NaN is NaN: a cache that reused freed memory holding NaNs made the
     # engine emit token 0 (seen only when the whole suite ran in one process).
-    kw = dict(n_layers=2, n_kv_heads=N_KV, head_dim=D, n_slots=4, slot_len=16,
-              dtype=torch.float32, device=torch.device("cpu"))
+    kw = dict(
+        n_layers=2,
+        n_kv_heads=N_KV,
+        head_dim=D,
+        n_slots=4,
+        slot_len=16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
     for _ in range(3):
         junk = torch.full((2, 4, N_KV, 16, D), float("nan"))
         del junk
@@ -137,5 +169,11 @@ def test_new_cache_is_finite_even_in_reused_memory():
         assert torch.count_nonzero(cache.k) == 0 and torch.count_nonzero(cache.v) == 0
     slots, lens = torch.tensor([0, 2]), torch.tensor([3, 1])
     attn = DecodeAttention(slots, lens, sliding_window=None, impl="padded")
-    out = attn(torch.randn(2, N_Q, D), torch.randn(2, N_KV, D), torch.randn(2, N_KV, D), cache.k[0], cache.v[0])
+    out = attn(
+        torch.randn(2, N_Q, D),
+        torch.randn(2, N_KV, D),
+        torch.randn(2, N_KV, D),
+        cache.k[0],
+        cache.v[0],
+    )
     assert torch.isfinite(out).all()

@@ -34,8 +34,11 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tokenizer):
-    engine = load_engine(model_dir, EngineConfig(max_running_requests=MAX_RUNNING, context_length=400),
-                         tokenizer=tokenizer).start()
+    engine = load_engine(
+        model_dir,
+        EngineConfig(max_running_requests=MAX_RUNNING, context_length=400),
+        tokenizer=tokenizer,
+    ).start()
     app = create_app(engine, tokenizer=tokenizer, model_path=model_dir, served_model_name="tiny")
     srv = ServerThread(app).start()
     srv.engine = engine
@@ -46,7 +49,9 @@ def server(model_dir, tokenizer):
 
 @pytest.fixture(scope="module")
 def bare_server(model_dir_no_tokenizer):
-    engine = load_engine(model_dir_no_tokenizer, EngineConfig(max_running_requests=2, context_length=64)).start()
+    engine = load_engine(
+        model_dir_no_tokenizer, EngineConfig(max_running_requests=2, context_length=64)
+    ).start()
     srv = ServerThread(create_app(engine, model_path=model_dir_no_tokenizer)).start()
     yield srv
     srv.stop()
@@ -63,8 +68,15 @@ def greedy_params(n, **kw):
 
 def test_generate_input_ids_with_logprobs(server, model, tokenizer):
     prompt = [5, 17, 42, 9]
-    r = post(server, "/generate", {"input_ids": prompt, "sampling_params": greedy_params(12, ignore_eos=True),
-                                   "return_logprob": True})
+    r = post(
+        server,
+        "/generate",
+        {
+            "input_ids": prompt,
+            "sampling_params": greedy_params(12, ignore_eos=True),
+            "return_logprob": True,
+        },
+    )
     assert r.status_code == 200
     d = r.json()
     ref = reference_greedy(model, prompt, 12)
@@ -80,11 +92,23 @@ def test_generate_input_ids_with_logprobs(server, model, tokenizer):
 
 
 def test_generate_text_batch_and_n(server, model, tokenizer):
-    r = post(server, "/generate", {"text": "Compute 3+4.", "sampling_params": greedy_params(5, ignore_eos=True)})
+    r = post(
+        server,
+        "/generate",
+        {"text": "Compute 3+4.", "sampling_params": greedy_params(5, ignore_eos=True)},
+    )
     ids = tokenizer.encode("Compute 3+4.")
     assert r.json()["output_ids"] == reference_greedy(model, ids, 5)
-    r = post(server, "/generate", {"input_ids": [[3, 4], [5]], "sampling_params": {"n": 2, "max_new_tokens": 3},
-                                   "return_logprob": [True, False], "return_text_in_logprobs": True})
+    r = post(
+        server,
+        "/generate",
+        {
+            "input_ids": [[3, 4], [5]],
+            "sampling_params": {"n": 2, "max_new_tokens": 3},
+            "return_logprob": [True, False],
+            "return_text_in_logprobs": True,
+        },
+    )
     outs = r.json()
     assert isinstance(outs, list) and len(outs) == 4
     assert all(len(o["output_ids"]) <= 3 for o in outs)
@@ -101,7 +125,10 @@ def test_generate_text_batch_and_n(server, model, tokenizer):
         ({"input_ids": [1] * 401}, "prompt has 401 tokens"),
         ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature=-1"),
         ({"input_ids": [1], "sampling_params": {"top_p": 2}}, "top_p=2"),
-        ({"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}}, "min_new_tokens=9"),
+        (
+            {"input_ids": [1], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 2}},
+            "min_new_tokens=9",
+        ),
         ({"input_ids": [1, 99999]}, "outside the vocabulary"),
         ({"input_ids": [1], "stream": True}, "streaming"),
     ],
@@ -110,7 +137,12 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle)
     r = post(server, "/generate", body)
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
-    assert post(server, "/generate", {"input_ids": [3], "sampling_params": greedy_params(1)}).status_code == 200
+    assert (
+        post(
+            server, "/generate", {"input_ids": [3], "sampling_params": greedy_params(1)}
+        ).status_code
+        == 200
+    )
 
 
 def test_invalid_json_is_400(server):
@@ -121,9 +153,15 @@ def test_invalid_json_is_400(server):
 def test_no_tokenizer_server(bare_server):
     r = post(bare_server, "/generate", {"text": "hello"})
     assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
-    d = post(bare_server, "/generate", {"input_ids": [3, 4], "sampling_params": greedy_params(2)}).json()
+    d = post(
+        bare_server, "/generate", {"input_ids": [3, 4], "sampling_params": greedy_params(2)}
+    ).json()
     assert "text" not in d and len(d["output_ids"]) <= 2
-    r = post(bare_server, "/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "hi"}]})
+    r = post(
+        bare_server,
+        "/v1/chat/completions",
+        {"model": "x", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 400 and "chat template" in r.json()["error"]["message"]
 
 
@@ -132,7 +170,13 @@ def test_health_models_metrics_info(server):
     models = requests.get(server.url + "/v1/models", timeout=10).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 400
     text = requests.get(server.url + "/metrics", timeout=10).text
-    for name in ("num_running_reqs", "num_used_tokens", "num_queue_reqs", "token_usage", "gen_throughput"):
+    for name in (
+        "num_running_reqs",
+        "num_used_tokens",
+        "num_queue_reqs",
+        "token_usage",
+        "gen_throughput",
+    ):
         assert re.search(rf'^sglang:{name}{{model_name="tiny"}} [0-9.e+-]+$', text, re.M), name
     assert "# TYPE sglang:num_used_tokens gauge" in text
     assert requests.get(server.url + "/get_model_info", timeout=10).json()["is_generation"] is True
@@ -140,8 +184,16 @@ def test_health_models_metrics_info(server):
 
 
 def test_prometheus_text_counts():
-    st = {"num_running_reqs": 3, "num_used_tokens": 50, "num_queue_reqs": 1, "max_total_num_tokens": 100,
-          "gen_throughput": 12.5, "prompt_tokens_total": 7, "generation_tokens_total": 9, "num_requests_total": 2}
+    st = {
+        "num_running_reqs": 3,
+        "num_used_tokens": 50,
+        "num_queue_reqs": 1,
+        "max_total_num_tokens": 100,
+        "gen_throughput": 12.5,
+        "prompt_tokens_total": 7,
+        "generation_tokens_total": 9,
+        "num_requests_total": 2,
+    }
     text = prometheus_text(st, "m")
     assert 'sglang:num_running_reqs{model_name="m"} 3.0' in text
     assert 'sglang:token_usage{model_name="m"} 0.5' in text
@@ -163,10 +215,16 @@ def test_hundreds_of_concurrent_clients(server, model):
 
     async def main():
         async with aiohttp.ClientSession() as sess:
+
             async def one(k):
                 i = k % 20
-                body = {"input_ids": prompts[i], "sampling_params": greedy_params(budgets[i], ignore_eos=True)}
-                async with sess.post(server.url + "/generate", json=body, timeout=aiohttp.ClientTimeout(300)) as r:
+                body = {
+                    "input_ids": prompts[i],
+                    "sampling_params": greedy_params(budgets[i], ignore_eos=True),
+                }
+                async with sess.post(
+                    server.url + "/generate", json=body, timeout=aiohttp.ClientTimeout(300)
+                ) as r:
                     assert r.status == 200
                     return i, (await r.json())["output_ids"]
 
@@ -194,9 +252,14 @@ def _rollout(server, prompt, budget, chunk, pause_after=None):
     while len(acc_ids) < budget:
         body = {
             "input_ids": prompt + acc_ids,
-            "sampling_params": {"n": 1, "top_p": 1.0, "top_k": -1, "temperature": 0.0,
-                                "max_new_tokens": min(chunk, budget - len(acc_ids)),
-                                "stop_token_ids": [PAD, EOS]},
+            "sampling_params": {
+                "n": 1,
+                "top_p": 1.0,
+                "top_k": -1,
+                "temperature": 0.0,
+                "max_new_tokens": min(chunk, budget - len(acc_ids)),
+                "stop_token_ids": [PAD, EOS],
+            },
             "return_logprob": True,
             "stream": False,
         }
@@ -240,18 +303,28 @@ def test_update_weights_from_disk(server, model_dir, model_dir_b):
     assert r.status_code == 200 and r.json()["success"] is True
     post(server, "/continue_generation", {})
     try:
-        assert post(server, "/generate", body).json()["output_ids"] == reference_greedy(load(model_dir_b), prompt, 8)
+        assert post(server, "/generate", body).json()["output_ids"] == reference_greedy(
+            load(model_dir_b), prompt, 8
+        )
         r = post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
         assert r.status_code == 400 and r.json()["success"] is False and r.json()["message"]
         assert post(server, "/update_weights_from_disk", {"path": "x"}).status_code == 400
     finally:
-        assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()["success"]
+        assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()[
+            "success"
+        ]
 
 
 def test_openai_completions_and_chat(server, model, tokenizer):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    c = client.completions.create(model="tiny", prompt="Compute 3+4.", max_tokens=6, temperature=0,
-                                  logprobs=1, extra_body={"ignore_eos": True})
+    c = client.completions.create(
+        model="tiny",
+        prompt="Compute 3+4.",
+        max_tokens=6,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
     ids = tokenizer.encode("Compute 3+4.")
     ref = reference_greedy(model, ids, 6)
     assert c.choices[0].text == tokenizer.decode(ref, skip_special_tokens=True)
@@ -263,10 +336,18 @@ def test_openai_completions_and_chat(server, model, tokenizer):
     assert len(c.choices) == 4 and [ch.index for ch in c.choices] == [0, 1, 2, 3]
 
     msgs = [{"role": "user", "content": "Compute 12+30."}]
-    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
-                                          logprobs=True, extra_body={"ignore_eos": True})
-    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
+    )
+    chat_ids = tokenizer.encode(
+        tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
     ref = reference_greedy(model, chat_ids, 8)
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == tokenizer.decode(ref, skip_special_tokens=True)

@@ -123,7 +123,13 @@ def test_row_result_does_not_depend_on_the_rest_of_the_batch():
     b.any_truncation = True
     full, _ = sample(logits, b)
     for i in range(6):
-        one = _batch(1, temperature=0.9, top_p=float(b.top_p[i]), top_k=int(b.top_k[i]), uniforms=u[i : i + 1])
+        one = _batch(
+            1,
+            temperature=0.9,
+            top_p=float(b.top_p[i]),
+            top_k=int(b.top_k[i]),
+            uniforms=u[i : i + 1],
+        )
         tok, _ = sample(logits[i : i + 1], one)
         assert tok.item() == full[i].item()
 

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from tiny_models import make_tiny_hf_model
 
 import realhf.impl.model.interface  # noqa: F401  (registers the interfaces)
 from realhf.api.cli_args import OptimizerConfig
@@ -16,7 +17,6 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
-from tiny_models import make_tiny_hf_model
 
 # Tests import the helpers in interface_testlib.py by name.
 _HERE = os.path.dirname(os.path.abspath(__file__))

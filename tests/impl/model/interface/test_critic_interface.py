@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from interface_testlib import MB, on_policy
+
 from realhf.base import stats_tracker
 from realhf.impl.model.interface import PPOActorInterface, PPOCriticInterface
 

@@ -1,13 +1,13 @@
 import pathlib
 
 import torch
+from tiny_models import make_tiny_hf_model
 from transformers import AutoTokenizer
 
-from realhf.api.core.registry import make_interface
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model
+from realhf.api.core.registry import make_interface
 from realhf.impl.model import ReaLModel
-from tiny_models import make_tiny_hf_model
 
 ASSETS = pathlib.Path(__file__).resolve().parents[4] / "realhf" / "assets" / "tiny"
 

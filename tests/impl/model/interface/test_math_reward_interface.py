@@ -2,9 +2,9 @@
 
 import pytest
 
-from realhf.api.core.registry import make_interface
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import Model
+from realhf.api.core.registry import make_interface
 from realhf.base import stats_tracker
 from realhf.impl.model.interface import MathRewardInterface
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-
 from interface_testlib import MB, answer_logprob_sums, on_policy
-from realhf.api.core.registry import InterfaceAbstraction, make_interface
+
 from realhf.api.core.model_api import Model
+from realhf.api.core.registry import InterfaceAbstraction, make_interface
 from realhf.base import stats_tracker
 from realhf.impl.model.interface import PPOActorInterface
 
@@ -119,11 +119,20 @@ def test_decoupled_loss_with_proximal_recompute(make_model, pa_sample):
     assert (after[0] - after[1]) - (before[0] - before[1]) > 0.05, (before, after)
 
 
-def test_one_step_decoupled_loss_takes_proximal_logprobs_from_the_train_forward(make_model, pa_sample):
+def test_one_step_decoupled_loss_takes_proximal_logprobs_from_the_train_forward(
+    make_model, pa_sample
+):
     # With one optimizer step per batch the proximal policy is the one the train step runs:
     # skipping the actor_inf pass must give the same update and the same statistics.
-    hp = dict(group_size=2, group_adv_norm=True, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1,
-              use_decoupled_loss=True, behav_imp_weight_cap=5.0)
+    hp = dict(
+        group_size=2,
+        group_adv_norm=True,
+        disable_value=True,
+        kl_ctl=0.0,
+        ppo_n_minibatches=1,
+        use_decoupled_loss=True,
+        behav_imp_weight_cap=5.0,
+    )
     results = []
     for recompute in (True, False):
         stats_tracker.reset()
@@ -143,7 +152,9 @@ def test_one_step_decoupled_loss_takes_proximal_logprobs_from_the_train_forward(
     for k in ("ppo_actor/behave_imp_weight", "ppo_actor/importance_weight", "ppo_actor/loss"):
         assert s_fw[k] == pytest.approx(s_re[k], rel=1e-4, abs=1e-6), k
     # several optimizer steps per batch still need the recompute pass
-    assert PPOActorInterface(ppo_n_minibatches=2, use_decoupled_loss=True).hp.needs_proximal_recompute
+    assert PPOActorInterface(
+        ppo_n_minibatches=2, use_decoupled_loss=True
+    ).hp.needs_proximal_recompute
 
 
 def test_success_rate_filter_masks_solved_groups(make_model, pa_sample):
@@ -226,7 +237,6 @@ def test_two_gloo_ranks_stay_in_step_and_identical(tmp_path, actor_hf_dir):
     inside (advantage norm, KL mean, early stop, minibatch checks, grad all-reduce, stats
     export) must line up, and the data-parallel replicas must end identical."""
     import torch.multiprocessing as mp
-
     from interface_testlib import ASSETS, dp_rank_main
 
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from realhf.api.core.registry import make_interface
 from realhf.api.core.data_api import MicroBatchSpec
+from realhf.api.core.registry import make_interface
 from realhf.base import stats_tracker
 from realhf.impl.model.utils.functional import sft_loss
 
