@@ -1,7 +1,7 @@
 """Evaluate a checkpoint on math data sets: greedy accuracy, pass@k, maj@k.
 
-    python evaluation/eval_and_aggregate.py --model_path DIR --data_names tiny_arith \\
-        --output_path OUT [--n_samples K --temperature T --max_gen_tokens N]
+    python evaluation/eval_and_aggregate.py --model_path DIR --output_path OUT \\
+        [--data_names tiny_arith,...] [--n_samples K --temperature T --max_gen_tokens N]
 
 For every problem it generates one greedy answer and K sampled answers with the
 built-in engine (realhf.impl.model.gen), grades each with the math verifier, and
@@ -216,8 +216,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     p.add_argument(
         "--data_names",
-        required=True,
-        help="comma-separated names under evaluation/data/ or .jsonl paths",
+        default="tiny_arith",
+        help="comma-separated names under evaluation/data/ or .jsonl paths "
+        "(default: tiny_arith, the embedded arithmetic eval split)",
     )
     p.add_argument(
         "--output_path", required=True, help="directory for samples.jsonl files and summary.json"

@@ -102,3 +102,14 @@ def test_cli_missing_model_dir(tmp_path):
         timeout=120,
     )
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_data_names_default_to_the_embedded_eval_split(tiny_model, tmp_path, capsys):
+    # without --data_names the script used to stop with a usage error
+    from evaluation.eval_and_aggregate import main
+
+    out = tmp_path / "out"
+    argv = ["--model_path", str(tiny_model), "--output_path", str(out), "--max_problems", "2"]
+    assert main(argv + ["--max_gen_tokens", "4"]) == 0
+    summary = json.loads((out / "summary.json").read_text())["results"]
+    assert list(summary) == ["tiny_arith"] and summary["tiny_arith"]["n_problems"] == 2
