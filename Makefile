@@ -1,9 +1,10 @@
-# realhf — common commands. `make demo` runs the main job; `make test` the test suite.
+# realhf — common commands. `make demo` runs the main job; `make test` the test suite;
+# `make lint` checks formatting and lint rules.
 PYTHON ?= python
 PIP ?= $(PYTHON) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench clean
+.PHONY: install test lint format demo bench clean
 
 # torch first, as the CPU wheel 2.13.0: a bare `torch` requirement with no torch
 # installed pulls several GB of CUDA packages. Then the project without build
@@ -17,6 +18,15 @@ install:
 
 test: install
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# ruff (pinned in the test extra, so every machine formats alike); config in pyproject.toml
+lint:
+	$(PYTHON) -m ruff format --check .
+	$(PYTHON) -m ruff check .
+
+format:
+	$(PYTHON) -m ruff format .
+	$(PYTHON) -m ruff check --fix .
 
 demo: install
 	$(PYTHON) -m realhf.apps.quickstart async-ppo-math

@@ -127,6 +127,8 @@ setup(
             "requests",
             "tokenizers",
             "etcd-sdk-python",
+            # `make lint`; pinned because formatter output changes between releases
+            "ruff==0.17.6",
         ],
     },
     ext_modules=ext_modules,
