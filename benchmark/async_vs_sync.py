@@ -115,11 +115,13 @@ def main() -> None:
     acc_async = _acc(asyn["checkpoint"], os.path.join(fileroot, "eval_async"))
     ratio = asyn["samples_per_s"] / sync["samples_per_s"]
     print(
-        f"\nsamples/s   sync {sync['samples_per_s']:.2f}   async {asyn['samples_per_s']:.2f}   ratio {ratio:.2f}x"
+        f"\nsamples/s   sync {sync['samples_per_s']:.2f}   "
+        f"async {asyn['samples_per_s']:.2f}   ratio {ratio:.2f}x"
     )
     print(f"wall        sync {sync['wall_s']:.0f} s   async {asyn['wall_s']:.0f} s")
     print(
-        f"greedy acc  sft {100 * acc_sft:.1f}%   sync {100 * acc_sync:.1f}%   async {100 * acc_async:.1f}%"
+        f"greedy acc  sft {100 * acc_sft:.1f}%   "
+        f"sync {100 * acc_sync:.1f}%   async {100 * acc_async:.1f}%"
     )
     result = {
         "date": datetime.date.today().isoformat(),

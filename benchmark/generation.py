@@ -286,7 +286,8 @@ def main():
         speedup = ours_tps / hf_tps
         speedup_cpu = hf_cpu / ours_cpu
         print(
-            f"decode speedup vs transformers: {speedup:.1f}x wall clock, {speedup_cpu:.1f}x CPU time"
+            f"decode speedup vs transformers: {speedup:.1f}x wall clock, "
+            f"{speedup_cpu:.1f}x CPU time"
         )
 
         hrng = random.Random(args.seed + 1)

@@ -1,6 +1,7 @@
 """Grade the math corpus with our verifier and with the `math-verify` package.
 
-    python benchmark/math_verify_agreement.py [--corpus tests/impl/reward/math_corpus.jsonl] [--show-all]
+    python benchmark/math_verify_agreement.py \\
+        [--corpus tests/impl/reward/math_corpus.jsonl] [--show-all]
 
 Each corpus line holds a generation, its reference solutions and the expected
 verdict (written by hand). Both verifiers grade every line end to end (their

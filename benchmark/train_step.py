@@ -198,7 +198,9 @@ def main():
         "benchmark": "train_step",
         "date": datetime.date.today().isoformat(),
         "threads": torch.get_num_threads(),
-        "model": f"qwen2 hidden={args.hidden} layers={args.layers} heads={heads} vocab={args.vocab}",
+        "model": (
+            f"qwen2 hidden={args.hidden} layers={args.layers} heads={heads} vocab={args.vocab}"
+        ),
         "n_seqs": args.n_seqs,
         "max_len": args.max_len,
         "real_tokens": n_tokens,

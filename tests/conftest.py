@@ -95,7 +95,8 @@ def etcd_server():
                 pytest.fail(f"etcd exited with code {proc.returncode} while starting:\n{tail}")
             if time.monotonic() > deadline:
                 pytest.fail(
-                    f"etcd on 127.0.0.1:{client_port} not healthy after {ETCD_START_TIMEOUT}s; log at {log_path}"
+                    f"etcd on 127.0.0.1:{client_port} not healthy after "
+                    f"{ETCD_START_TIMEOUT}s; log at {log_path}"
                 )
             time.sleep(0.1)
         yield EtcdServer("127.0.0.1", client_port)

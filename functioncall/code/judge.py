@@ -37,6 +37,9 @@ _FENCE = re.compile(r"```[ \t]*(python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IG
 
 def extract_code(text: str) -> Optional[str]:
     """The last closed ```python (or ```py / ```python3) block of ``text``, or None."""
+    # Closed blocks only: an answer cut off by max_new_tokens must not run as
+    # half a program.  The last block, because models tend to draft first and
+    # give their final program at the end.
     blocks = [b for _, b in _FENCE.findall(text) if b.strip()]
     return blocks[-1] if blocks else None
 
@@ -48,10 +51,12 @@ def parse_input_output(input_output: Union[str, dict]) -> dict:
         raise ValueError(f"input_output must be a dict or its JSON, got {type(io).__name__}")
     inputs, outputs = io.get("inputs"), io.get("outputs")
     if not isinstance(inputs, list) or not isinstance(outputs, list) or len(inputs) != len(outputs):
+        n_in = len(inputs) if isinstance(inputs, list) else "-"
+        n_out = len(outputs) if isinstance(outputs, list) else "-"
         raise ValueError(
             "input_output needs lists 'inputs' and 'outputs' of the same length; got "
-            f"inputs={type(inputs).__name__}[{len(inputs) if isinstance(inputs, list) else '-'}], "
-            f"outputs={type(outputs).__name__}[{len(outputs) if isinstance(outputs, list) else '-'}]"
+            f"inputs={type(inputs).__name__}[{n_in}], "
+            f"outputs={type(outputs).__name__}[{n_out}]"
         )
     if not inputs:
         raise ValueError("input_output has no test cases; a program cannot be judged on none")
@@ -84,11 +89,14 @@ def stdout_matches(got: str, expected: Any) -> bool:
     exp_lines = [line.strip() for line in expected.strip().splitlines()]
     if got_lines == exp_lines:
         return True
+    # Datasets disagree on line layout (one answer per line or all on one), so
+    # a token-wise match is accepted too.
     got_tok, exp_tok = got.split(), expected.split()
     return len(got_tok) == len(exp_tok) and all(map(_tokens_equal, got_tok, exp_tok))
 
 
 def _values_equal(a: Any, b: Any) -> bool:
+    # bool first: it is an int subclass, and True must not pass for 1.
     if isinstance(a, bool) or isinstance(b, bool):
         return a is b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):

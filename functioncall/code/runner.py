@@ -76,6 +76,9 @@ def _install_seccomp():
     filters = (SockFilter * len(prog))(*[SockFilter(*i) for i in prog])
     fprog = SockFprog(len(prog), filters)
     libc = ctypes.CDLL(None, use_errno=True)
+    # The kernel accepts a filter from a process without CAP_SYS_ADMIN only
+    # once no_new_privs is set (the sandbox uid has no capabilities).  The
+    # filter is inherited by every child and cannot be removed.
     pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
     if libc.prctl(pr_set_no_new_privs, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
@@ -132,6 +135,9 @@ def main(argv):
     program = os.path.join(code_dir, "program.py")
     with open(program, encoding="utf-8") as f:
         source = f.read()
+    # Contest solutions often recurse deeply (DFS over 1e5 nodes); the default
+    # limit of 1000 would fail correct programs.  A real C-stack overflow only
+    # crashes this sandboxed process.
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 100000))
     if mode == "stdio":
         namespace = {"__name__": "__main__", "__file__": program, "__builtins__": __builtins__}
@@ -170,4 +176,7 @@ if __name__ == "__main__":
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
+    # os._exit: atexit hooks, __del__ methods and non-daemon threads of the
+    # program must not run (print, or hang until the wall timeout) after the
+    # result has been written.
     os._exit(code)

@@ -87,6 +87,9 @@ class SandboxLimits:
     @property
     def cpu_s(self) -> int:
         """CPU-seconds limit: the wall timeout rounded up, plus one."""
+        # A backstop above the wall timeout: a busy single-process program is
+        # stopped by the wall clock first and reported as timed_out, instead
+        # of dying by SIGXCPU/SIGKILL with an unclear return code.
         return int(math.ceil(self.wall_timeout_s)) + 1
 
 
@@ -122,6 +125,11 @@ def _python_roots() -> List[str]:
 
 
 def _prlimit_prefix(limits: SandboxLimits) -> List[str]:
+    # prlimit sets soft and hard limits alike and runs first, as root, so the
+    # limits are in place before any sandboxed code runs and are inherited
+    # across bwrap and setpriv.  Once the uid is dropped the program can lower
+    # them but never raise them again.  RLIMIT_NPROC is ignored while root and
+    # takes effect with the uid switch (see the module docstring).
     mb = 1 << 20
     return [
         "/usr/bin/prlimit",
@@ -143,8 +151,12 @@ def _bwrap_command(uid: int, code_dir: str, limits: SandboxLimits) -> List[str]:
         "--unshare-pid",
         "--unshare-net",
         "--unshare-uts",
+        # -try: kernels without cgroup namespaces still get the other ones.
         "--unshare-cgroup-try",
+        # The verifier dying must not leave the sandbox running unsupervised.
         "--die-with-parent",
+        # setsid(): no controlling terminal, so no TIOCSTI input injection
+        # into the terminal the verifier was started from.
         "--new-session",
         "--hostname",
         "sandbox",
@@ -159,6 +171,10 @@ def _bwrap_command(uid: int, code_dir: str, limits: SandboxLimits) -> List[str]:
             cmd += ["--ro-bind", d, d]
     for root in _python_roots():
         cmd += ["--ro-bind", root, root]
+    # The tmpfs mounts are created by root but written by the sandbox uid,
+    # hence the sticky world-writable 1777; each is size-capped so a program
+    # cannot fill the host's memory through them.  --clearenv keeps every host
+    # variable (tokens, credentials, proxy settings) out of the sandbox.
     cmd += [
         "--proc",
         "/proc",
@@ -229,6 +245,8 @@ def sandbox_mode() -> str:
     with _mode_lock:
         if _mode is not None:
             return _mode
+        # Decided once under the lock: verify_batch calls this from many
+        # threads, and the bwrap probe should run (and be logged) only once.
         if os.geteuid() != 0:
             raise RuntimeError(
                 "the code sandbox must start as root to run programs as a dedicated uid "
@@ -246,7 +264,8 @@ def sandbox_mode() -> str:
         if reason is None:
             _mode = "bwrap"
             logger.info(
-                "code sandbox mode: bwrap (pid/net/mount/ipc/uts namespaces, dedicated uid, rlimits)"
+                "code sandbox mode: bwrap "
+                "(pid/net/mount/ipc/uts namespaces, dedicated uid, rlimits)"
             )
         elif wanted == "bwrap":
             raise RuntimeError(f"REALHF_SANDBOX_MODE=bwrap but bwrap cannot run: {reason}")
@@ -264,6 +283,8 @@ def _probe_bwrap() -> Optional[str]:
     """None if a bwrap sandbox starts and runs Python here, else why not."""
     if shutil.which("bwrap") is None:
         return "bwrap is not installed (Debian package bubblewrap)"
+    # A generous timeout: the probe is the first sandbox start of the process
+    # and may read the whole interpreter from a cold disk cache.
     try:
         res = _run(["-c", "pass"], {}, b"", SandboxLimits(wall_timeout_s=20), "bwrap")
     except (OSError, subprocess.SubprocessError) as e:
@@ -304,6 +325,8 @@ def _run(args, files, stdin, limits, mode) -> RunResult:
         os.chmod(host_dir, 0o711)  # rlimit mode: others may reach code/ and work/, not list
         code_dir = os.path.join(host_dir, "code")
         os.mkdir(code_dir, 0o755)
+        # Root-owned 0755/0644: the sandbox uid can read the program and the
+        # runner but not change them (under bwrap /code is read-only anyway).
         for name, content in files.items():
             path = os.path.join(code_dir, name)
             with open(path, "w", encoding="utf-8") as f:
@@ -320,6 +343,9 @@ def _run(args, files, stdin, limits, mode) -> RunResult:
             os.chown(cwd, slot.uid, slot.uid)
             env = {"PATH": "/usr/bin:/bin", "HOME": cwd, "LANG": "C.UTF-8", "TMPDIR": cwd}
         argv = [a.replace("{code}", sandbox_code) for a in args]
+        # -I: no PYTHON* variables, no user site-packages, and neither the
+        # script's directory nor the cwd on sys.path, so files the program
+        # writes cannot shadow modules the runner imports.
         cmd = cmd + [os.path.realpath(sys.executable), "-I"] + argv
         return _execute(cmd, cwd, env, stdin, limits, mode, slot.uid, host_dir)
     finally:
@@ -362,6 +388,10 @@ def _execute(cmd, cwd, env, stdin, limits, mode, uid, host_dir) -> RunResult:
         except subprocess.TimeoutExpired:
             timed_out = True
         finally:
+            # Kill the group even after a clean exit: the program may have left
+            # children behind.  Processes that left the group (setsid, or the
+            # session bwrap creates) are caught by sweep_uid in _run, which
+            # kills everything the sandbox uid still owns.
             try:
                 os.killpg(proc.pid, 9)
             except (ProcessLookupError, PermissionError):

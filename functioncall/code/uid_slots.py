@@ -37,6 +37,8 @@ class UidSlot:
                 f"REALHF_SANDBOX_UID_BASE={base} / REALHF_SANDBOX_SLOTS={slots}: need a base "
                 ">= 1000 of uids no account uses and at least one slot"
             )
+        # Root-only lock files: a sandboxed program (which in rlimit mode can
+        # write to /tmp) must not be able to open, and so hold, a slot's lock.
         os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
         deadline = time.monotonic() + wait_s
         while True:
@@ -46,6 +48,8 @@ class UidSlot:
                 fd = os.open(
                     os.path.join(_LOCK_DIR, f"uid-{uid}.lock"), os.O_CREAT | os.O_RDWR, 0o600
                 )
+                # flock, not a pid file: the kernel drops it when the holder
+                # dies, so a crashed verifier never leaks a slot.
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -81,6 +85,8 @@ def kill_uid(uid: int) -> None:
     if uid < 1000:
         raise ValueError(f"refusing to sweep uid {uid}: not a sandbox uid")
     sweep = "import os\ntry:\n os.kill(-1, 9)\nexcept ProcessLookupError:\n pass"
+    # -I -S: no environment variables and no site-packages code take part in a
+    # command that runs as the sandbox uid; it also starts faster.
     subprocess.run(
         setpriv(uid) + [os.path.realpath(sys.executable), "-I", "-S", "-c", sweep],
         stdin=subprocess.DEVNULL,
@@ -135,7 +141,13 @@ def sweep_uid(uid: int, timeout: float = 10.0) -> None:
 
 
 def remove_files_of(uid: int) -> None:
-    """Delete what ``uid`` left in world-writable directories (rlimit mode has no private /tmp)."""
+    """Delete what ``uid`` left in world-writable directories (rlimit mode has no
+    private /tmp)."""
+    # This runs as root over directories the program could write to, so it
+    # must never follow a link it planted: stat/is_dir look at the entry
+    # itself, unlink removes a symlink and not its target, and rmtree (the
+    # fd-based, symlink-attack-resistant version on Linux) removes links
+    # inside a directory instead of descending through them.
     for d in _SHARED_TMP_DIRS:
         try:
             entries = list(os.scandir(d))
@@ -154,7 +166,12 @@ def remove_files_of(uid: int) -> None:
 
 
 def setpriv(uid: int) -> List[str]:
-    """Command prefix that execs as ``uid`` with no groups, no capabilities, no new privileges."""
+    """Command prefix that execs as ``uid`` with no groups, no capabilities, no new
+    privileges."""
+    # --clear-groups drops root's supplementary groups (files readable by
+    # group 0 stay closed); emptying the inheritable and bounding sets means no
+    # capability can come back through file capabilities of an exec'd binary;
+    # --no-new-privs makes setuid programs (su, sudo, mount) run unprivileged.
     return [
         "/usr/bin/setpriv",
         f"--reuid={uid}",

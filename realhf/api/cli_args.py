@@ -51,7 +51,8 @@ class OptimizerConfig:
         )
         _check(
             0.0 <= self.warmup_steps_proportion < 1.0,
-            f"optimizer.warmup_steps_proportion must be in [0, 1), got {self.warmup_steps_proportion}",
+            "optimizer.warmup_steps_proportion must be in [0, 1), "
+            f"got {self.warmup_steps_proportion}",
         )
         _check(
             0.0 <= self.min_lr_ratio <= 1.0,
@@ -90,7 +91,10 @@ class MicroBatchConfig:
 
     n_mbs: int = field(default=1, metadata={"help": "minimum number of micro-batches"})
     max_tokens_per_mb: int = field(
-        default=1 << 30, metadata={"help": "token budget per micro-batch (first-fit-decreasing)"}
+        # 2**30: in effect no budget, so n_mbs alone decides the split unless a
+        # user sets a real limit.
+        default=1 << 30,
+        metadata={"help": "token budget per micro-batch (first-fit-decreasing)"},
     )
 
     def __post_init__(self):
@@ -141,6 +145,8 @@ class ExperimentControlConfig:
     )
 
     def __post_init__(self):
+        # These checks see the merged config (cli_parser builds the dataclasses
+        # only after every source is merged), never an intermediate YAML state.
         _check(
             self.total_train_epochs >= 1,
             f"total_train_epochs must be >= 1, got {self.total_train_epochs}",
@@ -171,7 +177,8 @@ class BaseExperimentConfig:
     allocation_mode: str = field(
         default="d1p1m1",
         metadata={
-            "help": "trainer layout dXpYmZ (data/pipe/tensor), or gen.dXpYmZ+dXpYmZ for generation servers + trainer"
+            "help": "trainer layout dXpYmZ (data/pipe/tensor), "
+            "or gen.dXpYmZ+dXpYmZ for generation servers + trainer"
         },
     )
     recover_mode: str = field(default="disabled", metadata={"help": f"one of {RECOVER_MODES}"})
@@ -181,7 +188,8 @@ class BaseExperimentConfig:
     name_resolve: str = field(
         default="",
         metadata={
-            "help": "name-resolve backend URL: file:///dir or etcd3://host:port; empty = file under fileroot"
+            "help": "name-resolve backend URL: file:///dir or etcd3://host:port; "
+            "empty = file under fileroot"
         },
     )
     worker_timeout: float = field(
@@ -191,7 +199,8 @@ class BaseExperimentConfig:
     torch_threads: Optional[int] = field(
         default=None,
         metadata={
-            "help": "intra-op CPU threads of each training process; empty = the cores shared evenly (async: the trainer gets half the spare cores)"
+            "help": "intra-op CPU threads of each training process; empty = the cores "
+            "shared evenly (async: the trainer gets half the spare cores)"
         },
     )
     exp_ctrl: ExperimentControlConfig = field(default_factory=ExperimentControlConfig)

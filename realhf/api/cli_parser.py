@@ -121,12 +121,18 @@ def parse_config(cls, argv: list[str]):
                 raise ConfigError("--config needs a YAML file path")
         elif arg.startswith("--config="):
             yaml_path = arg.split("=", 1)[1]
+        # A leading "-" means a mistyped flag ("--lr=1"), never a key.
         elif "=" in arg and not arg.startswith("-"):
             overrides.append(arg)
         else:
             raise ConfigError(
                 f"cannot parse argument '{arg}': expected '--config FILE.yaml' or 'key=value'"
             )
+    # Merge order, later wins: dataclass defaults < YAML file < each override
+    # in command-line order.  Merging one source at a time lets an error name
+    # the source it came from.  Nothing is validated beyond types until
+    # _to_object() builds the dataclasses, so a YAML value that is invalid
+    # alone may still be fixed by a later override.
     conf = OmegaConf.structured(cls)
     if yaml_path is not None:
         path = pathlib.Path(yaml_path)
@@ -160,6 +166,8 @@ def config_from_dict(cls, values: dict, source: str):
 
 
 def _to_object(conf):
+    # to_object() instantiates the real dataclasses, innermost first, so every
+    # __post_init__ check runs here, on the fully merged values.
     try:
         return OmegaConf.to_object(conf)
     except OmegaConfBaseException as e:

@@ -39,6 +39,8 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     experiment, trial, fileroot, spec = resolve_names(name, cfg)
     run_dir = os.path.join(fileroot, experiment, trial)
     os.makedirs(run_dir, exist_ok=True)
+    # Written before anything runs, so a run that fails still records the
+    # config it failed with; a recovered attempt reuses the same directory.
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(f"# quickstart {name}\n" + to_yaml(cfg))
     attempts = 1 + (cfg.recover_retries if cfg.recover_mode == "auto" else 0)
@@ -65,6 +67,9 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                 name_resolve_spec=spec,
                 experiment_type=name,
                 experiment_args={"cfg": cfg},
+                # The controller process gets the config, not the compiled
+                # workers: importing the builder's module registers the
+                # experiment there, and it rebuilds the run from `cfg`.
                 imports=[qs.build.__module__],
                 timeout=timeout,
                 fileroot=fileroot,
@@ -77,6 +82,7 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
             print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
             return 1
     print(
-        f"{name}: finished in {time.monotonic() - t0:.0f}s; outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}"
+        f"{name}: finished in {time.monotonic() - t0:.0f}s; "
+        f"outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}"
     )
     return 0

@@ -48,7 +48,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _load_experiments()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
-        return 0 if argv else 2
+        return 0 if argv else 2  # no arguments at all is a usage error
     name, rest = argv[0], argv[1:]
     try:
         qs = get_quickstart_exp(name)

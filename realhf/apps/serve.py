@@ -112,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     try:
-        # Bind before loading anything heavy: a taken port fails in a second, not after warm-up.
+        # Bind before starting and warming up the engine: a taken port fails at
+        # once, and the port is ours while the warm-up runs.
         sock = listen_socket(args.host, args.port)
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)

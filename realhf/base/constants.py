@@ -172,6 +172,10 @@ def ensure_writable(path: str) -> str:
             + ". Set REALHF_FILEROOT (or the experiment's fileroot) to a writable "
             "directory."
         ) from e
+    # A real write rather than os.access(): access() tests the real, not the
+    # effective uid, and can say yes where a write then fails (network file
+    # systems, quotas).  The pid in the name keeps workers probing one
+    # directory at once from racing.
     probe = os.path.join(path, f".write_probe.{os.getpid()}")
     try:
         with open(probe, "w") as f:

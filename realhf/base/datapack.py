@@ -71,6 +71,8 @@ def _partition_balanced(lengths, k, min_size):
     prefix = np.zeros(n + 1, dtype=np.int64)
     for i in range(n):
         prefix[i + 1] = prefix[i] + lengths[i]
+    # The answer lies in [longest item, total]: no group can be smaller than
+    # its biggest item, and one group holding everything always fits.
     lo = 0
     for i in range(n):
         lo = max(lo, lengths[i])
@@ -87,7 +89,8 @@ def _partition_balanced(lengths, k, min_size):
     bounds[k] = n
     i = n
     for j in range(k, 0, -1):
-        # Walk back: the largest start p that leaves a reachable prefix.
+        # Walk back: the largest start p that leaves a reachable prefix.  Such a
+        # p exists because reach[k, n] held for cap == lo, so the loop ends.
         p = i - min_size
         while not (reach[j - 1, p] and prefix[i] - prefix[p] <= lo):
             p -= 1
@@ -206,6 +209,8 @@ def ffd_allocate(
             f"capacity {capacity}; raise the capacity (max_tokens_per_mb) to at least "
             f"{int(arr[big])}"
         )
+    # A Python int of any size may mean "no budget"; clamp it to an int64 with
+    # headroom, so the conversion cannot fail and sums[g] + x cannot overflow.
     group_of, n_groups = _ffd_allocate(arr, np.int64(min(capacity, 2**62)), int(min_groups))
     groups: list[list[int]] = [[] for _ in range(n_groups)]
     for i, g in enumerate(group_of.tolist()):

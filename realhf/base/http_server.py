@@ -175,6 +175,8 @@ async def serve_until_started(
     loop = asyncio.get_running_loop()
     task = loop.create_task(serve(), name=f"serve {name}")
     deadline = loop.time() + timeout
+    # uvicorn offers no event for "serving", only the `started` flag that it
+    # sets after the lifespan start-up and listen(); 10 ms polling is cheap.
     try:
         while not server.started:
             if task.done():
@@ -314,5 +316,7 @@ class ServerThread:
             self.error = e
             raise
         finally:
+            # Set on failure too: start() waits on the event and then reads
+            # self.error to tell a failed start from a successful one.
             self._up.set()
         await task

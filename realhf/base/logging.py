@@ -49,8 +49,8 @@ ERROR = _std_logging.ERROR
 CRITICAL = _std_logging.CRITICAL
 
 _DATEFMT = "%Y%m%d-%H:%M:%S"
-# One format per kind of output.  The worker name sits in brackets so `grep`
-# over a directory of worker logs finds one worker's lines.
+# One format per kind of output.  The logger (worker) name follows the time
+# stamp so `grep` over a directory of worker logs finds one worker's lines.
 LOG_TYPES: Dict[str, str] = {
     "system": "%(asctime)s.%(msecs)03d %(name)s %(levelname)s: %(message)s",
     "benchmark": "%(asctime)s.%(msecs)03d [BENCH] %(name)s: %(message)s",
@@ -185,6 +185,9 @@ class _ShortName(_std_logging.Filter):
         self._type = type_
 
     def filter(self, record: _std_logging.LogRecord) -> bool:
+        # Mutating the record (rather than formatting differently) is what
+        # lets the package logger's shared handlers see the short name: a
+        # logger's filters run once, before the record propagates to them.
         record.name = self._short
         record.realhf_type = self._type
         return True
@@ -201,6 +204,8 @@ def add_file_handler(path: str, level: Optional[int] = None) -> _std_logging.Han
         if path in _file_handlers:
             return _file_handlers[path]
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Append: a worker restarted after a failure (or a recovered run) must
+        # not wipe the lines that explain why it was restarted.
         handler = _std_logging.FileHandler(path, mode="a", encoding="utf-8")
         handler.setFormatter(_std_logging.Formatter(LOG_TYPES["system"], datefmt=_DATEFMT))
         if level is not None:
@@ -223,6 +228,8 @@ def remove_file_handler(path: str) -> None:
 
 def set_level(level: int) -> None:
     """Set the level of every realhf logger created so far (and the default)."""
+    # Through the environment too, so that worker processes spawned after this
+    # call start at the same level.
     os.environ["REALHF_LOG_LEVEL"] = _std_logging.getLevelName(level)
     with _lock:
         _install_package_logger().setLevel(level)

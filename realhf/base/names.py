@@ -45,6 +45,9 @@ __all__ = [
 
 def _seg(kind: str, value) -> str:
     """Validate a key segment: a non-empty string/int without empty parts."""
+    # name_resolve.normalize_key() would reject "a//b" later, but without
+    # saying which name was wrong, and it silently strips a trailing "/", so
+    # a segment "x/" at the end of a key would alias the key of "x".
     s = str(value)
     if not s or s.startswith("/") or s.endswith("/") or "//" in s:
         raise ValueError(
@@ -97,7 +100,8 @@ def request_reply_stream_root(experiment_name: str, trial_name: str) -> str:
 
 def request_reply_stream(experiment_name: str, trial_name: str, stream_name: str) -> str:
     """Address of the request/reply stream ``stream_name`` (master <-> model workers)."""
-    return f"{request_reply_stream_root(experiment_name, trial_name)}/{_seg('stream_name', stream_name)}"
+    root = request_reply_stream_root(experiment_name, trial_name)
+    return f"{root}/{_seg('stream_name', stream_name)}"
 
 
 def push_pull_stream_root(experiment_name: str, trial_name: str) -> str:

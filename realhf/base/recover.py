@@ -87,9 +87,17 @@ def commit(
     Writes ``master.json`` into it, renames it to ``step{step}``, points ``latest`` at it,
     then deletes all but the ``keep`` newest complete checkpoints and stale ``.tmp`` dirs.
     """
+    # The order is the protocol: master.json marks the directory complete, the
+    # rename makes it visible under its final name (atomic within one file
+    # system, and tmp_dir is a sibling), and only then does `latest` move.
+    # Pruning comes last, so the previous checkpoint stays valid until the new
+    # one is fully committed.
     write_json_atomic(os.path.join(tmp_dir, MASTER_STATE), dict(master_state), indent=1)
     final = os.path.join(root, _step_name(step))
     if os.path.exists(final):  # the same step checkpointed again after a resume
+        # rename() cannot replace a non-empty directory.  A crash between here
+        # and the rename leaves `latest` naming a missing directory, which
+        # find_latest reports rather than silently resuming from older state.
         shutil.rmtree(final)
     os.rename(tmp_dir, final)
     write_atomic(os.path.join(root, LATEST), _step_name(step))
@@ -179,12 +187,16 @@ def save_worker_state(
             are saved.
     """
     written = []
+    # No atomic writes needed for the .pt files: they go into the .tmp
+    # directory, which nobody reads before commit() renames it.
     for name, iface in _stateful(interfaces).items():
         path = interface_state_path(ckpt_dir, name, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(iface.state_dict(), path)
         written.append(path)
     for role, (model, engine) in trainable.items():
+        # Model workers are data-parallel replicas holding the full weights, so
+        # one copy suffices; the optimizer state is saved by every rank.
         if rank == 0:
             model.save_hf(model_dir(ckpt_dir, role))
             written.append(model_dir(ckpt_dir, role))
@@ -213,9 +225,12 @@ def load_worker_state(
         path = interface_state_path(ckpt_dir, name, rank)
         if not os.path.exists(path):
             raise RecoverError(
-                f"recover checkpoint {ckpt_dir} lacks {path} (state of MFC {name!r}'s interface); "
+                f"recover checkpoint {ckpt_dir} lacks {path} "
+                f"(state of MFC {name!r}'s interface); "
                 "resume with the same experiment config"
             )
+        # weights_only=False: these are our own pickles (optimizer states hold
+        # plain Python values next to tensors) from this run's own directory.
         iface.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
     for role, (model, engine) in trainable.items():
         mdir = model_dir(ckpt_dir, role)
@@ -223,8 +238,9 @@ def load_worker_state(
         for p in (mdir, opath):
             if not os.path.exists(p):
                 raise RecoverError(
-                    f"recover checkpoint {ckpt_dir} lacks {p}; it was written by a run with other "
-                    "trainable roles or fewer model workers — resume with the same experiment config"
+                    f"recover checkpoint {ckpt_dir} lacks {p}; it was written by a run "
+                    "with other trainable roles or fewer model workers — resume with "
+                    "the same experiment config"
                 )
         model.load_hf_weights(mdir)
         engine.load_state_dict(torch.load(opath, map_location="cpu", weights_only=False))
@@ -232,7 +248,8 @@ def load_worker_state(
         path = data_state_path(ckpt_dir, rank)
         if not os.path.exists(path):
             raise RecoverError(
-                f"recover checkpoint {ckpt_dir} lacks {path}; resume with the same number of model workers"
+                f"recover checkpoint {ckpt_dir} lacks {path}; "
+                "resume with the same number of model workers"
             )
         with open(path) as f:
             loader.load_state_dict(json.load(f))

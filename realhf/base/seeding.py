@@ -44,6 +44,8 @@ def set_random_seed(base_seed: int, key: str = "") -> int:
     seed = derive_seed(base_seed, key)
     global _base_seed, _key
     _base_seed, _key = base_seed, key
+    # The running interpreter fixed its hash seed at start-up; this only makes
+    # set/dict iteration order reproducible in the processes it spawns.
     os.environ["PYTHONHASHSEED"] = str(seed)
     random.seed(seed)
     np.random.seed(seed)
@@ -59,7 +61,8 @@ def get_seed() -> int:
     """The base seed given to :func:`set_random_seed`; raises if never set."""
     if _base_seed is None:
         raise RuntimeError(
-            "No seed set in this process; call realhf.base.seeding.set_random_seed(seed, key) first."
+            "No seed set in this process; call "
+            "realhf.base.seeding.set_random_seed(seed, key) first."
         )
     return _base_seed
 

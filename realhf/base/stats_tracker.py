@@ -9,7 +9,8 @@ scope; the training loop exports everything once per step::
         stats_tracker.denominator(n_tokens=loss_mask)          # bool tensor
         stats_tracker.stat(importance_weight=ratio, denominator="n_tokens")
         stats_tracker.scalar(lr=1e-5)                            # plain floats
-    stats = stats_tracker.export()   # {"ppo/n_tokens": 812.0, "ppo/importance_weight": 1.01, "ppo/lr": 1e-05}
+    stats = stats_tracker.export()
+    # {"ppo/n_tokens": 812.0, "ppo/importance_weight": 1.01, "ppo/lr": 1e-05}
 
 Reduce types (:class:`ReduceType`): ``sum``, ``mean``, ``min``, ``max`` and
 ``avg_min_max`` (exports ``key/avg``, ``key/min``, ``key/max``).  Repeated
@@ -77,6 +78,9 @@ class _Record:
     reduce_type: ReduceType
     kind: str  # "scalar" | "stat" | "denominator"
     # Flat float64 values and matching bool masks (all-True for scalars).
+    # float64 because sums run over every token of a step: float32 stops
+    # counting exactly at 2**24 and its sums drift long before that.  Kept on
+    # the CPU so that records piling up over micro-batches hold no GPU memory.
     values: List[torch.Tensor] = dataclasses.field(default_factory=list)
     masks: List[torch.Tensor] = dataclasses.field(default_factory=list)
 
@@ -179,7 +183,8 @@ class StatsTracker:
                 if isinstance(x, torch.Tensor):
                     if x.numel() != 1:
                         raise ValueError(
-                            f"scalar {name!r} must be a number, got a tensor of shape {tuple(x.shape)}; use stat() for tensors."
+                            f"scalar {name!r} must be a number, got a tensor of shape "
+                            f"{tuple(x.shape)}; use stat() for tensors."
                         )
                     x = x.item()
                 if not isinstance(x, (int, float)) or isinstance(x, bool):
@@ -202,6 +207,9 @@ class StatsTracker:
                 rec = self._get(key, ReduceType.SUM, "denominator")
                 rec.values.append(m.to(torch.float64))
                 rec.masks.append(torch.ones_like(m))
+                # stat() pairs values with the *latest* mask of this name, so a
+                # loop that records denominator then stat per micro-batch keeps
+                # each batch's values aligned with its own mask.
                 self._masks[key] = m
 
     def stat(self, denominator: str, reduce_type=ReduceType.MEAN, **values: torch.Tensor) -> None:
@@ -218,7 +226,8 @@ class StatsTracker:
             for name, v in values.items():
                 if not isinstance(v, torch.Tensor):
                     raise TypeError(
-                        f"stat {name!r} must be a tensor, got {type(v).__name__}; use scalar() for numbers."
+                        f"stat {name!r} must be a tensor, got {type(v).__name__}; "
+                        "use scalar() for numbers."
                     )
                 if v.numel() != mask.numel():
                     raise ValueError(
@@ -237,6 +246,9 @@ class StatsTracker:
         Every rank of the group must call this (it is a collective).  Keys are
         sorted.  ``reset`` clears the records afterwards.
         """
+        # Snapshot under the lock, reduce outside it: the collectives wait for
+        # the slowest rank, and other threads must be able to keep recording
+        # (into the next step's records) meanwhile.
         with self._lock:
             local = {k: (r.reduce_type, r.partials()) for k, r in self._records.items()}
             if reset:
@@ -259,6 +271,10 @@ class StatsTracker:
 
 def _all_reduce_partials(local, group):
     """Union keys over ranks, then SUM/MIN/MAX-reduce the partials in 3 collectives."""
+    # A rank that saw no data for a key (e.g. no sample of some kind this step)
+    # never recorded it, yet must still contribute to that key's collective.
+    # Gathering the key names first gives every rank the same sorted union, so
+    # slot i of each reduced tensor means the same key on every rank.
     world = dist.get_world_size(group)
     gathered: List[Optional[Dict[str, str]]] = [None] * world
     dist.all_gather_object(gathered, {k: rt.value for k, (rt, _) in local.items()}, group=group)
@@ -276,6 +292,7 @@ def _all_reduce_partials(local, group):
     for k in keys:
         p = local[k][1] if k in local else {}
         for name in _PARTIALS[types[k]]:
+            # Identity elements of each reduction, so absent keys change nothing.
             default = {"min": math.inf, "max": -math.inf}.get(name, 0.0)
             slots[name].append((k, p.get(name, default)))
     reduced: Dict[str, Dict[str, float]] = {k: {} for k in keys}

@@ -53,6 +53,8 @@ class FrequencyControl:
         _check_freq("freq_sec", self.freq_sec)
         self._epochs = 0  # since the last firing
         self._steps = 0
+        # monotonic, not time.time(): an NTP step or a manual clock change must
+        # neither fire a time criterion early nor hold it back for hours.
         self._last_time = time.monotonic()
         self._total_epochs = 0
         self._total_steps = 0
@@ -116,6 +118,9 @@ class FrequencyControl:
         self._total_epochs = int(state["total_epochs"])
         self._total_steps = int(state["total_steps"])
         self._n_fired = int(state["n_fired"])
+        # Monotonic clocks of different processes share no epoch, so the saved
+        # value is a duration; rebasing it on this process's clock keeps the
+        # downtime out of it.
         self._last_time = time.monotonic() - float(state.get("elapsed_sec", 0.0))
 
 

@@ -49,6 +49,9 @@ class ProcessTopology:
         self.axes = axes
         self.dims = dims
         self.ProcessCoord = collections.namedtuple("ProcessCoord", axes)
+        # itertools.product varies its last iterable fastest, which is exactly the
+        # row-major order promised above.  Both directions are tabulated: one
+        # entry per rank is small, and lookups happen often.
         self._coord_of: List[Tuple[int, ...]] = list(itertools.product(*(range(d) for d in dims)))
         self._rank_of: Dict[Tuple[int, ...], int] = {c: r for r, c in enumerate(self._coord_of)}
 
@@ -154,6 +157,8 @@ class ProcessTopology:
         parameters (differing only along ``omit_axes``) get the same name.
         Indices are zero-padded to two digits so names sort correctly.
         """
+        # Validate first: a misspelt axis would otherwise be silently kept in
+        # the name, and shards of different DP ranks would stop matching.
         for a in omit_axes:
             self._axis_index(a)
         coord = self.get_coord(rank)

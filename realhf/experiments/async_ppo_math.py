@@ -19,8 +19,8 @@ per step; the trainer trains with the decoupled PPO loss (``actor_train``; the p
 log-probs come from its own forward pass when a batch makes one optimizer step, otherwise
 from an ``actor_inf`` pass before it), and publishes the new weights, which the manager pushes
 to every server.  With ``max_head_offpolicyness = η`` no trajectory is trained more than η
-versions after the version that started it (exact, see realhf.system.rollout.staleness); the per-step
-``rollout/staleness_max`` shows it and a violation stops the run.
+versions after the version that started it (exact, see realhf.system.rollout.staleness); the
+per-step ``rollout/staleness_max`` shows it and a violation stops the run.
 
 The defaults are the sync ``ppo-math`` GRPO defaults (same model, data, group size, batch,
 optimizer, steps), so the two runs are comparable sample for sample.
@@ -78,7 +78,8 @@ class GenServerOptions:
     max_running_requests: int = field(
         default=256,
         metadata={
-            "help": "sequences one generation server decodes at once (a batch of 32 prompts x 8 answers is 256)"
+            "help": "sequences one generation server decodes at once "
+            "(a batch of 32 prompts x 8 answers is 256)"
         },
     )
     context_length: Optional[int] = field(
@@ -97,7 +98,8 @@ class GenServerOptions:
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
-                f"gen_server.schedule_policy={self.schedule_policy!r}: use one of {SCHEDULE_POLICIES}"
+                f"gen_server.schedule_policy={self.schedule_policy!r}: "
+                f"use one of {SCHEDULE_POLICIES}"
             )
 
 
@@ -108,7 +110,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
     allocation_mode: str = field(
         default="gen.d1p1m1+d1p1m1",
         metadata={
-            "help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine) or 'sglang.d4p1m1+d2p1m1'"
+            "help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine) "
+            "or 'sglang.d4p1m1+d2p1m1'"
         },
     )
     ppo: PPOHyperparameters = field(default_factory=_tiny_async_ppo)
@@ -119,25 +122,29 @@ class AsyncPPOMathConfig(PPOMathConfig):
     max_head_offpolicyness: int = field(
         default=1,
         metadata={
-            "help": "η: no trajectory is trained more than η weight versions after the version that started it (0 = on-policy batches)"
+            "help": "η: no trajectory is trained more than η weight versions after the version "
+            "that started it (0 = on-policy batches)"
         },
     )
     max_concurrent_rollouts: Optional[int] = field(
         default=None,
         metadata={
-            "help": "most prompts being rolled out at once over all rollout workers; empty = train_batch_size"
+            "help": "most prompts being rolled out at once over all rollout workers; "
+            "empty = train_batch_size"
         },
     )
     new_tokens_per_chunk: int = field(
         default=1024,
         metadata={
-            "help": "tokens per generate call; a longer answer is generated in chunks, each resumable after a weight update"
+            "help": "tokens per generate call; a longer answer is generated in chunks, "
+            "each resumable after a weight update"
         },
     )
     flush_request_timeout: float = field(
         default=300.0,
         metadata={
-            "help": "seconds each step of a weight update (pause, load, continue) may take on one server before the run fails naming it"
+            "help": "seconds each step of a weight update (pause, load, continue) may take "
+            "on one server before the run fails naming it"
         },
     )
     n_rollout_workers: int = field(
@@ -150,7 +157,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
     success_rate_ub: float = field(
         default=1.0,
         metadata={
-            "help": "drop prompt groups whose share of correct answers is above this (e.g. 0.99 drops all-solved groups)"
+            "help": "drop prompt groups whose share of correct answers is above this "
+            "(e.g. 0.99 drops all-solved groups)"
         },
     )
     gen_server: GenServerOptions = field(default_factory=GenServerOptions)
@@ -161,6 +169,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
     )
 
     def __post_init__(self):
+        # The shortcut is folded into ppo before the parent's checks, so that
+        # everything downstream reads one place (cfg.ppo.group_size).
         if self.group_size is not None:
             if not isinstance(self.group_size, int) or self.group_size < 1:
                 raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
@@ -184,12 +194,15 @@ class AsyncPPOMathConfig(PPOMathConfig):
             )
         if not 0 <= self.success_rate_lb <= self.success_rate_ub <= 1:
             raise ValueError(
-                f"need 0 <= success_rate_lb <= success_rate_ub <= 1, got {self.success_rate_lb}, {self.success_rate_ub}"
+                "need 0 <= success_rate_lb <= success_rate_ub <= 1, "
+                f"got {self.success_rate_lb}, {self.success_rate_ub}"
             )
 
 
 def _threads(n: int) -> int:
     """CPU threads for each of ``n`` processes of one side (generation or training)."""
+    # One core stays with the master, manager and rollout workers; generation
+    # and training run at the same time, so each side gets half of the rest.
     return max(1, ((os.cpu_count() or 1) - 1) // (2 * n))
 
 
@@ -205,6 +218,8 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         raise blocks.ExperimentSetupError(
             f"n_rollout_workers={cfg.n_rollout_workers}: the dataset has only {size} prompts"
         )
+    # Streamed trajectory k is trained by step k // B, so there is no partial
+    # last batch: an epoch is the dataset rounded down to whole steps.
     epoch_size = (size // B) * B
     if epoch_size == 0:
         raise blocks.ExperimentSetupError(
@@ -223,7 +238,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             max_running_requests=cfg.gen_server.max_running_requests,
             context_length=cfg.gen_server.context_length,
             dtype=cfg.actor.dtype,
-            seed=cfg.seed + i,
+            seed=cfg.seed + i,  # servers must not sample identical streams
             num_threads=cfg.gen_server.num_threads or _threads(n_gen),
             request_timeout_s=cfg.worker_timeout,
             health_timeout_s=cfg.worker_timeout,
@@ -274,6 +289,9 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             epoch_size=epoch_size,
             batch_size=B,
             max_head_offpolicyness=cfg.max_head_offpolicyness,
+            # Below the master's timeout for the same request, so that the
+            # stream's error (naming the missing trajectories) reaches the user
+            # before the master gives up on the model worker's reply.
             wait_timeout_s=0.9 * cfg.worker_timeout,
         ),
         eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args))

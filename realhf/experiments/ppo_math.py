@@ -79,7 +79,8 @@ def _tiny_ppo() -> PPOHyperparameters:
         kl_ctl=0.0,
         disable_value=True,
         group_adv_norm=True,
-        reward_output_scaling=5.0,  # verifier ±1 → ±5 (README, "Rewards"); group norm makes the scale moot
+        # verifier ±1 → ±5 (README, "Rewards"); group norm makes the scale moot
+        reward_output_scaling=5.0,
         gen=GenerationHyperparameters(max_new_tokens=16, temperature=1.0),
     )
 
@@ -240,6 +241,9 @@ def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = Fal
             "actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights
         )
     ]
+    # ref and critic start from the actor's weights unless given their own:
+    # the KL reference is the initial policy, and a critic gets a fresh value
+    # head on the actor's body (is_critic).
     if cfg.ppo.kl_ctl > 0:
         specs.append(
             blocks.model_spec(

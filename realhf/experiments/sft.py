@@ -125,6 +125,9 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         log_stats_keys=("loss", "ppl"),
         eval=eval_ds is not None,
     )
+    # One config object for every model worker: a worker learns its
+    # data-parallel rank from its WorkerInformation.  Model workers serve
+    # until told to stop, so the master alone decides when the run is done.
     return ExperimentConfig(
         workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
         completion_types=("master_worker",),

@@ -144,7 +144,11 @@ def test_environment_is_not_inherited(mode, host_watch):
 
 def test_sockets(mode, host_watch, tcp_server):
     port, hits = tcp_server
-    prog = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)\nprint('connected')"
+    prog = (
+        "import socket\n"
+        f"socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+        "print('connected')"
+    )
     expect_fail(prog, "connected", mode)
     raw = (
         "import ctypes, struct\nlibc = ctypes.CDLL(None)\nfd = libc.socket(2, 1, 0)\n"
@@ -157,7 +161,10 @@ def test_sockets(mode, host_watch, tcp_server):
 
 
 def test_huge_files(mode, host_watch):
-    big = "with open('big.bin', 'wb') as f:\n    for _ in range(2048):\n        f.write(b'x' * 1024 ** 2)\nprint('written')"
+    big = (
+        "with open('big.bin', 'wb') as f:\n    for _ in range(2048):\n"
+        "        f.write(b'x' * 1024 ** 2)\nprint('written')"
+    )
     expect_fail(big, "written", mode)
     many = (
         "import os\nfor d in ('/tmp', '/dev/shm', '.'):\n    for i in range(64):\n        try:\n"
@@ -175,7 +182,8 @@ def test_output_flood(mode, host_watch):
 def test_kill_the_parent(mode, host_watch):
     prog = (
         "import os, signal\nhit = 0\nfor target in (os.getppid(), 1):\n    try:\n"
-        "        os.kill(target, signal.SIGKILL)\n        hit += 1\n    except OSError:\n        pass\n"
+        "        os.kill(target, signal.SIGKILL)\n        hit += 1\n"
+        "    except OSError:\n        pass\n"
         "try:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\nprint('killed', hit)"
     )
     expect_fail(prog, "killed 2", mode)

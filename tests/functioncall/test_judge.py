@@ -94,7 +94,10 @@ def test_stdio_mode(mode):
 @slow
 @needs_root
 def test_call_mode_with_solution_class_and_json_string(mode):
-    io = '{"fn_name": "twoSum", "inputs": [[[2,7,11,15], 9], [[3,2,4], 6]], "outputs": [[[0,1]], [1,2]]}'
+    io = (
+        '{"fn_name": "twoSum", "inputs": [[[2,7,11,15], 9], [[3,2,4], 6]], '
+        '"outputs": [[[0,1]], [1,2]]}'
+    )
     assert verify(TWO_SUM, io, mode=mode) is True
     bad = '{"fn_name": "twoSum", "inputs": [[[3,2,4], 6]], "outputs": [[0,2]]}'
     assert verify(TWO_SUM, bad, mode=mode) is False

@@ -39,7 +39,8 @@ def test_success_logs_and_index_substitution(tmp_path, no_leftover_processes):
     s.submit(
         "worker",
         _py(
-            "import os,sys; print(os.environ['GREETING'], sys.argv[1], os.environ['REALHF_WORKER_INDEX'])"
+            "import os,sys; "
+            "print(os.environ['GREETING'], sys.argv[1], os.environ['REALHF_WORKER_INDEX'])"
         )
         + ["idx={index}"],
         count=2,
@@ -128,9 +129,11 @@ def test_ctrl_c_is_forwarded_and_nothing_remains(tmp_path, no_leftover_processes
         from realhf.scheduler.local import LocalScheduler
         s = LocalScheduler({str(tmp_path)!r})
         code = "import signal, sys, time\\n" \\
-               "signal.signal(signal.SIGINT, lambda *a: (print('got SIGINT', flush=True), sys.exit(0)))\\n" \\
+               "signal.signal(signal.SIGINT, " \\
+               "lambda *a: (print('got SIGINT', flush=True), sys.exit(0)))\\n" \\
                "time.sleep(60)"
-        jobs = s.submit("controller", [sys.executable, "-c", code]) + s.submit("worker", [sys.executable, "-c", code], count=2)
+        jobs = s.submit("controller", [sys.executable, "-c", code])
+        jobs += s.submit("worker", [sys.executable, "-c", code], count=2)
         open({str(marker)!r}, "w").write(" ".join(str(j.pid) for j in jobs))
         try:
             s.wait(timeout=60)

@@ -77,15 +77,21 @@ class ParallelismConfig:
 def parse_parallelism(s: str, what: str = "allocation") -> ParallelismConfig:
     """Parse ``dXpYmZ`` (letters in any order, each once) into a :class:`ParallelismConfig`."""
     part = s.strip()
+    # Shape first, meaning second: the fullmatch guarantees findall below
+    # consumes the whole string, so no stray character is silently ignored.
+    # Letters are matched broadly so that "x2" gets "unknown letter", not
+    # "not of the form".
     if not re.fullmatch(r"([a-zA-Z]\d+)+", part):
         raise AllocationError(
-            f"{what} {s!r} is not of the form dXpYmZ (a letter followed by a degree, for d, p and m); {_EXAMPLES}"
+            f"{what} {s!r} is not of the form dXpYmZ "
+            f"(a letter followed by a degree, for d, p and m); {_EXAMPLES}"
         )
     degrees = {}
     for letter, digits in re.findall(r"([a-zA-Z])(\d+)", part):
         if letter not in _LETTERS:
             raise AllocationError(
-                f"{what} {s!r}: unknown letter {letter!r}; use d (data), p (pipeline) and m (tensor); {_EXAMPLES}"
+                f"{what} {s!r}: unknown letter {letter!r}; "
+                f"use d (data), p (pipeline) and m (tensor); {_EXAMPLES}"
             )
         if letter in degrees:
             raise AllocationError(
@@ -124,11 +130,13 @@ class AllocationMode:
             raise AllocationError("AllocationMode: gen and gen_backend must be given together")
         if self.gen_backend is not None and self.gen_backend not in GEN_BACKENDS:
             raise AllocationError(
-                f"unknown generation backend {self.gen_backend!r}; use one of {GEN_BACKENDS}; {_EXAMPLES}"
+                f"unknown generation backend {self.gen_backend!r}; "
+                f"use one of {GEN_BACKENDS}; {_EXAMPLES}"
             )
         if self.gen is not None and self.gen.pipe != 1:
             raise AllocationError(
-                f"generation layout {self.gen}: generation servers do not use pipeline parallelism; "
+                f"generation layout {self.gen}: "
+                "generation servers do not use pipeline parallelism; "
                 f"use d{self.gen.data}p1m{self.gen.tensor}"
             )
 
@@ -162,8 +170,9 @@ class AllocationMode:
         for what, layout in (("generation", self.gen), ("trainer", self.train)):
             if layout is not None and (layout.tensor > 1 or layout.pipe > 1):
                 raise NotImplementedError(
-                    f"allocation_mode {str(self)!r} ({what} layout {layout}): tensor/pipeline parallelism > 1 "
-                    f"is not yet supported (coming with the parallelism milestone); use d<N>p1m1"
+                    f"allocation_mode {str(self)!r} ({what} layout {layout}): "
+                    "tensor/pipeline parallelism > 1 is not yet supported "
+                    "(coming with the parallelism milestone); use d<N>p1m1"
                 )
 
     def __str__(self) -> str:
@@ -173,13 +182,18 @@ class AllocationMode:
 
 
 def parse_allocation_mode(s: str) -> AllocationMode:
-    """Parse an allocation_mode string (see the module docstring) into an :class:`AllocationMode`."""
+    """Parse an allocation_mode string (see the module docstring) into an
+    :class:`AllocationMode`."""
     if not isinstance(s, str) or not s.strip():
         raise AllocationError(f"allocation_mode must be a non-empty string, got {s!r}; {_EXAMPLES}")
     text = s.strip()
+    # The original system's per-MFC and automatic allocation forms are
+    # recognised only to explain that they are not supported here; without
+    # these checks they would fail with a confusing parse error below.
     if "," in text or ":" in text:
         raise AllocationError(
-            f"allocation_mode {s!r}: per-MFC allocations ('mfc:dXpYmZ,...') are not supported; "
+            f"allocation_mode {s!r}: "
+            "per-MFC allocations ('mfc:dXpYmZ,...') are not supported; "
             f"give one layout for the trainer, optionally with generation servers; {_EXAMPLES}"
         )
     if text in ("manual", "heuristic"):
@@ -197,13 +211,15 @@ def parse_allocation_mode(s: str) -> AllocationMode:
     backend, dot, gen_layout = gen_part.strip().partition(".")
     if not dot:
         raise AllocationError(
-            f"allocation_mode {s!r}: the generation part {gen_part.strip()!r} needs a backend prefix "
+            f"allocation_mode {s!r}: "
+            f"the generation part {gen_part.strip()!r} needs a backend prefix "
             f"({' or '.join(repr(b + '.') for b in GEN_BACKENDS)}); {_EXAMPLES}"
         )
     backend = backend.strip()
     if backend not in GEN_BACKENDS:
         raise AllocationError(
-            f"allocation_mode {s!r}: unknown generation backend {backend!r}; use one of {GEN_BACKENDS}; {_EXAMPLES}"
+            f"allocation_mode {s!r}: unknown generation backend {backend!r}; "
+            f"use one of {GEN_BACKENDS}; {_EXAMPLES}"
         )
     gen = parse_parallelism(gen_layout, "generation layout")
     train = parse_parallelism(train_part, "trainer layout")

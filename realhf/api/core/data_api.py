@@ -349,6 +349,8 @@ class SequenceSample:
     def _largest_key(self) -> str:
         if not self.keys:
             raise ValueError("SequenceSample has no keys to measure tokens on")
+        # sorted() first: set order depends on the per-process hash seed, and
+        # on a tie every data-parallel rank must pick the same key to count.
         return max(sorted(self.keys), key=lambda k: sum(self.item_tokens(k)))
 
     # ------------------------------------------------------------------ item selection
@@ -441,6 +443,7 @@ class SequenceSample:
                 )
         groups = datapack.ffd_allocate(tokens, mb_spec.max_tokens_per_mb, mb_spec.n_mbs)
         forward = [i for g in groups for i in g]
+        # The inverse permutation of `forward`.
         backward = np.argsort(np.asarray(forward, dtype=np.int64), kind="stable").tolist()
         return [self.select_items(g) for g in groups], forward, backward
 
@@ -458,11 +461,18 @@ class SequenceSample:
 
         from realhf.base import dist_util
 
+        # Ranks that run different numbers of micro-batches fall out of step
+        # in every collective issued per micro-batch, which hangs rather than
+        # failing.  n_mbs is only a minimum, so a rank whose token budget
+        # forces extra micro-batches can push the maximum up again: repeat
+        # until all agree (each round only raises the count, so it ends).
         result = self.split(mb_spec)
         if not (dist.is_available() and dist.is_initialized()):
             return result
         while True:
             n = len(result[0])
+            # One MAX collective yields max and min (max of the negated values)
+            # of the count, and the fewest items of any rank.
             t = torch.tensor([n, -n, -len(self)], dtype=torch.int64)
             dist_util.all_reduce_(t, dist.ReduceOp.MAX, group)
             hi, lo, fewest_items = int(t[0]), -int(t[1]), -int(t[2])

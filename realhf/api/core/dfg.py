@@ -53,7 +53,8 @@ class ModelName:
             or self.replica_id < 0
         ):
             raise DFGError(
-                f"ModelName({self.role!r}).replica_id must be an integer >= 0, got {self.replica_id!r}"
+                f"ModelName({self.role!r}).replica_id must be an integer >= 0, "
+                f"got {self.replica_id!r}"
             )
 
     def __str__(self) -> str:
@@ -77,7 +78,8 @@ def _mb_spec_default():
 def _key_tuple(mfc: str, field: str, keys: Any) -> Tuple[str, ...]:
     if isinstance(keys, str):
         raise DFGError(
-            f"MFC {mfc!r}: {field} must be a list of keys, got the string {keys!r}; write [{keys!r}]"
+            f"MFC {mfc!r}: {field} must be a list of keys, "
+            f"got the string {keys!r}; write [{keys!r}]"
         )
     keys = tuple(keys)
     for k in keys:
@@ -122,6 +124,8 @@ class MFCDef:
     log_return_value: bool = False
 
     def __post_init__(self):
+        # MFC names become path segments (recover's interfaces/{mfc}/), hence
+        # no '/'; '@' is kept free as a field separator, as in ModelName.
         if (
             not isinstance(self.name, str)
             or not self.name
@@ -135,7 +139,8 @@ class MFCDef:
             self.model_name = ModelName(self.model_name, 0)
         if not isinstance(self.model_name, ModelName):
             raise DFGError(
-                f"MFC {n!r}: model_name must be a ModelName or a role string, got {self.model_name!r}"
+                f"MFC {n!r}: model_name must be a ModelName or a role string, "
+                f"got {self.model_name!r}"
             )
         if isinstance(self.interface_type, str):
             try:
@@ -147,7 +152,8 @@ class MFCDef:
                 ) from None
         if not isinstance(self.interface_type, ModelInterfaceType):
             raise DFGError(
-                f"MFC {n!r}: interface_type must be a ModelInterfaceType, got {self.interface_type!r}"
+                f"MFC {n!r}: interface_type must be a ModelInterfaceType, "
+                f"got {self.interface_type!r}"
             )
         if isinstance(self.interface_impl, str):
             self.interface_impl = InterfaceAbstraction(self.interface_impl)
@@ -160,6 +166,9 @@ class MFCDef:
             raise DFGError(f"MFC {n!r}: n_seqs must be an integer >= 1, got {self.n_seqs!r}")
         self.input_keys = _key_tuple(n, "input_keys", self.input_keys)
         self.output_keys = _key_tuple(n, "output_keys", self.output_keys)
+        # An in-place rewrite would give the key two producers (whoever wrote
+        # it first, and this MFC), which breaks the one-producer rule edges
+        # are inferred from.
         both = sorted(set(self.input_keys) & set(self.output_keys))
         if both:
             raise DFGError(
@@ -168,8 +177,8 @@ class MFCDef:
             )
         if not self.output_keys and self.interface_type != ModelInterfaceType.TRAIN_STEP:
             raise DFGError(
-                f"MFC {n!r} ({self.interface_type.value}) has no output_keys; only train_step calls may "
-                f"produce nothing"
+                f"MFC {n!r} ({self.interface_type.value}) has no output_keys; "
+                "only train_step calls may produce nothing"
             )
         self._check_remap(
             "input_key_remap", self.input_key_remap, keys_in=self.input_keys, side="keys"
@@ -198,7 +207,8 @@ class MFCDef:
         if unknown:
             listed = "input_keys" if field.startswith("input") else "output_keys"
             raise DFGError(
-                f"MFC {self.name!r}: {field} renames buffer keys {unknown} that are not in {listed} {list(keys_in)}"
+                f"MFC {self.name!r}: {field} renames buffer keys {unknown} "
+                f"that are not in {listed} {list(keys_in)}"
             )
 
     @property
@@ -233,8 +243,8 @@ class DataFlowGraph:
             for k in m.output_keys:
                 if k in self.producers:
                     raise DFGError(
-                        f"key {k!r} is produced by both {self.producers[k]!r} and {m.name!r}; each key "
-                        f"needs one producer — rename one output (output_key_remap)"
+                        f"key {k!r} is produced by both {self.producers[k]!r} and {m.name!r}; "
+                        "each key needs one producer — rename one output (output_key_remap)"
                     )
                 self.producers[k] = m.name
         self.consumers: Dict[str, List[str]] = {}
@@ -327,11 +337,15 @@ class DataFlowGraph:
         for role, ids in by_role.items():
             if sorted(ids) != list(range(len(ids))):
                 raise DFGError(
-                    f"role {role!r} uses replica ids {sorted(ids)}; replica ids of a role must be 0..k-1"
+                    f"role {role!r} uses replica ids {sorted(ids)}; "
+                    "replica ids of a role must be 0..k-1"
                 )
 
     # ------------------------------------------------------------- ordering
     def _toposort(self) -> List[str]:
+        # Kahn's algorithm; re-sorting the ready set by declaration order after
+        # each step makes the order a function of the config alone, so every
+        # process that builds the graph schedules MFCs identically.
         indeg = {n: len(self.parents(n)) for n in self.mfcs}
         ready = [n for n in self.mfcs if indeg[n] == 0]
         order = []
@@ -377,7 +391,12 @@ class DataFlowGraph:
 
     # ------------------------------------------------------------- export
     def _label(self, m: MFCDef) -> str:
-        return f"{m.name}\\n{m.model_name} {m.interface_type.value} ({m.interface_impl.type_}) n_seqs={m.n_seqs}"
+        # A backslash and an "n", not a newline: DOT's line-break escape inside
+        # a label, which keeps each statement of the output on one line.
+        return (
+            f"{m.name}\\n{m.model_name} {m.interface_type.value} "
+            f"({m.interface_impl.type_}) n_seqs={m.n_seqs}"
+        )
 
     def to_text(self) -> str:
         """A readable listing: levels, each MFC with its model, reads and writes."""
@@ -387,7 +406,8 @@ class DataFlowGraph:
             for n in level:
                 m = self.mfcs[n]
                 lines.append(
-                    f"  {n}: {m.model_name} {m.interface_type.value} [{m.interface_impl.type_}] n_seqs={m.n_seqs}"
+                    f"  {n}: {m.model_name} {m.interface_type.value} "
+                    f"[{m.interface_impl.type_}] n_seqs={m.n_seqs}"
                 )
                 lines.append(f"    reads  {', '.join(m.input_keys) or '-'}")
                 lines.append(f"    writes {', '.join(m.output_keys) or '-'}")

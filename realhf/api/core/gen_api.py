@@ -177,9 +177,13 @@ class SamplingParams:
         kwargs = {}
         for key, value in d.items():
             if key in names:
+                # null max_new_tokens is a value of its own (no cap below the
+                # context length), not "use the default" of 128; for the seed
+                # both readings agree.
                 if value is not None or key in ("max_new_tokens", "sampling_seed"):
                     kwargs[key] = value
             elif key in _NEUTRAL_SAMPLING_FIELDS:
+                # [] too: an empty stop (or bias) list is as neutral as none.
                 if value not in (None, _NEUTRAL_SAMPLING_FIELDS[key]) and value != []:
                     raise _bad(
                         f"sampling_params.{key}",
@@ -206,8 +210,12 @@ def derive_seed(seed: int, j: int) -> int:
     Mixing with a large odd constant keeps ``(seed, j)`` and ``(seed + 1, j - 1)``
     apart, which a plain ``seed + j`` would not.
     """
+    # Sample 0 keeps the seed itself, so an n=1 request and sample 0 of an
+    # n>1 request with the same seed draw the same tokens.
     if j == 0:
         return seed
+    # The 64-bit golden-ratio and SplitMix64 multipliers; the mask keeps the
+    # result a non-negative value that fits a signed 64-bit seed.
     return (seed * 0x9E3779B97F4A7C15 + j * 0xBF58476D1CE4E5B9) & ((1 << 63) - 1)
 
 
@@ -488,6 +496,8 @@ def parse_generate_body(body: Any) -> GenerateBatch:
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
     elif isinstance(rid, str):
+        # One rid for a batch: suffix it, since rids must be unique among the
+        # requests in flight (abort and result routing go by rid).
         rids = [rid] if n == 1 else [f"{rid}-{i}" for i in range(n)]
     elif isinstance(rid, list) and len(rid) == n and all(isinstance(r, str) for r in rid):
         rids = list(rid)

@@ -67,6 +67,8 @@ class GenerationHyperparameters:
     min_new_tokens: int = 0
     greedy: bool = False
     top_p: float = 1.0
+    # Larger than any vocabulary, i.e. "keep all"; to_sampling_params() turns
+    # it into SGLang's -1.
     top_k: int = int(1e8)
     temperature: float = 1.0
     stop_token_ids: List[int] = dataclasses.field(default_factory=list)
@@ -98,7 +100,8 @@ class GenerationHyperparameters:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether decoding takes the argmax (``greedy``, ``temperature == 0`` or ``top_k == 1``)."""
+        """Whether decoding takes the argmax (``greedy``, ``temperature == 0`` or
+        ``top_k == 1``)."""
         return self.greedy or self.temperature == 0 or self.top_k == 1
 
     def new(self, **changes) -> "GenerationHyperparameters":
@@ -145,7 +148,7 @@ class FinetuneSpec:
     @property
     def steps_per_epoch(self) -> int:
         """Steps in one pass over the dataset (a partial last batch counts as a step)."""
-        return -(-self.dataset_size // self.train_batch_size)
+        return -(-self.dataset_size // self.train_batch_size)  # ceil, in exact ints
 
     @property
     def total_train_steps(self) -> int:

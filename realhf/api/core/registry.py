@@ -69,13 +69,14 @@ class _Abstraction:
             self.args = {}
         if not isinstance(self.args, dict) or not all(isinstance(k, str) for k in self.args):
             raise ValueError(
-                f"{kind}({self.type_!r}).args must be a dict of keyword arguments with string keys, "
-                f"got {self.args!r}"
+                f"{kind}({self.type_!r}).args must be a dict of keyword arguments "
+                f"with string keys, got {self.args!r}"
             )
 
 
 class DatasetAbstraction(_Abstraction):
-    """A dataset by registered name, e.g. ``DatasetAbstraction("math_code_prompt", {"path": ...})``."""
+    """A dataset by registered name, e.g.
+    ``DatasetAbstraction("math_code_prompt", {"path": ...})``."""
 
 
 class InterfaceAbstraction(_Abstraction):
@@ -121,6 +122,9 @@ class Registry(Generic[T]):
         if not callable(factory):
             raise RegistryError(f"{self.kind} {name!r}: {factory!r} is not callable")
         old = self._entries.get(name)
+        # Same qualified name counts as the same factory: re-importing a module
+        # (importlib.reload, or a script that is also imported as a module)
+        # re-creates its classes and registers them again.
         if old is not None and old is not factory and _qualname(old) != _qualname(factory):
             raise RegistryError(
                 f"{self.kind} {name!r} is already registered to {_qualname(old)}; "
@@ -165,7 +169,8 @@ class Registry(Generic[T]):
         both = sorted(set(kwargs) & set(cfg.args))
         if both:
             raise RegistryError(
-                f"{self.kind} {cfg.type_!r}: arguments {both} are set by the system; remove them from args"
+                f"{self.kind} {cfg.type_!r}: arguments {both} are set by the system; "
+                "remove them from args"
             )
         merged = {**kwargs, **cfg.args}
         _check_accepts(self.kind, cfg.type_, factory, args, merged)
@@ -178,6 +183,9 @@ def _qualname(obj: Any) -> str:
 
 def _check_accepts(kind: str, name: str, factory: Callable, args: tuple, kwargs: Dict[str, Any]):
     """Fail before construction, naming the rejected keywords and the accepted ones."""
+    # Binding against the signature instead of calling and catching TypeError:
+    # a TypeError raised inside a constructor is a bug there, not a bad config,
+    # and must not be reported as one.
     try:
         sig = inspect.signature(factory)
     except (TypeError, ValueError):  # builtins without a signature: let the call decide

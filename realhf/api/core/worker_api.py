@@ -196,16 +196,17 @@ def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
                 cls,
                 "mfcs",
                 m.name,
-                f"MFC {m.name!r} uses replica {m.model_name.replica_id} of role {m.role!r}; this "
-                "version hosts one replica per role (parameter reallocation comes later): use replica 0",
+                f"MFC {m.name!r} uses replica {m.model_name.replica_id} of role {m.role!r}; "
+                "this version hosts one replica per role "
+                "(parameter reallocation comes later): use replica 0",
             )
         if m.is_train and m.output_keys:
             raise _bad(
                 cls,
                 "mfcs",
                 m.name,
-                f"train_step MFC {m.name!r} lists output_keys {list(m.output_keys)}; a train_step returns "
-                "statistics, not data: drop the output keys",
+                f"train_step MFC {m.name!r} lists output_keys {list(m.output_keys)}; "
+                "a train_step returns statistics, not data: drop the output keys",
             )
     return mfcs
 
@@ -260,7 +261,8 @@ class ModelWorkerConfig:
                     c,
                     "dataset_batch_size",
                     self.dataset_batch_size,
-                    f"a stream step fetches {self.stream.batch_size} trajectories at once; use >= that",
+                    f"a stream step fetches {self.stream.batch_size} trajectories at once; "
+                    "use >= that",
                 )
         if not _is_int(self.seed) or self.seed < 0:
             raise _bad(c, "seed", self.seed, "use an integer >= 0")
@@ -271,6 +273,9 @@ class ModelWorkerConfig:
         dup = sorted({r for r in roles if roles.count(r) > 1})
         if dup:
             raise _bad(c, "models", dup, "each role may appear once")
+        # Frozen dataclass: normalise through object.__setattr__.  Tuples keep
+        # the config immutable after the checks, even if the caller's lists
+        # change later.
         object.__setattr__(self, "models", models)
         mfcs = _check_mfcs(c, self.mfcs)
         object.__setattr__(self, "mfcs", mfcs)
@@ -288,7 +293,8 @@ class ModelWorkerConfig:
                     c,
                     "models",
                     m.role,
-                    f"MFC {m.name!r} trains role {m.role!r}; set ModelSpec(role={m.role!r}, trainable=True)",
+                    f"MFC {m.name!r} trains role {m.role!r}; "
+                    f"set ModelSpec(role={m.role!r}, trainable=True)",
                 )
         for f in ("dataset", "eval_dataset"):
             v = getattr(self, f)
@@ -398,7 +404,8 @@ class MasterWorkerConfig:
                     c,
                     "train_batch_size",
                     self.train_batch_size,
-                    f"MFC {m.name!r} takes n_seqs={m.n_seqs} items per call, more than a step holds; "
+                    f"MFC {m.name!r} takes n_seqs={m.n_seqs} items per call, "
+                    "more than a step holds; "
                     f"raise train_batch_size to >= {m.n_seqs} or lower n_seqs",
                 )
         self.check_call_sizes(self.ft_spec.dataset_size)
@@ -426,6 +433,8 @@ class MasterWorkerConfig:
         could not take part in the gradient all-reduce).  Steps hold
         ``train_batch_size`` items except the last of an epoch, which holds the rest.
         """
+        # Only two step sizes exist: full steps and the epoch's remainder (a
+        # dataset smaller than one batch makes a single, short step).
         step_sizes = {min(self.train_batch_size, dataset_size)}
         if dataset_size % self.train_batch_size:
             step_sizes.add(dataset_size % self.train_batch_size)

@@ -124,6 +124,7 @@ def from_spec(spec: str) -> NameRecordRepository:
     )
 
 
+# Guards _repo only; repositories do their own locking.
 _lock = threading.RLock()
 _repo: Optional[NameRecordRepository] = None
 
@@ -152,6 +153,9 @@ def reconfigure(backend: str, **kwargs) -> NameRecordRepository:
     new = make_repository(backend, **kwargs)
     with _lock:
         old, _repo = _repo, new
+    # Closed outside the lock: close() deletes entries and joins the keepalive
+    # thread, which can take seconds against an unreachable etcd, and other
+    # threads should meanwhile already reach the new repository.
     if old is not None:
         old.close()
     return new

@@ -177,6 +177,9 @@ class NameRecordRepository(abc.ABC):
                 )
             keepalive_ttl = float(keepalive_ttl)
         token = self._put(key, text, keepalive_ttl, replace)
+        # Refreshing every ttl/3 leaves room for a failed or late refresh (a
+        # slow store, a long GC pause) before the entry expires under a live
+        # owner.
         with self._owned_lock:
             self._owned[key] = _Owned(
                 token,
@@ -308,7 +311,7 @@ class NameRecordRepository(abc.ABC):
                     logger.warning(f"watch_names({keys}) poll failed: {e!r}")
                 if self._closed.wait(poll_frequency):
                     return
-            else:
+            else:  # loop condition failed: closed between polls, so no callback
                 return
             try:
                 call_back()
@@ -328,6 +331,9 @@ class NameRecordRepository(abc.ABC):
         """
         if os.getpid() != self._pid:
             return
+        # Pick the entries under the lock, remove them outside it: backend
+        # calls may block (an etcd timeout) and the keepalive thread needs
+        # the lock meanwhile.
         with self._owned_lock:
             mine = [(k, o) for k, o in self._owned.items() if o.delete_on_exit]
             for k, _ in mine:
@@ -342,6 +348,7 @@ class NameRecordRepository(abc.ABC):
         """:meth:`reset`, stop keepalive and watcher threads, release the backend."""
         if self._closed.is_set():
             return
+        # reset() first, while the backend (e.g. the etcd client) still works.
         self.reset()
         self._closed.set()
         self._keepalive_wake.set()
@@ -390,6 +397,7 @@ class NameRecordRepository(abc.ABC):
                     for k, o in self._owned.items()
                     if o.ttl is not None and o.next_refresh <= now
                 ]
+            # Refresh outside the lock, for the same reason as in reset().
             for key, owned in due:
                 try:
                     alive = self._refresh(key, owned.token, owned.ttl)
@@ -407,5 +415,7 @@ class NameRecordRepository(abc.ABC):
             with self._owned_lock:
                 pending = [o.next_refresh for o in self._owned.values() if o.ttl is not None]
             sleep = 1.0 if not pending else max(0.01, min(pending) - time.monotonic())
+            # A wake-up set between wait() returning and clear() is lost; the
+            # 1 s cap bounds how late a newly added short-TTL entry is seen.
             self._keepalive_wake.wait(min(sleep, 1.0))
             self._keepalive_wake.clear()

@@ -132,18 +132,26 @@ class Etcd3NameRecordRepository(NameRecordRepository):
 
     def _put(self, key: str, value: str, ttl: Optional[float], replace: bool) -> object:
         c = self._client
+        # Leases are whole seconds; rounding up keeps e.g. ttl=0.5 from
+        # becoming a zero-second lease.
         lease = c.lease(int(math.ceil(ttl))) if ttl is not None else None
         put = c.transactions.put(key, value, lease=lease)
+        # Reading back inside the same transaction gives the mod_revision of
+        # exactly our write, even if another writer replaces the key right after.
         get = c.transactions.get(key)
         if replace:
             ok, responses = c.transaction(compare=[], success=[put, get], failure=[])
         else:
+            # create_revision == 0 is etcd's "key does not exist"; checked and
+            # written in one transaction, so concurrent adds have one winner.
             ok, responses = c.transaction(
                 compare=[c.transactions.create(key) == 0],
                 success=[put, get],
                 failure=[],
             )
         if not ok:
+            # The lease had to exist before the transaction; do not leave it
+            # on the server until its TTL runs out.
             if lease is not None:
                 lease.revoke()
             raise NameEntryExistsError(
@@ -163,6 +171,8 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         return None if value is None else value.decode()
 
     def _items(self, prefix: str) -> List[Tuple[str, str]]:
+        # etcd prefixes are string-wise: "a/b/" keeps "a/bc" out, and the
+        # key "a/b" itself is read separately.
         out = [(m.key.decode(), v.decode()) for v, m in self._client.get_prefix(prefix + "/")]
         own = self._read(prefix)
         if own is not None:
@@ -186,6 +196,8 @@ class Etcd3NameRecordRepository(NameRecordRepository):
 
     def _remove_if_owned(self, key: str, token: object) -> None:
         c = self._client
+        # Compare-and-delete in one transaction; a get followed by a delete
+        # could remove an entry another process wrote in between.
         c.transaction(
             compare=[c.transactions.mod(key) == int(token)],
             success=[c.transactions.delete(key)],

@@ -61,6 +61,11 @@ class FileNameRecordRepository(NameRecordRepository):
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        # A fresh descriptor per acquisition: flock belongs to the open file
+        # description, so two threads sharing one fd would both "hold" it.
+        # One lock for the whole tree, not one per key: pruning a key's empty
+        # parent directories must not race with another process creating a
+        # sibling key inside them.
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -129,6 +134,9 @@ class FileNameRecordRepository(NameRecordRepository):
         return None if entry is None else entry["value"]
 
     def _items(self, prefix: str) -> List[Tuple[str, str]]:
+        # os.walk of a missing directory yields nothing (errors are ignored by
+        # default), which is the right answer for an absent prefix.  No lock:
+        # entries are replaced atomically, and one removed mid-walk is skipped.
         top = self._dir(prefix)
         out = []
         for dirpath, _dirs, files in os.walk(top):
@@ -156,6 +164,9 @@ class FileNameRecordRepository(NameRecordRepository):
         # Removes expired entries and stray temp files too.
         with self._locked():
             shutil.rmtree(self._dir(prefix), ignore_errors=True)
+            # The parent may be empty now.  For a top-level prefix the parent is
+            # the root, which _prune never removes; pruning the (already gone)
+            # prefix itself is then a no-op.
             self._prune(os.path.dirname(prefix) if "/" in prefix else prefix)
 
     def _remove_if_owned(self, key: str, token: object) -> None:

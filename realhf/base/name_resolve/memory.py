@@ -28,11 +28,14 @@ class MemoryNameRecordRepository(NameRecordRepository):
         self._lock = threading.Lock()
 
     def _put(self, key: str, value: str, ttl: Optional[float], replace: bool) -> object:
+        # A fresh token per put, so that _remove_if_owned/_refresh of an
+        # earlier owner never touch an entry that was replaced since.
         token = uuid.uuid4().hex
         with self._lock:
             if key in self._store and not replace:
                 raise NameEntryExistsError(
-                    f"name-resolve key {key!r} already exists (memory backend); pass replace=True to overwrite."
+                    f"name-resolve key {key!r} already exists (memory backend); "
+                    "pass replace=True to overwrite."
                 )
             self._store[key] = (value, token)
         return token

@@ -73,8 +73,8 @@ def test_check_supported():
         with pytest.raises(NotImplementedError, match=part) as e:
             parse_allocation_mode(s).check_supported()
         assert (
-            "tensor/pipeline parallelism > 1 is not yet supported (coming with the parallelism milestone); "
-            "use d<N>p1m1" in str(e.value)
+            "tensor/pipeline parallelism > 1 is not yet supported "
+            "(coming with the parallelism milestone); use d<N>p1m1" in str(e.value)
         )
 
 
