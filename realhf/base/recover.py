@@ -79,6 +79,10 @@ def prepare_tmp_dir(root: str, step: int) -> str:
     return path
 
 
+#: suffix of a same-step checkpoint moved aside while its replacement is renamed in
+_REPLACED = ".replaced"
+
+
 def commit(
     root: str, tmp_dir: str, step: int, master_state: Mapping[str, Any], keep: int = 1
 ) -> str:
@@ -94,13 +98,17 @@ def commit(
     # one is fully committed.
     write_json_atomic(os.path.join(tmp_dir, MASTER_STATE), dict(master_state), indent=1)
     final = os.path.join(root, _step_name(step))
+    replaced = final + _REPLACED
     if os.path.exists(final):  # the same step checkpointed again after a resume
-        # rename() cannot replace a non-empty directory.  A crash between here
-        # and the rename leaves `latest` naming a missing directory, which
-        # find_latest reports rather than silently resuming from older state.
-        shutil.rmtree(final)
+        # rename() cannot replace a non-empty directory, so the old one steps aside
+        # first; it is deleted only after the new one is in place.  A crash between
+        # the two renames leaves `latest` naming a missing directory, and
+        # find_latest then puts the old (complete, same-step) one back.
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
     os.rename(tmp_dir, final)
     write_atomic(os.path.join(root, LATEST), _step_name(step))
+    shutil.rmtree(replaced, ignore_errors=True)
     steps = sorted(
         (int(m.group(1)), name)
         for name in os.listdir(root)
@@ -124,6 +132,11 @@ def find_latest(root: str) -> Optional[str]:
     except FileNotFoundError:
         return None
     path = os.path.join(root, name)
+    if not os.path.exists(path) and os.path.isfile(os.path.join(path + _REPLACED, MASTER_STATE)):
+        # commit() died between moving a same-step checkpoint aside and renaming its
+        # replacement in: the one moved aside is complete, restore it.
+        os.rename(path + _REPLACED, path)
+        logger.warning(f"restored {path} from {path + _REPLACED} (a commit was interrupted)")
     if not _STEP_DIR.match(name) or not os.path.isfile(os.path.join(path, MASTER_STATE)):
         raise RecoverError(
             f"{pointer} names {name!r}, which is not a complete recover checkpoint (no "

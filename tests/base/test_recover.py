@@ -49,6 +49,31 @@ def test_old_checkpoints_are_pruned(tmp_path):
     assert recover.find_latest(root).endswith("step6")
 
 
+def test_a_crash_while_replacing_the_same_step_keeps_a_checkpoint(tmp_path, monkeypatch):
+    # Re-saving the step a run resumed from: the old directory has to leave its name
+    # before the new one can take it.  A crash in between used to leave `latest` naming
+    # nothing (the old one was already deleted), so the run could not resume at all.
+    root = str(tmp_path)
+    _commit(root, 6)
+    real_rename = os.rename
+
+    def crash_on_the_new_one(src, dst):
+        if src.endswith("step6.tmp"):
+            raise KeyboardInterrupt("killed between the two renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", crash_on_the_new_one)
+    tmp = recover.prepare_tmp_dir(root, 6)
+    with pytest.raises(KeyboardInterrupt):
+        recover.commit(root, tmp, 6, {"step": 6, "again": True})
+    monkeypatch.setattr(os, "rename", real_rename)
+    latest = recover.find_latest(root)
+    assert latest == os.path.join(root, "step6")
+    assert recover.read_master_state(latest) == {"step": 6}  # the complete old one
+    _commit(root, 6)  # and the next commit of the step succeeds, leaving no debris
+    assert sorted(os.listdir(root)) == ["latest", "step6"]
+
+
 def test_latest_naming_an_incomplete_dir_is_an_error(tmp_path):
     (tmp_path / "latest").write_text("step3")
     with pytest.raises(recover.RecoverError, match="not a complete recover checkpoint"):
