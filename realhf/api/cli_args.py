@@ -9,10 +9,24 @@ itself in `__post_init__`, naming the field, the bad value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import field
 from typing import Optional
 
-RECOVER_MODES = ("disabled", "auto", "resume")
+
+class RecoverMode(str, enum.Enum):
+    """``recover_mode``: what a run does with recover checkpoints.
+
+    The config field stays a plain string (YAML and ``key=value`` give strings);
+    code compares ``RecoverMode(cfg.recover_mode)`` against the members.
+    """
+
+    DISABLED = "disabled"  # always start afresh
+    AUTO = "auto"  # resume from the latest complete recover checkpoint, if any; relaunch on failure
+    RESUME = "resume"  # resume; no checkpoint is an error
+
+
+RECOVER_MODES = tuple(m.value for m in RecoverMode)
 LAUNCH_MODES = ("local",)
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Optional
 
+from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
 from realhf.base import constants, logging
 from realhf.experiments.registry import get_quickstart_exp
@@ -43,7 +44,7 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     # config it failed with; a recovered attempt reuses the same directory.
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
         f.write(f"# quickstart {name}\n" + to_yaml(cfg))
-    attempts = 1 + (cfg.recover_retries if cfg.recover_mode == "auto" else 0)
+    attempts = 1 + (cfg.recover_retries if RecoverMode(cfg.recover_mode) is RecoverMode.AUTO else 0)
     t0 = time.monotonic()
     for attempt in range(attempts):
         try:

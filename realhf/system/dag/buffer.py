@@ -129,6 +129,8 @@ class SampleBuffer:
         if not keys:
             return [1] * len(ids)
         totals = {k: sum(self.entry(i).keys[k].n_tokens for i in ids) for k in keys}
+        # One key measures every item, so the partition balances one quantity; sorted so a
+        # tie picks the same key on every run.
         big = max(sorted(keys), key=lambda k: totals[k])
         return [self.entry(i).keys[big].n_tokens for i in ids]
 

@@ -52,6 +52,7 @@ class LocalStore:
                 f"{self.worker}: item {id_!r} key {key!r}: data has {data.shape[0]} rows but "
                 f"seqlens {list(seqlens)} sum to {sum(seqlens)}"
             )
+        # Detached: stored outputs must not keep the autograd graph of the call alive.
         self._items.setdefault(id_, {})[key] = _Slot(data.detach().cpu(), [int(x) for x in seqlens])
 
     def put_sample(self, sample: SequenceSample, keys: Iterable[str] = None) -> None:
@@ -74,8 +75,9 @@ class LocalStore:
         except KeyError:
             have = sorted(self._items.get(id_, {}))
             raise KeyError(
-                f"{self.worker} holds no data for key {key!r} of item {id_!r} (it has keys {have}); "
-                "the master's transfer plan and this worker's store disagree"
+                f"{self.worker} holds no data for key {key!r} of item {id_!r} "
+                f"(it has keys {have}); the master's transfer plan and this worker's store "
+                "disagree"
             ) from None
 
     def sample(self, meta: SequenceSample) -> SequenceSample:

@@ -28,6 +28,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional
 
+from realhf.api.cli_args import RecoverMode
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
@@ -38,6 +39,7 @@ from realhf.system.dag.messages import (
     CheckpointRequest,
     DataPosition,
     EvalRequest,
+    Handle,
     InitializeRequest,
     SaveRequest,
 )
@@ -54,6 +56,7 @@ from realhf.system.worker.base import AsyncWorker, PollResult, register_worker
 
 __all__ = ["MasterWorker", "STATE_FORMAT"]
 
+#: version of the master's state in a recover checkpoint (bump when its layout changes)
 STATE_FORMAT = 1
 
 
@@ -103,13 +106,13 @@ class MasterWorker(AsyncWorker):
 
     # ---- start --------------------------------------------------------------
 
-    async def _call(self, handle: str, datas: List[Any]) -> List[Any]:
+    async def _call(self, handle: Handle, datas: List[Any]) -> List[Any]:
         return await self.runner.call(handle, datas)
 
     async def _start(self) -> None:
         cfg = self.config
         self.client.wait_for_handlers(cfg.timeout)
-        specs = await self._call("spec", [None] * self.n)
+        specs = await self._call(Handle.SPEC, [None] * self.n)
         self.shard_sizes = [s.dataset_size for s in specs]
         size = sum(self.shard_sizes)
         if size == 0:
@@ -120,7 +123,8 @@ class MasterWorker(AsyncWorker):
         self.ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
         if size != cfg.ft_spec.dataset_size:
             self.logger.warning(
-                f"the datasets hold {size} items, ft_spec planned {cfg.ft_spec.dataset_size}; using {size}"
+                f"the datasets hold {size} items, ft_spec planned "
+                f"{cfg.ft_spec.dataset_size}; using {size}"
             )
         self.total_steps = self.ft_spec.total_train_steps
         if cfg.exp_ctrl.benchmark_steps is not None:
@@ -133,7 +137,7 @@ class MasterWorker(AsyncWorker):
         if ckpt is not None:
             self._load_state(recover.read_master_state(ckpt), ckpt)
         init = InitializeRequest(self.ft_spec, ckpt, self.step.global_step)
-        positions = await self._call("initialize", [init] * self.n)
+        positions = await self._call(Handle.INITIALIZE, [init] * self.n)
         self.runner.remaining = [self._remaining(i, p) for i, p in enumerate(positions)]
         self._announce_start(ckpt)
         resume = None if ckpt is None else self.step.global_step
@@ -150,7 +154,8 @@ class MasterWorker(AsyncWorker):
             interval=cfg.progress_interval,
         )
         self.logger.info(
-            f"{size} items over {self.n} model workers, {self.ft_spec.steps_per_epoch} steps/epoch, "
+            f"{size} items over {self.n} model workers, "
+            f"{self.ft_spec.steps_per_epoch} steps/epoch, "
             f"running steps {self.step.global_step + 1}..{self.total_steps}"
             + (f" (resumed from {ckpt})" if ckpt else "")
             + f"\n{self.graph.to_text()}"
@@ -180,12 +185,12 @@ class MasterWorker(AsyncWorker):
         )
 
     def _find_checkpoint(self) -> Optional[str]:
-        mode = self.config.recover_mode
-        if mode == "disabled":
+        mode = RecoverMode(self.config.recover_mode)
+        if mode is RecoverMode.DISABLED:
             return None
         root = recover.recover_root(self.config.recover_dir)
         path = recover.find_latest(root) if os.path.isdir(root) else None
-        if path is None and mode == "resume":
+        if path is None and mode is RecoverMode.RESUME:
             raise recover.RecoverError(
                 f"recover_mode=resume but {root} holds no complete recover checkpoint"
             )
@@ -223,8 +228,9 @@ class MasterWorker(AsyncWorker):
         for k, v in now.items():
             if state[k] != v:
                 raise recover.RecoverError(
-                    f"recover checkpoint {path} was written with {k}={state[k]}, this run has {k}={v}; "
-                    "resume with the same config or delete the checkpoint to start afresh"
+                    f"recover checkpoint {path} was written with {k}={state[k]}, "
+                    f"this run has {k}={v}; resume with the same config or delete the checkpoint "
+                    "to start afresh"
                 )
         self.step = StepInfo(**state["step"])
         self.save_ctl.load_state_dict(state["save_ctl"])
@@ -269,12 +275,14 @@ class MasterWorker(AsyncWorker):
             **res.stats,
         }
         self.trace.complete(f"step {self.step.global_step}", "master_worker/0", wall0, time.time())
+        # The rollout side's staleness control admits new generations against this count.
         name_resolve.add(
             names.training_samples(self.experiment_name, self.trial_name),
             str(self.counters["samples"]),
             replace=True,
         )
         done = self.step.global_step >= self.total_steps
+        # Before the record is written, so eval metrics share the step's line.
         if self.config.eval and self.eval_ctl.check(epochs=int(epoch_done), steps=1):
             record.update(await self._evaluate())
         self.metrics.write(record)
@@ -282,6 +290,7 @@ class MasterWorker(AsyncWorker):
         self.trace.flush()
         self.progress.update(record)
         saved = self.save_ctl.check(epochs=int(epoch_done), steps=1)
+        # The final model is saved whenever saving is configured, due or not.
         if saved or (done and self._saves_configured()):
             await self._save(record)
         # Not after the last step: the run is complete, nothing is left to resume.
@@ -292,7 +301,7 @@ class MasterWorker(AsyncWorker):
     # ---- periodic actions -----------------------------------------------------
 
     async def _evaluate(self) -> Dict[str, float]:
-        replies = await self._call("evaluate", [EvalRequest(self.step)] * self.n)
+        replies = await self._call(Handle.EVALUATE, [EvalRequest(self.step)] * self.n)
         for rank, r in enumerate(replies):
             self.trace.complete("evaluate", self.handlers[rank], r.start, r.end, n_items=r.n_items)
         # Keys go under "eval/" (once: an interface may have prefixed them already).
@@ -309,14 +318,16 @@ class MasterWorker(AsyncWorker):
         tag = f"epoch{record['epoch']}epochstep{record['epoch_step']}globalstep{record['step']}"
         roles = sorted({m.role for m in self.mfcs.values() if m.is_train})
         dirs = {r: os.path.join(constants.checkpoint_dir(), r, tag) for r in roles}
-        await self._call("save", [SaveRequest(dirs)] * self.n)
+        await self._call(Handle.SAVE, [SaveRequest(dirs)] * self.n)
         self.logger.info(f"saved {', '.join(f'{r} -> {d}' for r, d in dirs.items())}")
 
     async def _checkpoint(self) -> None:
         t = time.time()
         root = recover.recover_root(self.config.recover_dir)
+        # Workers write into a .tmp directory that only the commit below, after every
+        # worker has replied, turns into a checkpoint: a crash mid-write leaves none.
         tmp = recover.prepare_tmp_dir(root, self.step.global_step)
-        await self._call("checkpoint", [CheckpointRequest(tmp, self.step)] * self.n)
+        await self._call(Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n)
         recover.commit(
             root,
             tmp,
@@ -327,7 +338,7 @@ class MasterWorker(AsyncWorker):
         self.trace.complete("checkpoint", "master_worker/0", t, time.time())
 
     async def _finish(self) -> None:
-        await self._call("exit", [None] * self.n)
+        await self._call(Handle.EXIT, [None] * self.n)
         self.trace.close()
         self.tb.close()
         self.progress.close()

@@ -1,23 +1,9 @@
 """Typed messages between the master worker and the model workers (request/reply stream).
 
-Handle names and their payloads (``Payload.data`` -> ``Reply.data``):
-
-====================  ==========================  ==========================================
-handle                request                     reply
-====================  ==========================  ==========================================
-``spec``              None                        :class:`SpecReply`
-``initialize``        :class:`InitializeRequest`  :class:`DataPosition`
-``fetch``             :class:`FetchRequest`       :class:`FetchReply`
-``generate``          :class:`MFCRequest`         :class:`MFCReply` (``output`` = meta)
-``inference``         :class:`MFCRequest`         :class:`MFCReply` (``output`` = meta)
-``train_step``        :class:`MFCRequest`         :class:`MFCReply` (``stats``)
-``evaluate``          :class:`EvalRequest`        :class:`EvalReply`
-``save``              :class:`SaveRequest`        list of directories written
-``checkpoint``        :class:`CheckpointRequest`  list of files/directories written
-``clear_data_cache``  tuple of ids                number of items dropped
-``model_version``     None                        ``{role: version}``
-``exit``              None                        None (the worker stops serving)
-====================  ==========================  ==========================================
+A request names a :class:`Handle` (its value is the ``Payload.handle_name`` that crosses
+the wire) and carries one of the request classes below as ``Payload.data``; the model
+worker answers with the matching reply class.  The table of handle -> request type ->
+reply type -> handler is :data:`realhf.system.dag.model_worker.PROTOCOL`.
 
 Samples in these messages are always metadata-only (``SequenceSample.meta()``): tensors
 move between model workers only (:mod:`realhf.system.dag.transfer`).
@@ -26,15 +12,19 @@ move between model workers only (:mod:`realhf.system.dag.transfer`).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Dict, Optional, Tuple
 
 from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.dfg import ModelInterfaceType
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.system.dag.transfer import TransferStep
 
 __all__ = [
     "REQUEST_STREAM",
+    "Handle",
     "MFC_HANDLES",
+    "mfc_handle",
     "SpecReply",
     "InitializeRequest",
     "DataPosition",
@@ -50,7 +40,32 @@ __all__ = [
 
 #: name of the request/reply stream between the master and the model workers
 REQUEST_STREAM = "master_model"
-MFC_HANDLES = ("generate", "inference", "train_step")
+
+
+class Handle(enum.Enum):
+    """What the master asks a model worker to do; the value is the name on the wire."""
+
+    SPEC = "spec"
+    INITIALIZE = "initialize"
+    FETCH = "fetch"
+    GENERATE = "generate"
+    INFERENCE = "inference"
+    TRAIN_STEP = "train_step"
+    EVALUATE = "evaluate"
+    SAVE = "save"
+    CHECKPOINT = "checkpoint"
+    CLEAR_DATA_CACHE = "clear_data_cache"
+    MODEL_VERSION = "model_version"
+    EXIT = "exit"
+
+
+#: the handles that run an MFC, one per interface method
+MFC_HANDLES = (Handle.GENERATE, Handle.INFERENCE, Handle.TRAIN_STEP)
+
+
+def mfc_handle(interface_type: ModelInterfaceType) -> Handle:
+    """The handle that runs an MFC of ``interface_type`` (same name as the method)."""
+    return Handle(interface_type.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +81,8 @@ class SpecReply:
 
 @dataclasses.dataclass(frozen=True)
 class InitializeRequest:
-    """Build the engines for ``ft_spec``; load ``recover_dir`` (a complete recover checkpoint) if set.
+    """Build the engines for ``ft_spec``; load ``recover_dir`` (a complete recover
+    checkpoint) if set.
 
     ``version`` is the weight version the trainer resumes at (finished train steps): roles
     that publish weights publish it again, so generation servers can load the resumed weights.

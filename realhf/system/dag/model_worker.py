@@ -1,14 +1,15 @@
-"""The model worker: hosts every model role as one data-parallel rank and runs MFCs on request.
+"""The model worker: hosts every model role as one data-parallel rank, runs MFCs on request.
 
 Worker type ``model_worker``; config :class:`~realhf.api.core.worker_api.ModelWorkerConfig`.
 
 On ``configure`` it joins the torch.distributed world of all model workers
-(:mod:`realhf.system.transport.process_group`: gloo on CPU, nccl with a gloo side group for data
-when CUDA is present; every wait bounded by ``config.timeout``), loads each role with
+(:mod:`realhf.system.transport.process_group`: gloo on CPU, nccl with a gloo side group for
+data when CUDA is present; every wait bounded by ``config.timeout``), loads each role with
 ``ReaLModel.from_hf``, its dataset shard (``dp_rank`` = worker index) and the interfaces
 of the MFCs.  It then serves the master's requests in arrival order, one at a time — the
-master relies on that order to keep collectives aligned across workers.  Handles and
-payloads are listed in :mod:`realhf.system.dag.messages`.
+master relies on that order to keep collectives aligned across workers.  What each handle
+takes, answers and runs is the table :data:`PROTOCOL` at the end of this module; the
+messages are in :mod:`realhf.system.dag.messages`.
 
 MFC call (``generate`` / ``inference`` / ``train_step``):
 
@@ -23,11 +24,13 @@ MFC call (``generate`` / ``inference`` / ``train_step``):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import random
 import shutil
 import time
+from types import NoneType
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import numpy as np
@@ -45,7 +48,6 @@ from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.messages import (
-    MFC_HANDLES,
     REQUEST_STREAM,
     CheckpointRequest,
     DataPosition,
@@ -53,6 +55,7 @@ from realhf.system.dag.messages import (
     EvalRequest,
     FetchReply,
     FetchRequest,
+    Handle,
     InitializeRequest,
     MFCReply,
     MFCRequest,
@@ -66,7 +69,7 @@ from realhf.system.transport.process_group import init_world
 from realhf.system.transport.request_reply import Payload, ReplyServer
 from realhf.system.worker.base import PollResult, Worker, register_worker
 
-__all__ = ["ModelWorker", "DIST_GROUP_NAME"]
+__all__ = ["ModelWorker", "Route", "PROTOCOL", "DIST_GROUP_NAME"]
 
 #: the name under ``names.distributed_master`` of the model workers' process group
 DIST_GROUP_NAME = "model_worker"
@@ -106,11 +109,25 @@ class ModelWorker(Worker):
     # ---- setup --------------------------------------------------------------
 
     def _configure(self, config: ModelWorkerConfig) -> None:
+        self._prepare_process(config)
+        self._pick_device()
+        self._join_world(config)
+        self._load_tokenizer(config)
+        self._load_models(config)
+        self._open_datasets(config)
+        self._make_interfaces(config)
+        self._reset_run_state()
+
+    def _prepare_process(self, config: ModelWorkerConfig) -> None:
+        """Register the implementations the config names, set torch threads and the seed."""
         for module in _DEFAULT_IMPORTS + tuple(config.imports):
             importlib.import_module(module)
         if config.torch_num_threads is not None:
             torch.set_num_threads(config.torch_num_threads)
         seeding.set_random_seed(config.seed, self.worker_name)
+
+    def _pick_device(self) -> None:
+        """Rank and world size (= worker index and count) and this rank's device."""
         self.rank = self.worker_index
         self.world_size = self.worker_info.worker_count
         self.device = torch.device("cpu")
@@ -119,6 +136,9 @@ class ModelWorker(Worker):
             # worker sees several, ranks spread over them.
             self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+
+    def _join_world(self, config: ModelWorkerConfig) -> None:
+        """Join the model workers' torch.distributed world; keep its group for data."""
         world = init_world(
             self.experiment_name,
             self.trial_name,
@@ -127,14 +147,22 @@ class ModelWorker(Worker):
             self.world_size,
             self.device,
             config.timeout,
+            # Worker 0's address vanishes when it dies, like its status key (same TTL, at
+            # least 5 s), so a restarted run never connects to a dead store.
             address_ttl=max(5.0, self.status_ttl),
         )
         self.data_group = world.data_group
+
+    def _load_tokenizer(self, config: ModelWorkerConfig) -> None:
+        """The HF tokenizer of ``config.tokenizer_path`` (None without one)."""
         self.tokenizer = None
         if config.tokenizer_path:
             import transformers
 
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
+
+    def _load_models(self, config: ModelWorkerConfig) -> None:
+        """Each role's weights as a ReaLModel on this rank's device (engines come later)."""
         self.specs = {m.role: m for m in config.models}
         self.modules: Dict[str, Any] = {}
         for spec in config.models:
@@ -145,6 +173,9 @@ class ModelWorker(Worker):
                 is_critic=spec.is_critic,
                 gradient_checkpointing=spec.gradient_checkpointing,
             )
+
+    def _open_datasets(self, config: ModelWorkerConfig) -> None:
+        """The training data (this rank's shard, or the rollout stream) and the eval shard."""
         if config.stream is not None:
             self.loader = TrajectoryStreamLoader(
                 config.stream,
@@ -157,26 +188,21 @@ class ModelWorker(Worker):
         else:
             self.loader = self._make_loader(config.dataset, "dataset")
         self.eval_loader = self._make_loader(config.eval_dataset, "eval_dataset")
+
+    def _make_interfaces(self, config: ModelWorkerConfig) -> None:
+        """The MFCs' interfaces and the evaluator."""
         self.mfcs: Dict[str, MFCDef] = {m.name: m for m in config.mfcs}
         self.interfaces = {m.name: registry.make_interface(m.interface_impl) for m in config.mfcs}
         self.evaluator = None
         if config.evaluation is not None:
             self.evaluator = registry.make_interface(config.evaluation.interface_impl)
+
+    def _reset_run_state(self) -> None:
+        """Empty engines, data store and weight versions; the stream connects on first poll."""
         self.models: Dict[str, Model] = {}  # built by `initialize`
         self.engines: Dict[str, Any] = {}
         self.store = LocalStore(self.worker_name)
         self.server: Optional[ReplyServer] = None
-        self.handlers: Dict[str, Callable[[Any], Any]] = {
-            "spec": self._spec,
-            "initialize": self._initialize,
-            "fetch": self._fetch,
-            "evaluate": self._evaluate,
-            "save": self._save,
-            "checkpoint": self._checkpoint,
-            "clear_data_cache": self._clear_data_cache,
-            "model_version": self._model_version,
-            **{h: self._run_mfc for h in MFC_HANDLES},
-        }
         self.versions: Dict[str, int] = {}
 
     def _make_loader(self, abstraction, what: str) -> Optional[ShardLoader]:
@@ -191,7 +217,8 @@ class ModelWorker(Worker):
         )
         loader = ShardLoader(dataset, self.config.seed, f"{self.worker_name} {what}")
         self.logger.info(
-            f"{what} {abstraction.type_!r}: {len(loader)} items in shard {self.rank}/{self.world_size}"
+            f"{what} {abstraction.type_!r}: {len(loader)} items "
+            f"in shard {self.rank}/{self.world_size}"
         )
         return loader
 
@@ -207,25 +234,23 @@ class ModelWorker(Worker):
                 connect_timeout=self.config.timeout,
             )
         try:
+            # Short: the controller's requests are answered only between polls.
             req: Payload = self.server.poll(timeout=0.05)
         except (NoMessage, StreamTimeout):
             return PollResult()
-        if req.handle_name == "exit":
-            self.server.reply(req, None)
-            return PollResult(completed=True)
-        handler = self.handlers.get(req.handle_name)
         try:
-            if handler is None:
-                raise ValueError(
-                    f"unknown request {req.handle_name!r}; known: {sorted(self.handlers)} + exit"
-                )
-            result = handler(req.data)
+            handle = _parse_handle(req.handle_name)
+            route = PROTOCOL[handle]
+            route.check_request(handle, req.data)
+            result = route.handler(self, req.data)
         except Exception as e:
             # Tell the master (it raises with our traceback), then fail: peers may be
             # stuck in a collective with us, so carrying on is not safe.
             self.server.reply_error(req, e)
             raise
         self.server.reply(req, result)
+        if handle is Handle.EXIT:
+            return PollResult(completed=True)
         return PollResult(batch_count=1)
 
     def _exit_hook(self) -> None:
@@ -240,7 +265,7 @@ class ModelWorker(Worker):
 
     # ---- handlers -----------------------------------------------------------
 
-    def _spec(self, _) -> SpecReply:
+    def _spec(self, _: None) -> SpecReply:
         return SpecReply(
             worker=self.worker_name,
             dataset_size=len(self.loader) if self.loader else 0,
@@ -299,6 +324,7 @@ class ModelWorker(Worker):
             raise RuntimeError(
                 f"{self.worker_name} has no dataset (ModelWorkerConfig.dataset is None)"
             )
+        # Capped per request to bound one reply's load time; the master asks again for the rest.
         items = self.loader.take(req.epoch, min(req.n, self.config.dataset_batch_size))
         meta = None
         if items:
@@ -309,6 +335,8 @@ class ModelWorker(Worker):
         return FetchReply(meta, self._position(), stats)
 
     def _seed_for(self, what: str, step: StepInfo) -> None:
+        # Derived from the call, not drawn from a running generator: a resumed run seeds
+        # every call exactly as the uninterrupted run did.
         s = seeding.derive_seed(self.config.seed, f"{what}:step{step.global_step}:rank{self.rank}")
         random.seed(s)
         np.random.seed(s)
@@ -317,7 +345,8 @@ class ModelWorker(Worker):
     def _model(self, role: str) -> Model:
         if role not in self.models:
             raise RuntimeError(
-                f"{self.worker_name}: model {role!r} is not initialized; the master sends `initialize` first"
+                f"{self.worker_name}: model {role!r} is not initialized; "
+                "the master sends `initialize` first"
             )
         return self.models[role]
 
@@ -348,6 +377,7 @@ class ModelWorker(Worker):
         else:
             output = self._store_output(mfc, data, result)
             stats = {}
+        # A collective over the whole world: every rank runs every MFC call, so all reach it.
         stats.update(stats_tracker.export(reduce_group=None))
         return MFCReply(
             worker=self.worker_name,
@@ -363,9 +393,10 @@ class ModelWorker(Worker):
 
     def _store_output(self, mfc: MFCDef, data: SequenceSample, out) -> SequenceSample:
         if not isinstance(out, SequenceSample) or out.data is None:
+            method = f"{type(self.interfaces[mfc.name]).__name__}.{mfc.interface_type.value}"
             raise TypeError(
-                f"MFC {mfc.name!r}: {type(self.interfaces[mfc.name]).__name__}.{mfc.interface_type.value} "
-                f"must return a SequenceSample with data for its {len(data)} items, got {out!r}"
+                f"MFC {mfc.name!r}: {method} must return a SequenceSample with data for its "
+                f"{len(data)} items, got {out!r}"
             )
         if sorted(out.ids) != sorted(data.ids):
             raise ValueError(
@@ -385,6 +416,9 @@ class ModelWorker(Worker):
         return out.meta()
 
     def _publish(self, role: str, version: int) -> None:
+        # Data-parallel replicas hold the same weights after a step: rank 0 writes for all.
+        # The directory is renamed into place complete, then the version key names it, so
+        # a generation server that sees the key never loads a half-written directory.
         if self.rank == 0:
             final = constants.weight_publication_dir(role, version)
             tmp = final + ".tmp"
@@ -427,7 +461,7 @@ class ModelWorker(Worker):
 
     def _save(self, req: SaveRequest) -> List[str]:
         written = []
-        if self.rank == 0:
+        if self.rank == 0:  # replicas are identical (see _publish)
             for role, path in req.dirs.items():
                 if role not in self.specs:
                     raise KeyError(f"{self.worker_name}: cannot save unknown role {role!r}")
@@ -436,13 +470,71 @@ class ModelWorker(Worker):
         return written
 
     def _checkpoint(self, req: CheckpointRequest) -> List[str]:
+        # Every rank writes: optimizer states are per rank, and so is the data position.
         state = self.loader.state_dict() if self.loader is not None else None
         return recover.save_worker_state(
             req.dir, self.rank, self._trainable(), state, self.interfaces
         )
 
-    def _clear_data_cache(self, ids) -> int:
+    def _clear_data_cache(self, ids: tuple) -> int:
         return self.store.drop(ids)
 
-    def _model_version(self, _) -> Dict[str, int]:
+    def _model_version(self, _: None) -> Dict[str, int]:
         return dict(self.versions)
+
+    def _exit(self, _: None) -> None:
+        """Nothing to do: the poll loop stops after replying (``PollResult.completed``)."""
+        return None
+
+
+# ---- the protocol -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How a model worker serves one handle.
+
+    Attributes:
+        request: the type of ``Payload.data`` (checked before the handler runs).
+        reply: the type of ``Reply.data``.
+        handler: the :class:`ModelWorker` method that serves it (``handler(worker, data)``).
+    """
+
+    request: type
+    reply: type
+    handler: Callable[[ModelWorker, Any], Any]
+
+    def check_request(self, handle: Handle, data: Any) -> None:
+        """Raise TypeError unless ``data`` is this route's request type."""
+        if not isinstance(data, self.request):
+            raise TypeError(
+                f"request {handle.value!r} carries data of type {type(data).__name__}; "
+                f"it takes {self.request.__name__}"
+            )
+
+
+#: The master <-> model worker protocol: handle -> request type -> reply type -> handler.
+#: ``generate``/``inference``/``train_step`` run one MFC call (``MFCReply.output`` is the
+#: outputs' metadata, None for ``train_step``); after ``exit`` the worker stops serving.
+PROTOCOL: Dict[Handle, Route] = {
+    Handle.SPEC: Route(NoneType, SpecReply, ModelWorker._spec),
+    Handle.INITIALIZE: Route(InitializeRequest, DataPosition, ModelWorker._initialize),
+    Handle.FETCH: Route(FetchRequest, FetchReply, ModelWorker._fetch),
+    Handle.GENERATE: Route(MFCRequest, MFCReply, ModelWorker._run_mfc),
+    Handle.INFERENCE: Route(MFCRequest, MFCReply, ModelWorker._run_mfc),
+    Handle.TRAIN_STEP: Route(MFCRequest, MFCReply, ModelWorker._run_mfc),
+    Handle.EVALUATE: Route(EvalRequest, EvalReply, ModelWorker._evaluate),
+    Handle.SAVE: Route(SaveRequest, list, ModelWorker._save),  # directories written
+    Handle.CHECKPOINT: Route(CheckpointRequest, list, ModelWorker._checkpoint),  # files written
+    Handle.CLEAR_DATA_CACHE: Route(tuple, int, ModelWorker._clear_data_cache),  # ids -> dropped
+    Handle.MODEL_VERSION: Route(NoneType, dict, ModelWorker._model_version),  # {role: version}
+    Handle.EXIT: Route(NoneType, NoneType, ModelWorker._exit),
+}
+
+
+def _parse_handle(name: str) -> Handle:
+    try:
+        return Handle(name)
+    except ValueError:
+        known = sorted(h.value for h in Handle)
+        raise ValueError(f"unknown request {name!r}; known: {known}") from None

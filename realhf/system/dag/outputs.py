@@ -74,6 +74,8 @@ class MetricsLog:
     def write(self, record: Dict[str, Any]) -> None:
         """Append one step's record."""
         with open(self.path, "a") as f:
+            # NaN stats (e.g. a mean over an empty mask) are written as NaN, which Python's
+            # json reads back, rather than failing the step.
             f.write(json.dumps(record, allow_nan=True) + "\n")
 
 

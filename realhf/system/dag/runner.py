@@ -25,7 +25,7 @@ from realhf.api.core.dfg import DataFlowGraph, MFCDef, ModelInterfaceType
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.worker_api import call_sizes
 from realhf.system.dag.buffer import SampleBuffer
-from realhf.system.dag.messages import FetchRequest, MFCReply, MFCRequest
+from realhf.system.dag.messages import FetchRequest, Handle, MFCReply, MFCRequest, mfc_handle
 from realhf.system.dag.transfer import build_transfer_plan, partition_for_dp
 from realhf.system.transport.request_reply import RequestClient
 
@@ -79,6 +79,8 @@ class DagRunner:
         self.timeout = timeout
         self.trace = trace
         self.buffer = SampleBuffer()
+        # `cond` guards the buffer and `_done`, and wakes MFCs waiting for their inputs
+        # whenever a call's outputs land or an MFC finishes.
         self.cond = asyncio.Condition()
         self.dispatch_lock = asyncio.Lock()
         #: per worker: items of the current epoch not fetched yet (set by the master)
@@ -86,7 +88,7 @@ class DagRunner:
         self._stats: Dict[str, List[float]] = {}
         self._done: Dict[str, bool] = {}
 
-    async def call(self, handle: str, datas: List[Any]) -> List[Any]:
+    async def call(self, handle: Handle, datas: List[Any]) -> List[Any]:
         """Send ``handle`` to every worker (one datum each); return their replies' data."""
         rids = self.client.request(self.handlers, handle, datas)
         return [r.data for r in await self.client.gather_async(rids, timeout=self.timeout)]
@@ -102,6 +104,8 @@ class DagRunner:
         self._stats = {}
         ids = await self._load(step.epoch, min(batch_size, sum(self.remaining)))
         self._done = {name: False for name in self.graph.mfcs}
+        # One task per MFC: each dispatches a call as soon as its inputs are ready, so with
+        # n_seqs below the batch size a consumer starts on the first outputs of its producer.
         try:
             async with asyncio.TaskGroup() as tg:
                 for name in self.graph.topological_order():
@@ -112,7 +116,7 @@ class DagRunner:
         tokens = sum(
             max((k.n_tokens for k in self.buffer.entry(i).keys.values()), default=0) for i in ids
         )
-        await self.call("clear_data_cache", [tuple(ids)] * self.n)
+        await self.call(Handle.CLEAR_DATA_CACHE, [tuple(ids)] * self.n)
         self.buffer.remove(ids)
         return StepResult(ids, tokens, {k: sum(v) / len(v) for k, v in sorted(self._stats.items())})
 
@@ -121,9 +125,10 @@ class DagRunner:
         want = allocate_fetch(need, self.remaining)
         ids: List[str] = []
         t = time.time()
+        # A worker answers at most dataset_batch_size items per fetch: ask until all came.
         while True:
             asked = list(want)
-            replies = await self.call("fetch", [FetchRequest(epoch, w) for w in asked])
+            replies = await self.call(Handle.FETCH, [FetchRequest(epoch, w) for w in asked])
             for rank, rep in enumerate(replies):
                 got = 0 if rep.meta is None else len(rep.meta)
                 if got:
@@ -132,6 +137,8 @@ class DagRunner:
                 self.remaining[rank] = rep.position.remaining
                 for k, v in rep.stats.items():
                     self._stats.setdefault(k, []).append(v)
+                # Nothing back would make this loop forever; more than asked means master
+                # and worker disagree on the shard.
                 if got == 0 and asked[rank] > 0 or got > asked[rank]:
                     raise RuntimeError(
                         f"{self.handlers[rank]} returned {got} items for a fetch of {asked[rank]} "
@@ -152,6 +159,7 @@ class DagRunner:
                     ready = self.buffer.ready(mfc.name, mfc.input_keys, among=step_ids)
                     if len(ready) >= size:
                         break
+                    # No producer left to add inputs: fail instead of waiting forever.
                     if all(self._done[p] for p in parents):
                         raise RuntimeError(
                             f"MFC {mfc.name!r} needs {size} items with keys "
@@ -160,10 +168,12 @@ class DagRunner:
                         )
                     await self.cond.wait()
                 ids = ready[:size]
+                # Marked under the condition, so the MFC's next call cannot take them again.
                 self.buffer.mark_consumed(ids, mfc.name)
             async with self.dispatch_lock:
                 rids, parts = self._dispatch(mfc, ids, step, call)
             t = time.time()
+            # Awaited outside the condition: other MFCs dispatch while this call runs.
             replies = await self.client.gather_async(rids, timeout=self.timeout)
             async with self.cond:
                 self._absorb(mfc, parts, [r.data for r in replies], t)
@@ -193,7 +203,7 @@ class DagRunner:
         datas = [
             MFCRequest(mfc.name, step, tuple(plan), self.buffer.meta(p, keys), call) for p in parts
         ]
-        return self.client.request(self.handlers, mfc.interface_type.value, datas), parts
+        return self.client.request(self.handlers, mfc_handle(mfc.interface_type), datas), parts
 
     def _absorb(
         self, mfc: MFCDef, parts: List[List[str]], replies: List[MFCReply], sent: float
@@ -226,6 +236,7 @@ class DagRunner:
             )
         for k, v in stats.items():
             self._stats.setdefault(f"{mfc.name}/{k}", []).append(sum(v) / len(v))
+        # Workers' wall clocks against the master's: good to the clock skew between hosts.
         self._stats.setdefault(f"timing/{mfc.name}", []).append(max(r.end for r in replies) - sent)
         self._stats.setdefault(f"data_transfer/{mfc.name}_bytes", []).append(
             sum(r.bytes_received for r in replies)

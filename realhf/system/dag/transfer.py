@@ -75,7 +75,10 @@ class TransferStep:
 
     def describe(self) -> str:
         """``key 'x': rank 0 -> 1, 3 items, 42 rows``."""
-        return f"key {self.key!r}: rank {self.src} -> {self.dst}, {len(self.ids)} items, {self.n_rows} rows"
+        return (
+            f"key {self.key!r}: rank {self.src} -> {self.dst}, {len(self.ids)} items, "
+            f"{self.n_rows} rows"
+        )
 
 
 @dataclasses.dataclass
@@ -208,6 +211,7 @@ def execute_plan(
                         f"local data has shape {tuple(x.shape)}, the plan expects "
                         f"{(step.n_rows, *step.trailing_shape)}"
                     )
+                # send() needs one contiguous buffer; the receiver allocates it from the step.
                 wire = x.to(device=device, dtype=_WIRE_DTYPE.get(x.dtype, x.dtype)).contiguous()
                 dist.send(wire, dst=_global(step.dst, group), group=group)
                 stats.n_sent += 1
@@ -235,6 +239,8 @@ def execute_plan(
 
 
 def _global(rank: int, group) -> int:
+    # send/recv address peers by global rank even when given a group; plan ranks are ranks
+    # in `group`.
     if group is None:
         return rank
     return dist.get_global_rank(group, rank)

@@ -54,7 +54,8 @@ def init_world(
     """
     who = f"{group_name}/{rank}"
     key = names.distributed_master(experiment_name, trial_name, group_name)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    on_gpu = device.type == "cuda"
+    backend = "nccl" if on_gpu else "gloo"
     td = datetime.timedelta(seconds=timeout)
     store = None
     if rank == 0:
@@ -82,6 +83,8 @@ def init_world(
             f"{who}: joining the {world_size}-rank {backend} group at {address} failed within "
             f"{timeout:g}s: {e}; check that every {group_name} started"
         ) from e
-    data_group = dist.new_group(backend="gloo", timeout=td) if backend == "nccl" else None
+    # nccl moves device tensors only; the data store holds host tensors, so data goes over
+    # a gloo group.  new_group is collective: every rank creates it, in the same order.
+    data_group = dist.new_group(backend="gloo", timeout=td) if on_gpu else None
     logger.info(f"{who} joined the {backend} group of {world_size} at {address}")
     return WorldInfo(backend, address, data_group)

@@ -303,6 +303,9 @@ class PusherStream:
         self._sent_to[c] += 1
 
     def _send(self, consumer: int, sock: zmq.Socket, buf: bytes, timeout) -> None:
+        # A PUSH socket at its high-water mark blocks send() with no timeout: wait for room
+        # with a bounded poll, then send without blocking.  None means the default, not
+        # forever: a consumer that died must surface as an error.
         ms = max(1, int((timeout or DEFAULT_TIMEOUT) * 1000))
         if not sock.poll(ms, zmq.POLLOUT):
             raise StreamTimeout(

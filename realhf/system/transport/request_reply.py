@@ -7,13 +7,14 @@ connects a DEALER socket whose identity is its handler name
 (``model_worker/0``), and says hello; the master waits until every expected
 handler has said hello, so a request can never be sent into the void.
 
-A request is a :class:`Payload` (handler, handle name, request id, data and
-pre/post hooks); the answer is a :class:`Reply` with the same request id,
-carrying either data or an :class:`~realhf.system.transport.errors.ErrorInfo` that the
-master re-raises as :class:`~realhf.system.transport.errors.RemoteError` (worker name,
-handle, remote traceback).  Replies are matched by exact request id, so many
-requests may be in flight and collected in any order (``gather`` for sync
-callers, ``gather_async`` for the asyncio master).
+A request is a :class:`Payload` (handler, handle name, request id, data); the answer
+is a :class:`Reply` with the same request id, carrying either data or an
+:class:`~realhf.system.transport.errors.ErrorInfo` that the master re-raises as
+:class:`~realhf.system.transport.errors.RemoteError` (worker name, handle, remote
+traceback).  What a handle means is up to the two ends; the stream only carries it.
+Replies are matched by exact request id, so many requests may be in flight and
+collected in any order (``gather`` for sync callers, ``gather_async`` for the asyncio
+master).
 
 Syn/ack (``no_syn=False``): the worker answers a request with a SYN and holds
 it until the master sends the ACK, which the master does only after *every*
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import pickle
 import time
 import uuid
 from collections import deque
-from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Union
 
 import zmq
 
@@ -53,6 +55,9 @@ __all__ = [
     "DEFAULT_REPLY_TIMEOUT",
 ]
 
+# Defaults only; the workers pass their config's timeout.  Connecting waits for worker
+# processes to start and configure (imports, model loading); a reply may wait for a
+# whole MFC call, e.g. generating a large batch.
 DEFAULT_CONNECT_TIMEOUT = 120.0
 DEFAULT_REPLY_TIMEOUT = 300.0
 
@@ -67,13 +72,12 @@ class Payload:
 
     Attributes:
         handler: the worker that handles it, e.g. ``"model_worker/0"``.
-        handle_name: what to do (the worker dispatches on it), e.g. ``"train_step"``.
+        handle_name: what to do (the worker dispatches on it), e.g. ``"train_step"``.  A
+            str-valued :class:`enum.Enum` member is accepted and stored as its value, so
+            only plain strings cross the wire and the receiver needs no enum to read them.
         data: the argument; any picklable object (metadata, not big tensors).
         request_id: unique id; the reply carries the same one.
         no_syn: False to use the syn/ack handshake (see module docstring).
-        pre_hooks, post_hooks: names of hooks the worker runs before/after
-            the handle (e.g. ``"data_transfer"``, ``"save"``).
-        pre_hook_data, post_hook_data: one argument per hook, same length.
     """
 
     handler: str
@@ -81,30 +85,14 @@ class Payload:
     data: Any = None
     request_id: str = dataclasses.field(default_factory=_new_id)
     no_syn: bool = True
-    pre_hooks: Sequence[str] = ()
-    pre_hook_data: Sequence[Any] = ()
-    post_hooks: Sequence[str] = ()
-    post_hook_data: Sequence[Any] = ()
 
     def __post_init__(self):
+        if isinstance(self.handle_name, enum.Enum):
+            object.__setattr__(self, "handle_name", self.handle_name.value)
         for field in ("handler", "handle_name", "request_id"):
             v = getattr(self, field)
             if not isinstance(v, str) or not v:
                 raise ValueError(f"Payload.{field} must be a non-empty str, got {v!r}.")
-        for hooks, data in (("pre_hooks", "pre_hook_data"), ("post_hooks", "post_hook_data")):
-            h = tuple(getattr(self, hooks))
-            d = tuple(getattr(self, data))
-            if not d and h:
-                d = (None,) * len(h)
-            if len(h) != len(d):
-                raise ValueError(
-                    f"Payload.{hooks} has {len(h)} hooks but {data} has {len(d)} "
-                    f"entries; give one data entry per hook (None when a hook takes none)."
-                )
-            if not all(isinstance(x, str) and x for x in h):
-                raise ValueError(f"Payload.{hooks} must be non-empty strings, got {h!r}.")
-            object.__setattr__(self, hooks, h)
-            object.__setattr__(self, data, d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +147,8 @@ def _loads(buf: bytes, where: str):
 
 
 def _ms(timeout: Optional[float]) -> int:
+    # zmq polls in whole milliseconds and 0 means "don't wait": round a short positive
+    # timeout up to 1 ms so it still waits.
     return 0 if timeout is None or timeout <= 0 else max(1, int(timeout * 1000))
 
 
@@ -233,7 +223,8 @@ class RequestClient:
         """Receive and file one message; False if none came within ``timeout``."""
         if not self._sock.poll(_ms(timeout), zmq.POLLIN):
             return False
-        ident, body = self._sock.recv_multipart()
+        # Every message names its handler itself; the ROUTER's identity frame is not needed.
+        _, body = self._sock.recv_multipart()
         msg = _loads(body, f"stream {self.stream_name!r} (master)")
         if isinstance(msg, _Hello):
             if msg.handler not in self.handlers:
@@ -245,6 +236,8 @@ class RequestClient:
         elif isinstance(msg, _Syn):
             self._syns.add(msg.request_id)
         elif isinstance(msg, Reply):
+            # Filed by request id, not handed to a waiter: the reply may belong to a
+            # coroutine other than the one whose poll received it (see gather_async).
             self._pending.pop(msg.request_id, None)
             self._replies[msg.request_id] = msg
         else:
@@ -307,59 +300,34 @@ class RequestClient:
     def request(
         self,
         handlers: Sequence[str],
-        handle_name: str,
+        handle_name: Union[str, enum.Enum],
         datas: Optional[Sequence[Any]] = None,
         *,
         no_syn: bool = True,
-        pre_hooks: Optional[Sequence[Sequence[str]]] = None,
-        pre_hook_data: Optional[Sequence[Sequence[Any]]] = None,
-        post_hooks: Optional[Sequence[Sequence[str]]] = None,
-        post_hook_data: Optional[Sequence[Sequence[Any]]] = None,
         timeout: Optional[float] = None,
     ) -> List[str]:
         """Send ``handle_name`` to each handler; return the request ids in order.
 
-        ``datas`` (and each hook argument) holds one entry per handler.  With
-        ``no_syn=False`` this returns only after every handler has SYNed and
-        been ACKed (within ``timeout``, default ``reply_timeout``).
+        ``datas`` holds one entry per handler (default: None for each).  With
+        ``no_syn=False`` this returns only after every handler has SYNed and been ACKed
+        (within ``timeout``, default ``reply_timeout``).
         """
         handlers = list(handlers)
-        n = len(handlers)
         unknown = [h for h in handlers if h not in self.handlers]
         if unknown:
             raise ValueError(
                 f"Stream {self.stream_name!r} has no handler {unknown[0]!r}; known handlers: "
                 f"{self.handlers}."
             )
-
-        def per_handler(arg, name, default):
-            if arg is None:
-                return [default] * n
-            arg = list(arg)
-            if len(arg) != n:
-                raise ValueError(
-                    f"request({handle_name!r}): {name} has {len(arg)} entries for "
-                    f"{n} handlers; give one per handler."
-                )
-            return arg
-
-        datas = per_handler(datas, "datas", None)
-        pre_h = per_handler(pre_hooks, "pre_hooks", ())
-        pre_d = per_handler(pre_hook_data, "pre_hook_data", ())
-        post_h = per_handler(post_hooks, "post_hooks", ())
-        post_d = per_handler(post_hook_data, "post_hook_data", ())
-        payloads = [
-            Payload(
-                handler=h,
-                handle_name=handle_name,
-                data=d,
-                no_syn=no_syn,
-                pre_hooks=ph,
-                pre_hook_data=pd,
-                post_hooks=qh,
-                post_hook_data=qd,
+        datas = [None] * len(handlers) if datas is None else list(datas)
+        if len(datas) != len(handlers):
+            raise ValueError(
+                f"request({handle_name!r}): datas has {len(datas)} entries for "
+                f"{len(handlers)} handlers; give one per handler."
             )
-            for h, d, ph, pd, qh, qd in zip(handlers, datas, pre_h, pre_d, post_h, post_d)
+        payloads = [
+            Payload(handler=h, handle_name=handle_name, data=d, no_syn=no_syn)
+            for h, d in zip(handlers, datas)
         ]
         for p in payloads:
             self._pending[p.request_id] = p
@@ -381,6 +349,8 @@ class RequestClient:
                     waited_for=", ".join(missing),
                 )
             self._recv_once(min(left, 0.5))
+        # Only now, with every handler holding its request, may any of them start: a
+        # handler that started early could enter a collective its peers have not reached.
         self._syns -= ids
         for p in payloads:
             self._send(p.handler, _Ack(p.request_id))
@@ -398,6 +368,9 @@ class RequestClient:
         """Receive what is queued; return the wanted replies if all have arrived."""
         self._drain()
         if raise_remote:
+            # Raise on the first error without waiting for the other replies: a worker that
+            # failed stops serving, and its peers may hang in a collective with it, so the
+            # rest may never come.
             for r in wanted:
                 rep = self._replies.get(r)
                 if rep is not None and rep.error is not None:
@@ -482,7 +455,7 @@ class RequestClient:
     def call(
         self,
         handlers: Sequence[str],
-        handle_name: str,
+        handle_name: Union[str, enum.Enum],
         datas: Optional[Sequence[Any]] = None,
         *,
         timeout: Optional[float] = None,
@@ -559,6 +532,7 @@ class ReplyServer:
             if msg.no_syn:
                 self._ready.append(msg)
             else:
+                # Not handed out before the ACK (see the module docstring).
                 self._held[msg.request_id] = msg
                 self._sock.send(_dumps(_Syn(msg.request_id, self.handler_name)))
         elif isinstance(msg, _Ack):

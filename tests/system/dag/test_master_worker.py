@@ -33,6 +33,7 @@ from realhf.system.dag.messages import (
     DataPosition,
     EvalReply,
     FetchReply,
+    Handle,
     MFCReply,
     SpecReply,
 )
@@ -94,15 +95,15 @@ class StandIn(threading.Thread):
                 req = server.poll(timeout=0.05)
             except (NoMessage, StreamTimeout):
                 continue
-            h, d = req.handle_name, req.data
-            if h == "spec":
+            h, d = Handle(req.handle_name), req.data
+            if h is Handle.SPEC:
                 out = SpecReply(f"model_worker/{self.rank}", len(self.loader), 0, True, ("actor",))
-            elif h == "initialize":
+            elif h is Handle.INITIALIZE:
                 if d.recover_dir:
                     with open(recover.data_state_path(d.recover_dir, self.rank)) as f:
                         self.loader.load_state_dict(json.load(f))
                 out = DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
-            elif h == "fetch":
+            elif h is Handle.FETCH:
                 items = self.loader.take(d.epoch, min(d.n, 2))  # at most 2 per call
                 meta = SequenceSample.gather(items).meta() if items else None
                 for s in items:
@@ -112,13 +113,13 @@ class StandIn(threading.Thread):
                 )
             elif h in MFC_HANDLES:
                 out = self._mfc(d)
-            elif h == "evaluate":
+            elif h is Handle.EVALUATE:
                 out = EvalReply(f"model_worker/{self.rank}", {"accuracy": 0.5}, 3, 0.0, 0.0)
-            elif h == "checkpoint":
+            elif h is Handle.CHECKPOINT:
                 out = recover.save_worker_state(d.dir, self.rank, {}, self.loader.state_dict())
-            elif h in ("save", "clear_data_cache", "model_version"):
+            elif h in (Handle.SAVE, Handle.CLEAR_DATA_CACHE, Handle.MODEL_VERSION):
                 out = None
-            elif h == "exit":
+            elif h is Handle.EXIT:
                 server.reply(req, None)
                 server.close()
                 return

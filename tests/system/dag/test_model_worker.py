@@ -19,11 +19,12 @@ from realhf.system.dag.messages import (
     CheckpointRequest,
     EvalRequest,
     FetchRequest,
+    Handle,
     InitializeRequest,
     MFCRequest,
     SaveRequest,
 )
-from realhf.system.dag.model_worker import ModelWorker
+from realhf.system.dag.model_worker import PROTOCOL, ModelWorker
 from realhf.system.transport.errors import RemoteError, StreamTimeout
 from realhf.system.transport.request_reply import RequestClient
 from realhf.system.worker.base import WorkerStatus, read_error
@@ -85,11 +86,11 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
     client = RequestClient(EXP, trial, REQUEST_STREAM, [W], reply_timeout=30, wait=False)
     call = Driver(worker, client)
     try:
-        spec = call("spec")
+        spec = call(Handle.SPEC)
         assert (spec.dataset_size, spec.eval_dataset_size, spec.can_evaluate) == (6, 4, True)
         assert spec.roles == ("actor", "ref")
         with pytest.raises(RemoteError, match="not initialized"):
-            call("inference", MFCRequest("plus1", StepInfo(), (), None))
+            call(Handle.INFERENCE, MFCRequest("plus1", StepInfo(), (), None))
         # That failure ended the worker (a peer could be stuck in a collective with it).
         assert worker.status == WorkerStatus.ERROR
         assert "model 'ref' is not initialized" in read_error(EXP, trial, W).message
@@ -107,27 +108,27 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
     call = Driver(worker, client)
     try:
         ft_spec = cfg.ft_spec
-        pos = call("initialize", InitializeRequest(ft_spec))
+        pos = call(Handle.INITIALIZE, InitializeRequest(ft_spec))
         assert (pos.epoch, pos.n_used, pos.shard_size) == (0, 0, 6)
-        rep = call("fetch", FetchRequest(0, 3))
+        rep = call(Handle.FETCH, FetchRequest(0, 3))
         assert rep.meta.data is None and len(rep.meta) == 2  # dataset_batch_size = 4 // 2
-        rep2 = call("fetch", FetchRequest(0, 1))
+        rep2 = call(Handle.FETCH, FetchRequest(0, 1))
         assert len(rep2.meta) == 1 and rep2.position.n_used == 3
         meta = type(rep.meta).gather([rep.meta, rep2.meta])
         ids = meta.ids
         step = StepInfo(0, 0, 0)
 
-        out = call("generate", MFCRequest("gen", step, (), meta.select(["packed_input_ids"])))
+        out = call(Handle.GENERATE, MFCRequest("gen", step, (), meta.select(["packed_input_ids"])))
         assert out.output.keys == {"a_out"} and sorted(out.output.ids) == sorted(ids)
         assert out.output.data is None and out.end >= out.start
         a_meta = out.output
-        b = call("inference", MFCRequest("plus1", step, (), a_meta))
-        c = call("inference", MFCRequest("times3", step, (), a_meta))
+        b = call(Handle.INFERENCE, MFCRequest("plus1", step, (), a_meta))
+        c = call(Handle.INFERENCE, MFCRequest("times3", step, (), a_meta))
         assert c.output.keys == {"c_out"}  # output_key_remap {"y": "c_out"}
         train_meta = meta.select(["packed_input_ids"])
         train_meta.update_(b.output)
         train_meta.update_(c.output)
-        t = call("train_step", MFCRequest("train", step, (), train_meta))
+        t = call(Handle.TRAIN_STEP, MFCRequest("train", step, (), train_meta))
         assert t.output is None
         assert t.stats["mismatches"] == 0.0 and t.stats["n_items"] == 3.0
         assert t.stats["loss"] > 0 and t.stats["lr"] > 0
@@ -135,23 +136,23 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
         assert name_resolve.get(names.model_version(EXP, trial, "actor")) == "1"
         pub = constants.weight_publication_dir("actor", 1)
         assert os.path.exists(os.path.join(pub, "config.json"))
-        assert call("model_version") == {"actor": 1}
+        assert call(Handle.MODEL_VERSION) == {"actor": 1}
 
-        ev = call("evaluate", EvalRequest(StepInfo(0, 1, 1)))
+        ev = call(Handle.EVALUATE, EvalRequest(StepInfo(0, 1, 1)))
         assert ev.n_items == 4 and ev.metrics["logprob"] < 0
 
         save_dir = str(tmp_path / "save" / "actor")
-        assert call("save", SaveRequest({"actor": save_dir})) == [save_dir]
+        assert call(Handle.SAVE, SaveRequest({"actor": save_dir})) == [save_dir]
         saved = ReaLModel.from_hf(save_dir)
         assert torch.equal(saved.flat_params, worker.modules["actor"].flat_params)
         assert not torch.equal(saved.flat_params, ReaLModel.from_hf(model_path).flat_params)
 
         ckpt = str(tmp_path / "ckpt")
-        written = call("checkpoint", CheckpointRequest(ckpt, StepInfo(0, 1, 1)))
+        written = call(Handle.CHECKPOINT, CheckpointRequest(ckpt, StepInfo(0, 1, 1)))
         assert recover.data_state_path(ckpt, 0) in written
         assert recover.optimizer_path(ckpt, "actor", 0) in written
 
-        assert call("clear_data_cache", tuple(ids)) == 3
+        assert call(Handle.CLEAR_DATA_CACHE, tuple(ids)) == 3
         assert len(worker.store) == 0
         with pytest.raises(RemoteError, match="unknown request 'nope'"):
             call("nope")
@@ -177,3 +178,20 @@ def test_config_errors_name_the_fix(tmp_path):
         dataclasses.replace(cfg, models=[ModelSpec("actor", "/m"), ModelSpec("ref", "/m")])
     with pytest.raises(ValueError, match="runs on role 'ref', which is not in models"):
         dataclasses.replace(cfg, models=[cfg.models[0]])
+
+
+def test_protocol_serves_every_handle_with_the_types_it_names():
+    import typing
+    from types import NoneType
+
+    assert set(PROTOCOL) == set(Handle)
+    for handle, route in PROTOCOL.items():
+        hints = typing.get_type_hints(route.handler)
+        (request,) = [v for k, v in hints.items() if k != "return"]
+        assert (typing.get_origin(request) or request) is route.request, handle
+        reply = hints["return"]
+        assert (typing.get_origin(reply) or reply) is route.reply, handle
+    with pytest.raises(TypeError, match="'fetch' carries data of type int; it takes FetchRequest"):
+        PROTOCOL[Handle.FETCH].check_request(Handle.FETCH, 3)
+    PROTOCOL[Handle.SPEC].check_request(Handle.SPEC, None)
+    assert PROTOCOL[Handle.EXIT].reply is NoneType

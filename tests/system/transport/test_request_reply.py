@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import pickle
 import threading
 import time
@@ -31,7 +32,7 @@ def _serve(trial, name, stop_after=None):
                 except ValueError as e:
                     server.reply_error(req, e)
                 continue
-            server.reply(req, (name, req.data * 2, req.pre_hooks, req.post_hook_data))
+            server.reply(req, (name, req.data * 2))
     finally:
         server.close()
 
@@ -58,10 +59,8 @@ def two_workers(trial):
 
 def test_call_returns_typed_replies_in_handler_order(two_workers):
     client, names = two_workers
-    out = client.call(
-        names, "double", [1, 2], pre_hooks=[["data_transfer"], []], post_hook_data=[[], []]
-    )
-    assert out == [("w/0", 2, ("data_transfer",), ()), ("w/1", 4, (), ())]
+    out = client.call(names, "double", [1, 2])
+    assert out == [("w/0", 2), ("w/1", 4)]
 
 
 def test_replies_can_be_collected_in_any_order(two_workers):
@@ -183,14 +182,24 @@ def test_nonblocking_poll_raises_no_message(trial):
         client.close()
 
 
+class _Handle(enum.Enum):
+    DOUBLE = "double"
+
+
 def test_payload_validation():
-    with pytest.raises(ValueError, match="pre_hooks has 2 hooks but pre_hook_data has 1"):
-        Payload("w/0", "x", pre_hooks=["a", "b"], pre_hook_data=[1])
     with pytest.raises(ValueError, match="handle_name"):
         Payload("w/0", "")
-    p = Payload("w/0", "x", post_hooks=["save"])
-    assert p.post_hook_data == (None,)
+    with pytest.raises(ValueError, match="handler"):
+        Payload("", "x")
+    # An enum handle crosses the wire as its plain value.
+    p = pickle.loads(pickle.dumps(Payload("w/0", _Handle.DOUBLE)))
+    assert p.handle_name == "double" and type(p.handle_name) is str
     assert Reply("id", "w/0", "x", data=3).result() == 3
+
+
+def test_enum_handles_reach_the_worker_as_strings(two_workers):
+    client, names = two_workers
+    assert client.call(names, _Handle.DOUBLE, [3, 4]) == [("w/0", 6), ("w/1", 8)]
 
 
 def test_request_argument_errors(two_workers):
