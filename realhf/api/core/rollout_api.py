@@ -21,6 +21,7 @@ Configs validate themselves and name the field, the value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import time
@@ -29,7 +30,6 @@ from typing import (
     Any,
     Dict,
     Iterable,
-    Literal,
     Mapping,
     Optional,
     Tuple,
@@ -45,6 +45,9 @@ from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 
 __all__ = [
+    "GenerationBackend",
+    "SchedulePolicy",
+    "FinishStatus",
     "GENERATION_BACKENDS",
     "SCHEDULE_POLICIES",
     "GenerationServerConfig",
@@ -68,8 +71,40 @@ __all__ = [
     "TRAJECTORY_KEYS",
 ]
 
-GENERATION_BACKENDS = ("auto", "builtin", "sglang")
-SCHEDULE_POLICIES = ("round_robin", "least_requests", "least_token_usage")
+
+class GenerationBackend(enum.StrEnum):
+    """What serves a generation server (:attr:`GenerationServerConfig.backend`)."""
+
+    #: SGLang when the package and a CUDA device are present, else builtin
+    AUTO = "auto"
+    BUILTIN = "builtin"
+    SGLANG = "sglang"
+
+
+class SchedulePolicy(enum.StrEnum):
+    """How the manager picks a server for a new chunk (``GserverManagerConfig.schedule_policy``)."""
+
+    ROUND_ROBIN = "round_robin"
+    #: fewest running + queued requests
+    LEAST_REQUESTS = "least_requests"
+    #: fewest KV tokens in use
+    LEAST_TOKEN_USAGE = "least_token_usage"
+
+
+class FinishStatus(enum.StrEnum):
+    """The manager's answer to a finished rollout (:class:`FinishReply`)."""
+
+    #: handed on: the trajectory has its index
+    ACCEPTED = "accepted"
+    #: released (the worker asked ``accepted=False``)
+    REJECTED = "rejected"
+    #: held past the request's ``wait_s``: ask again
+    WAIT = "wait"
+
+
+#: the configurable names (the values of the enums above)
+GENERATION_BACKENDS = tuple(b.value for b in GenerationBackend)
+SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
 #: keys of every trajectory's SequenceSample (see :class:`Trajectory`)
 TRAJECTORY_KEYS = (
     "packed_input_ids",
@@ -95,6 +130,17 @@ def _int(cls: str, obj: Any, field: str, lo: int, allow_none: bool = False) -> N
         raise _bad(cls, field, v, f"use an integer >= {lo}" + (" or None" if allow_none else ""))
 
 
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def _enum(cls: str, field: str, value: Any, kind: Type[E]) -> E:
+    """``value`` (a member of ``kind`` or its string) as a member of ``kind``."""
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        raise _bad(cls, field, value, f"use one of {tuple(m.value for m in kind)}") from None
+
+
 def _secs(cls: str, obj: Any, *fields: str) -> None:
     for f in fields:
         v = getattr(obj, f)
@@ -112,7 +158,8 @@ class GenerationServerConfig:
     Attributes:
         model_path: HuggingFace directory with the initial weights (version 0).
         backend: ``builtin`` (our engine, CPU or GPU), ``sglang`` (needs CUDA and the
-            ``sglang`` package) or ``auto`` (SGLang when both are present, else builtin).
+            ``sglang`` package) or ``auto`` (SGLang when both are present, else builtin);
+            a :class:`GenerationBackend` or its name, stored as the enum.
         host: address to listen on; None = this host's IP.
         port: TCP port; 0 picks a free one.
         max_running_requests, context_length, dtype, device, seed, num_threads,
@@ -125,7 +172,7 @@ class GenerationServerConfig:
     """
 
     model_path: str
-    backend: str = "auto"
+    backend: GenerationBackend = GenerationBackend.AUTO
     host: Optional[str] = None
     port: int = 0
     max_running_requests: int = 64
@@ -144,8 +191,8 @@ class GenerationServerConfig:
         c = "GenerationServerConfig"
         if not isinstance(self.model_path, str) or not self.model_path:
             raise _bad(c, "model_path", self.model_path, "give the HuggingFace directory to serve")
-        if self.backend not in GENERATION_BACKENDS:
-            raise _bad(c, "backend", self.backend, f"use one of {GENERATION_BACKENDS}")
+        # A config may name the backend as a string (YAML, CLI); it is stored as the enum.
+        object.__setattr__(self, "backend", _enum(c, "backend", self.backend, GenerationBackend))
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise _bad(c, "port", self.port, "use 0 (any free port) or a port in 1..65535")
         _int(c, self, "max_running_requests", 1)
@@ -173,7 +220,8 @@ class GserverManagerConfig:
         model_role: the trained role whose published versions are pushed to the servers.
         n_servers: generation servers to wait for before serving.
         schedule_policy: ``round_robin``, ``least_requests`` (fewest running + queued
-            requests) or ``least_token_usage`` (fewest KV tokens in use).
+            requests) or ``least_token_usage`` (fewest KV tokens in use); a
+            :class:`SchedulePolicy` or its name, stored as the enum.
         max_head_offpolicyness: ``η``: no trajectory is trained by a step more than η
             versions newer than the version that started it (see realhf.system.rollout.staleness).
         train_batch_size: trajectories (prompts) the trainer consumes per step.
@@ -199,7 +247,7 @@ class GserverManagerConfig:
 
     model_role: str = "actor"
     n_servers: int = 1
-    schedule_policy: str = "round_robin"
+    schedule_policy: SchedulePolicy = SchedulePolicy.ROUND_ROBIN
     max_head_offpolicyness: int = 0
     train_batch_size: int = 1
     max_concurrent_rollouts: Optional[int] = None
@@ -223,10 +271,11 @@ class GserverManagerConfig:
             raise _bad(
                 c, "model_role", self.model_role, "use the trained role's name, e.g. 'actor'"
             )
-        if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise _bad(
-                c, "schedule_policy", self.schedule_policy, f"use one of {SCHEDULE_POLICIES}"
-            )
+        object.__setattr__(
+            self,
+            "schedule_policy",
+            _enum(c, "schedule_policy", self.schedule_policy, SchedulePolicy),
+        )
         _int(c, self, "n_servers", 1)
         _int(c, self, "max_head_offpolicyness", 0)
         _int(c, self, "train_batch_size", 1)
@@ -493,7 +542,7 @@ class FinishRequest(_Message):
 class FinishReply(_Message):
     """``status``: ``accepted`` (with ``index``), ``rejected`` or ``wait``."""
 
-    status: Literal["accepted", "rejected", "wait"]
+    status: FinishStatus
     index: Annotated[StrictInt, Field(ge=-1)] = -1
 
 
@@ -576,12 +625,14 @@ class GroupGeneration:
         for f in ("output_logprobs", "no_eos", "version_start", "version_end"):
             if len(getattr(self, f)) != n:
                 raise ValueError(
-                    f"GroupGeneration {self.qid!r}: {f} has {len(getattr(self, f))} entries for {n} members"
+                    f"GroupGeneration {self.qid!r}: {f} has {len(getattr(self, f))} entries "
+                    f"for {n} members"
                 )
         for j, (ids, lps) in enumerate(zip(self.output_ids, self.output_logprobs)):
             if len(ids) != len(lps):
                 raise ValueError(
-                    f"GroupGeneration {self.qid!r}: member {j} has {len(ids)} tokens and {len(lps)} logprobs"
+                    f"GroupGeneration {self.qid!r}: member {j} has {len(ids)} tokens and "
+                    f"{len(lps)} logprobs"
                 )
 
     @property

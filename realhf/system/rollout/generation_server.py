@@ -21,7 +21,7 @@ import importlib.util
 import time
 from typing import TYPE_CHECKING, Optional
 
-from realhf.api.core.rollout_api import GenerationServerConfig
+from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
 from realhf.base import constants, name_resolve, names, network
 from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
 from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
@@ -33,14 +33,18 @@ if TYPE_CHECKING:  # the built-in backend is imported only when it is used
 __all__ = ["resolve_backend", "GenerationServer"]
 
 
-def resolve_backend(backend: str) -> str:
-    """``builtin`` or ``sglang`` for a configured ``backend`` (``auto`` decides by what is installed)."""
+def resolve_backend(backend: GenerationBackend | str) -> GenerationBackend:
+    """``builtin`` or ``sglang`` for a configured ``backend`` (``auto`` decides by what is
+    installed)."""
+    backend = GenerationBackend(backend)
     has_sglang = importlib.util.find_spec("sglang") is not None
-    if backend == "auto":
+    if backend is GenerationBackend.AUTO:
         import torch
 
-        return "sglang" if has_sglang and torch.cuda.is_available() else "builtin"
-    if backend == "sglang" and not has_sglang:
+        if has_sglang and torch.cuda.is_available():
+            return GenerationBackend.SGLANG
+        return GenerationBackend.BUILTIN
+    if backend is GenerationBackend.SGLANG and not has_sglang:
         raise ValueError(
             "GenerationServerConfig.backend='sglang' but the sglang package is not installed; "
             "install it (GPU machines) or use backend='builtin'"
@@ -67,10 +71,11 @@ class GenerationServer(Worker):
         self.engine = self.http = self.sglang = None
         self._key: Optional[str] = None
         host = config.host or network.gethostip()
-        if self.backend == "builtin":
-            self.url = self._start_builtin(config, host)
-        else:
-            self.url = self._start_sglang(config, host)
+        start = {
+            GenerationBackend.BUILTIN: self._start_builtin,
+            GenerationBackend.SGLANG: self._start_sglang,
+        }[self.backend]
+        self.url = start(config, host)
         waited = wait_healthy(self.url, config.health_timeout_s)
         self._key = name_resolve.add_subentry(
             names.gen_servers(self.experiment_name, self.trial_name),
@@ -79,7 +84,8 @@ class GenerationServer(Worker):
         )
         self._next_check = 0.0
         self.logger.info(
-            f"{self.backend} generation server for {config.model_path} at {self.url} (healthy after {waited:.1f}s)"
+            f"{self.backend} generation server for {config.model_path} at {self.url} "
+            f"(healthy after {waited:.1f}s)"
         )
 
     def _start_builtin(self, config: GenerationServerConfig, host: str) -> str:
@@ -142,7 +148,10 @@ class GenerationServer(Worker):
         if self.http is not None and not self.http._thread.is_alive():
             return "its HTTP thread exited"
         if self.sglang is not None and self.sglang.process.poll() is not None:
-            return f"the SGLang process exited with code {self.sglang.process.returncode} (log: {self.sglang.log_path})"
+            return (
+                f"the SGLang process exited with code {self.sglang.process.returncode} "
+                f"(log: {self.sglang.log_path})"
+            )
         return None
 
     def _poll(self) -> PollResult:

@@ -29,6 +29,7 @@ from realhf.api.core.rollout_api import (
     AllocateRequest,
     FinishReply,
     FinishRequest,
+    FinishStatus,
     GserverManagerConfig,
     HeartbeatReply,
     HeartbeatRequest,
@@ -51,6 +52,7 @@ logger = logging.getLogger("gserver_manager", "system")
 
 __all__ = [
     "GserverManager",
+    "RolloutOwner",
     "MAX_FINISH_WAIT_S",
     # re-exported from realhf.system.rollout.server_pool
     "WeightUpdateError",
@@ -64,9 +66,22 @@ __all__ = [
 MAX_FINISH_WAIT_S = 60.0
 
 
-@dataclasses.dataclass
-class _Owner:
+@dataclasses.dataclass(frozen=True)
+class RolloutOwner:
+    """Who a running rollout is leased to: one process (incarnation) of a rollout worker."""
+
+    worker: str
     incarnation: str
+
+    def __str__(self) -> str:
+        return f"{self.worker}#{self.incarnation}"
+
+
+@dataclasses.dataclass
+class _Lease:
+    """The latest incarnation seen of a rollout worker, and when its last message came."""
+
+    owner: RolloutOwner
     last_seen: float
 
 
@@ -101,7 +116,8 @@ class GserverManager:
         )
         self.trainer_version = 0
         self.trained_samples = 0
-        self.owners: Dict[str, _Owner] = {}
+        #: worker name -> its current lease (one incarnation per worker at a time)
+        self.owners: Dict[str, _Lease] = {}
         self._changed = asyncio.Event()
         self._warned_trained = False
         #: False until the trainer announced where it starts (see GserverManagerWorker);
@@ -148,6 +164,7 @@ class GserverManager:
         await asyncio.gather(
             self._every(self.config.weight_poll_interval_s, self.poll_trainer),
             self._every(self.config.health_check_interval_s, self.pool.check),
+            # A lease is released at most a quarter of its TTL (and at most 1 s) late.
             self._every(min(1.0, self.config.lease_ttl_s / 4), self._expire_async),
         )
 
@@ -166,7 +183,7 @@ class GserverManager:
             return AllocateReply(False, reason="trainer_not_ready")
         if not self.pool.live():
             return AllocateReply(False, reason="no_server")
-        adm = self.staleness.admit(self.version, f"{req.worker}#{req.incarnation}")
+        adm = self.staleness.admit(self.version, RolloutOwner(req.worker, req.incarnation))
         if adm is None:
             return AllocateReply(False, reason=self.staleness.refusal(self.version) or "capacity")
         return AllocateReply(True, adm.rollout_id, adm.version, adm.deadline)
@@ -178,6 +195,9 @@ class GserverManager:
         the update and reports the new version: a chunk is then recorded with the version
         that generates it.
         """
+        # Each pass waits out one weight update (pause, load, continue: each step bounded by
+        # weight_update_timeout_s, hence 3x); more than a few updates in a row while one
+        # chunk waits means the servers never settle.
         for _ in range(8):
             self.staleness.get(req.rollout_id)  # raises RolloutNotRunning
             server = self.pool.pick(req)
@@ -197,18 +217,20 @@ class GserverManager:
         if not req.accepted:
             self.staleness.reject(req.rollout_id, "filtered")
             self._notify()
-            return FinishReply("rejected")
+            return FinishReply(FinishStatus.REJECTED)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, min(req.wait_s, MAX_FINISH_WAIT_S))
         while True:
+            # Take the event before trying: a change between the try and the wait then
+            # still wakes this request instead of being missed.
             changed = self._changed
             index = self.staleness.accept(req.rollout_id)  # raises RolloutNotRunning
             if index is not None:
                 self._notify()
-                return FinishReply("accepted", index)
+                return FinishReply(FinishStatus.ACCEPTED, index)
             left = deadline - loop.time()
             if left <= 0:
-                return FinishReply("wait")
+                return FinishReply(FinishStatus.WAIT)
             try:
                 await asyncio.wait_for(changed.wait(), left)
             except asyncio.TimeoutError:
@@ -216,7 +238,9 @@ class GserverManager:
 
     def heartbeat(self, req: HeartbeatRequest) -> HeartbeatReply:
         self._touch(req.worker, req.incarnation)
-        return HeartbeatReply(len(self.staleness.owned_by(f"{req.worker}#{req.incarnation}")))
+        return HeartbeatReply(
+            len(self.staleness.owned_by(RolloutOwner(req.worker, req.incarnation)))
+        )
 
     async def report_failure(self, report: ServerFailureReport) -> Dict[str, bool]:
         """A client could not use ``report.url``: probe it now, drop it if it is gone."""
@@ -241,37 +265,41 @@ class GserverManager:
             "running": st.running,
             "capacity": st.capacity(self.version),
             "stats": dict(st.stats),
-            "owners": {w: o.incarnation for w, o in self.owners.items()},
+            "owners": {w: lease.owner.incarnation for w, lease in self.owners.items()},
             "servers": {u: s.summary() for u, s in self.servers.items()},
         }
 
     def _notify(self) -> None:
-        # Wake every held /finish_rollout: the set of running rollouts changed.
+        # Wake every held /finish_rollout: the set of running rollouts changed.  Replaced
+        # rather than cleared, so each waiter keeps the event it took (see finish()).
         self._changed.set()
         self._changed = asyncio.Event()
 
     # ---- leases ---------------------------------------------------------------
 
     def _touch(self, worker: str, incarnation: str) -> None:
+        owner = RolloutOwner(worker, incarnation)
         cur = self.owners.get(worker)
-        if cur is not None and cur.incarnation != incarnation:
-            released = self.staleness.release_owner(f"{worker}#{cur.incarnation}")
+        if cur is not None and cur.owner != owner:
+            # A new process of the same worker: the old one is gone, and so are its rollouts.
+            released = self.staleness.release_owner(cur.owner)
             if released:
                 logger.warning(
-                    f"rollout worker {worker} restarted: released {len(released)} rollouts of its previous process"
+                    f"rollout worker {worker} restarted: released {len(released)} rollouts "
+                    "of its previous process"
                 )
                 self._notify()
-        self.owners[worker] = _Owner(incarnation, self.clock())
+        self.owners[worker] = _Lease(owner, self.clock())
 
     def expire_leases(self) -> List[str]:
         """Release the rollouts of workers whose heartbeats stopped; returns their ids."""
         now, released = self.clock(), []
-        for worker, o in list(self.owners.items()):
-            if now - o.last_seen > self.config.lease_ttl_s:
-                ids = self.staleness.release_owner(f"{worker}#{o.incarnation}", "expired")
+        for worker, lease in list(self.owners.items()):
+            if now - lease.last_seen > self.config.lease_ttl_s:
+                ids = self.staleness.release_owner(lease.owner, "expired")
                 del self.owners[worker]
                 logger.warning(
-                    f"rollout worker {worker} sent no heartbeat for {now - o.last_seen:.1f}s "
+                    f"rollout worker {worker} sent no heartbeat for {now - lease.last_seen:.1f}s "
                     f"(lease_ttl_s={self.config.lease_ttl_s:g}): released {len(ids)} rollouts"
                 )
                 released += ids

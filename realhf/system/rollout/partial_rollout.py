@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import enum
 import json
 from typing import Iterable, List, Optional, Tuple
 
@@ -31,7 +32,7 @@ from realhf.system.rollout.manager_client import ManagerClient, UncappedSession
 
 logger = logging.getLogger("partial_rollout", "system")
 
-__all__ = ["GenerationFailed", "MemberResult", "PartialRolloutManager"]
+__all__ = ["GenerationFailed", "MemberResult", "ChunkEnd", "PartialRolloutManager"]
 
 # Consecutive chunks aborted before their first token that a member survives.
 _MAX_EMPTY_ABORTS = 50
@@ -39,6 +40,26 @@ _MAX_EMPTY_ABORTS = 50
 
 class GenerationFailed(RuntimeError):
     """A sequence could not be generated (bad request, or too many server failures)."""
+
+
+class ChunkEnd(enum.StrEnum):
+    """Why one ``/generate`` chunk ended: SGLang's ``finish_reason.type``, parsed once."""
+
+    #: a stop token: the member is done
+    STOP = "stop"
+    #: the chunk's token budget: go on if the member's budget is not used up
+    LENGTH = "length"
+    #: the server paused (weight update): resubmit what was generated so far
+    ABORT = "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunk:
+    """What one ``/generate`` call produced."""
+
+    output_ids: Tuple[int, ...]
+    output_logprobs: Tuple[float, ...]
+    end: ChunkEnd
 
 
 @dataclasses.dataclass
@@ -162,13 +183,14 @@ class PartialRolloutManager(UncappedSession):
                 failures += 1
                 self.stats["server_failures"] += 1
                 logger.warning(
-                    f"rollout {rollout_id} member {member}: {e}; rescheduling ({failures}/{self.max_server_failures})"
+                    f"rollout {rollout_id} member {member}: {e}; rescheduling "
+                    f"({failures}/{self.max_server_failures})"
                 )
                 await self.client.report_failure(sched.url, str(e))
                 if failures > self.max_server_failures:
                     raise GenerationFailed(
-                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {failures} generation calls failed, "
-                        f"the last on {sched.url}: {e}"
+                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {failures} "
+                        f"generation calls failed, the last on {sched.url}: {e}"
                     ) from None
                 exclude.append(sched.url)
                 prev = ("", -1)
@@ -179,8 +201,7 @@ class PartialRolloutManager(UncappedSession):
             out_ids += out.output_ids
             out_lps += out.output_logprobs
             version_end = sched.version
-            reason = out.finish_reason.type
-            if reason == "stop":
+            if out.end is ChunkEnd.STOP:
                 return MemberResult(
                     out_ids, out_lps, False, version_start, version_end, chunks, interrupted
                 )
@@ -188,7 +209,7 @@ class PartialRolloutManager(UncappedSession):
                 return MemberResult(
                     out_ids, out_lps, True, version_start, version_end, chunks, interrupted
                 )
-            if reason == "abort":
+            if out.end is ChunkEnd.ABORT:
                 interrupted += 1
                 self.stats["interrupted"] += 1
                 # Aborted before its first token again and again: back off, and give up
@@ -196,14 +217,15 @@ class PartialRolloutManager(UncappedSession):
                 empty_aborts = empty_aborts + 1 if not out.output_ids else 0
                 if empty_aborts > _MAX_EMPTY_ABORTS:
                     raise GenerationFailed(
-                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {empty_aborts} chunks "
-                        f"in a row were aborted before generating a token (last server {sched.url})"
+                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {empty_aborts} "
+                        "chunks in a row were aborted before generating a token "
+                        f"(last server {sched.url})"
                     )
                 if empty_aborts:
                     await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
             prev = (sched.url, sched.version)
 
-    async def _generate(self, url: str, body: dict):
+    async def _generate(self, url: str, body: dict) -> _Chunk:
         try:
             async with self.session.post(
                 url + "/generate",
@@ -230,7 +252,8 @@ class PartialRolloutManager(UncappedSession):
                     f"{url}/generate returned {len(data)} outputs for one n=1 request"
                 )
             data = data[0]
-        return parse_sglang_output(data)
+        out = parse_sglang_output(data)
+        return _Chunk(out.output_ids, out.output_logprobs, ChunkEnd(out.finish_reason.type))
 
 
 class _ServerFailure(Exception):

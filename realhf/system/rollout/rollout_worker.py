@@ -35,7 +35,12 @@ import uuid
 from typing import Dict, Optional
 
 from realhf.api.core import registry
-from realhf.api.core.rollout_api import GenerateGroupRequest, RolloutWorkerConfig, Trajectory
+from realhf.api.core.rollout_api import (
+    FinishStatus,
+    GenerateGroupRequest,
+    RolloutWorkerConfig,
+    Trajectory,
+)
 from realhf.base import name_resolve, names, seeding
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.system.rollout.manager_client import ManagerClient, ManagerUnavailable
@@ -279,8 +284,8 @@ class RolloutWorker(AsyncWorker):
         if len(samples) > 1:
             await self._release(rollout_id)
             raise ValueError(
-                f"agent {self.config.agent.type_!r} returned {len(samples)} trajectories for prompt "
-                f"{prompt.ids[0]!r}; one allocated slot covers one trajectory"
+                f"agent {self.config.agent.type_!r} returned {len(samples)} trajectories for "
+                f"prompt {prompt.ids[0]!r}; one allocated slot covers one trajectory"
             )
         try:
             if not samples:
@@ -291,7 +296,8 @@ class RolloutWorker(AsyncWorker):
                 reply = await self.client.finish(
                     rollout_id, accepted=True, wait_s=self.config.finish_wait_s
                 )
-                if reply.status == "accepted":
+                # WAIT: the manager held the hand-off for finish_wait_s; ask again.
+                if reply.status == FinishStatus.ACCEPTED:
                     break
         except RolloutNotRunning as e:
             self.counts["dropped"] += 1
@@ -300,6 +306,8 @@ class RolloutWorker(AsyncWorker):
             )
             return
         traj = Trajectory(reply.index, samples[0], rollout_id, self.worker_name, data_epoch=epoch)
+        # One push at a time: each runs in a worker thread, and the pusher's ZMQ sockets
+        # must not be used from two threads at once.
         async with self._push_lock:
             await asyncio.to_thread(self.pusher.push, traj, self.config.push_timeout_s)
         self.counts["pushed"] += 1
@@ -320,8 +328,8 @@ class RolloutWorker(AsyncWorker):
                 req = get.result()
                 if not isinstance(req, GenerateGroupRequest):
                     raise TypeError(
-                        f"agent {self.config.agent.type_!r} put a {type(req).__name__} on obs_queue; "
-                        "put GenerateGroupRequest s"
+                        f"agent {self.config.agent.type_!r} put a {type(req).__name__} on "
+                        "obs_queue; put GenerateGroupRequest s"
                     )
                 await act_queue.put(await self.partial.generate_group(rollout_id, req))
         finally:
@@ -330,6 +338,8 @@ class RolloutWorker(AsyncWorker):
 
     async def _release(self, rollout_id: str) -> None:
         """Best effort: free the slot of a rollout that failed or was cancelled."""
+        # Shielded: this runs while the rollout's task is being cancelled, and the release
+        # must still reach the manager, or the slot stays taken until the lease expires.
         try:
             await asyncio.shield(self.client.finish(rollout_id, accepted=False))
         except (RolloutNotRunning, ManagerUnavailable, asyncio.CancelledError):

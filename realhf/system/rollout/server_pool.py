@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import aiohttp
 
-from realhf.api.core.rollout_api import GserverManagerConfig, ScheduleRequest
+from realhf.api.core.rollout_api import GserverManagerConfig, SchedulePolicy, ScheduleRequest
 from realhf.base import logging
 
 logger = logging.getLogger("server_pool", "system")
@@ -94,7 +94,17 @@ class ServerState:
         }
 
 
-def choose_server(servers: Sequence[ServerState], policy: str, rr_counter: int) -> ServerState:
+#: Each policy picks from a non-empty, stably ordered list; ``min`` keeps the first of ties.
+_POLICIES: Dict[SchedulePolicy, Callable[[Sequence[ServerState], int], ServerState]] = {
+    SchedulePolicy.ROUND_ROBIN: lambda servers, rr: servers[rr % len(servers)],
+    SchedulePolicy.LEAST_REQUESTS: lambda servers, rr: min(servers, key=lambda s: s.request_load),
+    SchedulePolicy.LEAST_TOKEN_USAGE: lambda servers, rr: min(servers, key=lambda s: s.token_load),
+}
+
+
+def choose_server(
+    servers: Sequence[ServerState], policy: SchedulePolicy | str, rr_counter: int
+) -> ServerState:
     """Pick a server for a new chunk (``servers`` non-empty, in a stable order).
 
     ``round_robin`` takes ``servers[rr_counter % len]``; ``least_requests`` /
@@ -102,13 +112,11 @@ def choose_server(servers: Sequence[ServerState], policy: str, rr_counter: int) 
     """
     if not servers:
         raise NoServerAvailable("choose_server: no server to choose from")
-    if policy == "round_robin":
-        return servers[rr_counter % len(servers)]
-    if policy == "least_requests":
-        return min(servers, key=lambda s: s.request_load)
-    if policy == "least_token_usage":
-        return min(servers, key=lambda s: s.token_load)
-    raise ValueError(f"unknown schedule_policy {policy!r}")
+    try:
+        pick = _POLICIES[SchedulePolicy(policy)]
+    except ValueError:
+        raise ValueError(f"unknown schedule_policy {policy!r}") from None
+    return pick(servers, rr_counter)
 
 
 def parse_metrics(text: str) -> Dict[str, float]:
@@ -147,6 +155,8 @@ class ServerPool:
         self.servers: Dict[str, ServerState] = {}
         self.version = 0  # the version every live server runs
         self._rr = 0
+        # Serialises weight updates and joins: a server that joins during an update waits
+        # and is then brought to the new version instead of staying at the old one.
         self._lock: Optional[asyncio.Lock] = None
         self._session: Optional[aiohttp.ClientSession] = None
 
@@ -177,8 +187,8 @@ class ServerPool:
         if not live:
             dead = {u: s.dead_reason for u, s in self.servers.items() if not s.live}
             raise NoServerAvailable(
-                f"no live generation server for rollout {req.rollout_id}: excluded {list(req.exclude)}, "
-                f"dead {dead}"
+                f"no live generation server for rollout {req.rollout_id}: "
+                f"excluded {list(req.exclude)}, dead {dead}"
             )
         prev = self.servers.get(req.previous_server_url)
         if prev is not None and prev in live and prev.version == req.previous_version:
@@ -230,7 +240,8 @@ class ServerPool:
             s.health_failures = 0 if healthy else s.health_failures + 1
             if s.health_failures >= self.config.max_health_failures:
                 self.mark_dead(s, f"failed {s.health_failures} health checks in a row")
-        if self.config.schedule_policy != "round_robin":
+        # Only the load-based policies need /metrics; round robin skips the extra requests.
+        if self.config.schedule_policy != SchedulePolicy.ROUND_ROBIN:
             await asyncio.gather(*(self._read_metrics(s) for s in self.live()))
 
     async def _add(self, url: str) -> None:
@@ -263,8 +274,9 @@ class ServerPool:
         path = self.weight_dir(version)
         if not os.path.isdir(path):
             raise FileNotFoundError(
-                f"the trainer published weight version {version} but {path!r} is not a directory; "
-                "the trainer and the manager must share the file root (constants.weight_publication_dir)"
+                f"the trainer published weight version {version} but {path!r} is not a "
+                "directory; the trainer and the manager must share the file root "
+                "(constants.weight_publication_dir)"
             )
         async with self._lock:
             t0 = time.monotonic()
@@ -279,7 +291,8 @@ class ServerPool:
                     raise r
             self.version = version
         logger.info(
-            f"weights of version {version} on {len(targets)} servers in {time.monotonic() - t0:.2f}s"
+            f"weights of version {version} on {len(targets)} servers "
+            f"in {time.monotonic() - t0:.2f}s"
         )
         self._prune(version)
 
@@ -293,10 +306,11 @@ class ServerPool:
 
     async def _update_steps(self, s: ServerState, version: int, path: str) -> None:
         t = self.config.weight_update_timeout_s
-        for step, body in (
-            ("pause_generation", {}),
-            ("update_weights_from_disk", {"model_path": path}),
-            ("continue_generation", {}),
+        for step, body, reports_success in (
+            ("pause_generation", {}, False),
+            # Its body says {"success": bool, "message": ...}: a 200 alone is not trusted.
+            ("update_weights_from_disk", {"model_path": path}, True),
+            ("continue_generation", {}, False),
         ):
             try:
                 async with self._session.post(
@@ -312,7 +326,7 @@ class ServerPool:
                     raise _ServerGone(s.url) from e
                 raise WeightUpdateError(s.url, step, version, f"failed: {e!r}") from e
             ok = status == 200
-            if ok and step == "update_weights_from_disk":
+            if ok and reports_success:
                 try:
                     ok = bool(json.loads(text).get("success", True))
                 except ValueError:
@@ -327,6 +341,9 @@ class ServerPool:
         keep = self.config.keep_weight_versions
         if keep is None:
             return
+        # Only the last few old versions are looked at: each update prunes, so older ones
+        # are gone already; the margin covers versions the trainer published between two
+        # polls (never pushed, so never pruned by their own update).
         for v in range(max(0, version - keep - 8), version - keep + 1):
             path = self.weight_dir(v)
             if os.path.isdir(path):

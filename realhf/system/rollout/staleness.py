@@ -80,6 +80,7 @@ import dataclasses
 import itertools
 import threading
 import uuid
+from collections.abc import Hashable
 from typing import Any, Dict, Generic, List, Optional, Protocol, TypeVar, runtime_checkable
 
 from realhf.base import logging, name_resolve, names
@@ -151,7 +152,8 @@ class Admission:
     rollout_id: str
     version: int
     deadline: int
-    owner: str
+    #: who holds the slot; opaque here (the manager uses a ``RolloutOwner``)
+    owner: Hashable
 
 
 class RolloutNotRunning(KeyError):
@@ -214,7 +216,10 @@ class StalenessController:
             ) from None
 
     def refusal(self, version: int) -> Optional[str]:
-        """Why a rollout cannot be admitted at ``version`` now (``capacity``/``staleness``), or None."""
+        """Why a rollout cannot be admitted at ``version`` now, or None.
+
+        ``capacity`` or ``staleness``: the manager sends it as ``AllocateReply.reason``.
+        """
         with self._lock:
             return self._refusal(version)
 
@@ -235,14 +240,14 @@ class StalenessController:
             )
             return max(0, min(self.max_concurrent - len(self._running), by_staleness))
 
-    def owned_by(self, owner: str) -> List[str]:
+    def owned_by(self, owner: Hashable) -> List[str]:
         """Running rollout ids of ``owner``."""
         with self._lock:
             return [r for r, a in self._running.items() if a.owner == owner]
 
     # ---- transitions --------------------------------------------------------
 
-    def admit(self, version: int, owner: str) -> Optional[Admission]:
+    def admit(self, version: int, owner: Hashable) -> Optional[Admission]:
         """Rule 1: a new slot at ``version`` for ``owner``, or None when refused."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"admit: version={version!r} must be an integer >= 0")
@@ -293,7 +298,7 @@ class StalenessController:
             self.stats[why] += 1
             return adm
 
-    def release_owner(self, owner: str, why: str = "released") -> List[str]:
+    def release_owner(self, owner: Hashable, why: str = "released") -> List[str]:
         """Reject every running rollout of ``owner`` (a dead or restarted worker)."""
         with self._lock:
             ids = [r for r, a in self._running.items() if a.owner == owner]
@@ -351,7 +356,8 @@ class StalenessController:
             self.stats = collections.Counter(state.get("stats", {}))
             if self.eta != state.get("max_head_offpolicyness", self.eta):
                 logger.info(
-                    f"max_head_offpolicyness changed from {state['max_head_offpolicyness']} to {self.eta}"
+                    "max_head_offpolicyness changed from "
+                    f"{state['max_head_offpolicyness']} to {self.eta}"
                 )
 
 

@@ -48,7 +48,8 @@ _PULL_SLICE_S = 2.0
 
 
 class StalenessViolation(RuntimeError):
-    """A trajectory would be trained more than ``max_head_offpolicyness`` versions after it started."""
+    """A trajectory would be trained more than ``max_head_offpolicyness`` versions after it
+    started."""
 
 
 class TrajectoryStreamLoader:
@@ -172,10 +173,11 @@ class TrajectoryStreamLoader:
         for t in batch:
             if version - t.version_start > eta:
                 raise StalenessViolation(
-                    f"trajectory {t.index} (prompt {t.qid!r}, {t.worker}) started at weight version "
-                    f"{t.version_start} but would be trained at version {version}: staleness "
-                    f"{version - t.version_start} > max_head_offpolicyness={eta}. The gserver "
-                    "manager's admission must prevent this; the run stops rather than train on it"
+                    f"trajectory {t.index} (prompt {t.qid!r}, {t.worker}) started at weight "
+                    f"version {t.version_start} but would be trained at version {version}: "
+                    f"staleness {version - t.version_start} > max_head_offpolicyness={eta}. "
+                    "The gserver manager's admission must prevent this; the run stops rather "
+                    "than train on it"
                 )
 
     def _record_positions(self, batch: List[Trajectory]) -> None:

@@ -48,7 +48,7 @@ import json
 import os
 import pickle
 import time
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Type
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
 
 import zmq
 
@@ -62,6 +62,7 @@ __all__ = [
     "DEFAULT_STATUS_TTL",
     "CONTROLLER_NAME",
     "CONTROL_COMMANDS",
+    "ControlCommand",
     "WorkerStatus",
     "PollResult",
     "ControlRequest",
@@ -85,10 +86,28 @@ DEFAULT_STATUS_TTL = 6.0
 # The controller publishes its own status under this worker name, so workers
 # can notice that it is gone and exit instead of lingering as orphans.
 CONTROLLER_NAME = "controller/0"
-CONTROL_COMMANDS = ("configure", "start", "pause", "interrupt", "ping", "exit")
 # Seconds a RUNNING worker pauses after a poll that did no work: bounds the
 # idle spin to ~1000 polls/s without adding noticeable latency.
 NO_WORK_WAIT = 0.001
+
+
+class ControlCommand(enum.StrEnum):
+    """A command of the control channel (see the module docstring's table).
+
+    The values are the command names that travel in a :class:`ControlRequest`; a plain
+    string with the same value is accepted wherever a command is (``"start"``).
+    """
+
+    CONFIGURE = "configure"
+    START = "start"
+    PAUSE = "pause"
+    INTERRUPT = "interrupt"
+    PING = "ping"
+    EXIT = "exit"
+
+
+#: the command names, in the order of :class:`ControlCommand`
+CONTROL_COMMANDS = tuple(c.value for c in ControlCommand)
 
 
 class WorkerStatus(str, enum.Enum):
@@ -115,18 +134,26 @@ class PollResult:
 
 @dataclasses.dataclass(frozen=True)
 class ControlRequest:
-    """A control command sent by the controller (pickled over ZMQ REQ/REP)."""
+    """A control command sent by the controller (pickled over ZMQ REQ/REP).
 
-    command: str
+    ``command`` is not checked here: an unknown one must reach the worker, which refuses
+    it in its reply (:class:`ControlCommandError`) rather than the sender failing alone.
+    """
+
+    command: ControlCommand | str
     kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class ControlReply:
-    """A worker's answer to a :class:`ControlRequest`."""
+    """A worker's answer to a :class:`ControlRequest`.
+
+    ``command`` echoes the request's command for the logs (``"?"`` when the request could
+    not be read); nothing dispatches on it.
+    """
 
     worker: str
-    command: str
+    command: ControlCommand | str
     result: Any = None
     error: Optional[ErrorInfo] = None
 
@@ -347,7 +374,7 @@ class Worker:
 
     # ---- control --------------------------------------------------------
 
-    def handle_control(self, command: str, **kwargs) -> Any:
+    def handle_control(self, command: ControlCommand | str, **kwargs) -> Any:
         """Apply control ``command`` (see the module docstring) and return its result.
 
         Raises:
@@ -355,18 +382,22 @@ class Worker:
                 in the current state (refused; the worker carries on).
             Exception: whatever ``_configure``/hooks raise (the worker has failed).
         """
-        if command not in CONTROL_COMMANDS:
+        try:
+            cmd = ControlCommand(command)
+        except (ValueError, TypeError):
             raise ControlCommandError(
                 f"unknown control command {command!r}; valid: {list(CONTROL_COMMANDS)}."
-            )
-        fn = getattr(self, f"_cmd_{command}")
+            ) from None
+        handler = _CONTROL_HANDLERS[cmd]
+        # Check the arguments before the call: a TypeError raised inside a handler is the
+        # worker failing, not the controller sending bad arguments.
         try:
-            inspect.signature(fn).bind(**kwargs)
+            inspect.signature(handler).bind(self, **kwargs)
         except TypeError as e:
             raise ControlCommandError(
-                f"bad arguments for control command {command!r}: {e}."
+                f"bad arguments for control command {cmd.value!r}: {e}."
             ) from None
-        return fn(**kwargs)
+        return handler(self, **kwargs)
 
     def _cmd_configure(self, worker_info: WorkerInformation, config: Any) -> None:
         if self.worker_info is not None:
@@ -460,13 +491,13 @@ class Worker:
                     self.worker_name,
                     req.command,
                     error=ErrorInfo.from_exception(
-                        e, worker=self.worker_name, handle_name=req.command
+                        e, worker=self.worker_name, handle_name=str(req.command)
                     ),
                 )
             )
             return
         except Exception as e:
-            info = self._fail(e, during=req.command)
+            info = self._fail(e, during=str(req.command))
             control.send(ControlReply(self.worker_name, req.command, error=info))
             return
         control.send(ControlReply(self.worker_name, req.command, result=result))
@@ -539,6 +570,19 @@ class Worker:
             self.exit_code = self.exit_code or 1
         control.close()
         self.logger.info(f"exiting with code {self.exit_code}")
+
+
+#: What each control command runs (called with the worker and the request's kwargs).  The
+#: base class's own methods: subclasses customise through the ``_on_*`` hooks, so that the
+#: state checks and status updates of every command stay the same for all workers.
+_CONTROL_HANDLERS: Dict[ControlCommand, Callable[..., Any]] = {
+    ControlCommand.CONFIGURE: Worker._cmd_configure,
+    ControlCommand.START: Worker._cmd_start,
+    ControlCommand.PAUSE: Worker._cmd_pause,
+    ControlCommand.INTERRUPT: Worker._cmd_interrupt,
+    ControlCommand.PING: Worker._cmd_ping,
+    ControlCommand.EXIT: Worker._cmd_exit,
+}
 
 
 class AsyncWorker(Worker):

@@ -41,6 +41,7 @@ from realhf.system.transport.errors import (
 from realhf.system.worker.base import (
     CONTROLLER_NAME,
     DEFAULT_STATUS_TTL,
+    ControlCommand,
     ControlReply,
     ControlRequest,
     ExperimentStatus,
@@ -143,7 +144,7 @@ class WorkerControlPanel:
 
     def request(
         self,
-        command: str,
+        command: ControlCommand | str,
         workers: Optional[Sequence[str]] = None,
         kwargs: Optional[Mapping[str, Mapping[str, Any]]] = None,
         *,
@@ -152,7 +153,8 @@ class WorkerControlPanel:
     ) -> Dict[str, ControlReply]:
         """Send ``command`` to ``workers`` (default all) at once; collect the replies.
 
-        ``kwargs`` maps a worker name to its command arguments.
+        ``kwargs`` maps a worker name to its command arguments.  ``command`` is sent as
+        given: the workers refuse an unknown one (a :class:`RemoteError`).
 
         Raises:
             RemoteError: a worker answered with an error (first one, if ``raise_errors``).
@@ -180,10 +182,11 @@ class WorkerControlPanel:
                 for w in missing:
                     self._reset_socket(w)
                 raise StreamTimeout(
-                    f"Workers {missing} did not answer control command {command!r} "
+                    f"Workers {missing} did not answer control command {str(command)!r} "
                     f"within {timeout:g}s.",
                     waited_for=", ".join(missing),
                 )
+            # At most 1 s per wait, so a worker that died is noticed within a second or so.
             for sock, _ in poller.poll(int(min(left, 1.0) * 1000)):
                 w = by_sock[sock]
                 replies[w] = pickle.loads(sock.recv())
@@ -201,7 +204,7 @@ class WorkerControlPanel:
                 for w in workers:
                     if w not in replies:
                         self._reset_socket(w)
-                raise WorkerLost(lost[0], command)
+                raise WorkerLost(lost[0], str(command))
         if raise_errors:
             for w in workers:
                 if replies[w].error is not None:
@@ -309,7 +312,7 @@ class Controller:
             )
             self._configure_all(experiment)
             t_conf = time.monotonic() - t0
-            self._panel.request("start", timeout=self.command_timeout)
+            self._panel.request(ControlCommand.START, timeout=self.command_timeout)
             logger.info(f"started {len(worker_names)} workers")
             statuses = self._watch(experiment, worker_names, timeout, t0)
             outcome = EXPERIMENT_COMPLETE
@@ -354,7 +357,9 @@ class Controller:
                 for i, cfg in enumerate(experiment.workers[wtype])
             }
             t = time.monotonic()
-            self._panel.request("configure", group, kwargs, timeout=self.configure_timeout)
+            self._panel.request(
+                ControlCommand.CONFIGURE, group, kwargs, timeout=self.configure_timeout
+            )
             logger.info(f"configured {len(group)} x {wtype} in {time.monotonic() - t:.2f}s")
 
     def _watch(
@@ -429,7 +434,7 @@ class Controller:
         if alive:
             try:
                 replies = panel.request(
-                    "exit", alive, timeout=self.command_timeout, raise_errors=False
+                    ControlCommand.EXIT, alive, timeout=self.command_timeout, raise_errors=False
                 )
                 logger.info(f"sent exit to {sorted(replies)}")
             except (StreamTimeout, WorkerLost) as e:

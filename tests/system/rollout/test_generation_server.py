@@ -8,7 +8,7 @@ import pytest
 import requests
 from tiny_models import make_tiny_hf_model
 
-from realhf.api.core.rollout_api import GenerationServerConfig
+from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
 from realhf.system.rollout.generation_server import GenerationServer, resolve_backend
@@ -96,7 +96,11 @@ def test_a_dead_engine_fails_the_worker_with_its_url(memory_name_resolve, trial,
 
 
 def test_backend_resolution():
-    assert resolve_backend("builtin") == "builtin"
+    assert resolve_backend("builtin") is GenerationBackend.BUILTIN
+    assert resolve_backend(GenerationBackend.BUILTIN) is GenerationBackend.BUILTIN
+    assert GenerationServerConfig(model_path="/m", backend="builtin").backend is (
+        GenerationBackend.BUILTIN
+    )
     if importlib.util.find_spec("sglang") is None:
         assert resolve_backend("auto") == "builtin"
         with pytest.raises(ValueError, match="sglang package is not installed"):

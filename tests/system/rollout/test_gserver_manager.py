@@ -26,9 +26,11 @@ from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.rollout_api import (
     AllocateRequest,
     FinishRequest,
+    FinishStatus,
     GenerateGroupRequest,
     GserverManagerConfig,
     HeartbeatRequest,
+    SchedulePolicy,
     ScheduleRequest,
 )
 from realhf.base import network
@@ -39,6 +41,7 @@ from realhf.impl.model.gen.loading import load_engine
 from realhf.system.rollout.manager import (
     GserverManager,
     NoServerAvailable,
+    RolloutOwner,
     ServerState,
     WeightUpdateError,
 )
@@ -90,9 +93,10 @@ def _sched(m, rid, prev="", prev_v=-1, exclude=()):
 # ---------------------------------------------------------------- routing
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "least_requests", "least_token_usage"])
+@pytest.mark.parametrize("policy", list(SchedulePolicy) + ["least_requests"])
 def test_schedule_spreads_and_continuations_stick_while_the_version_is_unchanged(policy):
-    m = _manager(schedule_policy=policy)
+    m = _manager(schedule_policy=policy)  # a policy's name (CLI, YAML) works as well
+    assert m.config.schedule_policy is SchedulePolicy(policy)
     rid = m.allocate(AllocateRequest("w", "i")).rollout_id
     urls = [_sched(m, rid).url for _ in range(6)]
     assert sorted(set(urls)) == ["http://a", "http://b", "http://c"]  # load spreads in every policy
@@ -136,6 +140,7 @@ def test_silent_worker_loses_its_leases_and_a_restarted_one_its_old_rollouts():
     clock = Clock()
     m = _manager(clock=clock, lease_ttl_s=10, train_batch_size=100)
     a = [m.allocate(AllocateRequest("rollout_worker/0", "inc-a")).rollout_id for _ in range(3)]
+    assert m.staleness.get(a[0]).owner == RolloutOwner("rollout_worker/0", "inc-a")
     b = [m.allocate(AllocateRequest("rollout_worker/1", "inc-b")).rollout_id for _ in range(2)]
     clock.t += 6
     assert m.heartbeat(HeartbeatRequest("rollout_worker/1", "inc-b")).n_rollouts == 2
@@ -145,6 +150,7 @@ def test_silent_worker_loses_its_leases_and_a_restarted_one_its_old_rollouts():
     # worker 1 restarts: a new incarnation releases what the old process held
     m.allocate(AllocateRequest("rollout_worker/1", "inc-b2"))
     assert not any(m.staleness.is_running(r) for r in b) and m.staleness.running == 1
+    assert m.status()["owners"] == {"rollout_worker/1": "inc-b2"}
 
 
 def test_finish_holds_a_rollout_until_the_earlier_deadline_finishes():
@@ -152,19 +158,18 @@ def test_finish_holds_a_rollout_until_the_earlier_deadline_finishes():
         m = _manager(train_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=8)
         old = [m.allocate(AllocateRequest("w", "i")).rollout_id for _ in range(4)]
         for r in old[:2]:
-            assert (await m.finish(FinishRequest(r, True))).status == "accepted"
+            assert (await m.finish(FinishRequest(r, True))).status is FinishStatus.ACCEPTED
         m.pool.version = 1
         new = m.allocate(AllocateRequest("w", "i")).rollout_id
-        assert (await m.finish(FinishRequest(new, True, wait_s=0.05))).status == "wait"
+        assert (await m.finish(FinishRequest(new, True, wait_s=0.05))).status is FinishStatus.WAIT
         held = asyncio.create_task(m.finish(FinishRequest(new, True, wait_s=5)))
         await asyncio.sleep(0.05)
         assert not held.done()
         assert (await m.finish(FinishRequest(old[2], True))).index == 2
-        assert (
-            await m.finish(FinishRequest(old[3], False))
-        ).status == "rejected"  # filtered: frees it
+        filtered = await m.finish(FinishRequest(old[3], False))
+        assert filtered.status is FinishStatus.REJECTED  # filtered: frees it
         reply = await asyncio.wait_for(held, 2)
-        assert (reply.status, reply.index) == ("accepted", 3)
+        assert (reply.status, reply.index) == (FinishStatus.ACCEPTED, 3)
         with pytest.raises(RolloutNotRunning):
             await m.finish(FinishRequest(old[3], True))
 

@@ -248,10 +248,12 @@ _CHILD = textwrap.dedent("""
     name_resolve.reconfigure("file", root=sys.argv[1])
     from realhf.api.core.system_api import WorkerInformation
     from realhf.system.rollout.rollout_worker import RolloutWorker
+    from realhf.system.worker.base import ControlCommand
     trial, config = sys.argv[2], pickle.load(open(sys.argv[3], "rb"))
     w = RolloutWorker("exp", trial, "rollout_worker", 0)
-    w.handle_control("configure", worker_info=WorkerInformation("exp", trial, "rollout_worker", 0, 1), config=config)
-    w.handle_control("start")
+    info = WorkerInformation("exp", trial, "rollout_worker", 0, 1)
+    w.handle_control(ControlCommand.CONFIGURE, worker_info=info, config=config)
+    w.handle_control(ControlCommand.START)
 
     async def main():
         while True:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from realhf.api.core.rollout_api import GserverManagerConfig, ScheduleRequest
+from realhf.api.core.rollout_api import GserverManagerConfig, SchedulePolicy, ScheduleRequest
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import ServerThread, create_app
 from realhf.impl.model.gen.loading import load_engine
@@ -29,6 +29,11 @@ def test_choose_server_policies():
     assert choose_server([a, b, c], "least_token_usage", 0).url == "c"
     with pytest.raises(NoServerAvailable):
         choose_server([], "round_robin", 0)
+    # The enum and its name (what a config or the CLI gives) pick alike.
+    assert choose_server([a, b, c], SchedulePolicy.LEAST_TOKEN_USAGE, 0).url == "c"
+    assert choose_server([a, b, c], SchedulePolicy.ROUND_ROBIN, 4).url == "b"
+    with pytest.raises(ValueError, match="unknown schedule_policy 'fastest'"):
+        choose_server([a, b, c], "fastest", 0)
 
 
 def test_parse_metrics_reads_sglang_gauges():

@@ -11,7 +11,10 @@ import pytest
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
 from realhf.system.worker.base import (
+    _CONTROL_HANDLERS,
+    CONTROL_COMMANDS,
     AsyncWorker,
+    ControlCommand,
     ControlCommandError,
     PollResult,
     Worker,
@@ -80,29 +83,35 @@ def test_lifecycle_and_status_in_name_resolve(trial):
     w = _worker(trial)
     name = w.worker_name
     assert read_status(EXP, trial, name) == WorkerStatus.LOST  # nothing published yet
-    w.handle_control("configure", worker_info=_info(trial), config=CountConfig(n=3))
+    w.handle_control(ControlCommand.CONFIGURE, worker_info=_info(trial), config=CountConfig(n=3))
     assert read_status(EXP, trial, name) == WorkerStatus.READY
     assert w.step() is None  # not running: no poll
-    w.handle_control("start")
+    w.handle_control(ControlCommand.START)
     assert read_status(EXP, trial, name) == WorkerStatus.RUNNING
     assert w.step() == PollResult(sample_count=1)
-    w.handle_control("pause")
+    w.handle_control(ControlCommand.PAUSE)
     assert read_status(EXP, trial, name) == WorkerStatus.PAUSED
     assert w.step() is None
-    w.handle_control("start")
+    w.handle_control(ControlCommand.START)
     w.step()
     assert w.step().completed
     assert read_status(EXP, trial, name) == WorkerStatus.COMPLETED
     assert w.step() is None  # completed workers stop polling
-    ping = w.handle_control("ping")
+    ping = w.handle_control(ControlCommand.PING)
     assert (
         ping["worker"] == "test_count/0"
         and ping["status"] == "COMPLETED"
         and ping["poll_count"] == 3
     )
     assert w.events == ["start", "pause", "start"]
-    w.handle_control("exit")
+    w.handle_control(ControlCommand.EXIT)
     assert w.exit_code == 0 and w.exiting
+
+
+def test_control_commands_keep_their_wire_names_and_all_have_a_handler():
+    assert CONTROL_COMMANDS == ("configure", "start", "pause", "interrupt", "ping", "exit")
+    assert [ControlCommand(c) for c in CONTROL_COMMANDS] == list(ControlCommand)
+    assert set(_CONTROL_HANDLERS) == set(ControlCommand)
 
 
 def test_interrupt(trial):
@@ -204,7 +213,7 @@ def test_run_loop_over_control_socket(trial, cls):
     panel = WorkerControlPanel(EXP, trial, [w.worker_name], connect_timeout=5)
     try:
         panel.request(
-            "configure",
+            ControlCommand.CONFIGURE,
             kwargs={
                 w.worker_name: dict(
                     worker_info=_info(trial, wtype=wtype),
@@ -213,17 +222,18 @@ def test_run_loop_over_control_socket(trial, cls):
             },
             timeout=5,
         )
-        panel.request("start", timeout=5)
+        panel.request(ControlCommand.START, timeout=5)
         for _ in range(100):
             if read_status(EXP, trial, w.worker_name) == WorkerStatus.COMPLETED:
                 break
             threading.Event().wait(0.02)
         assert read_status(EXP, trial, w.worker_name) == WorkerStatus.COMPLETED
-        reply = panel.request("ping", timeout=5)[w.worker_name]
+        reply = panel.request(ControlCommand.PING, timeout=5)[w.worker_name]
         assert reply.result["status"] == "COMPLETED"
         refused = panel.request("start", timeout=5, raise_errors=False)[w.worker_name]
         assert refused.error is not None and "COMPLETED" in refused.error.message
-        panel.request("exit", timeout=5)
+        assert refused.error.handle_name == "start"
+        panel.request(ControlCommand.EXIT, timeout=5)
         t.join(timeout=5)
         assert result["rc"] == 0
         # The control address is withdrawn on exit.

@@ -282,7 +282,10 @@ def test_master_failing_half_way_through_configure_releases_its_stream(
 
 @pytest.mark.slow
 def test_remote_master_worker_with_an_unreadable_config_logs_only_that_error(tmp_path, trial):
-    """The reported case end to end: ``python -m realhf.apps.remote worker --type master_worker``."""
+    """The reported case end to end.
+
+    ``python -m realhf.apps.remote worker --type master_worker`` with a config it cannot read.
+    """
     nr_root = tmp_path / "nr"
     env = dict(
         os.environ,

@@ -10,8 +10,10 @@ A dedicated thread owns the model, the KV cache and the scheduler, and loops::
 Callers on other threads (the HTTP server's event loop, tests, benchmarks) use
 :meth:`GenerationEngine.submit`, which returns a ``concurrent.futures.Future``,
 and control methods that block (with a timeout) until the engine thread has
-carried them out. Nothing else touches the model or the cache, so there are no
-locks on the hot path.
+carried them out. Both travel as small frozen command objects on a thread-safe
+queue that the engine thread drains between steps, so nothing else touches the
+model or the cache and there are no locks on the hot path. A command that
+raises fails its own caller (the request's or the control call's future).
 
 Shutdown: :meth:`close` sets a flag and wakes the thread, which fails every
 in-flight future with ``EngineClosedError`` and exits; ``close`` joins it with a
@@ -24,11 +26,12 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
 import traceback
-from typing import Callable, Deque, Iterable, List, Optional, Tuple
+from typing import Any, Callable, ClassVar, Deque, Dict, Iterable, List, Optional, Tuple, Type
 from typing import Sequence as Seq
 
 import torch
@@ -56,6 +59,62 @@ logger = logging.getLogger("gen_engine")
 
 class EngineClosedError(RuntimeError):
     """The engine was closed while a request or command was in flight."""
+
+
+# ---- the engine thread's inbox: one frozen class per command ----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Add:
+    """Queue a new sequence; its own future resolves when it finishes."""
+
+    seq: Sequence
+
+    def done(self, result: Any) -> None:
+        pass  # the sequence resolves its future when it finishes, not when it is queued
+
+    def fail(self, exc: BaseException) -> None:
+        self.seq.fail(exc)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Control:
+    """A control command; the caller blocks on ``future`` for the handler's result."""
+
+    #: what the command does, for error messages
+    label: ClassVar[str] = "control"
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+
+    def done(self, result: Any) -> None:
+        self.future.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        self.future.set_exception(exc)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Abort(_Control):
+    label: ClassVar[str] = "abort"
+    rid: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pause(_Control):
+    label: ClassVar[str] = "pause"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume(_Control):
+    label: ClassVar[str] = "resume"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _UpdateWeights(_Control):
+    label: ClassVar[str] = "update_weights"
+    path: str
+
+
+_Command = _Add | _Control
 
 
 class GenerationEngine:
@@ -114,9 +173,7 @@ class GenerationEngine:
         # slot uses uniforms[slot, i], drawn from the request's own generator.
         self._uniforms = torch.zeros(config.max_running_requests, self.context_length)
         self._generator = torch.Generator().manual_seed(config.seed)
-        self._inbox: "queue.SimpleQueue[Tuple[str, object, concurrent.futures.Future]]" = (
-            queue.SimpleQueue()
-        )
+        self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._wake = threading.Event()
         self._closing = False
         self.paused = False
@@ -173,7 +230,8 @@ class GenerationEngine:
         if plen + mnt > self.context_length:
             raise InvalidRequestError(
                 f"prompt ({plen} tokens) + max_new_tokens ({mnt}) exceeds the context length "
-                f"{self.context_length}; lower max_new_tokens to at most {self.context_length - plen}"
+                f"{self.context_length}; lower max_new_tokens to at most "
+                f"{self.context_length - plen}"
             )
         return mnt
 
@@ -192,7 +250,7 @@ class GenerationEngine:
             return seq.future
         if self._closing:
             raise EngineClosedError("the generation engine is closed")
-        self._inbox.put(("add", seq, seq.future))
+        self._inbox.put(_Add(seq))
         self._wake.set()
         return seq.future
 
@@ -214,18 +272,18 @@ class GenerationEngine:
 
     def abort(self, rid: str, timeout: Optional[float] = None) -> bool:
         """Abort one request by id (reason ``abort``); returns whether it was found."""
-        return self._command("abort", rid, timeout)
+        return self._command(_Abort(rid=rid), timeout)
 
     def pause(self, timeout: Optional[float] = None) -> List[GenerateOutput]:
         """Abort every running and queued request and hold new ones until :meth:`resume`.
 
         Returns the partial outputs (reason ``abort``) of the aborted requests.
         """
-        return self._command("pause", None, timeout)
+        return self._command(_Pause(), timeout)
 
     def resume(self, timeout: Optional[float] = None) -> None:
         """Serve again after :meth:`pause`."""
-        return self._command("resume", None, timeout)
+        return self._command(_Resume(), timeout)
 
     def update_weights_from_disk(self, path: str, timeout: Optional[float] = None) -> int:
         """Load HF weights from ``path`` in place, between two steps; returns the new version.
@@ -233,7 +291,7 @@ class GenerationEngine:
         Requests still running keep their cache (computed with the old weights);
         pause first for a clean switch, as the gserver manager does.
         """
-        return self._command("update_weights", path, timeout)
+        return self._command(_UpdateWeights(path=path), timeout)
 
     def stats(self) -> dict:
         """Counters for ``/metrics`` (read without locking; values may lag one step)."""
@@ -255,18 +313,17 @@ class GenerationEngine:
 
     # ------------------------------------------------------------------ engine thread
 
-    def _command(self, name: str, arg, timeout: Optional[float]):
+    def _command(self, cmd: _Control, timeout: Optional[float]):
         if self._closing or not self._thread.is_alive():
-            raise EngineClosedError(f"cannot {name}: the generation engine is not running")
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put((name, arg, fut))
+            raise EngineClosedError(f"cannot {cmd.label}: the generation engine is not running")
+        self._inbox.put(cmd)
         self._wake.set()
         t = timeout or self.config.control_timeout_s
         try:
-            return fut.result(timeout=t)
+            return cmd.future.result(timeout=t)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
-                f"the engine thread did not carry out {name!r} within {t} s"
+                f"the engine thread did not carry out {cmd.label!r} within {t} s"
             ) from None
 
     def _loop(self) -> None:
@@ -281,6 +338,8 @@ class GenerationEngine:
             while not self._closing:
                 self._apply_commands()
                 if self.paused or self.scheduler.idle:
+                    # Every producer (submit, control calls, close) sets the event after
+                    # queueing, so this wakes as soon as there is work; the timeout is a backstop.
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
@@ -299,40 +358,43 @@ class GenerationEngine:
     def _apply_commands(self) -> None:
         while True:
             try:
-                name, arg, fut = self._inbox.get_nowait()
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if self._closing:
-                exc = EngineClosedError("the generation engine was closed")
-                arg.fail(exc) if name == "add" else fut.set_exception(exc)
+                cmd.fail(EngineClosedError("the generation engine was closed"))
                 continue
             try:
-                if name == "add":
-                    self.scheduler.add(arg)
-                elif name == "abort":
-                    seq = self.scheduler.find(arg)
-                    if seq is not None:
-                        self.scheduler.remove(seq)
-                        seq.finish(FinishReason("abort", message="aborted by request"))
-                    fut.set_result(seq is not None)
-                elif name == "pause":
-                    self.paused = True
-                    outs = [
-                        s.finish(FinishReason("abort", message="generation paused"))
-                        for s in self.scheduler.take_all()
-                    ]
-                    fut.set_result(outs)
-                elif name == "resume":
-                    self.paused = False
-                    fut.set_result(None)
-                elif name == "update_weights":
-                    self._load_weights(self.model, arg)
-                    self.weight_version += 1
-                    fut.set_result(self.weight_version)
-                else:  # pragma: no cover - internal misuse
-                    raise RuntimeError(f"unknown engine command {name!r}")
-            except Exception as e:
-                arg.fail(e) if name == "add" else fut.set_exception(e)
+                result = _COMMAND_HANDLERS[type(cmd)](self, cmd)
+            except Exception as e:  # a failed command fails its caller, not the engine
+                cmd.fail(e)
+            else:
+                cmd.done(result)
+
+    def _add(self, cmd: _Add) -> None:
+        self.scheduler.add(cmd.seq)
+
+    def _abort(self, cmd: _Abort) -> bool:
+        seq = self.scheduler.find(cmd.rid)
+        if seq is not None:
+            self.scheduler.remove(seq)
+            seq.finish(FinishReason("abort", message="aborted by request"))
+        return seq is not None
+
+    def _pause(self, cmd: _Pause) -> List[GenerateOutput]:
+        self.paused = True
+        return [
+            s.finish(FinishReason("abort", message="generation paused"))
+            for s in self.scheduler.take_all()
+        ]
+
+    def _resume(self, cmd: _Resume) -> None:
+        self.paused = False
+
+    def _update_weights(self, cmd: _UpdateWeights) -> int:
+        self._load_weights(self.model, cmd.path)
+        self.weight_version += 1
+        return self.weight_version
 
     def step(self) -> None:
         """One engine iteration: admit waiting requests into free slots, then one
@@ -461,3 +523,13 @@ class GenerationEngine:
         self.total_generated_tokens += len(toks)
         self.total_finished += len(done)
         self._recent.append((time.monotonic(), len(toks)))
+
+
+#: What the engine thread runs for each command (called with the engine and the command).
+_COMMAND_HANDLERS: Dict[Type[_Command], Callable[[GenerationEngine, Any], Any]] = {
+    _Add: GenerationEngine._add,
+    _Abort: GenerationEngine._abort,
+    _Pause: GenerationEngine._pause,
+    _Resume: GenerationEngine._resume,
+    _UpdateWeights: GenerationEngine._update_weights,
+}

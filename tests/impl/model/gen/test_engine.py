@@ -210,6 +210,21 @@ def test_abort_by_rid(make_engine):
     assert eng.abort("unknown") is False
 
 
+def test_a_failing_command_fails_only_its_own_caller(make_engine):
+    """A refused ``add`` fails that request's future; the engine keeps serving."""
+    from realhf.impl.model.gen.batch_scheduler import QueueFullError
+
+    eng = make_engine(max_running_requests=1, max_queued_requests=1)
+    eng.pause()  # nothing is admitted, so the queue fills up
+    first = eng.submit(GenerateRequest(input_ids=[1, 2], sampling=greedy(2)))
+    second = eng.submit(GenerateRequest(input_ids=[1, 2], sampling=greedy(2)))
+    with pytest.raises(QueueFullError, match="max_queued_requests=1"):
+        second.result(timeout=30)
+    eng.resume()
+    assert len(first.result(timeout=30).output_ids) == 2
+    assert eng.abort("nobody") is False  # control commands still work
+
+
 def test_invalid_requests_fail_at_submit(make_engine):
     eng = make_engine(context_length=32)
     with pytest.raises(InvalidRequestError, match="context length 32"):
