@@ -159,6 +159,7 @@ def gae_packed(
     """
     _check_gae(rewards, values, cu_seqlens, bootstrap)
     ext = _kernel_or_warn(rewards.device)
+    # Half types in float32: the backward recurrence accumulates over hundreds of steps.
     compute = rewards.dtype if rewards.dtype in (torch.float32, torch.float64) else torch.float32
     r, v = rewards.to(compute), values.to(compute)
     if ext is None:
@@ -341,6 +342,7 @@ def merge_intervals(intervals):
     """
     as_list = not isinstance(intervals, (torch.Tensor, np.ndarray))
     iv = _as_intervals(intervals, "merge_intervals")
+    # Intervals are host data whatever the buffer's device: always the CPU kernel.
     if _C is None:
         _kernel_or_warn(torch.device("cpu"))
         merged = torch.tensor(merge_intervals_reference(iv.tolist()), dtype=torch.int64).reshape(

@@ -1,4 +1,5 @@
-"""``math-single-step``: answer a prompt ``group_size`` times, grade every answer, emit one trajectory.
+"""``math-single-step``: answer a prompt ``group_size`` times, grade every answer, emit one
+trajectory.
 
 One episode::
 
@@ -57,6 +58,7 @@ def build_trajectory(
     for out, lp in zip(gen.output_ids, gen.output_logprobs):
         ids += list(gen.prompt_ids) + list(out)
         pmask += [True] * plen + [False] * len(out)
+        # Shifted: entry t belongs to token t+1, so the prompt contributes plen - 1 zeros.
         lps += [0.0] * (plen - 1) + list(lp)
         lens.append(plen + len(out))
     one = [[1] * n]
@@ -121,7 +123,8 @@ class MathSingleStepAgent(Agent):
             gconfig = GenerationHyperparameters(**gconfig)
         elif not isinstance(gconfig, GenerationHyperparameters):
             raise TypeError(
-                f"math-single-step: gconfig must be a GenerationHyperparameters or a dict, got {gconfig!r}"
+                "math-single-step: gconfig must be a GenerationHyperparameters or a dict, got "
+                f"{gconfig!r}"
             )
         if group_size is not None:
             if not isinstance(group_size, int) or group_size < 1:
@@ -130,7 +133,8 @@ class MathSingleStepAgent(Agent):
                 )
             if gconfig.n not in (1, group_size):
                 raise ValueError(
-                    f"math-single-step: group_size={group_size} contradicts gconfig.n={gconfig.n}; set one of them"
+                    f"math-single-step: group_size={group_size} contradicts gconfig.n={gconfig.n}; "
+                    "set one of them"
                 )
             gconfig = gconfig.new(n=group_size)
         if not (0.0 <= success_rate_lb <= success_rate_ub <= 1.0):
@@ -157,7 +161,8 @@ class MathSingleStepAgent(Agent):
             or "packed_prompts" not in prompt.keys
         ):
             raise ValueError(
-                "math-single-step: the prompt must be a one-item SequenceSample with key 'packed_prompts'"
+                "math-single-step: the prompt must be a one-item SequenceSample with key "
+                "'packed_prompts'"
             )
         qid = prompt.ids[0]
         await obs_queue.put(
@@ -166,7 +171,8 @@ class MathSingleStepAgent(Agent):
         gen = await act_queue.get()
         if not isinstance(gen, GroupGeneration):
             raise TypeError(
-                f"math-single-step: expected a GroupGeneration on act_queue, got {type(gen).__name__}"
+                "math-single-step: expected a GroupGeneration on act_queue, got "
+                f"{type(gen).__name__}"
             )
         meta = {k: v[0] for k, v in prompt.metadata.items()}
         task = meta.get("task") or "math"
@@ -185,6 +191,8 @@ class MathSingleStepAgent(Agent):
         results = await asyncio.gather(*(env.step(a) for a in actions))
         verdicts = [float(r.reward) for r in results]
         success = sum(v > 0 for v in verdicts) / len(verdicts)
+        # Dropped here rather than masked as in the sync pipeline (ppo_data): an async
+        # rollout can just not send a trajectory, while sync ranks must keep batch shapes.
         if not self.success_rate_lb <= success <= self.success_rate_ub:
             return []
         rewards = [(v - self.reward_bias) * self.reward_scaling for v in verdicts]

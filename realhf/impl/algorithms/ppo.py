@@ -10,25 +10,41 @@ Pieces, in the order a PPO step uses them:
 1. :func:`get_packed_rewards` — per-token KL penalty plus the clipped task score at the last step.
 2. :func:`compute_gae` — generalised advantage estimation (the packed C++ kernel).
 3. :func:`normalize_advantages` / :func:`group_normalize_advantages` — global or per-group (GRPO).
-4. :func:`actor_loss_fn` — clipped / dual-clipped / decoupled PPO policy loss.
+4. :func:`actor_loss_terms` → :func:`actor_loss_from_terms` (or both at once,
+   :func:`actor_loss_fn`) — clipped / dual-clipped / decoupled PPO policy loss, built from
+   :func:`clipped_surrogate` and :func:`behaviour_weight`.
 5. :func:`critic_loss_fn` and :class:`ExponentialRunningMeanStd` — value loss and value scaling.
 6. :class:`FixedKLController` / :class:`AdaptiveKLController` — the KL coefficient beta.
+
+Nothing here runs a collective. Where a statistic must be global over data-parallel ranks
+(advantage mean/std, the value normaliser's moments, the early-stop importance ratio), the
+function takes or returns plain sums and the interface all-reduces them in between
+(:mod:`realhf.impl.model.interface.ppo_interface`, ``ppo_data``, ``critic_interface``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
-from realhf.impl.model.utils.functional import check_cu_seqlens, masked_mean, masked_normalization
+from realhf.impl.model.utils.functional import (
+    check_cu_seqlens,
+    masked_mean,
+    masked_moments,
+    masked_normalization,
+)
 
 __all__ = [
     "get_packed_rewards",
     "compute_gae",
     "normalize_advantages",
     "group_normalize_advantages",
+    "PolicyLossTerms",
+    "clipped_surrogate",
+    "behaviour_weight",
+    "actor_loss_terms",
+    "actor_loss_from_terms",
     "actor_loss_fn",
     "critic_loss_fn",
     "ExponentialRunningMeanStd",
@@ -70,12 +86,13 @@ def get_packed_rewards(
     bsz = short1cu_seqlens.numel() - 1
     if ref_log_probs.shape != log_probs.shape:
         raise ValueError(
-            f"ref_log_probs {tuple(ref_log_probs.shape)} must match log_probs {tuple(log_probs.shape)}"
+            f"ref_log_probs {tuple(ref_log_probs.shape)} must match log_probs "
+            f"{tuple(log_probs.shape)}"
         )
     if reward_score.shape != (bsz,) or seq_no_eos_mask.shape != (bsz,):
         raise ValueError(
-            f"reward_score {tuple(reward_score.shape)} and seq_no_eos_mask {tuple(seq_no_eos_mask.shape)} "
-            f"must both be [B] = [{bsz}]"
+            f"reward_score {tuple(reward_score.shape)} and seq_no_eos_mask "
+            f"{tuple(seq_no_eos_mask.shape)} must both be [B] = [{bsz}]"
         )
     kl = -kl_ctl * (log_probs.float() - ref_log_probs.float())
     if loss_mask is not None:
@@ -83,6 +100,8 @@ def get_packed_rewards(
     score = reward_score.float().clamp(-clip_reward_value, clip_reward_value)
     if mask_no_eos_with_zero:
         score = torch.where(seq_no_eos_mask.bool(), torch.zeros_like(score), score)
+    # The score is the reward of the last step: the shifted entry that predicts the final
+    # token (EOS, or the last token of a truncated answer).
     total = kl.clone()
     total.index_add_(0, short1cu_seqlens[1:].long() - 1, score)
     return kl, total
@@ -128,16 +147,19 @@ def normalize_advantages(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     eps: float = 1e-5,
-    group: Optional[dist.ProcessGroup] = None,
+    moments: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``(A - mean) / (std + eps)`` over valid tokens, in float64, all-reduced over ``group`` if
-    given (the data-parallel group), so every rank uses the same global statistics.
+    """``(A - mean) / (std + eps)`` over valid tokens, in float64.
 
     Args:
         advantages: [T'].
         loss_mask: [T'] bool; invalid tokens come out as 0.
+        moments: [3] statistics to normalise with: the
+            :func:`~realhf.impl.model.utils.functional.masked_moments` of ``advantages``
+            summed over the data-parallel ranks, so that every rank uses the global mean and
+            std. None: this batch's own.
     """
-    return masked_normalization(advantages, loss_mask, eps=eps, group=group)
+    return masked_normalization(advantages, loss_mask, eps=eps, moments=moments)
 
 
 def group_normalize_advantages(
@@ -174,12 +196,109 @@ def group_normalize_advantages(
     sq = zeros.index_add(0, gid, x * x)
     cnt = zeros.index_add(0, gid, mask.double()).clamp(min=1.0)
     mean = s / cnt
+    # Population std from the moments; clamp: equal rewards can round to a tiny negative.
     std = (sq / cnt - mean * mean).clamp(min=0.0).sqrt()
     out = (advantages.double() - mean[gid]) / (std[gid] + eps)
     return torch.where(mask, out, torch.zeros_like(out)).to(advantages.dtype)
 
 
-def actor_loss_fn(
+class PolicyLossTerms(NamedTuple):
+    """Local sums of the PPO policy loss over one micro-batch on one rank (nothing reduced).
+
+    ``loss_sum`` [] (with grad) and ``n_valid`` [] int64 give the micro-batch's token-mean loss;
+    ``ratio_sum`` [] (detached, float32) with ``n_valid`` gives the mean importance ratio, which
+    the early stop takes over all data-parallel ranks (see :meth:`ratio_totals`). ``stats`` are
+    this micro-batch's detached scalars: ``approx_kl``, ``clip_ratio``, ``dual_clip_ratio``,
+    ``behave_imp_weight`` (means over valid tokens) and ``behave_mask_dropped`` (a count).
+    """
+
+    loss_sum: torch.Tensor
+    n_valid: torch.Tensor
+    ratio_sum: torch.Tensor
+    stats: Dict[str, torch.Tensor]
+
+    def ratio_totals(self) -> torch.Tensor:
+        """``[sum of rho, n_valid]`` float64 [2]: sum it over ranks for the global mean ratio."""
+        return torch.stack([self.ratio_sum, self.n_valid.float()]).double()
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, c_clip: Optional[float]
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped (and optionally dual-clipped) PPO objective, as a loss to minimise.
+
+    Args:
+        ratio: [T'] ``rho = exp(pi - pi_prox)`` (with grad).
+        advantages: [T'] A (float32, detached).
+        eps_clip: rho is clipped to [1 - eps, 1 + eps].
+        c_clip: dual clip (> 1) or None: for A < 0 the loss is at most ``c_clip * |A|``.
+
+    Returns:
+        ``(pg, clipped, dual_clipped)``, all [T']: ``pg = max(-A rho, -A clip(rho))`` (then
+        ``min(pg, c |A|)`` where A < 0), and bool masks of the tokens where the clipped
+        term, respectively the dual clip, took over (those carry no gradient).
+    """
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
+    pg = torch.maximum(pg1, pg2)
+    clipped = (pg1 < pg2).detach()
+    dual_clipped = torch.zeros_like(clipped)
+    if c_clip is not None:
+        # With A < 0 a huge ratio makes -A rho unbounded: the plain clip only bounds rho
+        # from above for A > 0. Dual clip (Ye et al., 2020) caps that side too.
+        bound = c_clip * advantages.abs()
+        dual_clipped = (advantages < 0) & (bound < pg).detach()
+        pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
+    return pg, clipped, dual_clipped
+
+
+def behaviour_weight(
+    proximal_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: Optional[float],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's behaviour importance weight ``w = exp(pi_prox - mu_b)``.
+
+    Args:
+        proximal_logprobs: [T'] pi_prox (float32, detached).
+        old_logprobs: [T'] mu_b, the log-probs the tokens were sampled with.
+        mask: [T'] bool, valid tokens (others get w = 1: their log-probs may be garbage).
+        cap: tokens with ``w > cap`` are dropped (None keeps every token).
+
+    Returns:
+        ``(w, dropped)``, both [T']: the weights and a bool mask of the dropped tokens.
+    """
+    log_w = proximal_logprobs - old_logprobs.detach().float()
+    w = torch.exp(torch.where(mask, log_w, torch.zeros_like(log_w)))
+    dropped = torch.zeros_like(mask)
+    if cap is not None:
+        dropped = mask & (w > cap)
+    return w, dropped
+
+
+def _check_actor_loss_args(
+    logprobs, old_logprobs, advantages, mask, eps_clip, c_clip, proximal_logprobs, cap
+) -> None:
+    if not eps_clip > 0:
+        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
+    if c_clip is not None and not c_clip > 1.0:
+        raise ValueError(
+            f"c_clip must be > 1 (dual clip bounds the loss by c_clip*|A|), got {c_clip}"
+        )
+    if cap is not None and proximal_logprobs is None:
+        raise ValueError(
+            "behav_imp_weight_cap needs proximal_logprobs (it is a decoupled-loss option)"
+        )
+    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
+        raise ValueError(
+            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)}, "
+            f"advantages {tuple(advantages.shape)} and loss_mask {tuple(mask.shape)} must have one "
+            "shape [T']"
+        )
+
+
+def actor_loss_terms(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
@@ -188,10 +307,9 @@ def actor_loss_fn(
     c_clip: Optional[float] = None,
     proximal_logprobs: Optional[torch.Tensor] = None,
     behav_imp_weight_cap: Optional[float] = None,
-    early_stop_imp_ratio: Optional[float] = None,
-    group: Optional[dist.ProcessGroup] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """PPO policy loss, optionally dual-clipped and decoupled.
+) -> PolicyLossTerms:
+    """PPO policy loss of one micro-batch as local sums (no collective; see
+    :class:`PolicyLossTerms`). Finish it with :func:`actor_loss_from_terms`.
 
     Args:
         logprobs: [T'] current policy log-probs pi (with grad).
@@ -204,87 +322,118 @@ def actor_loss_fn(
             the update).  None: classic PPO, pi_prox = mu_b.
         behav_imp_weight_cap: decoupled only: tokens whose behaviour weight
             ``exp(pi_prox - mu_b)`` exceeds the cap are left out.
-        early_stop_imp_ratio: when the mean ratio over valid tokens exceeds it, the loss is
-            multiplied by 0 (the batch drifted too far; gradients would be harmful).
-        group: all-reduce the early-stop mean over this (data-parallel) group.
 
     Per token: ``rho = exp(pi - pi_prox)``, ``l = max(-A rho, -A clip(rho, 1 +- eps))``,
-    dual clip ``l = min(l, c |A|)`` for A < 0, decoupled ``l *= exp(pi_prox - mu_b)``.
-    The loss is the sum over valid tokens divided by their number.
-
-    Returns:
-        ``(loss, stats)``: a scalar and detached scalar tensors ``importance_weight``,
-        ``approx_kl``, ``clip_ratio``, ``dual_clip_ratio``, ``behave_imp_weight``,
-        ``behave_mask_dropped``, ``n_valid_tokens``, ``early_stopped``.
+    dual clip ``l = min(l, c |A|)`` for A < 0, decoupled ``l *= exp(pi_prox - mu_b)``;
+    ``loss_sum`` sums ``l`` over the valid tokens.
     """
-    if not eps_clip > 0:
-        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
-    if c_clip is not None and not c_clip > 1.0:
-        raise ValueError(
-            f"c_clip must be > 1 (dual clip bounds the loss by c_clip*|A|), got {c_clip}"
-        )
-    if behav_imp_weight_cap is not None and proximal_logprobs is None:
-        raise ValueError(
-            "behav_imp_weight_cap needs proximal_logprobs (it is a decoupled-loss option)"
-        )
     mask = loss_mask.bool()
-    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)}, advantages "
-            f"{tuple(advantages.shape)} and loss_mask {tuple(mask.shape)} must have one shape [T']"
-        )
+    _check_actor_loss_args(
+        logprobs,
+        old_logprobs,
+        advantages,
+        mask,
+        eps_clip,
+        c_clip,
+        proximal_logprobs,
+        behav_imp_weight_cap,
+    )
+    # Ratios and losses in float32 whatever the inputs' dtype: a difference of two bf16
+    # log-probs near -5 is resolved to ~0.03, i.e. ratios off by ~3%.
     adv = advantages.detach().float()
     prox = (old_logprobs if proximal_logprobs is None else proximal_logprobs).detach().float()
     # Masked tokens may hold garbage (e.g. prompt positions): keep them out of exp().
     log_ratio = torch.where(mask, logprobs.float() - prox, torch.zeros_like(prox))
     ratio = torch.exp(log_ratio)
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    pg = torch.maximum(pg1, pg2)
-    clipped = (pg1 < pg2).detach()
-    dual_clipped = torch.zeros_like(mask)
-    if c_clip is not None:
-        bound = c_clip * adv.abs()
-        dual_clipped = (adv < 0) & (bound < pg).detach()
-        pg = torch.where(adv < 0, torch.minimum(pg, bound), pg)
+    pg, clipped, dual_clipped = clipped_surrogate(ratio, adv, eps_clip, c_clip)
 
     behav_w = torch.ones_like(prox)
     dropped = torch.zeros_like(mask)
     if proximal_logprobs is not None:
-        behav_w = torch.exp(
-            torch.where(mask, prox - old_logprobs.detach().float(), torch.zeros_like(prox))
-        )
-        if behav_imp_weight_cap is not None:
-            dropped = mask & (behav_w > behav_imp_weight_cap)
-            mask = mask & ~dropped
+        behav_w, dropped = behaviour_weight(prox, old_logprobs, mask, behav_imp_weight_cap)
+        mask = mask & ~dropped
         pg = pg * behav_w
 
     n_valid = mask.sum()
-    loss = torch.where(mask, pg, torch.zeros_like(pg)).sum() / n_valid.clamp(min=1)
-
     with torch.no_grad():
-        ratio_stats = torch.stack(
-            [torch.where(mask, ratio, torch.zeros_like(ratio)).sum(), n_valid.float()]
-        ).double()
-        if group is not None:
-            dist.all_reduce(ratio_stats, group=group)
-        mean_ratio = (ratio_stats[0] / ratio_stats[1].clamp(min=1)).float()
-    early_stopped = early_stop_imp_ratio is not None and bool(mean_ratio > early_stop_imp_ratio)
-    if early_stopped:
-        # Multiply rather than return a constant: the graph (and every rank's backward) stays intact.
-        loss = loss * 0.0
-
+        ratio_sum = torch.where(mask, ratio, torch.zeros_like(ratio)).sum()
     stats = {
-        "importance_weight": mean_ratio,
         "approx_kl": masked_mean(log_ratio.detach(), mask),
         "clip_ratio": masked_mean(clipped.float(), mask),
         "dual_clip_ratio": masked_mean(dual_clipped.float(), mask),
         "behave_imp_weight": masked_mean(behav_w.detach(), mask),
         "behave_mask_dropped": dropped.sum(),
-        "n_valid_tokens": n_valid,
+    }
+    loss_sum = torch.where(mask, pg, torch.zeros_like(pg)).sum()
+    return PolicyLossTerms(loss_sum, n_valid, ratio_sum, stats)
+
+
+def actor_loss_from_terms(
+    terms: PolicyLossTerms,
+    ratio_totals: torch.Tensor,
+    early_stop_imp_ratio: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The micro-batch's mean policy loss and its statistics.
+
+    Args:
+        terms: :func:`actor_loss_terms` of the micro-batch.
+        ratio_totals: [2] ``terms.ratio_totals()``, summed over the data-parallel ranks by the
+            caller (or as is, in a single process).
+        early_stop_imp_ratio: when the mean ratio ``ratio_totals[0] / ratio_totals[1]``
+            exceeds it, the loss is multiplied by 0 (the batch drifted too far; gradients
+            would be harmful).
+
+    Returns:
+        ``(loss, stats)``: ``loss_sum / n_valid`` (a scalar) and detached scalar tensors
+        ``importance_weight`` (the mean ratio of ``ratio_totals``), ``approx_kl``,
+        ``clip_ratio``, ``dual_clip_ratio``, ``behave_imp_weight``, ``behave_mask_dropped``,
+        ``n_valid_tokens``, ``early_stopped``.
+    """
+    loss = terms.loss_sum / terms.n_valid.clamp(min=1)
+    mean_ratio = (ratio_totals[0] / ratio_totals[1].clamp(min=1)).float()
+    early_stopped = early_stop_imp_ratio is not None and bool(mean_ratio > early_stop_imp_ratio)
+    if early_stopped:
+        # Multiply rather than return a constant: the graph (and every rank's backward) stays
+        # intact.
+        loss = loss * 0.0
+    stats = {
+        "importance_weight": mean_ratio,
+        **terms.stats,
+        "n_valid_tokens": terms.n_valid,
         "early_stopped": torch.tensor(float(early_stopped), device=loss.device),
     }
     return loss, stats
+
+
+def actor_loss_fn(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    eps_clip: float,
+    loss_mask: torch.Tensor,
+    c_clip: Optional[float] = None,
+    proximal_logprobs: Optional[torch.Tensor] = None,
+    behav_imp_weight_cap: Optional[float] = None,
+    early_stop_imp_ratio: Optional[float] = None,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """PPO policy loss of a batch held by one process: :func:`actor_loss_terms` finished by
+    :func:`actor_loss_from_terms` with this batch's own mean ratio.
+
+    Arguments as :func:`actor_loss_terms`, plus ``early_stop_imp_ratio`` (see
+    :func:`actor_loss_from_terms`); returns ``(loss, stats)`` as the latter. Data-parallel
+    callers sum ``terms.ratio_totals()`` over ranks and call the two pieces themselves.
+    """
+    terms = actor_loss_terms(
+        logprobs,
+        old_logprobs,
+        advantages,
+        eps_clip,
+        loss_mask,
+        c_clip=c_clip,
+        proximal_logprobs=proximal_logprobs,
+        behav_imp_weight_cap=behav_imp_weight_cap,
+    )
+    return actor_loss_from_terms(terms, terms.ratio_totals(), early_stop_imp_ratio)
 
 
 def critic_loss_fn(
@@ -312,6 +461,8 @@ def critic_loss_fn(
     v = value.float()
     old = old_value.detach().float()
     ret = target_value.detach().float()
+    # The clipped term keeps the value from moving more than eps from the one the batch was
+    # collected with (the value-side analogue of the ratio clip).
     clipped_v = old + (v - old).clamp(-value_eps_clip, value_eps_clip)
     l_plain = 0.5 * (v - ret) ** 2
     l_clip = 0.5 * (clipped_v - ret) ** 2
@@ -344,20 +495,21 @@ class ExponentialRunningMeanStd(torch.nn.Module):
             self.register_buffer(name, torch.zeros((), dtype=torch.float64))
 
     @torch.no_grad()
-    def update(
-        self,
-        x: torch.Tensor,
-        mask: Optional[torch.Tensor] = None,
-        group: Optional[dist.ProcessGroup] = None,
-    ):
-        """Fold the valid entries of ``x`` [N] (all-reduced over ``group`` if given) into the EMAs."""
-        mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
-        xd = torch.where(mask, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
-        stats = torch.stack([xd.sum(), (xd * xd).sum(), mask.sum().double()])
-        if group is not None:
-            dist.all_reduce(stats, group=group)
+    def update(self, x: torch.Tensor, mask: Optional[torch.Tensor] = None):
+        """Fold the valid entries of ``x`` [N] (this process's only) into the EMAs."""
+        self.update_from_moments(masked_moments(x, mask))
+
+    @torch.no_grad()
+    def update_from_moments(self, moments: torch.Tensor):
+        """Fold a batch given by its :func:`~realhf.impl.model.utils.functional.masked_moments`
+        ``[sum, sum of squares, count]`` into the EMAs; data-parallel callers pass the moments
+        summed over ranks, so every replica keeps the same statistics. An empty batch is a
+        no-op."""
+        stats = moments.double()
         if stats[2] == 0:
             return
+        # The EMAs start at 0; debiasing_term (1 - beta^t after t updates) undoes the pull
+        # towards 0, as Adam's bias correction does.
         b = self.beta
         self.running_mean.mul_(b).add_((1 - b) * stats[0] / stats[2])
         self.running_mean_sq.mul_(b).add_((1 - b) * stats[1] / stats[2])
@@ -403,7 +555,8 @@ class AdaptiveKLController:
     def __init__(self, init_kl_coef: float, target: float = 6.0, horizon: float = 10000.0):
         if init_kl_coef < 0 or target <= 0 or horizon <= 0:
             raise ValueError(
-                f"need init_kl_coef >= 0, target > 0, horizon > 0; got {init_kl_coef}, {target}, {horizon}"
+                f"need init_kl_coef >= 0, target > 0, horizon > 0; got {init_kl_coef}, {target}, "
+                f"{horizon}"
             )
         self.value = float(init_kl_coef)
         self.target = float(target)

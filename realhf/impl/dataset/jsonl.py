@@ -43,7 +43,8 @@ def read_jsonl(path: str, required: Mapping[str, type | tuple]) -> List[Dict[str
                 if not isinstance(row[key], tp):
                     want = tp.__name__ if isinstance(tp, type) else "/".join(t.__name__ for t in tp)
                     raise DatasetError(
-                        f"{path}:{lineno}: field '{key}' must be {want}, got {type(row[key]).__name__}"
+                        f"{path}:{lineno}: field '{key}' must be {want}, got "
+                        f"{type(row[key]).__name__}"
                     )
             rows.append(row)
     if not rows:
@@ -55,6 +56,8 @@ def shard(rows: list, dp_rank: int, world_size: int) -> list:
     """Rows i with i % world_size == dp_rank: every row on exactly one rank."""
     if not 0 <= dp_rank < world_size:
         raise ValueError(f"dp_rank={dp_rank} out of range for world_size={world_size}")
+    # Round-robin rather than contiguous blocks: shard sizes differ by at most one, and
+    # a file sorted by difficulty or source is spread over all ranks.
     return rows[dp_rank::world_size]
 
 

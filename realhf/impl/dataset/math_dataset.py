@@ -48,12 +48,16 @@ class MathPromptDataset(ItemDataset):
                 isinstance(row.get("solutions"), list) and row["solutions"]
             ):
                 raise DatasetError(
-                    f"{dataset_path}: row {i + 1} ({row['query_id']}) needs a non-empty 'solutions' list"
+                    f"{dataset_path}: row {i + 1} ({row['query_id']}) needs a non-empty "
+                    "'solutions' list"
                 )
             if task == "code" and not isinstance(row.get("input_output"), str):
                 raise DatasetError(
-                    f"{dataset_path}: row {i + 1} ({row['query_id']}) needs 'input_output' (a JSON string)"
+                    f"{dataset_path}: row {i + 1} ({row['query_id']}) needs 'input_output' (a JSON "
+                    "string)"
                 )
+        # Unique over the whole file, before sharding: the system addresses items by id
+        # across all ranks (the master's buffer, recovery state).
         ids = [str(r["query_id"]) for r in rows]
         if len(set(ids)) != len(ids):
             dup = next(x for x in ids if ids.count(x) > 1)
@@ -61,6 +65,8 @@ class MathPromptDataset(ItemDataset):
         rows = shard(rows, dp_rank, world_size)
         if max_items is not None:
             rows = rows[:max_items]
+        # Verbatim, nothing added: a prompt is the exact token prefix the policy continues
+        # (any chat template is part of the dataset's prompt text).
         encoded = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
         self.items: list[SequenceSample] = []
         dropped = 0

@@ -32,13 +32,15 @@ class PromptAnswerDataset(ItemDataset):
         max_length: int = 1024,
         max_items: Optional[int] = None,
     ):
-        del seed
+        del seed  # the model worker owns the epoch order
         rows = read_jsonl(dataset_path, {"id": (str, int), "prompt": str, "answer": str})
         if tokenizer.eos_token_id is None:
             raise DatasetError("the tokenizer has no eos_token; SFT answers must end with one")
         rows = shard(rows, dp_rank, world_size)
         if max_items is not None:
             rows = rows[:max_items]
+        # Prompt and answer are tokenized apart (to know where the answer starts) and taken
+        # verbatim: special tokens would put a BOS in front of the answer too.
         prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
         answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
         self.items: list[SequenceSample] = []
@@ -49,6 +51,8 @@ class PromptAnswerDataset(ItemDataset):
             if rid in seen:
                 raise DatasetError(f"{dataset_path}: id {rid!r} appears more than once")
             seen.add(rid)
+            # EOS is part of the answer: the model learns to stop. An empty prompt leaves no
+            # position to predict the first answer token from.
             toks = p + a + [tokenizer.eos_token_id]
             if len(toks) > max_length or not p:
                 dropped += 1

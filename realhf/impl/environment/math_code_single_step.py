@@ -41,7 +41,8 @@ class MathCodeAction:
     def __post_init__(self):
         if not isinstance(self.text, str):
             raise TypeError(
-                f"MathCodeAction.text must be the decoded answer (str), got {type(self.text).__name__}"
+                "MathCodeAction.text must be the decoded answer (str), got "
+                f"{type(self.text).__name__}"
             )
         if self.task not in _MATH_TASKS + ("code",):
             raise ValueError(
@@ -110,6 +111,8 @@ class MathCodeSingleStepEnv(EnvironmentService):
         return tuple(r.info["correct"] for r in results)
 
     def _grade(self, action: MathCodeAction) -> bool:
+        # Imported on first use: a math-only run never loads the code sandbox, and the
+        # verifier's sympy stack only where grading happens.
         if action.task == "code":
             from functioncall.code import verify as verify_code
 

@@ -131,7 +131,8 @@ def _is_integer_literal(s: str) -> bool:
 
 
 def numbers_equal(pred: Number, gold: Number, *, percent: bool, exact: bool) -> bool:
-    """``pred`` equals ``gold`` within REL_TOL (exactly when ``exact``), also ×100/÷100 if ``percent``."""
+    """``pred`` equals ``gold`` within REL_TOL (exactly when ``exact``), also ×100/÷100 if
+    ``percent``."""
     candidates = [gold] + ([gold / 100, gold * 100] if percent else [])
     for c in candidates:
         if pred == c:

@@ -188,7 +188,8 @@ def _unwrap_command(s: str, pattern: re.Pattern) -> str:
 
 
 def _fix_frac_and_sqrt(s: str) -> str:
-    """``\\frac12`` → ``\\frac{1}{2}``, ``\\frac1{x}`` → ``\\frac{1}{x}``, ``\\sqrt2`` → ``\\sqrt{2}``."""
+    """``\\frac12`` → ``\\frac{1}{2}``, ``\\frac1{x}`` → ``\\frac{1}{x}``,
+    ``\\sqrt2`` → ``\\sqrt{2}``."""
     s = re.sub(r"\\sqrt\s*([0-9a-zA-Z])", r"\\sqrt{\1}", s)
     s = re.sub(r"\\frac\s*([0-9a-zA-Z])\s*([0-9a-zA-Z])", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac\s*([0-9a-zA-Z])\s*\{", r"\\frac{\1}{", s)
@@ -256,7 +257,8 @@ def normalize_answer(answer: str) -> NormalizedAnswer:
 
 
 def choice_letter(answer: str) -> Optional[str]:
-    """The multiple-choice letter an answer names (``A``, ``(B)``, ``C)``, ``\\text{(D)}``), or None.
+    """The multiple-choice letter an answer names (``A``, ``(B)``, ``C)``, ``\\text{(D)}``), or
+    None.
 
     Only capital letters A–J count: a lower-case ``a`` is as likely a variable.
     A letter followed by the option's text ("(B) 12", "B: 12") also counts.

@@ -202,7 +202,8 @@ def verify_batch(
     for i, (text, sols) in enumerate(zip(texts, solutions_list)):
         if isinstance(sols, str):
             raise ValueError(
-                f"verify_batch: solutions_list[{i}] is a str; pass a list of solutions, e.g. [{sols!r}]"
+                f"verify_batch: solutions_list[{i}] is a str; pass a list of solutions, e.g. "
+                f"[{sols!r}]"
             )
         decided, pred, heavy = _triage(text, sols)
         if decided is not None:

@@ -65,7 +65,7 @@ def parse_sequence(s: str) -> Optional[Tuple[str, str, List[str]]]:
         items = split_top_level(s[1:-1])
         if len(items) >= 2:
             return "seq", s[0] + s[-1], items
-        return None
+        return None  # "(x)" is a parenthesised scalar, not a 1-tuple
     items = split_top_level(s)
     if len(items) >= 2:
         return "bare", "", items
@@ -103,6 +103,8 @@ def match_unordered(preds: List[str], golds: List[str], eq: Callable[[str, str],
     """A perfect matching between the two lists under ``eq`` (small lists: DFS)."""
     if len(preds) != len(golds):
         return False
+    # Backtracking, not greedy: one prediction may equal several golds (0.5 and 1/2), and
+    # a greedy pairing could take the gold another prediction needs.
     used = [False] * len(golds)
     cache = {}
 

@@ -118,6 +118,52 @@ def test_actor_loss_early_stop_zeroes_the_loss_and_its_gradient():
     assert loss.item() != 0.0 and st["early_stopped"].item() == 0.0
 
 
+def test_actor_loss_terms_are_local_sums_and_the_finish_takes_the_given_ratio():
+    lp, old, adv, mask = _actor_case()
+    t = F.actor_loss_terms(lp, old, adv, 0.2, mask)
+    assert t.loss_sum.item() == pytest.approx(-1.2 + 1.6 - 0.55 + 5.0) and t.n_valid.item() == 4
+    assert t.ratio_totals().tolist() == pytest.approx([1.5 + 0.5 + 1.1 + 5.0, 4.0])
+    assert t.ratio_totals().dtype == torch.float64 and not t.ratio_sum.requires_grad
+    # the same micro-batch, but other ranks pulled the global mean ratio to 9 / 6 = 1.5
+    loss, st = F.actor_loss_from_terms(t, torch.tensor([9.0, 6.0], dtype=torch.float64), 1.4)
+    assert st["importance_weight"].item() == pytest.approx(1.5)
+    assert st["early_stopped"].item() == 1.0 and loss.item() == 0.0
+    loss, st = F.actor_loss_from_terms(t, torch.tensor([9.0, 6.0], dtype=torch.float64), 1.6)
+    assert loss.item() == pytest.approx((-1.2 + 1.6 - 0.55 + 5.0) / 4)
+    assert st["early_stopped"].item() == 0.0 and st["n_valid_tokens"].item() == 4
+    # the pieces: clipped / dual-clipped surrogate and the behaviour weight
+    rho = torch.tensor([1.5, 0.5, 1.1, 5.0])
+    pg, clipped, dual = F.clipped_surrogate(rho, adv[:4], 0.2, 3.0)
+    assert pg.tolist() == pytest.approx([-1.2, 1.6, -0.55, 3.0])
+    assert clipped.tolist() == [True, True, False, False]
+    assert dual.tolist() == [False, False, False, True]
+    w, dropped = F.behaviour_weight(
+        torch.log(torch.tensor([1.0, 2.0, 10.0])),
+        torch.zeros(3),
+        torch.tensor([True, True, False]),
+        cap=1.5,
+    )
+    assert w.tolist() == pytest.approx([1.0, 2.0, 1.0])  # masked token: weight 1
+    assert dropped.tolist() == [False, True, False]
+
+
+def test_normalisation_from_given_moments_equals_the_whole_batch():
+    from realhf.impl.model.utils.functional import masked_moments
+
+    x = torch.tensor([1.0, 2.0, 3.0, 50.0, 7.0, -4.0])
+    mask = torch.tensor([True, True, True, False, True, True])
+    m = masked_moments(x[:3], mask[:3]) + masked_moments(x[3:], mask[3:])
+    assert m.tolist() == pytest.approx([9.0, 79.0, 5.0])
+    parts = [F.normalize_advantages(x[s], mask[s], moments=m) for s in (slice(0, 3), slice(3, 6))]
+    assert torch.cat(parts).tolist() == pytest.approx(F.normalize_advantages(x, mask).tolist())
+    a, b = F.ExponentialRunningMeanStd(beta=0.5), F.ExponentialRunningMeanStd(beta=0.5)
+    a.update(x, mask)
+    b.update_from_moments(m)
+    assert torch.equal(torch.stack(a.mean_std()), torch.stack(b.mean_std()))
+    b.update_from_moments(torch.zeros(3, dtype=torch.float64))  # empty batch: no-op
+    assert torch.equal(torch.stack(a.mean_std()), torch.stack(b.mean_std()))
+
+
 def test_decoupled_loss_weights_and_caps_behaviour_ratio():
     # behaviour weights w = exp(pi_prox - mu_b) = [1, 2, 0.5, 10, 1]; rho as before w.r.t. pi_prox
     _, _, adv, mask = _actor_case()
@@ -200,23 +246,31 @@ def test_kl_controllers():
 _DIST_CHILD = """
 import json, sys, torch, torch.distributed as dist
 from realhf.impl.algorithms import ppo as F
+from realhf.impl.model.interface.helpers import all_reduce_sum
+from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo_interface import policy_loss
+from realhf.impl.model.utils.functional import masked_moments
 rank, init_file = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
 g = dist.group.WORLD
 full = torch.tensor([1.0, 2.0, 3.0, 50.0, 7.0, -4.0])
 full_mask = torch.tensor([True, True, True, False, True, True])
 half = slice(0, 3) if rank == 0 else slice(3, 6)
-out = {"adv": F.normalize_advantages(full[half], full_mask[half], group=g).tolist()}
+# the reductions the interfaces run around the pure functions (ppo_data, critic_interface)
+moments = all_reduce_sum(masked_moments(full[half], full_mask[half]), g)
+out = {"adv": F.normalize_advantages(full[half], full_mask[half], moments=moments).tolist()}
 n = F.ExponentialRunningMeanStd(beta=0.5)
-n.update(full[half], full_mask[half], group=g)
+n.update_from_moments(moments)
 out["value_norm"] = [t.item() for t in n.mean_std()]
 # rank 0: ratios [1, 1], rank 1: [4]; locally only rank 1 exceeds 1.9, the token mean over
 # both ranks (6 / 3 = 2) exceeds it too, so both ranks stop
 rho = torch.ones(2) if rank == 0 else torch.full((1,), 4.0)
-loss, st = F.actor_loss_fn(torch.log(rho), torch.zeros_like(rho), torch.ones_like(rho), 10.0,
-                           torch.ones_like(rho, dtype=torch.bool), early_stop_imp_ratio=1.9, group=g)
+hp = PPOHyperparameters(eps_clip=10.0, early_stop_imp_ratio=1.9)
+loss, st = policy_loss(hp, torch.log(rho), torch.zeros_like(rho), torch.ones_like(rho),
+                       torch.ones_like(rho, dtype=torch.bool), None, g)
 out["early_stopped"] = st["early_stopped"].item()
 out["importance_weight"] = st["importance_weight"].item()
+out["loss"] = loss.item()
 print(json.dumps(out))
 dist.destroy_process_group()
 from realhf.base import shutdown
@@ -255,3 +309,4 @@ def test_statistics_all_reduce_over_two_gloo_ranks(tmp_path):
             [valid.mean().item(), valid.std(unbiased=False).item()]
         )
         assert o["early_stopped"] == 1.0 and o["importance_weight"] == pytest.approx(2.0)
+        assert o["loss"] == 0.0

@@ -320,7 +320,8 @@ def test_mismatched_shape_names_file_and_parameter(tiny_hf_dir, tmp_path):
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(
         ValueError,
-        match=r"model\.safetensors: parameter 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(100, 64\), expected \(128, 64\)",
+        match=r"model\.safetensors: parameter 'model\.layers\.0\.mlp\.up_proj\.weight' "
+        r"has shape \(100, 64\), expected \(128, 64\)",
     ):
         ReaLModel.from_hf(tmp_path)
 

@@ -103,6 +103,8 @@ class InferenceEngine:
             raise ValueError(
                 f"output_seqlens has {len(output_seqlens)} entries for {len(sample)} items"
             )
+        # split() reorders items to pack micro-batches: the i-th item in split order is
+        # item forward_idx[i] of the sample, and backward_idx puts them back.
         mbs, forward_idx, backward_idx = sample.split(mb_spec)
         per_item: List[torch.Tensor] = []
         device = self.device
@@ -114,8 +116,9 @@ class InferenceEngine:
             sizes = [sum(output_seqlens[forward_idx[start + j]]) for j in range(len(mb))]
             if out.shape[0] != sum(sizes):
                 raise ValueError(
-                    f"the forward output of a micro-batch has {out.shape[0]} rows but output_seqlens "
-                    f"give {sum(sizes)} for its items; pass output_seqlens that match the post_hook"
+                    f"the forward output of a micro-batch has {out.shape[0]} rows but "
+                    f"output_seqlens give {sum(sizes)} for its items; pass output_seqlens that "
+                    "match the post_hook"
                 )
             per_item.extend(torch.split(out, sizes, dim=0))
         return torch.cat([per_item[i] for i in backward_idx], dim=0)

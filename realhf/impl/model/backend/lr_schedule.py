@@ -54,9 +54,10 @@ class LRSchedule:
         needs_total = self.kind != "constant" or self.warmup_steps_proportion > 0
         if self.total_steps is None and needs_total:
             raise ValueError(
-                f"a {self.kind} learning-rate schedule with warmup_steps_proportion="
-                f"{self.warmup_steps_proportion} needs the run length: pass a FinetuneSpec "
-                "(total_train_steps) to the train engine, or use a constant schedule without warm-up"
+                f"a {self.kind} learning-rate schedule with "
+                f"warmup_steps_proportion={self.warmup_steps_proportion} needs the run length: "
+                "pass a FinetuneSpec (total_train_steps) to the train engine, or use a constant "
+                "schedule without warm-up"
             )
         if self.total_steps is not None and (
             not isinstance(self.total_steps, int) or self.total_steps < 1
@@ -91,6 +92,7 @@ class LRSchedule:
         if self.kind == "constant":
             return self.lr
         min_lr = self.min_lr_ratio * self.lr
+        # max(1, ...): warm-up may cover the whole run (W = total), leaving no decay steps.
         p = min(1.0, (step - w) / max(1, self.total_steps - w))
         if self.kind == "linear":
             return min_lr + (self.lr - min_lr) * (1.0 - p)

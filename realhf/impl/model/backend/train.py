@@ -260,7 +260,8 @@ class TrainEngine(InferenceEngine):
             )
             skipped = True
         elif not math.isfinite(grad_norm):
-            # After the all-reduce every rank holds the same gradient, hence takes the same decision.
+            # After the all-reduce every rank holds the same gradient, hence takes the same
+            # decision.
             warnings.warn(
                 f"train_batch: gradient norm is {grad_norm}; skipping optimizer step {step}",
                 stacklevel=2,

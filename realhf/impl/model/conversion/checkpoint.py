@@ -56,9 +56,13 @@ class CheckpointReader:
             for s in shards:
                 self._add_file(os.path.basename(s))
             return
+        if os.path.isdir(self.model_dir):
+            holds = sorted(os.listdir(self.model_dir))
+        else:
+            holds = "nothing, it does not exist"
         raise CheckpointError(
             f"{self.model_dir}: no weight file found; expected one of {', '.join(WEIGHT_FILES)} "
-            f"(directory holds: {sorted(os.listdir(self.model_dir)) if os.path.isdir(self.model_dir) else 'nothing, it does not exist'})"
+            f"(directory holds: {holds})"
         )
 
     def _read_index(self, index_name: str) -> None:

@@ -43,7 +43,7 @@ class HFFamily:
         """Keyword arguments for the transformers config class (architecture set)."""
         self.converter.check_representable(cfg)
         kw = self.converter.config_to_hf(cfg)
-        kw.update(cfg.hf_extra)
+        kw.update(cfg.hf_extra)  # the source checkpoint's token ids and flags, as read
         if cfg.is_critic:
             kw["architectures"] = [self.critic_arch]
             kw["num_labels"] = 1

@@ -57,7 +57,7 @@ def config_from_hf(family: str, hf, source: str) -> ReaLModelConfig:
         use_attn_proj_bias=True,
         use_mlp_bias=True,
         qk_layernorm=False,
-        tied_embedding=bool(getattr(hf, "tie_word_embeddings", True)),
+        tied_embedding=bool(getattr(hf, "tie_word_embeddings", True)),  # GPT2Config's default
         abs_position_embedding=True,
         init_std=float(getattr(hf, "initializer_range", 0.02)),
         hf_extra=hf_extra_from(hf),
@@ -115,6 +115,7 @@ def weight_rules(cfg: ReaLModelConfig) -> List[WeightRule]:
         rules += [
             copy_rule(p + "ln_1.weight", o + "attn.c_attn.ln.weight", (H,)),
             copy_rule(p + "ln_1.bias", o + "attn.c_attn.ln.bias", (H,)),
+            # One Conv1D [H, 3H] holds q | k | v side by side along its output dim.
             WeightRule(
                 p + "attn.c_attn.weight",
                 tuple(n + ".weight" for n in qkv),

@@ -38,6 +38,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
     "chat_template.jinja",
+    # Not a tokenizer file, but it names the EOS ids generation stops at: it travels with
+    # the tokenizer so a saved directory generates like the source.
     "generation_config.json",
 )
 
@@ -116,6 +118,9 @@ def load_weights(model, model_dir: Union[str, os.PathLike], *, check_config: boo
     rules = fam.converter.weight_rules(cfg)
     if cfg.is_critic:
         head_rules = fam.critic_head_rules(cfg)
+        # A causal-LM checkpoint has no value head: from_hf starts a fresh one (the usual
+        # PPO start, critic from the actor's checkpoint). load_hf_weights replaces the
+        # weights of a built critic, so there a missing head is an error (via the rules).
         if reader.resolve(head_rules[0].hf_name) is not None or check_config:
             rules = rules + head_rules
         else:
@@ -169,7 +174,7 @@ def save(
     fam = get_family(cfg.family)
     kwargs = fam.config_to_hf_kwargs(cfg)
     hf_config = transformers.AutoConfig.for_model(fam.model_type, **kwargs)
-    hf_config.dtype = _dtype_name(model.dtype)
+    hf_config.dtype = _dtype_name(model.dtype)  # what loaders take as the default dtype
     os.makedirs(model_dir, exist_ok=True)
     remove_weight_files(model_dir)
 
@@ -181,6 +186,8 @@ def save(
         # refuses tensors that share storage.
         return lambda: rule.to_hf([params[n] for n in rule.ours]).to("cpu").clone()
 
+    # Sizes up front and tensors on demand: the writer plans the shards first and then
+    # materialises one shard at a time.
     entries = [
         (rule.hf_name, math.prod(rule.hf_shape) * elem, maker(rule))
         for rule in fam.weight_rules(cfg)

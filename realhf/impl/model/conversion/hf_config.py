@@ -54,6 +54,8 @@ def activation_to_hf(name: str, family: str) -> str:
 
 def rope_theta_from_hf(hf, source: str) -> float:
     """RoPE base from a transformers config; only un-scaled RoPE is supported."""
+    # transformers 5 keeps RoPE settings in rope_parameters; older configs have
+    # rope_scaling and a top-level rope_theta. Either may be present.
     params = getattr(hf, "rope_parameters", None) or {}
     legacy = getattr(hf, "rope_scaling", None) or {}
     for d in (params, legacy):

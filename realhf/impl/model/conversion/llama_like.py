@@ -30,10 +30,11 @@ FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 def config_from_hf(family: str, hf, source: str) -> ReaLModelConfig:
     """Our config from a transformers config object of ``family``."""
     hidden, n_heads = hf.hidden_size, hf.num_attention_heads
+    # qwen3 sets head_dim apart from hidden / heads; others may leave it out or None.
     head_dim = getattr(hf, "head_dim", None) or hidden // n_heads
     n_kv = getattr(hf, "num_key_value_heads", None) or n_heads
     attn_bias = bool(getattr(hf, "attention_bias", False))
-    if family == "qwen2":
+    if family == "qwen2":  # hard-wired in Qwen2Attention, no config key
         qkv_bias, o_bias = True, False
     else:
         qkv_bias, o_bias = attn_bias, attn_bias
@@ -109,6 +110,8 @@ def config_to_hf(cfg: ReaLModelConfig) -> Dict[str, Any]:
         kw["use_sliding_window"] = cfg.sliding_window is not None
         if cfg.sliding_window is not None:
             kw["sliding_window"] = cfg.sliding_window
+            # Layers from max_window_layers on use the window: 0 puts it on all of them,
+            # the only layout ReaLModel has.
             kw["max_window_layers"] = 0
     return kw
 

@@ -49,6 +49,7 @@ class WeightRule:
 
     def to_hf(self, ts: Sequence[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`to_ours`; returns a contiguous tensor."""
+        # Contiguous: safetensors writes a tensor's storage as is and refuses strided views.
         if self.kind == "copy":
             return ts[0].contiguous()
         if self.kind == "transpose":

@@ -2,9 +2,9 @@
 
 Modules, one concept each: :mod:`.sequence` (one request's state),
 :mod:`.kv_cache` (slot cache, and why slots rather than pages),
-:mod:`.attention` (decode/prefill attention against the cache),
-:mod:`.sampler` (batched sampling), :mod:`.scheduler` (waiting queue and
-running set), :mod:`.engine` (the engine thread), :mod:`.config`,
+:mod:`.cache_attention` (decode/prefill attention against the cache),
+:mod:`.sampler` (batched sampling), :mod:`.batch_scheduler` (waiting queue and
+running set), :mod:`.engine` (the engine thread), :mod:`.engine_config`,
 :mod:`.loading` (from a HuggingFace directory), :mod:`.http_app` and
 :mod:`.openai_api` (the HTTP server; imported explicitly, they pull in FastAPI).
 """

@@ -62,6 +62,8 @@ class Scheduler:
         budget = self.max_prefill_tokens
         while self.waiting and self.cache.n_free > 0:
             seq = self.waiting[0]
+            # Stop at the head rather than admit shorter prompts behind it: strict FCFS, so
+            # a long prompt waits at most one step instead of being overtaken indefinitely.
             if admitted and seq.prompt_len > budget:
                 break
             self.waiting.popleft()

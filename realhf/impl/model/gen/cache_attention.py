@@ -45,7 +45,10 @@ _KERNEL_LOCK = threading.Lock()
 
 
 if _nb is not None:
-
+    # fastmath lets LLVM reorder the float sums (vectorised dot products); outputs then
+    # differ from SDPA in the last bits only. nogil: the engine thread runs it while the
+    # HTTP thread keeps serving. cache: the compiled code is kept on disk, so later
+    # processes skip the JIT.
     @_nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _decode_kernel(
         q, k_new, v_new, kc, vc, slots, lens, window, scale, out
@@ -103,6 +106,7 @@ if _nb is not None:
                     sc[gi, t] = a
                     t += 1
             for gi in range(g):
+                # Softmax minus the row max: exp() of raw scores overflows float32.
                 row = sc[gi]
                 m = row.max()
                 den = _np.float32(0.0)
@@ -166,6 +170,7 @@ class DecodeAttention:
         self.window = sliding_window or 0
         self.B = slots.numel()
         if impl == "numba":
+            # Converted once per step, not per layer: the kernel takes numpy arrays.
             self._slots = slots.cpu().numpy().astype(_np.int64)
             self._lens = lens.cpu().numpy().astype(_np.int64)
             return
@@ -213,9 +218,12 @@ class DecodeAttention:
                     out.numpy(),
                 )
             return out.view(B, n_q, d).to(q.dtype)
+        # Index tensors around a slice: the target is [B, n_kv, d], the layout of k and v.
         kc[self.slots, :, self.positions] = k.to(kc.dtype)
         vc[self.slots, :, self.positions] = v.to(vc.dtype)
         qg = q.view(B, n_kv, g, d)
+        # SDPA's batch dim runs over cache rows [0, hi); queries of sequences whose slots
+        # are not exactly 0..B-1 are scattered into those rows (zeros elsewhere).
         if not self.contiguous:
             full = q.new_zeros(self.hi, n_kv, g, d)
             full[self.slots] = qg
@@ -262,6 +270,9 @@ class PrefillAttention:
         starts = torch.tensor(bounds[:-1], device=device)
         self.cols = torch.arange(bounds[-1], device=device) - starts[self.rows]
         i = torch.arange(self.lmax, device=device)
+        # Causal and within the prompt. A padding query row (i >= len) still sees the
+        # prompt's keys, so no row is fully masked (that would be NaN); those rows are
+        # never gathered back.
         mask = (i[None, :] <= i[:, None])[None] & (i[None, None, :] < lens_t[:, None, None])
         if sliding_window is not None:
             mask &= (i[:, None] - i[None, :] < sliding_window)[None]

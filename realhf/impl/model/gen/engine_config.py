@@ -62,6 +62,7 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 _fail(name, v, "use an integer >= 1")
+        # >= 2: one prompt token and one generated token (the cache's smallest slot).
         if self.context_length is not None and (
             not isinstance(self.context_length, int) or self.context_length < 2
         ):

@@ -27,6 +27,14 @@ a message naming the field; a full queue or a closed engine 503; a request
 that outlives the engine's ``request_timeout_s`` is aborted and answered with
 504; a failed engine step 500 with the error. A client that disconnects does
 not abort its request (it runs to its budget; ``/abort_request`` stops it).
+
+Layout: one :class:`fastapi.APIRouter` per group of routes — ``native_router`` (SGLang's
+serving and read-only routes), ``control_router`` (pause, continue, weight update, cache
+flush: what the gserver manager calls around a weight update) and ``openai_router`` (``/v1``; bodies
+parsed and answers shaped by :mod:`.openai_api`). The routers hold no state: handlers reach
+the engine through the :data:`Served` dependency (``app.state.served``), so one set of
+routers serves any number of apps, and :func:`create_app` only builds the app and includes
+them.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any, Dict, List, Optional
+from typing import Annotated, Any, Dict, List, Optional
 
 import fastapi
 import orjson
@@ -49,7 +57,11 @@ from realhf.api.core.gen_api import (
 
 # The server thread and keep-alive settings are shared by every HTTP service of the system;
 # re-exported here, where users of the generation server have always imported them from.
-from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S, ServerThread  # noqa: F401
+from realhf.base.http_server import (  # noqa: F401
+    CLIENT_KEEPALIVE_S,
+    SERVER_KEEPALIVE_S,
+    ServerThread,
+)
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
@@ -85,11 +97,273 @@ def _error(status: int, message: str, openai: bool) -> JSONResponse:
 
 
 async def _json_body(request: fastapi.Request) -> Any:
+    # Parsed by hand rather than declared as a pydantic body: SGLang's bodies are loose
+    # (text or ids, one or a batch), and a bad body must answer 400 in SGLang's error
+    # shape, not FastAPI's 422.
     raw = await request.body()
     try:
         return json.loads(raw) if raw else {}
     except ValueError as e:
         raise InvalidRequestError(f"the request body is not valid JSON: {e}") from None
+
+
+class _Served:
+    """What every route reaches through ``app.state.served``: the engine and its names."""
+
+    def __init__(self, engine: GenerationEngine, tokenizer, model_path: str, served_model_name):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_path = model_path
+        self.served_model_name = served_model_name
+        self.timeout = engine.config.request_timeout_s
+
+    async def run(self, groups: List[List[GenerateRequest]]) -> List[List[GenerateOutput]]:
+        """Submit every request of ``groups`` and wait for all; outputs keep the grouping."""
+        engine = self.engine
+        flat = [r for g in groups for r in g]
+        for r in flat:  # validate everything before queueing anything
+            engine.check_request(r)
+        futs = [asyncio.wrap_future(engine.submit(r)) for r in flat]
+        try:
+            outs = await asyncio.wait_for(asyncio.gather(*futs), self.timeout)
+        except asyncio.TimeoutError:
+            # wait_for only cancels the asyncio wrappers; the engine keeps decoding the
+            # requests (and holding their cache slots) until they are aborted there.
+            for r in flat:
+                await asyncio.to_thread(engine.abort, r.rid)
+            raise _HTTPError(
+                504, f"generation did not finish within {self.timeout} s; aborted"
+            ) from None
+        it = iter(outs)
+        return [[next(it) for _ in g] for g in groups]
+
+    def decode(self, ids) -> Optional[str]:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _served(request: fastapi.Request) -> _Served:
+    return request.app.state.served
+
+
+#: The route dependency that hands a handler the app's :class:`_Served`.
+Served = Annotated[_Served, fastapi.Depends(_served)]
+
+
+def _handle_errors(openai: bool):
+    """Answer the engine's and the request's errors with their status, in the error body
+    shape of the route's protocol (SGLang or OpenAI)."""
+
+    def deco(fn):
+        async def wrapper(request: fastapi.Request, served: Served):
+            try:
+                return await fn(request, served)
+            except InvalidRequestError as e:
+                return _error(400, str(e), openai)
+            except QueueFullError as e:
+                return _error(503, str(e), openai)
+            except EngineClosedError as e:
+                return _error(503, str(e), openai)
+            except _HTTPError as e:
+                return _error(e.status, str(e), openai)
+            except Exception as e:  # a failed engine step; the server keeps serving
+                return _error(500, f"{type(e).__name__}: {e}", openai)
+
+        # Not functools.wraps: FastAPI would follow __wrapped__ to fn's signature.
+        wrapper.__name__ = fn.__name__
+        return wrapper
+
+    return deco
+
+
+# ---------------------------------------------------------------- SGLang serving routes
+native_router = fastapi.APIRouter()
+
+
+@native_router.api_route("/generate", methods=["POST", "PUT"])
+@_handle_errors(openai=False)
+async def generate(request: fastapi.Request, served: _Served):
+    tokenizer = served.tokenizer
+    batch = parse_generate_body(await _json_body(request))
+    if batch.texts is not None:
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "text inputs need a tokenizer, and this server's model directory has none; "
+                "send input_ids"
+            )
+        prompts = [tokenizer.encode(t) for t in batch.texts]
+    else:
+        prompts = batch.prompts
+    outs = await served.run(batch.requests(prompts))
+    results = []
+    for i, per_prompt in enumerate(outs):
+        for o in per_prompt:
+            texts = None
+            if batch.return_text_in_logprobs and tokenizer is not None:
+                texts = [tokenizer.decode([t]) for t in o.output_ids]
+            results.append(
+                o.to_sglang(
+                    text=served.decode(o.output_ids),
+                    return_logprob=batch.return_logprob[i],
+                    token_texts=texts,
+                )
+            )
+    return _json(results if batch.returns_list else results[0])
+
+
+@native_router.post("/abort_request")
+@_handle_errors(openai=False)
+async def abort_request(request: fastapi.Request, served: _Served):
+    body = await _json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+        raise InvalidRequestError('send {"rid": "<request id>"}')
+    found = await asyncio.to_thread(served.engine.abort, body["rid"])
+    return {"success": found}
+
+
+@native_router.get("/health")
+@native_router.get("/health_generate")
+async def health(served: Served):
+    return Response(status_code=200 if served.engine.alive else 503)
+
+
+@native_router.get("/get_model_info")
+async def get_model_info(served: Served):
+    return {
+        "model_path": served.model_path,
+        "tokenizer_path": served.model_path if served.tokenizer is not None else None,
+        "is_generation": True,
+        "weight_version": str(served.engine.weight_version),
+    }
+
+
+@native_router.get("/get_server_info")
+async def get_server_info(served: Served):
+    engine = served.engine
+    return {
+        "model_path": served.model_path,
+        "served_model_name": served.served_model_name,
+        "context_length": engine.context_length,
+        "max_running_requests": engine.config.max_running_requests,
+        "max_total_num_tokens": engine.cache.n_slots * engine.cache.slot_len,
+        "decode_attention": engine.decode_impl,
+        "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
+        "stats": engine.stats(),
+    }
+
+
+@native_router.get("/metrics")
+async def metrics(served: Served):
+    return PlainTextResponse(prometheus_text(served.engine.stats(), served.served_model_name))
+
+
+# ---------------------------------------------------------------- control routes
+# The gserver manager's ServerPool calls pause -> update_weights_from_disk -> continue on every
+# server after each training step (SGLang's names and answers).
+control_router = fastapi.APIRouter()
+
+
+@control_router.post("/pause_generation")
+@_handle_errors(openai=False)
+async def pause_generation(request: fastapi.Request, served: _Served):
+    # Engine calls that take its lock run in a thread: the event loop keeps serving.
+    await asyncio.to_thread(served.engine.pause)
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@control_router.post("/continue_generation")
+@_handle_errors(openai=False)
+async def continue_generation(request: fastapi.Request, served: _Served):
+    await asyncio.to_thread(served.engine.resume)
+    return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+@control_router.post("/update_weights_from_disk")
+@_handle_errors(openai=False)
+async def update_weights_from_disk(request: fastapi.Request, served: _Served):
+    engine = served.engine
+    body = await _json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+        raise InvalidRequestError('send {"model_path": "<HF directory>"}')
+    extra = set(body) - {"model_path", "load_format", "abort_all_requests", "weight_version"}
+    if extra:
+        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    paused = 0
+    if body.get("abort_all_requests"):
+        # SGLang aborts what is running and keeps serving: pause (which aborts) and resume.
+        paused = len(await asyncio.to_thread(engine.pause))
+        await asyncio.to_thread(engine.resume)
+    try:
+        version = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"])
+    except Exception as e:  # a bad checkpoint must not take the server down
+        return JSONResponse(
+            {
+                "success": False,
+                "message": f"Failed to update weights: {e}",
+                "num_paused_requests": paused,
+            },
+            status_code=400,
+        )
+    return {
+        "success": True,
+        "message": f"Succeeded to update model weights (version {version}).",
+        "num_paused_requests": paused,
+    }
+
+
+@control_router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(served: Served):
+    st = served.engine.stats()
+    idle = st["num_running_reqs"] == 0 and st["num_queue_reqs"] == 0
+    return PlainTextResponse(
+        "Cache flushed.\n" if idle else "Cache not flushed: requests are running or waiting.\n",
+        status_code=200 if idle else 400,
+    )
+
+
+# ---------------------------------------------------------------- OpenAI routes
+# Bodies are parsed and answers shaped by openai_api; these routes only run the engine.
+openai_router = fastapi.APIRouter(prefix="/v1")
+
+
+@openai_router.get("/models")
+async def models(served: Served):
+    name = served.served_model_name
+    card = {
+        "id": name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "realhf",
+        "root": name,
+        "max_model_len": served.engine.context_length,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@openai_router.post("/completions")
+@_handle_errors(openai=True)
+async def completions(request: fastapi.Request, served: _Served):
+    tokenizer = served.tokenizer
+    prompts, sp, logprobs = openai_api.completion_prompts(await _json_body(request), tokenizer)
+    groups = [
+        [GenerateRequest(input_ids=tuple(p), sampling=sp.for_sample(j)) for j in range(sp.n)]
+        for p in prompts
+    ]
+    outs = await served.run(groups)
+    return _json(
+        openai_api.completion_response(outs, served.served_model_name, tokenizer, logprobs)
+    )
+
+
+@openai_router.post("/chat/completions")
+@_handle_errors(openai=True)
+async def chat_completions(request: fastapi.Request, served: _Served):
+    tokenizer = served.tokenizer
+    ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
+    group = [GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)]
+    outs = await served.run([group])
+    return _json(openai_api.chat_response(outs[0], served.served_model_name, tokenizer, logprobs))
 
 
 def create_app(
@@ -101,201 +375,9 @@ def create_app(
 ) -> fastapi.FastAPI:
     """A FastAPI app serving ``engine`` (which the caller starts and closes)."""
     app = fastapi.FastAPI(title="realhf generation server")
-    timeout = engine.config.request_timeout_s
-
-    async def run(groups: List[List[GenerateRequest]]) -> List[List[GenerateOutput]]:
-        flat = [r for g in groups for r in g]
-        for r in flat:  # validate everything before queueing anything
-            engine.check_request(r)
-        futs = [asyncio.wrap_future(engine.submit(r)) for r in flat]
-        try:
-            outs = await asyncio.wait_for(asyncio.gather(*futs), timeout)
-        except asyncio.TimeoutError:
-            for r in flat:
-                await asyncio.to_thread(engine.abort, r.rid)
-            raise _HTTPError(
-                504, f"generation did not finish within {timeout} s; aborted"
-            ) from None
-        it = iter(outs)
-        return [[next(it) for _ in g] for g in groups]
-
-    def handle_errors(openai: bool):
-        def deco(fn):
-            async def wrapper(request: fastapi.Request):
-                try:
-                    return await fn(request)
-                except InvalidRequestError as e:
-                    return _error(400, str(e), openai)
-                except QueueFullError as e:
-                    return _error(503, str(e), openai)
-                except EngineClosedError as e:
-                    return _error(503, str(e), openai)
-                except _HTTPError as e:
-                    return _error(e.status, str(e), openai)
-                except Exception as e:  # a failed engine step; the server keeps serving
-                    return _error(500, f"{type(e).__name__}: {e}", openai)
-
-            wrapper.__name__ = fn.__name__
-            return wrapper
-
-        return deco
-
-    def decode(ids) -> Optional[str]:
-        return None if tokenizer is None else tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    @app.api_route("/generate", methods=["POST", "PUT"])
-    @handle_errors(openai=False)
-    async def generate(request: fastapi.Request):
-        batch = parse_generate_body(await _json_body(request))
-        if batch.texts is not None:
-            if tokenizer is None:
-                raise InvalidRequestError(
-                    "text inputs need a tokenizer, and this server's model directory has none; "
-                    "send input_ids"
-                )
-            prompts = [tokenizer.encode(t) for t in batch.texts]
-        else:
-            prompts = batch.prompts
-        outs = await run(batch.requests(prompts))
-        results = []
-        for i, per_prompt in enumerate(outs):
-            for o in per_prompt:
-                texts = None
-                if batch.return_text_in_logprobs and tokenizer is not None:
-                    texts = [tokenizer.decode([t]) for t in o.output_ids]
-                results.append(
-                    o.to_sglang(
-                        text=decode(o.output_ids),
-                        return_logprob=batch.return_logprob[i],
-                        token_texts=texts,
-                    )
-                )
-        return _json(results if batch.returns_list else results[0])
-
-    @app.post("/pause_generation")
-    @handle_errors(openai=False)
-    async def pause_generation(request: fastapi.Request):
-        await asyncio.to_thread(engine.pause)
-        return {"message": "Generation paused successfully.", "status": "ok"}
-
-    @app.post("/continue_generation")
-    @handle_errors(openai=False)
-    async def continue_generation(request: fastapi.Request):
-        await asyncio.to_thread(engine.resume)
-        return {"message": "Generation continued successfully.", "status": "ok"}
-
-    @app.post("/update_weights_from_disk")
-    @handle_errors(openai=False)
-    async def update_weights_from_disk(request: fastapi.Request):
-        body = await _json_body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-            raise InvalidRequestError('send {"model_path": "<HF directory>"}')
-        extra = set(body) - {"model_path", "load_format", "abort_all_requests", "weight_version"}
-        if extra:
-            raise InvalidRequestError(f"unknown fields {sorted(extra)}")
-        paused = 0
-        if body.get("abort_all_requests"):
-            paused = len(await asyncio.to_thread(engine.pause))
-            await asyncio.to_thread(engine.resume)
-        try:
-            version = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"])
-        except Exception as e:  # a bad checkpoint must not take the server down
-            return JSONResponse(
-                {
-                    "success": False,
-                    "message": f"Failed to update weights: {e}",
-                    "num_paused_requests": paused,
-                },
-                status_code=400,
-            )
-        return {
-            "success": True,
-            "message": f"Succeeded to update model weights (version {version}).",
-            "num_paused_requests": paused,
-        }
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
-        st = engine.stats()
-        idle = st["num_running_reqs"] == 0 and st["num_queue_reqs"] == 0
-        return PlainTextResponse(
-            "Cache flushed.\n" if idle else "Cache not flushed: requests are running or waiting.\n",
-            status_code=200 if idle else 400,
-        )
-
-    @app.post("/abort_request")
-    @handle_errors(openai=False)
-    async def abort_request(request: fastapi.Request):
-        body = await _json_body(request)
-        if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
-            raise InvalidRequestError('send {"rid": "<request id>"}')
-        found = await asyncio.to_thread(engine.abort, body["rid"])
-        return {"success": found}
-
-    @app.get("/health")
-    @app.get("/health_generate")
-    async def health():
-        return Response(status_code=200 if engine.alive else 503)
-
-    @app.get("/get_model_info")
-    async def get_model_info():
-        return {
-            "model_path": model_path,
-            "tokenizer_path": model_path if tokenizer is not None else None,
-            "is_generation": True,
-            "weight_version": str(engine.weight_version),
-        }
-
-    @app.get("/get_server_info")
-    async def get_server_info():
-        return {
-            "model_path": model_path,
-            "served_model_name": served_model_name,
-            "context_length": engine.context_length,
-            "max_running_requests": engine.config.max_running_requests,
-            "max_total_num_tokens": engine.cache.n_slots * engine.cache.slot_len,
-            "decode_attention": engine.decode_impl,
-            "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
-            "stats": engine.stats(),
-        }
-
-    @app.get("/v1/models")
-    async def models():
-        card = {
-            "id": served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "realhf",
-            "root": served_model_name,
-            "max_model_len": engine.context_length,
-        }
-        return {"object": "list", "data": [card]}
-
-    @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(prometheus_text(engine.stats(), served_model_name))
-
-    @app.post("/v1/completions")
-    @handle_errors(openai=True)
-    async def completions(request: fastapi.Request):
-        prompts, sp, logprobs = openai_api.completion_prompts(await _json_body(request), tokenizer)
-        groups = [
-            [GenerateRequest(input_ids=tuple(p), sampling=sp.for_sample(j)) for j in range(sp.n)]
-            for p in prompts
-        ]
-        outs = await run(groups)
-        return _json(openai_api.completion_response(outs, served_model_name, tokenizer, logprobs))
-
-    @app.post("/v1/chat/completions")
-    @handle_errors(openai=True)
-    async def chat_completions(request: fastapi.Request):
-        ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
-        group = [
-            GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)
-        ]
-        outs = await run([group])
-        return _json(openai_api.chat_response(outs[0], served_model_name, tokenizer, logprobs))
-
+    app.state.served = _Served(engine, tokenizer, model_path, served_model_name)
+    for router in (native_router, control_router, openai_router):
+        app.include_router(router)
     return app
 
 

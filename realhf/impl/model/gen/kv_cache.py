@@ -60,6 +60,7 @@ class SlotKVCache:
         dtype: torch.dtype,
         device: torch.device,
     ):
+        # slot_len >= 2: a sequence holds at least one prompt token and one generated token.
         if n_slots < 1 or slot_len < 2:
             raise ValueError(
                 f"SlotKVCache needs n_slots >= 1 and slot_len >= 2, got {n_slots} and {slot_len}"
@@ -69,6 +70,7 @@ class SlotKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.n_slots = n_slots
         self.slot_len = slot_len
+        # A min-heap: alloc() hands out the lowest free slot (see the module docstring).
         self._free: List[int] = list(range(n_slots))
         heapq.heapify(self._free)
 
@@ -101,6 +103,8 @@ class SlotKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k, v) -> None:
         """Store ``k, v [T, n_kv_heads, head_dim]`` at ``(slots[t], positions[t])``."""
+        # Two index tensors around a slice: numpy rules put the indexed dim first, so the
+        # target is [T, n_kv_heads, head_dim], the layout of k and v.
         self.k[layer, slots, :, positions] = k.to(self.k.dtype)
         self.v[layer, slots, :, positions] = v.to(self.v.dtype)
 
@@ -116,6 +120,8 @@ def check_cache_fits(model_config, n_slots: int, slot_len: int, dtype: torch.dty
     mc = model_config
     need = 2 * mc.n_layers * mc.n_kv_heads * mc.head_dim * itemsize * n_slots * slot_len
     device = torch.device(device)
+    # The margins leave room for what the cache does not count: activations and logits of
+    # a step, and on the CPU, where the limit is total RAM, the weights and everything else.
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         limit, what = 0.9 * free, "90% of the free GPU memory"

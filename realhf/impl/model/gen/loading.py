@@ -46,6 +46,9 @@ def special_token_ids(model_dir: str, tokenizer=None) -> Tuple[List[int], Option
 
     Every EOS id any of them names is a default stop token; so is the pad id.
     """
+    # Sources disagree: generation_config.json often lists several ids (chat turn end and
+    # end-of-text) where config.json and the tokenizer name one. Stopping at any of them
+    # is what transformers' generate() does with the generation config.
     eos: List[int] = []
     pad: Optional[int] = None
     for name in ("generation_config.json", "config.json"):

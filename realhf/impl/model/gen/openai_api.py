@@ -103,7 +103,7 @@ def completion_prompts(body: Any, tokenizer) -> Tuple[List[List[int]], SamplingP
         prompts = [tokenizer.encode(p) for p in prompt]
     else:
         raise InvalidRequestError("prompt mixes strings and token ids")
-    sp = _sampling(body, body.get("max_tokens", 16))
+    sp = _sampling(body, body.get("max_tokens", 16))  # 16: OpenAI's completions default
     best_of = body.get("best_of")
     if best_of not in (None, sp.n):
         raise InvalidRequestError(f"best_of={best_of!r} is invalid: only best_of == n is supported")
@@ -133,9 +133,12 @@ def chat_prompt(body: Any, tokenizer) -> Tuple[List[int], SamplingParams, bool]:
     ):
         raise InvalidRequestError("messages must be a non-empty list of {role, content} strings")
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    # The template writes every special token the model expects (BOS where it has one);
+    # encode must not add its own on top.
     ids = tokenizer.encode(text, add_special_tokens=False)
     if body.get("top_logprobs") not in (None, 0):
         raise InvalidRequestError("top_logprobs > 0 is not supported")
+    # max_completion_tokens replaced the deprecated max_tokens in OpenAI's chat API.
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return ids, _sampling(body, max_tokens), bool(body.get("logprobs"))
 
@@ -167,6 +170,9 @@ def completion_response(
         lp = None
         if logprobs:
             toks = _tokens(tokenizer, o.output_ids)
+            # Legacy completions logprobs: text_offset is each token's character offset in
+            # the concatenated token strings; only the sampled token's log-prob is known,
+            # so top_logprobs holds that one entry per position.
             offsets, pos = [], 0
             for t in toks:
                 offsets.append(pos)

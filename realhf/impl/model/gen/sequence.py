@@ -76,6 +76,8 @@ class Sequence:
     def finish(self, reason: FinishReason) -> GenerateOutput:
         """Mark finished and resolve the future with the output (first call wins)."""
         self.status = SeqStatus.FINISHED
+        # Log-probs are always collected (sampling yields them for free) and dropped here
+        # when the request did not ask for them.
         out = GenerateOutput(
             rid=self.rid,
             prompt_len=self.prompt_len,
@@ -84,6 +86,8 @@ class Sequence:
             finish_reason=reason,
             e2e_latency=time.monotonic() - self.submit_time,
         )
+        # A caller that gave up may have cancelled the future already (asyncio.wait_for on
+        # a wrapped future does); set_result on a done future would raise.
         if not self.future.done():
             self.future.set_result(out)
         return out

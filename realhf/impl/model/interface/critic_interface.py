@@ -23,11 +23,11 @@ from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
 from realhf.impl.algorithms import ppo as F
-from realhf.impl.model.interface.helpers import engine_of, require_keys
+from realhf.impl.model.interface.helpers import all_reduce_sum, engine_of, require_keys
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
 from realhf.impl.model.interface.ppo_interface import make_kl_controller, run_minibatches
-from realhf.impl.model.utils.functional import masked_mean, shift_one_indices
+from realhf.impl.model.utils.functional import masked_mean, masked_moments, shift_one_indices
 
 __all__ = ["PPOCriticInterface"]
 
@@ -48,8 +48,12 @@ class PPOCriticInterface(ModelInterface):
         self.hp = PPOHyperparameters.coerce(hparams, fields)
         if self.hp.disable_value:
             raise ValueError(
-                "ppo_critic was built with disable_value=True; with no value function drop the critic's MFCs"
+                "ppo_critic was built with disable_value=True; with no value function drop the "
+                "critic's MFCs"
             )
+        # The critic recomputes the actor's rewards (prepare_ppo_batch needs the KL coefficient),
+        # so it runs its own copy of the controller; with the same settings and the same
+        # global KL it follows the actor's exactly.
         self.kl_ctl = make_kl_controller(self.hp)
         self.rms = (
             F.ExponentialRunningMeanStd(beta=self.hp.value_norm_beta)
@@ -66,8 +70,8 @@ class PPOCriticInterface(ModelInterface):
         values = engine.forward(data.select(["packed_input_ids"]), mb_spec).float()
         if values.dim() != 1:
             raise ValueError(
-                f"ppo_critic got outputs of shape {tuple(values.shape)}; the critic must be a ReaLModel with "
-                "is_critic=True (one value per token)"
+                f"ppo_critic got outputs of shape {tuple(values.shape)}; the critic must be a "
+                "ReaLModel with is_critic=True (one value per token)"
             )
         if self.rms is not None:
             values = self.rms.to(values.device).denormalize(values)
@@ -98,11 +102,15 @@ class PPOCriticInterface(ModelInterface):
             self.rms.to(engine.device)  # nccl reduces its statistics on the GPU
             # Old values were denormalised with the current statistics: undo that first.
             old_values = self.rms.normalize(old_values)
-            self.rms.update(returns, batch.loss_mask, group=group)
+            # Every replica must fold in the same (global) moments to keep identical statistics.
+            moments = all_reduce_sum(masked_moments(returns, batch.loss_mask), group)
+            self.rms.update_from_moments(moments)
             returns = self.rms.normalize(returns)
 
         def loss_fn(values: torch.Tensor, mb: SequenceSample):
             dev = values.device
+            # Values are per token [T]; returns and the mask are shifted [T']. Entry t of a
+            # sequence is the value of the state before token t+1, i.e. position t.
             shift = shift_one_indices(mb.cu_seqlens("packed_input_ids").to(dev))
             mask = mb.data["ppo_loss_mask"].to(dev)
             new_v = values.float()[shift]

@@ -52,6 +52,8 @@ def dp_group_of(model: Model):
 
 def stable_seed(*parts) -> int:
     """A 63-bit seed from strings/ints, the same in every process and Python run."""
+    # blake2b, not hash(): Python salts str hashes per process (PYTHONHASHSEED), and
+    # every rank must derive the same seed. 63 bits: seeds must fit a signed int64.
     h = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
@@ -61,8 +63,8 @@ def require_keys(data: SequenceSample, keys, who: str) -> None:
     missing = sorted(set(keys) - data.keys)
     if missing:
         raise KeyError(
-            f"{who} needs keys {missing}, which the input lacks (it has {sorted(data.keys)}); add them to the "
-            "MFC's input_keys or remap them with input_key_remap"
+            f"{who} needs keys {missing}, which the input lacks (it has {sorted(data.keys)}); add "
+            "them to the MFC's input_keys or remap them with input_key_remap"
         )
     if data.data is None or any(data.data.get(k) is None for k in keys):
         raise ValueError(f"{who} needs the data of keys {sorted(keys)}, got a metadata-only sample")

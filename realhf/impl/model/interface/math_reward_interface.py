@@ -89,6 +89,7 @@ class MathRewardInterface(ModelInterface):
         for item_id, sols, lens in zip(
             data.ids, data.metadata["solutions"], data.seqlens["packed_input_ids"]
         ):
+            # Every answer of the item (its group) is graded against the prompt's solutions.
             sols = [sols] if isinstance(sols, str) else list(sols)
             if not sols:
                 raise ValueError(f"math_reward: item {item_id!r} has no reference solutions")

@@ -72,9 +72,12 @@ def generate_offline(
         offset += plen
         if plen < 1 or plen >= context:
             raise ValueError(
-                f"prompt {item_id!r} has {plen} tokens; the model's context is {context} tokens, so a prompt "
-                f"needs 1..{context - 1} tokens (shorten prompts or filter them in the dataset)"
+                f"prompt {item_id!r} has {plen} tokens; the model's context is {context} tokens, "
+                f"so a prompt needs 1..{context - 1} tokens (shorten prompts or filter them in the "
+                "dataset)"
             )
+        # One seed per prompt; for_sample(j) derives answer j's from it, so an answer's
+        # tokens do not depend on which rank or engine batch it landed in.
         sp = dataclasses.replace(
             base,
             max_new_tokens=min(gconfig.max_new_tokens, context - plen),
@@ -108,12 +111,12 @@ def generate_offline(
     try:
         outputs = engine.generate(requests, timeout=timeout_s)
     finally:
+        # Closing frees the KV cache before training needs the memory.
         engine.close()
         model.train(was_training)
     out = outputs_to_sample(prompts.ids, gconfig.n, requests, outputs, version)
-    out.metadata = {
-        k: list(v) for k, v in prompts.metadata.items()
-    }  # e.g. solutions, for the reward
+    # The prompts' metadata (e.g. reference solutions) travels on to the reward interface.
+    out.metadata = {k: list(v) for k, v in prompts.metadata.items()}
     return out
 
 
@@ -137,14 +140,17 @@ def outputs_to_sample(
         plen, ans = len(req.input_ids), list(out.output_ids)
         if len(out.output_logprobs) != len(ans):
             raise RuntimeError(
-                f"request {req.rid}: the engine returned {len(out.output_logprobs)} logprobs for {len(ans)} tokens"
+                f"request {req.rid}: the engine returned {len(out.output_logprobs)} logprobs for "
+                f"{len(ans)} tokens"
             )
         ids.extend(req.input_ids)
         ids.extend(ans)
         pmask.extend([True] * plen + [False] * len(ans))
+        # Shifted: entry t belongs to token t+1. The first plen-1 entries predict prompt
+        # tokens (no behaviour log-prob: 0); the rest are the answer's, in order.
         logps.extend([0.0] * (plen - 1) + list(out.output_logprobs))
         lens.append(plen + len(ans))
-        no_eos.append(out.finish_reason.type != "stop")
+        no_eos.append(out.finish_reason.type != "stop")  # cut by the length limit or aborted
     n_seqs = len(lens)
     per_item = [lens[i * n : (i + 1) * n] for i in range(len(item_ids))]
     return SequenceSample.from_default(

@@ -36,7 +36,8 @@ class PPOHyperparameters:
     ppo_n_minibatches: int = field(
         default=4,
         metadata=_h(
-            "optimizer steps per train_step: the (shuffled) sequences are split round-robin into this many minibatches"
+            "optimizer steps per train_step: the (shuffled) sequences are split round-robin into "
+            "this many minibatches"
         ),
     )
     sample_reuse: int = field(
@@ -55,33 +56,38 @@ class PPOHyperparameters:
     early_stop_imp_ratio: Optional[float] = field(
         default=5.0,
         metadata=_h(
-            "a micro-batch whose data-parallel mean importance ratio exceeds this contributes no gradient; None disables"
+            "a micro-batch whose data-parallel mean importance ratio exceeds this contributes no "
+            "gradient; None disables"
         ),
     )
     use_decoupled_loss: bool = field(
         default=False,
         metadata=_h(
-            "decoupled PPO: clip around proximal_logprobs, weight by exp(prox - behaviour); with one optimizer "
-            "step per batch and recompute_logprob=false the proximal log-probs come from the train forward itself"
+            "decoupled PPO: clip around proximal_logprobs, weight by exp(prox - behaviour); with "
+            "one optimizer step per batch and recompute_logprob=false the proximal log-probs come "
+            "from the train forward itself"
         ),
     )
     behav_imp_weight_cap: Optional[float] = field(
         default=None,
         metadata=_h(
-            "decoupled loss only: tokens whose behaviour weight exp(prox - behaviour) exceeds it are masked"
+            "decoupled loss only: tokens whose behaviour weight exp(prox - behaviour) exceeds it "
+            "are masked"
         ),
     )
     recompute_logprob: bool = field(
         default=False,
         metadata=_h(
-            "the trainer recomputes log-probs before training (actor inference -> proximal_logprobs); without the "
-            "decoupled loss they replace the behaviour log-probs as the PPO anchor"
+            "the trainer recomputes log-probs before training (actor inference -> "
+            "proximal_logprobs); without the decoupled loss they replace the behaviour log-probs "
+            "as the PPO anchor"
         ),
     )
     temperature: Optional[float] = field(
         default=None,
         metadata=_h(
-            "logits are divided by it when (re)computing log-probs; None: gen.temperature (1 for greedy)"
+            "logits are divided by it when (re)computing log-probs; None: gen.temperature (1 for "
+            "greedy)"
         ),
     )
     # ---- rewards
@@ -116,13 +122,15 @@ class PPOHyperparameters:
     success_rate_lb: float = field(
         default=0.0,
         metadata=_h(
-            "prompts whose answers' success rate (share with score > 0) is below it are left out of the loss"
+            "prompts whose answers' success rate (share with score > 0) is below it are left out "
+            "of the loss"
         ),
     )
     success_rate_ub: float = field(
         default=1.0,
         metadata=_h(
-            "prompts whose answers' success rate is above it are left out of the loss (e.g. 0.99: drop all-solved)"
+            "prompts whose answers' success rate is above it are left out of the loss (e.g. 0.99: "
+            "drop all-solved)"
         ),
     )
     # ---- advantages
@@ -131,7 +139,8 @@ class PPOHyperparameters:
     adv_norm: bool = field(
         default=True,
         metadata=_h(
-            "normalise advantages to zero mean / unit std over valid tokens (global over data-parallel ranks)"
+            "normalise advantages to zero mean / unit std over valid tokens (global over "
+            "data-parallel ranks)"
         ),
     )
     group_adv_norm: bool = field(
@@ -173,7 +182,8 @@ class PPOHyperparameters:
     seed: int = field(
         default=1,
         metadata=_h(
-            "base seed of sampling and minibatch shuffling (combined with the global step and item ids)"
+            "base seed of sampling and minibatch shuffling (combined with the global step and item "
+            "ids)"
         ),
     )
 
@@ -236,7 +246,8 @@ class PPOHyperparameters:
         if self.gen.n not in (1, self.group_size):
             self._bad(
                 "gen",
-                f"gen.n={self.gen.n} differs from group_size={self.group_size}; set group_size only",
+                f"gen.n={self.gen.n} differs from group_size={self.group_size}; set group_size "
+                "only",
             )
 
     def _finite(self, name: str) -> bool:
@@ -304,7 +315,8 @@ class PPOHyperparameters:
         as keyword arguments (not both)."""
         if hparams is not None and fields:
             raise ValueError(
-                f"pass PPO options either as hparams or as keyword arguments, not both (got {sorted(fields)})"
+                "pass PPO options either as hparams or as keyword arguments, not both (got "
+                f"{sorted(fields)})"
             )
         if isinstance(hparams, cls):
             return hparams

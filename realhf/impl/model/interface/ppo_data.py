@@ -42,7 +42,7 @@ from realhf.impl.model.interface.helpers import (
     sequence_ids,
 )
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.utils.functional import shift_one_indices, short1cu_seqlens
+from realhf.impl.model.utils.functional import masked_moments, shift_one_indices, short1cu_seqlens
 
 __all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key", "required_keys"]
 
@@ -140,10 +140,11 @@ def prepare_ppo_batch(
     raw_reward = tensors["rewards"].float().view(-1)
     if no_eos.numel() != n_seq or raw_reward.numel() != n_seq:
         raise ValueError(
-            f"rewards ({raw_reward.numel()}) and seq_no_eos_mask ({no_eos.numel()}) need one entry per "
-            f"sequence ({n_seq})"
+            f"rewards ({raw_reward.numel()}) and seq_no_eos_mask ({no_eos.numel()}) need one entry "
+            f"per sequence ({n_seq})"
         )
 
+    # Shifted entry t predicts token t+1: it trains when that token is part of the answer.
     loss_mask = tensors["prompt_mask"].bool()[shift + 1].logical_not()
     keep_seq = torch.ones(n_seq, dtype=torch.bool, device=device)
     if hp.mask_too_long:
@@ -158,6 +159,7 @@ def prepare_ppo_batch(
     if hp.use_decoupled_loss and not hp.proximal_from_train_forward:
         prox = tensors["proximal_logprobs"].float()
     ref = tensors.get("packed_ref_logprobs")
+    # Without a KL term the reference model is not run; zeros make the KL reward 0.
     ref = torch.zeros_like(old_logp) if kl_coef == 0 or ref is None else ref.float()
     score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
     kl_rewards, rewards = F.get_packed_rewards(
@@ -171,6 +173,7 @@ def prepare_ppo_batch(
         mask_no_eos_with_zero=hp.mask_no_eos_with_zero,
         loss_mask=loss_mask,
     )
+    # Without a critic, V = 0 makes GAE's advantages the discounted reward-to-go.
     if hp.disable_value:
         values = torch.zeros(ids.shape[0], dtype=torch.float32, device=device)
     else:
@@ -182,9 +185,12 @@ def prepare_ppo_batch(
             _check_groups(hp, data)
             advantages = F.group_normalize_advantages(advantages, loss_mask, short1, hp.group_size)
         else:
-            advantages = F.normalize_advantages(advantages, loss_mask, group=dp_group)
+            # Mean and std over every rank's valid tokens: sum the moments, then normalise.
+            moments = all_reduce_sum(masked_moments(advantages, loss_mask), dp_group)
+            advantages = F.normalize_advantages(advantages, loss_mask, moments=moments)
 
     kl = torch.where(loss_mask, old_logp - ref, torch.zeros_like(old_logp))
+    # Sums, not means, are reduced: ranks hold different token and sequence counts.
     totals = torch.stack(
         [
             kl.double().sum(),
@@ -266,8 +272,9 @@ def _check_groups(hp: PPOHyperparameters, data: SequenceSample) -> None:
     bad = [(i, c) for i, c in zip(data.ids, counts) if c != hp.group_size]
     if bad:
         raise ValueError(
-            f"group_adv_norm normalises over the group_size={hp.group_size} answers of each prompt, but item "
-            f"{bad[0][0]!r} holds {bad[0][1]} sequences; generate group_size answers per prompt"
+            f"group_adv_norm normalises over the group_size={hp.group_size} answers of each "
+            f"prompt, but item {bad[0][0]!r} holds {bad[0][1]} sequences; generate group_size "
+            "answers per prompt"
         )
 
 

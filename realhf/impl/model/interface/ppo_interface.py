@@ -20,7 +20,7 @@ whose ``module`` is a backend engine wrapping the actor's ReaLModel):
 
 from __future__ import annotations
 
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from realhf.base import logging, stats_tracker
 from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import (
     all_reduce_min,
+    all_reduce_sum,
     engine_of,
     network_of,
     require_keys,
@@ -44,7 +45,13 @@ from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
 logger = logging.getLogger("ppo_actor")
 
-__all__ = ["PPOActorInterface", "make_kl_controller", "run_minibatches", "INFERENCE_KEY"]
+__all__ = [
+    "PPOActorInterface",
+    "make_kl_controller",
+    "policy_loss",
+    "run_minibatches",
+    "INFERENCE_KEY",
+]
 
 #: The key ``PPOActorInterface.inference`` writes (remap it in the MFC).
 INFERENCE_KEY = "logprobs"
@@ -78,11 +85,12 @@ def run_minibatches(
     if fewest < hp.ppo_n_minibatches:
         # Every rank sees the same minimum, so every rank raises: no rank is left waiting.
         raise ValueError(
-            f"ppo_n_minibatches={hp.ppo_n_minibatches} but a data-parallel rank holds only {fewest} sequences "
-            f"(this rank: {n}); lower ppo_n_minibatches or raise the batch size"
+            f"ppo_n_minibatches={hp.ppo_n_minibatches} but a data-parallel rank holds only "
+            f"{fewest} sequences (this rank: {n}); lower ppo_n_minibatches or raise the batch size"
         )
     step = model.version.global_step
     for r in range(hp.sample_reuse):
+        # Seeded by step and pass: a resumed run shuffles as the uninterrupted one would.
         rng = np.random.default_rng(
             stable_seed(hp.seed, "ppo-minibatches", step, r, engine.dp_rank)
         )
@@ -100,6 +108,37 @@ def run_minibatches(
             with stats_tracker.scope(scope):
                 stats_tracker.scalar(**stats)
                 stats_tracker.scalar(reduce_type="sum", skipped_steps=skipped)
+
+
+def policy_loss(
+    hp: PPOHyperparameters,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    proximal_logprobs: Optional[torch.Tensor],
+    group,
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """The PPO loss of one micro-batch, ``(mean loss, stats)``, as
+    :func:`~realhf.impl.algorithms.ppo.actor_loss_fn` but with the importance ratio averaged
+    over the micro-batches of every data-parallel rank (``group``; None: this process only).
+
+    All tensors are [T'] (shifted). Every rank runs the same number of micro-batches (the
+    engine syncs the split), so the k-th calls of all ranks meet in the all-reduce and take
+    the same early-stop decision.
+    """
+    terms = F.actor_loss_terms(
+        logprobs,
+        old_logprobs,
+        advantages,
+        hp.eps_clip,
+        loss_mask,
+        c_clip=hp.c_clip,
+        proximal_logprobs=proximal_logprobs,
+        behav_imp_weight_cap=hp.behav_imp_weight_cap,
+    )
+    totals = all_reduce_sum(terms.ratio_totals(), group)
+    return F.actor_loss_from_terms(terms, totals, hp.early_stop_imp_ratio)
 
 
 def _loss_weight(mb: SequenceSample) -> int:
@@ -173,21 +212,13 @@ class PPOActorInterface(ModelInterface):
                 d["packed_input_ids"],
                 temperature,
             )
-            loss, st = F.actor_loss_fn(
-                logp,
-                d["old_logp"],
-                d["advantages"],
-                hp.eps_clip,
-                d["ppo_loss_mask"],
-                c_clip=hp.c_clip,
-                proximal_logprobs=logp.detach()
-                if hp.proximal_from_train_forward
-                else d.get("proximal_logprobs"),
-                behav_imp_weight_cap=hp.behav_imp_weight_cap,
-                early_stop_imp_ratio=hp.early_stop_imp_ratio,
-                group=group,
+            # With one optimizer step per batch, the policy before the step is the one this
+            # forward runs, so its own (detached) log-probs serve as pi_prox.
+            prox = logp.detach() if hp.proximal_from_train_forward else d.get("proximal_logprobs")
+            loss, st = policy_loss(
+                hp, logp, d["old_logp"], d["advantages"], d["ppo_loss_mask"], prox, group
             )
-            st.pop("n_valid_tokens")
+            st.pop("n_valid_tokens")  # the engine reports n_tokens, weighted over ranks already
             return loss, st
 
         run_minibatches(hp, model, batch.to_sample(), mb_spec, loss_fn, _loss_weight, "ppo_actor")

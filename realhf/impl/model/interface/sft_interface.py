@@ -6,7 +6,8 @@ belongs to the answer. The loss is the mean over every answer token of the globa
 (micro-batches and data-parallel ranks weighted by their answer-token counts).
 
 - ``train_step``: one optimizer step; stats ``sft/loss``, ``sft/ppl`` (exp of the
-  step's loss), ``sft/n_tokens``, ``sft/grad_norm``, ``sft/lr``, ``sft/skipped_steps``. Advances ``model.version``.
+  step's loss), ``sft/n_tokens``, ``sft/grad_norm``, ``sft/lr``, ``sft/skipped_steps``.
+  Advances ``model.version``.
 - ``evaluate``: the same loss without gradients over a held-out sample; stats
   ``sft_eval/loss``, ``sft_eval/ppl``, ``sft_eval/n_tokens``.
 """
@@ -31,6 +32,8 @@ _KEYS = ("packed_input_ids", "prompt_mask")
 
 
 def _answer_tokens(mb: SequenceSample) -> int:
+    # The tokens the loss averages over (the engine's micro-batch weight): positions whose
+    # next token is an answer token, as in sft_loss.
     shift = shift_one_indices(mb.cu_seqlens("packed_input_ids"))
     return int(mb.data["prompt_mask"].bool()[shift + 1].logical_not().sum())
 
@@ -67,6 +70,7 @@ class SFTInterface(ModelInterface):
         with stats_tracker.scope("sft"):
             stats_tracker.scalar(
                 loss=st["loss"],
+                # Capped: math.exp overflows above ~709, and a diverged loss must still log.
                 ppl=math.exp(min(st["loss"], 50.0)),
                 n_tokens=st["n_tokens"],
                 grad_norm=st["grad_norm"],
@@ -87,7 +91,7 @@ class SFTInterface(ModelInterface):
             loss, n = _loss(logits, mb)[0], _answer_tokens(mb)
             # One row per item keeps forward()'s reordering happy; only the sums matter.
             out = torch.zeros(len(mb), 2, dtype=torch.float64)
-            out[0, 0], out[0, 1] = float(loss) * n, n
+            out[0, 0], out[0, 1] = float(loss) * n, n  # mean * count: sums add over ranks
             return out
 
         rows = engine.forward(sample, mb_spec, nll_sum, [[1] for _ in sample.ids])

@@ -102,6 +102,8 @@ def _masked(q, k, v, cu_seqlens, scale, window) -> torch.Tensor:
     )
     pos = torch.arange(T, device=q.device)
     d = pos[:, None] - pos[None, :]
+    # Block-diagonal (same sequence) and causal; every row keeps its diagonal, so no row
+    # is fully masked.
     mask = (seg[:, None] == seg[None, :]) & (d >= 0)
     if window is not None:
         mask &= d < window
@@ -150,9 +152,11 @@ def packed_causal_attention(
                 "attention impl 'flash' was requested but flash_attn is not installed; "
                 "install flash-attn or use impl='sdpa_per_seq'"
             )
-        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)  # flash-attn takes int32 only
         if max_seqlen is None:
             max_seqlen = int((cu[1:] - cu[:-1]).max().item()) if cu.numel() > 1 else 0
+        # flash-attn's window counts the tokens left of the query (itself excluded);
+        # ours counts the query too. (-1, -1) is no window.
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         return fn(
             q,

@@ -35,4 +35,5 @@ def norm(
     """Apply ``kind`` (``"rms"`` or ``"layer"``) normalisation over the last dim."""
     if kind == "rms":
         return rms_norm(x, weight, eps)
+    # torch's layer_norm computes its statistics in float32 for half inputs already.
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)

@@ -15,6 +15,8 @@ import torch
 
 def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]`` in float32."""
+    # An int64 arange cast to float32, as HuggingFace does: a floating arange would take
+    # torch's default dtype, which may be a half type, and round the frequencies.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
     return 1.0 / (theta ** (exponents / head_dim))
 

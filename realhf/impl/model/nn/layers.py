@@ -163,6 +163,8 @@ class TransformerBlock(nn.Module):
         q = _linear(ca.q_attn, x).view(T, cfg.n_q_heads, cfg.head_dim)
         k = _linear(ca.k_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
         v = _linear(ca.v_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        # Order as in HuggingFace: per-head q/k norm (qwen3), then RoPE. The norm is over
+        # head_dim, so it sees one head at a time.
         if cfg.qk_layernorm:
             q = rms_norm(q, self.attn.q_ln.weight, cfg.layer_norm_epsilon)
             k = rms_norm(k, self.attn.k_ln.weight, cfg.layer_norm_epsilon)
@@ -194,7 +196,7 @@ class TransformerBlock(nn.Module):
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mlp
-        if self.config.gated_mlp:
+        if self.config.gated_mlp:  # SwiGLU-style: act(gate(x)) scales up(x)
             return _linear(m.down_proj, self._act(_linear(m.gate_proj, x)) * _linear(m.up_proj, x))
         return _linear(m.c_proj, self._act(_linear(m.c_fc, x)))
 
@@ -211,6 +213,8 @@ class OutputHead(nn.Module):
         """Parameters of the head; no LM-head matrix when it is the embedding's."""
         decls = _norm_decls("ln_f", cfg, cfg.hidden_dim)
         if cfg.is_critic:
+            # With a bias, as the score layer of HuggingFace's token-classification models
+            # that save_hf writes critics as.
             decls += _linear_decls("", 1, cfg.hidden_dim, bias=True)
         elif not cfg.tied_embedding:
             decls += _linear_decls("", cfg.vocab_size, cfg.hidden_dim, bias=False)

@@ -160,6 +160,7 @@ class ReaLModelConfig:
         b = dataclasses.asdict(other)
         a.pop("hf_extra")
         b.pop("hf_extra")
+        # init_std only shapes fresh weights; loaded ones do not depend on it.
         a.pop("init_std")
         b.pop("init_std")
         return a == b

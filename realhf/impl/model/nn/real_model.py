@@ -42,6 +42,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def packed_position_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     """Per-sequence positions ``0..L-1`` for every token of a packed batch ``[T]``."""
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+    # output_size: without it repeat_interleave syncs with the device to learn the length.
     starts = torch.repeat_interleave(cu_seqlens[:-1], seqlens, output_size=total)
     return torch.arange(total, device=cu_seqlens.device) - starts
 
@@ -190,10 +191,13 @@ class ReaLModel(nn.Module):
         new_flat = fn(self.flat_params)
         for name, p in self.named_parameters():
             p.data = flat_view(new_flat, self.param_spec[name])
+            # Grads are views of the TrainEngine's own flat buffer, not of this model's; a
+            # converted grad is a loose tensor, which the engine copies back into its buffer
+            # (TrainEngine._check_grad_views).
             if p.grad is not None:
                 p.grad = fn(p.grad)
         self.flat_params = new_flat
-        self._inv_freq_cache.clear()
+        self._inv_freq_cache.clear()  # keyed by device, which may have changed
         return self
 
     # ---- forward ---------------------------------------------------------
@@ -255,6 +259,7 @@ class ReaLModel(nn.Module):
                 f"position_ids shape {tuple(position_ids.shape)} must equal input_ids "
                 f"shape {tuple(input_ids.shape)}"
             )
+        # The RoPE tables are built once per forward and shared by all blocks.
         cos, sin = self._rope_tables(position_ids)
         ctx = PackedContext(cu_seqlens, max_seqlen, cos, sin, attn_fn, self.attn_impl)
         h = self.embedding(input_ids, position_ids)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 __all__ = [
     "check_cu_seqlens",
@@ -22,6 +21,7 @@ __all__ = [
     "shift_one_indices",
     "gather_packed_shifted_log_probs",
     "masked_mean",
+    "masked_moments",
     "masked_normalization",
     "sft_loss",
 ]
@@ -42,8 +42,8 @@ def check_cu_seqlens(
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     if lens.numel() and int(lens.min()) < min_len:
         raise ValueError(
-            f"{name} has a sequence of length {int(lens.min())} (lengths {lens.tolist()}); every sequence "
-            f"needs at least {min_len} token(s)"
+            f"{name} has a sequence of length {int(lens.min())} (lengths {lens.tolist()}); every "
+            f"sequence needs at least {min_len} token(s)"
         )
     if total is not None and int(cu_seqlens[-1]) != total:
         raise ValueError(
@@ -66,6 +66,8 @@ def shift_one_indices(cu_seqlens: torch.Tensor) -> torch.Tensor:
     """
     check_cu_seqlens(cu_seqlens)
     total = int(cu_seqlens[-1])
+    # The last token of a sequence predicts nothing inside it (the next position belongs
+    # to the next sequence of the pack), so it has no shifted entry.
     keep = torch.ones(total, dtype=torch.bool, device=cu_seqlens.device)
     keep[cu_seqlens[1:].long() - 1] = False
     return keep.nonzero().squeeze(-1)
@@ -87,11 +89,13 @@ def gather_packed_shifted_log_probs(
             result matches the sampler's log-probs).
 
     Returns:
-        [T - B] float32: entry t of sequence i is ``log softmax(logits[t] / temperature)[input_ids[t+1]]``.
+        [T - B] float32: entry t of sequence i is
+        ``log softmax(logits[t] / temperature)[input_ids[t+1]]``.
     """
     if logits.dim() != 2 or logits.shape[0] != input_ids.shape[0]:
         raise ValueError(
-            f"logits must be [T, V] with T = len(input_ids) = {input_ids.shape[0]}, got {tuple(logits.shape)}"
+            f"logits must be [T, V] with T = len(input_ids) = {input_ids.shape[0]}, got "
+            f"{tuple(logits.shape)}"
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -111,12 +115,29 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum().clamp(min=1)
 
 
+def _valid_mask(x: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
+    if mask.shape != x.shape:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not match x shape {tuple(x.shape)}")
+    return mask
+
+
+def masked_moments(x: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[sum, sum of squares, count]`` (float64, [3]) of the valid entries of ``x`` [N].
+
+    Local to this process. Unlike means, these combine across data-parallel ranks by plain
+    addition: all-reduce them and hand the totals to :func:`masked_normalization`.
+    """
+    mask = _valid_mask(x, mask)
+    xd = torch.where(mask, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
+    return torch.stack([xd.sum(), (xd * xd).sum(), mask.sum().double()])
+
+
 def masked_normalization(
     x: torch.Tensor,
     mask: Optional[torch.Tensor] = None,
     eps: float = 1e-5,
-    group: Optional[dist.ProcessGroup] = None,
-    all_reduce: bool = False,
+    moments: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``(x - mean) / (std + eps)`` with mean and (population) std over the valid entries.
 
@@ -124,21 +145,17 @@ def masked_normalization(
         x: [N] values (e.g. advantages).
         mask: [N] bool, valid entries (all when None); invalid entries come out as 0.
         eps: added to the std.
-        group: process group to all-reduce the statistics over (data-parallel ranks).
-        all_reduce: all-reduce over ``group`` (the default group when ``group`` is None).
+        moments: [3] :func:`masked_moments` to take mean and std from, e.g. those of ``x``
+            summed over data-parallel ranks; None: the moments of ``x`` itself.
 
     Statistics are accumulated in float64 so that large batches of small numbers keep their
     precision; the result has ``x``'s dtype.
     """
-    mask = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
-    if mask.shape != x.shape:
-        raise ValueError(f"mask shape {tuple(mask.shape)} does not match x shape {tuple(x.shape)}")
-    xd = torch.where(mask, x.double(), torch.zeros((), dtype=torch.float64, device=x.device))
-    stats = torch.stack([xd.sum(), (xd * xd).sum(), mask.sum().double()])
-    if all_reduce or group is not None:
-        dist.all_reduce(stats, group=group)
+    mask = _valid_mask(x, mask)
+    stats = masked_moments(x, mask) if moments is None else moments.double()
     n = stats[2].clamp(min=1.0)
     mean = stats[0] / n
+    # E[x^2] - E[x]^2 can round to a tiny negative number when the entries are (nearly) equal.
     var = (stats[1] / n - mean * mean).clamp(min=0.0)
     out = (x.double() - mean) / (var.sqrt() + eps)
     return torch.where(mask, out, torch.zeros_like(out)).to(x.dtype)
@@ -165,7 +182,8 @@ def sft_loss(
     """
     if prompt_mask.shape != input_ids.shape:
         raise ValueError(
-            f"prompt_mask shape {tuple(prompt_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}"
+            f"prompt_mask shape {tuple(prompt_mask.shape)} must equal input_ids shape "
+            f"{tuple(input_ids.shape)}"
         )
     logp = gather_packed_shifted_log_probs(logits, cu_seqlens, input_ids)
     # Position t predicts token t+1: it is trained when token t+1 is part of the answer.

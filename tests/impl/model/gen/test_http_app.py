@@ -1,4 +1,5 @@
-"""The HTTP server over real sockets: SGLang protocol, OpenAI client, errors, load, pause, weights."""
+"""The HTTP server over real sockets: SGLang protocol, OpenAI client, errors, load, pause,
+weights."""
 
 from __future__ import annotations
 
