@@ -17,7 +17,8 @@ the balanced train split at ``n_train_per_kind`` per kind.
 Files written (math jsonl is AReaL's format; ``query_id`` names the problem, e.g.
 ``add-37-48``, so ids are stable and readable):
 
-- ``{out_dir}/train.jsonl``  ``{"query_id", "prompt", "task": "math", "solutions": ["\\\\boxed{85}"]}``
+- ``{out_dir}/train.jsonl``  math jsonl: ``{"query_id", "prompt", "task": "math",
+  "solutions": ["\\\\boxed{85}"]}``
 - ``{out_dir}/eval.jsonl``   same format, ``n_eval`` held-out problems
 - ``{out_dir}/sft.jsonl``    ``{"id", "prompt", "answer"}`` over the train problems
 - ``{eval_copy}``            an identical copy of eval.jsonl where ``evaluation/`` looks it up

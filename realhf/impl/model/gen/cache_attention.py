@@ -24,6 +24,7 @@ GQA is handled by viewing the ``n_q`` query heads as ``n_kv`` groups of
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 from typing import List, Optional
@@ -38,6 +39,15 @@ except ImportError:  # pragma: no cover - exercised only without numba
     _nb = None
 
 DECODE_IMPLS = ("auto", "numba", "padded")
+
+
+class DecodeImpl(enum.StrEnum):
+    """A resolved decode-attention implementation (``"auto"`` resolves to one of these)."""
+
+    NUMBA = "numba"  # per-slot kernel over the cache in place: float32 CPU caches
+    PADDED = "padded"  # SDPA over the padded slot range: any device and dtype
+
+
 # numba's fallback "workqueue" threading layer aborts the process when two
 # threads launch parallel kernels at once (two engines in one process); the
 # OpenMP/TBB layers do not, but one lock costs nothing next to a kernel call.
@@ -129,21 +139,21 @@ def numba_available() -> bool:
     return _nb is not None
 
 
-def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> str:
+def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> DecodeImpl:
     """Resolve ``"auto"``: numba for float32 CPU caches, padded SDPA otherwise."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode attention impl {impl!r} is unknown; use one of {DECODE_IMPLS}")
     if impl != "auto":
-        if impl == "numba" and (
+        if impl == DecodeImpl.NUMBA and (
             _nb is None or cache.device.type != "cpu" or cache.dtype != torch.float32
         ):
             raise ValueError(
                 "decode attention impl 'numba' needs numba and a float32 CPU cache; use 'padded'"
             )
-        return impl
+        return DecodeImpl(impl)
     if _nb is not None and cache.device.type == "cpu" and cache.dtype == torch.float32:
-        return "numba"
-    return "padded"
+        return DecodeImpl.NUMBA
+    return DecodeImpl.PADDED
 
 
 class DecodeAttention:
@@ -166,10 +176,10 @@ class DecodeAttention:
         sliding_window: Optional[int],
         impl: str,
     ):
-        self.impl = impl
+        self.impl = impl = DecodeImpl(impl)
         self.window = sliding_window or 0
         self.B = slots.numel()
-        if impl == "numba":
+        if impl is DecodeImpl.NUMBA:
             # Converted once per step, not per layer: the kernel takes numpy arrays.
             self._slots = slots.cpu().numpy().astype(_np.int64)
             self._lens = lens.cpu().numpy().astype(_np.int64)
@@ -201,7 +211,7 @@ class DecodeAttention:
         n_kv = kc.shape[1]
         g = n_q // n_kv
         scale = d**-0.5
-        if self.impl == "numba":
+        if self.impl is DecodeImpl.NUMBA:
             qn = q.float().contiguous().view(B, n_kv, g, d)
             out = torch.empty_like(qn)
             with _KERNEL_LOCK:

@@ -46,6 +46,7 @@ from realhf.base import logging
 from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.cache_attention import (
     DecodeAttention,
+    DecodeImpl,
     PrefillAttention,
     select_decode_impl,
 )
@@ -330,7 +331,7 @@ class GenerationEngine:
         n = self.config.num_threads
         if n is not None:
             torch.set_num_threads(n)
-            if self.decode_impl == "numba":
+            if self.decode_impl is DecodeImpl.NUMBA:
                 import numba
 
                 numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
