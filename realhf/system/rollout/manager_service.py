@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-from typing import Any, Callable, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import fastapi
 from fastapi.exceptions import RequestValidationError
@@ -61,6 +61,16 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+#: route -> its body's message class, so a 400 names the message and its field
+_BODIES = {
+    "/allocate_rollout": "AllocateRequest",
+    "/schedule_request": "ScheduleRequest",
+    "/finish_rollout": "FinishRequest",
+    "/heartbeat": "HeartbeatRequest",
+    "/report_server_failure": "ServerFailureReport",
+}
+
+
 def create_manager_app(
     manager: GserverManager,
     on_exit: Optional[Callable[[Optional[BaseException]], None]] = None,
@@ -73,7 +83,14 @@ def create_manager_app(
     is None when they were cancelled or returned), so the host can stop serving and report:
     routes of a manager whose loops died would answer from stale state.
     """
+    app = fastapi.FastAPI(title="realhf gserver manager", lifespan=_lifespan(manager, on_exit))
+    app.state.manager = manager
+    _add_error_handlers(app)
+    app.include_router(router)
+    return app
 
+
+def _lifespan(manager: GserverManager, on_exit):
     @contextlib.asynccontextmanager
     async def lifespan(app: fastapi.FastAPI):
         background: Optional[asyncio.Task] = None
@@ -98,19 +115,15 @@ def create_manager_app(
                 await asyncio.gather(background, return_exceptions=True)
             await manager.close()
 
-    app = fastapi.FastAPI(title="realhf gserver manager", lifespan=lifespan)
-    #: route -> its body's message class, so a 400 names the message and its field
-    bodies = {
-        "/allocate_rollout": "AllocateRequest",
-        "/schedule_request": "ScheduleRequest",
-        "/finish_rollout": "FinishRequest",
-        "/heartbeat": "HeartbeatRequest",
-        "/report_server_failure": "ServerFailureReport",
-    }
+    return lifespan
+
+
+def _add_error_handlers(app: fastapi.FastAPI) -> None:
+    """Errors to statuses: bad bodies 400, rollout not running 409, no live server 503."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: fastapi.Request, e: RequestValidationError):
-        return _error(400, describe_errors(bodies.get(request.url.path, "request"), e.errors()))
+        return _error(400, describe_errors(_BODIES.get(request.url.path, "request"), e.errors()))
 
     @app.exception_handler(MessageError)
     async def invalid_message(request: fastapi.Request, e: MessageError):
@@ -124,38 +137,51 @@ def create_manager_app(
     async def no_server(request: fastapi.Request, e: NoServerAvailable):
         return _error(503, str(e))
 
-    # Handlers are `async def` on purpose: the manager is not thread-safe, and FastAPI runs
-    # sync handlers in a thread pool; on the loop they run between its background steps.
 
-    @app.post("/allocate_rollout")
-    async def allocate_rollout(req: AllocateRequest):
-        return manager.allocate(req).to_json()
+def _manager(request: fastapi.Request) -> GserverManager:
+    return request.app.state.manager
 
-    @app.post("/schedule_request")
-    async def schedule_request(req: ScheduleRequest):
-        return (await manager.schedule(req)).to_json()
 
-    @app.post("/finish_rollout")
-    async def finish_rollout(req: FinishRequest):
-        return (await manager.finish(req)).to_json()
+Manager = Annotated[GserverManager, fastapi.Depends(_manager)]
 
-    @app.post("/heartbeat")
-    async def heartbeat(req: HeartbeatRequest):
-        return manager.heartbeat(req).to_json()
+# Handlers are `async def` on purpose: the manager is not thread-safe, and FastAPI runs
+# sync handlers in a thread pool; on the loop they run between its background steps.
+router = fastapi.APIRouter()
 
-    @app.post("/report_server_failure")
-    async def report_server_failure(req: ServerFailureReport):
-        return await manager.report_failure(req)
 
-    @app.get("/status")
-    async def status():
-        return manager.status()
+@router.post("/allocate_rollout")
+async def allocate_rollout(req: AllocateRequest, manager: Manager):
+    return manager.allocate(req).to_json()
 
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
 
-    return app
+@router.post("/schedule_request")
+async def schedule_request(req: ScheduleRequest, manager: Manager):
+    return (await manager.schedule(req)).to_json()
+
+
+@router.post("/finish_rollout")
+async def finish_rollout(req: FinishRequest, manager: Manager):
+    return (await manager.finish(req)).to_json()
+
+
+@router.post("/heartbeat")
+async def heartbeat(req: HeartbeatRequest, manager: Manager):
+    return manager.heartbeat(req).to_json()
+
+
+@router.post("/report_server_failure")
+async def report_server_failure(req: ServerFailureReport, manager: Manager):
+    return await manager.report_failure(req)
+
+
+@router.get("/status")
+async def status(manager: Manager):
+    return manager.status()
+
+
+@router.get("/health")
+async def health():
+    return {"status": "ok"}
 
 
 class ManagerService:
