@@ -85,6 +85,8 @@ def _percent(x: float) -> str:
     return f"{100 * x:.1f}"
 
 
+# Long on purpose: load once, then per data set generate, grade and aggregate, writing
+# each set's records as it finishes (a crash keeps the sets already done).
 def evaluate(
     model_path: str,
     data_names: Sequence[str],

@@ -206,6 +206,9 @@ def _threads(n: int) -> int:
     return max(1, ((os.cpu_count() or 1) - 1) // (2 * n))
 
 
+# Long on purpose: it is the experiment's whole wiring (servers, manager, rollout workers,
+# trainer, master), read top to bottom like a config file; split up, one decision (e.g. the
+# batch size) would be spread over several functions.
 def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     """Compile an AsyncPPOMathConfig into servers, manager, rollout workers, trainer and master."""
     alloc = blocks.allocation(cfg, decoupled=True)

@@ -118,6 +118,8 @@ class PPOMathConfig(BaseExperimentConfig):
             raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
 
 
+# Long on purpose: one block per MFC of the graph, each pruned by the options that need it,
+# so the whole dataflow graph can be read in one place.
 def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = True) -> list:
     """The MFCs of PPO for `cfg` (without actor_gen for async PPO)."""
     hp = dataclasses.replace(cfg.ppo, seed=cfg.seed)  # one seed for the whole run

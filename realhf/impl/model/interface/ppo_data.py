@@ -102,6 +102,9 @@ class PPOBatch:
         return SequenceSample.from_default(ids=self.seq_ids, seqlens=self.seqlens, data=data)
 
 
+# Long on purpose: one pipeline (mask -> rewards -> KL -> GAE -> normalisation) whose steps
+# share the packed layout and run in this order on every rank; the maths of each step is
+# a pure function in realhf.impl.algorithms.ppo.
 def prepare_ppo_batch(
     hp: PPOHyperparameters,
     data: SequenceSample,
