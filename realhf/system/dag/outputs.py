@@ -22,6 +22,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from realhf.base import logging
+from realhf.base.atomic_file import write_atomic
 
 logger = logging.getLogger("master_worker", "system")
 
@@ -68,8 +69,8 @@ class MetricsLog:
                             kept.append(line if line.endswith("\n") else line + "\n")
                     except (ValueError, KeyError):  # a line cut by the crash
                         continue
-        with open(path, "w") as f:
-            f.writelines(kept)
+        # Atomically: a crash while rewriting must not lose the kept history too.
+        write_atomic(path, "".join(kept))
 
     def write(self, record: Dict[str, Any]) -> None:
         """Append one step's record."""
