@@ -40,7 +40,6 @@ from realhf.api.core.registry import (
     AgentAbstraction,
     DatasetAbstraction,
     EnvAbstraction,
-    InterfaceAbstraction,
 )
 from realhf.api.core.rollout_api import (
     SCHEDULE_POLICIES,
@@ -50,7 +49,6 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import (
-    EvalSpec,
     MasterWorkerConfig,
     ModelWorkerConfig,
     TrajectoryStreamSpec,
@@ -60,6 +58,7 @@ from realhf.experiments.ppo_math import (
     PPOMathConfig,
     _tiny_ppo,
     checked_math_data,
+    math_eval,
     model_specs,
     ppo_mfcs,
 )
@@ -297,17 +296,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             # before the master gives up on the model worker's reply.
             wait_timeout_s=0.9 * cfg.worker_timeout,
         ),
-        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args))
-        if cfg.eval
-        else None,
-        evaluation=EvalSpec(
-            role="actor",
-            interface_impl=InterfaceAbstraction(
-                "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens}
-            ),
-        )
-        if cfg.eval
-        else None,
+        **math_eval(cfg, eval_, data_args),
         tokenizer_path=actor_path,
         dataset_batch_size=B,
         timeout=cfg.worker_timeout,

@@ -276,6 +276,24 @@ def checked_math_data(cfg: PPOMathConfig, tokenizer) -> tuple:
     return train, eval_, size
 
 
+def math_eval(cfg: PPOMathConfig, eval_path: str, data_args: dict) -> dict:
+    """The model worker's ``eval_dataset`` and ``evaluation`` fields: greedy accuracy of
+    the actor on the held-out prompts, or neither when ``cfg.eval`` is off."""
+    if not cfg.eval:
+        return {"eval_dataset": None, "evaluation": None}
+    return {
+        "eval_dataset": DatasetAbstraction(
+            "math_prompt", dict(dataset_path=eval_path, **data_args)
+        ),
+        "evaluation": EvalSpec(
+            role="actor",
+            interface_impl=InterfaceAbstraction(
+                "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens}
+            ),
+        ),
+    }
+
+
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     """Compile a PPOMathConfig into one master and `data`-parallel model workers."""
     alloc = blocks.allocation(cfg, decoupled=False)
@@ -292,17 +310,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         models=model_specs(cfg, actor_path),
         mfcs=mfcs,
         dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
-        eval_dataset=DatasetAbstraction("math_prompt", dict(dataset_path=eval_, **data_args))
-        if cfg.eval
-        else None,
-        evaluation=EvalSpec(
-            role="actor",
-            interface_impl=InterfaceAbstraction(
-                "math_eval", {"max_new_tokens": cfg.dataset.eval_max_new_tokens}
-            ),
-        )
-        if cfg.eval
-        else None,
+        **math_eval(cfg, eval_, data_args),
         tokenizer_path=actor_path,
         dataset_batch_size=cfg.train_batch_size,
         timeout=cfg.worker_timeout,
