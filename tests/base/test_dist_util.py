@@ -9,13 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from rank_processes import run_ranks
 
 from realhf.base import dist_util, shutdown
 
@@ -75,32 +74,9 @@ def _run_rank(args) -> None:
 @pytest.mark.slow
 def test_two_gloo_ranks(tmp_path, no_leftover_processes):
     world = 2
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--store",
-                str(tmp_path / "store"),
-                "--out-dir",
-                str(tmp_path),
-            ]
-        )
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    results = run_ranks(
+        __file__, world, lambda r: ["--store", str(tmp_path / "store")], str(tmp_path)
+    )
     for res in results:
         assert res["sum"] == [3.0, 30.0], results
         assert res["returns_its_argument"]

@@ -11,12 +11,11 @@ import datetime
 import itertools
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from rank_processes import run_ranks
 
 from realhf.base import network, shutdown
 from realhf.system.dag.local_store import LocalStore
@@ -205,36 +204,8 @@ def _run_rank(args) -> None:
 
 def _launch(tmp_path, scenario: str, world: int, timeout: float = 30.0):
     port = network.find_free_port(host="127.0.0.1")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--scenario",
-                scenario,
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--port",
-                str(port),
-                "--out-dir",
-                str(tmp_path),
-                "--timeout",
-                str(timeout),
-            ]
-        )
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
+    args = ["--scenario", scenario, "--port", str(port), "--timeout", str(timeout)]
+    return run_ranks(__file__, world, lambda r: args, str(tmp_path))
 
 
 @pytest.mark.slow

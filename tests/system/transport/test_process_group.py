@@ -10,14 +10,13 @@ import argparse
 import json
 import os
 import socket
-import subprocess
-import sys
 from datetime import timedelta
 
 import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from rank_processes import run_ranks
 
 from realhf.base import name_resolve, names, network, shutdown
 from realhf.system.transport.process_group import init_world
@@ -101,35 +100,8 @@ def _run_rank(args) -> None:
 def test_two_ranks_join_through_the_published_store(tmp_path, no_leftover_processes):
     world = 2
     env = dict(os.environ, REALHF_HOST_IP="127.0.0.1")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                __file__,
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--trial",
-                "two-ranks",
-                "--nr-root",
-                str(tmp_path / "nr"),
-                "--out-dir",
-                str(tmp_path),
-            ],
-            env=env,
-        )
-        for r in range(world)
-    ]
-    try:
-        for p in procs:
-            assert p.wait(timeout=120) == 0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    args = ["--trial", "two-ranks", "--nr-root", str(tmp_path / "nr")]
+    results = run_ranks(__file__, world, lambda r: args, str(tmp_path), env=env)
     assert [r["sum"] for r in results] == [3.0, 3.0], results
     assert results[0]["address"] == results[1]["address"]
     assert all(r["world"] == 2 for r in results)
