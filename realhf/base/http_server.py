@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import uvicorn
 
@@ -199,16 +199,6 @@ async def serve_until_started(
     return task
 
 
-def _run_loop(main: Callable[[], Any], loop_factory: Optional[Callable[[], Any]]) -> None:
-    """``asyncio.run(main())`` on the loop uvicorn would pick (uvloop where installed)."""
-    runner_cls = getattr(asyncio, "Runner", None)  # Python >= 3.11
-    if loop_factory is not None and runner_cls is not None:
-        with runner_cls(loop_factory=loop_factory) as runner:
-            runner.run(main())
-    else:
-        asyncio.run(main())
-
-
 class ServerThread:
     """Serve an ASGI app under uvicorn in a daemon thread with its own event loop.
 
@@ -299,7 +289,9 @@ class ServerThread:
 
     def _run(self) -> None:
         try:
-            _run_loop(self._main, self.config.get_loop_factory())
+            # the loop uvicorn would pick itself (uvloop where installed)
+            with asyncio.Runner(loop_factory=self.config.get_loop_factory()) as runner:
+                runner.run(self._main())
         except BaseException as e:  # kept for start() / the owner's health checks
             if self.error is None and not isinstance(e, asyncio.CancelledError):
                 self.error = e
