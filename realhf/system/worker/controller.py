@@ -57,16 +57,7 @@ __all__ = [
     "Controller",
     "RunSummary",
     "WorkerLost",
-    "EXPERIMENT_RUNNING",
-    "EXPERIMENT_COMPLETE",
-    "EXPERIMENT_ABORTED",
 ]
-
-# Values of ``names.experiment_status`` written by the controller (the enum lives with
-# the worker base, whose workers read it through experiment_ended()).
-EXPERIMENT_RUNNING = ExperimentStatus.RUNNING
-EXPERIMENT_COMPLETE = ExperimentStatus.COMPLETE
-EXPERIMENT_ABORTED = ExperimentStatus.ABORTED
 
 
 class WorkerLost(ConnectionError):
@@ -301,8 +292,8 @@ class Controller:
         )
         worker_names = experiment.worker_names()
         t0 = time.monotonic()
-        self._set_experiment_status(EXPERIMENT_RUNNING)
-        outcome = EXPERIMENT_ABORTED
+        self._set_experiment_status(ExperimentStatus.RUNNING)
+        outcome = ExperimentStatus.ABORTED
         try:
             self._panel = WorkerControlPanel(
                 self.experiment_name,
@@ -315,7 +306,7 @@ class Controller:
             self._panel.request(ControlCommand.START, timeout=self.command_timeout)
             logger.info(f"started {len(worker_names)} workers")
             statuses = self._watch(experiment, worker_names, timeout, t0)
-            outcome = EXPERIMENT_COMPLETE
+            outcome = ExperimentStatus.COMPLETE
             return RunSummary(
                 self.experiment_name,
                 self.trial_name,
