@@ -49,11 +49,25 @@ default value, otherwise they are errors that name the field.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 GREEDY_EPS = 1e-6
-FINISH_TYPES = ("stop", "length", "abort")
+
+
+class FinishType(enum.StrEnum):
+    """SGLang's ``finish_reason.type``: why a sequence (or one chunk of it) ended."""
+
+    #: a stop token: the answer is done
+    STOP = "stop"
+    #: the token budget: a caller generating in chunks goes on if its own budget is left
+    LENGTH = "length"
+    #: aborted or paused (e.g. for a weight update): resubmit what was generated so far
+    ABORT = "abort"
+
+
+FINISH_TYPES = tuple(t.value for t in FinishType)
 
 
 class InvalidRequestError(ValueError):
@@ -253,7 +267,7 @@ class GenerateRequest:
 class FinishReason:
     """Why a sequence ended: ``stop`` (a stop token), ``length`` or ``abort``."""
 
-    type: str
+    type: FinishType
     matched: Optional[int] = None
     length: Optional[int] = None
     message: Optional[str] = None
@@ -261,12 +275,13 @@ class FinishReason:
     def __post_init__(self):
         if self.type not in FINISH_TYPES:
             raise ValueError(f"FinishReason.type={self.type!r} must be one of {FINISH_TYPES}")
+        object.__setattr__(self, "type", FinishType(self.type))  # parsed once, here
 
     def to_json(self) -> Dict[str, Any]:
         """SGLang's JSON form (``FINISH_MATCHED_TOKEN``/``FINISH_LENGTH``/``FINISH_ABORT``)."""
-        if self.type == "stop":
+        if self.type is FinishType.STOP:
             return {"type": "stop", "matched": self.matched}
-        if self.type == "length":
+        if self.type is FinishType.LENGTH:
             return {"type": "length", "length": self.length}
         return {"type": "abort", "message": self.message or ""}
 

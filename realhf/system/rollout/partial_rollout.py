@@ -19,20 +19,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import enum
 import json
 from typing import Iterable, List, Optional, Tuple
 
 import aiohttp
 
-from realhf.api.core.gen_api import parse_sglang_output
+from realhf.api.core.gen_api import FinishType, parse_sglang_output
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration, ScheduleRequest
 from realhf.base import logging, seeding
 from realhf.system.rollout.manager_client import ManagerClient, UncappedSession
 
 logger = logging.getLogger("partial_rollout", "system")
 
-__all__ = ["GenerationFailed", "MemberResult", "ChunkEnd", "PartialRolloutManager"]
+__all__ = ["GenerationFailed", "MemberResult", "PartialRolloutManager"]
 
 # Consecutive chunks aborted before their first token that a member survives.
 _MAX_EMPTY_ABORTS = 50
@@ -42,24 +41,13 @@ class GenerationFailed(RuntimeError):
     """A sequence could not be generated (bad request, or too many server failures)."""
 
 
-class ChunkEnd(enum.StrEnum):
-    """Why one ``/generate`` chunk ended: SGLang's ``finish_reason.type``, parsed once."""
-
-    #: a stop token: the member is done
-    STOP = "stop"
-    #: the chunk's token budget: go on if the member's budget is not used up
-    LENGTH = "length"
-    #: the server paused (weight update): resubmit what was generated so far
-    ABORT = "abort"
-
-
 @dataclasses.dataclass(frozen=True)
 class _Chunk:
     """What one ``/generate`` call produced."""
 
     output_ids: Tuple[int, ...]
     output_logprobs: Tuple[float, ...]
-    end: ChunkEnd
+    end: FinishType
 
 
 @dataclasses.dataclass
@@ -201,7 +189,7 @@ class PartialRolloutManager(UncappedSession):
             out_ids += out.output_ids
             out_lps += out.output_logprobs
             version_end = sched.version
-            if out.end is ChunkEnd.STOP:
+            if out.end is FinishType.STOP:
                 return MemberResult(
                     out_ids, out_lps, False, version_start, version_end, chunks, interrupted
                 )
@@ -209,7 +197,7 @@ class PartialRolloutManager(UncappedSession):
                 return MemberResult(
                     out_ids, out_lps, True, version_start, version_end, chunks, interrupted
                 )
-            if out.end is ChunkEnd.ABORT:
+            if out.end is FinishType.ABORT:
                 interrupted += 1
                 self.stats["interrupted"] += 1
                 # Aborted before its first token again and again: back off, and give up
@@ -253,7 +241,7 @@ class PartialRolloutManager(UncappedSession):
                 )
             data = data[0]
         out = parse_sglang_output(data)
-        return _Chunk(out.output_ids, out.output_logprobs, ChunkEnd(out.finish_reason.type))
+        return _Chunk(out.output_ids, out.output_logprobs, out.finish_reason.type)
 
 
 class _ServerFailure(Exception):
