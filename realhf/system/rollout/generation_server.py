@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Optional
 
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
 from realhf.base import constants, name_resolve, names, network
+from realhf.base.http_server import ServerThread
 from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
 from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
 
 if TYPE_CHECKING:  # the built-in backend is imported only when it is used
-    from realhf.base.http_server import ServerThread
     from realhf.impl.model.gen.engine import GenerationEngine
 
 __all__ = ["resolve_backend", "GenerationServer"]
@@ -91,7 +91,7 @@ class GenerationServer(Worker):
     def _start_builtin(self, config: GenerationServerConfig, host: str) -> str:
         from realhf.api.core.gen_api import GenerateRequest, SamplingParams
         from realhf.impl.model.gen.engine_config import EngineConfig
-        from realhf.impl.model.gen.http_app import ServerThread, create_app
+        from realhf.impl.model.gen.http_app import create_app
         from realhf.impl.model.gen.loading import load_engine, load_tokenizer
 
         engine_config = EngineConfig(

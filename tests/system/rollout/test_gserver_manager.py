@@ -34,9 +34,10 @@ from realhf.api.core.rollout_api import (
     ScheduleRequest,
 )
 from realhf.base import network
+from realhf.base.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.gen import EngineConfig, GenerationEngine
-from realhf.impl.model.gen.http_app import ServerThread, create_app
+from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
 from realhf.system.rollout.manager import (
     GserverManager,

@@ -26,9 +26,10 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
+from realhf.base.http_server import ServerThread
 from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.gen import EngineConfig
-from realhf.impl.model.gen.http_app import ServerThread, create_app
+from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
 from realhf.system.rollout.gserver_manager import GserverManager
 from realhf.system.rollout.manager_service import ManagerService

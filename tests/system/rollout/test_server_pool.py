@@ -8,8 +8,9 @@ import pytest
 from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.rollout_api import GserverManagerConfig, SchedulePolicy, ScheduleRequest
+from realhf.base.http_server import ServerThread
 from realhf.impl.model.gen import EngineConfig
-from realhf.impl.model.gen.http_app import ServerThread, create_app
+from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
 from realhf.system.rollout.server_pool import (
     NoServerAvailable,

@@ -54,14 +54,6 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
     parse_generate_body,
 )
-
-# The server thread and keep-alive settings are shared by every HTTP service of the system;
-# re-exported here, where users of the generation server have always imported them from.
-from realhf.base.http_server import (  # noqa: F401
-    CLIENT_KEEPALIVE_S,
-    SERVER_KEEPALIVE_S,
-    ServerThread,
-)
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
