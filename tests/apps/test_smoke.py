@@ -166,7 +166,12 @@ def test_worker_error_is_reported_with_remote_traceback(tmp_path, no_leftover_pr
     t.join(timeout=90)
     assert not t.is_alive()
     summary = _summary(run_dir)
-    assert list(summary["failures"]) == ["smoke_model/0"]
+    # The master waiting on smoke_model/0 may notice its exit within the settle time too
+    # (its liveness ping fails); it then names the dead handler.
+    assert "smoke_model/0" in summary["failures"]
+    assert set(summary["failures"]) <= {"smoke_model/0", "smoke_master/0"}
+    if "smoke_master/0" in summary["failures"]:
+        assert "'smoke_model/0' is not connected" in summary["failures"]["smoke_master/0"]
     reason = summary["failures"]["smoke_model/0"]
     assert reason.startswith("ERROR during poll")
     assert "injected failure in smoke_model/0 after 2 units of work" in reason

@@ -21,7 +21,13 @@ it until the master sends the ACK, which the master does only after *every*
 handler of the call has SYNed.  Handlers then start together, which keeps
 collective operations across workers in the same order.
 
-Every receive has a timeout and its error names what was waited for.
+Every receive has a timeout and its error names what was waited for.  While the
+master waits for a handler (its SYN or its reply), it sends that handler a tiny ping
+every :data:`LIVENESS_INTERVAL` s: the ROUTER refuses to send to a peer whose
+connection is gone, so a worker that died mid-request fails the wait within about a
+second (``ConnectionError`` naming it) instead of after the whole reply timeout.
+ZMTP heartbeats tear the connection down when a peer's host goes silent without
+closing it (a dead node), so the ping catches that too.
 
 Wire format: messages are pickled on purpose.  They carry our own dataclasses
 (and tensors' metadata) between processes of one experiment on loopback or a
@@ -60,6 +66,11 @@ __all__ = [
 # whole MFC call, e.g. generating a large batch.
 DEFAULT_CONNECT_TIMEOUT = 120.0
 DEFAULT_REPLY_TIMEOUT = 300.0
+# Seconds between liveness pings to a handler the master is waiting on.
+LIVENESS_INTERVAL = 1.0
+# ZMTP heartbeat: ping every 5 s, drop a connection silent for 30 s (dead host).
+_HEARTBEAT_IVL_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 30_000
 
 
 def _new_id() -> str:
@@ -132,6 +143,11 @@ class _Ack:
     request_id: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ping:
+    """Liveness probe from the master; handlers drop it."""
+
+
 def _dumps(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -200,6 +216,8 @@ class RequestClient:
         # A worker that reconnects with the same name takes over its identity.
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         host = host or network.gethostip()
         self._sock.bind(f"tcp://{host}:*")
         self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -209,6 +227,7 @@ class RequestClient:
         self._syns: Set[str] = set()
         self._replies: Dict[str, Reply] = {}
         self._pending: Dict[str, Payload] = {}
+        self._last_ping: Dict[str, float] = {}
         self._closed = False
         if wait:
             try:
@@ -270,21 +289,39 @@ class RequestClient:
 
     # ---- sending --------------------------------------------------------
 
-    def _send(self, handler: str, msg) -> None:
+    def _send(self, handler: str, msg, flags: int = 0, waiting_for: str = "") -> None:
         if handler not in self.handlers:
             raise ValueError(
                 f"Stream {self.stream_name!r} has no handler {handler!r}; known handlers: "
                 f"{self.handlers}."
             )
         try:
-            self._sock.send_multipart([handler.encode(), _dumps(msg)])
+            self._sock.send_multipart([handler.encode(), _dumps(msg)], flags)
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
+                during = f" while the master waited for {waiting_for}" if waiting_for else ""
                 raise ConnectionError(
-                    f"Stream {self.stream_name!r}: handler {handler!r} is not connected "
-                    "(its process may have exited)."
+                    f"Stream {self.stream_name!r}: handler {handler!r} is not connected"
+                    f"{during} (its process may have exited; see its log)."
                 ) from e
             raise
+
+    def _check_alive(self, request_ids: Iterable[str], syn: bool = False) -> None:
+        """Ping each handler still owing one of ``request_ids`` (at most once per
+        :data:`LIVENESS_INTERVAL`); ConnectionError if its connection is gone."""
+        now = time.monotonic()
+        for rid in request_ids:
+            p = self._pending.get(rid)
+            if p is None or (syn and rid in self._syns) or rid in self._replies:
+                continue
+            if now - self._last_ping.get(p.handler, 0.0) < LIVENESS_INTERVAL:
+                continue
+            self._last_ping[p.handler] = now
+            what = f"{'the SYN of ' if syn else ''}{p.handle_name!r} from {p.handler}"
+            try:
+                self._send(p.handler, _Ping(), zmq.NOBLOCK, waiting_for=what)
+            except zmq.Again:  # its queue is full: connected, just busy
+                pass
 
     def post(self, payload: Payload) -> str:
         """Send one request without syn/ack; return its request id."""
@@ -348,6 +385,7 @@ class RequestClient:
                     f"from {missing} within {timeout:g}s.",
                     waited_for=", ".join(missing),
                 )
+            self._check_alive(ids, syn=True)
             self._recv_once(min(left, 0.5))
         # Only now, with every handler holding its request, may any of them start: a
         # handler that started early could enter a collective its peers have not reached.
@@ -425,6 +463,7 @@ class RequestClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self._timeout(wanted, timeout)
+            self._check_alive(wanted)
             self._recv_once(min(left, 0.5))
 
     async def gather_async(
@@ -448,6 +487,7 @@ class RequestClient:
                 return got
             if time.monotonic() >= deadline:
                 raise self._timeout(wanted, timeout)
+            self._check_alive(wanted)
             await asyncio.sleep(sleep)
             # Back off to 10 ms so an idle master does not spin.
             sleep = min(sleep * 2, 0.01)
@@ -541,7 +581,7 @@ class ReplyServer:
                 logger.warning(f"{self.handler_name}: ACK for unknown request {msg.request_id}.")
             else:
                 self._ready.append(p)
-        else:
+        elif not isinstance(msg, _Ping):
             logger.warning(f"{self.handler_name}: ignoring unknown message {type(msg)}.")
         return True
 

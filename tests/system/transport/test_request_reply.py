@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import pickle
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import pytest
 
+from realhf.base import name_resolve
 from realhf.system.transport.errors import NoMessage, RemoteError, StreamTimeout
 from realhf.system.transport.request_reply import Payload, Reply, ReplyServer, RequestClient
 
@@ -210,3 +216,82 @@ def test_request_argument_errors(two_workers):
         client.request(["w/7"], "double", [1])
     with pytest.raises(ValueError, match="distinct"):
         RequestClient(EXP, "x", "s", ["a", "a"])
+
+
+# A handler process that connects, says hello and then never reads: it dies holding a
+# request, as a worker killed mid-call does.
+_MUTE_HANDLER = textwrap.dedent(
+    """
+    import sys, time
+    from realhf.system.transport.request_reply import ReplyServer
+    server = ReplyServer("rr", sys.argv[1], "s", "w/0", connect_timeout=30)
+    print("connected", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("wait", ["syn", "gather", "gather_async"])
+def test_handler_killed_mid_request_fails_the_wait_within_seconds(tmp_path, trial, wait):
+    """A wait on a dead handler ends with ConnectionError naming it, not after the
+    reply timeout: the master would otherwise sit in its poll, unable to obey exit."""
+    spec = f"file://{tmp_path}"
+    name_resolve.reconfigure("file", root=str(tmp_path))
+    env = dict(os.environ, **{name_resolve.ENV_VAR: spec})
+    client = RequestClient(EXP, trial, "s", ["w/0"], wait=False, reply_timeout=60)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MUTE_HANDLER, trial], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "connected"
+        client.wait_for_handlers(timeout=30)
+        killer = threading.Timer(0.5, os.kill, (proc.pid, signal.SIGKILL))
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError) as ei:
+            if wait == "syn":
+                client.request(["w/0"], "train_step", [None], no_syn=False)
+            else:
+                ids = client.request(["w/0"], "train_step", [None])
+                if wait == "gather":
+                    client.gather(ids)
+                else:
+                    asyncio.run(client.gather_async(ids))
+        elapsed = time.monotonic() - t0
+        killer.join()
+        assert elapsed < 10, f"the wait took {elapsed:.1f}s; the reply timeout is 60s"
+        msg = str(ei.value)
+        assert "'w/0' is not connected" in msg
+        expected = "the SYN of 'train_step' from w/0" if wait == "syn" else "'train_step' from w/0"
+        assert f"waited for {expected}" in msg
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stdout.close()
+        client.close()
+
+
+def test_busy_live_handler_is_not_mistaken_for_a_dead_one(trial):
+    """Pings reach a live handler that is slow to answer; it ignores them."""
+    client = RequestClient(EXP, trial, "s", ["w/0"], wait=False)
+    server = ReplyServer(EXP, trial, "s", "w/0", connect_timeout=5)
+    try:
+        client.wait_for_handlers(timeout=5)
+        ids = client.request(["w/0"], "slow", [1])
+        answered = threading.Event()
+
+        def answer_late():
+            req = server.poll(timeout=5)
+            time.sleep(2.5)  # two liveness pings arrive meanwhile
+            server.reply(req, "done")
+            answered.set()
+
+        t = threading.Thread(target=answer_late, daemon=True)
+        t.start()
+        assert [r.data for r in client.gather(ids, timeout=10)] == ["done"]
+        t.join(timeout=5)
+        with pytest.raises(NoMessage):  # the pings were dropped, not queued as requests
+            server.poll(timeout=0)
+    finally:
+        server.close()
+        client.close()
