@@ -20,6 +20,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
 __all__ = ["InferenceEngine", "PostHook", "mb_inputs"]
 
@@ -59,6 +60,12 @@ class InferenceEngine:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         """The wrapped model's parameters."""
         return self.model.parameters()
+
+    @property
+    def tp(self) -> LocalHooks:
+        """The model's tensor-parallel hooks: pass them to log-prob helpers, whose logits
+        are vocabulary-sharded under tensor parallelism."""
+        return getattr(self.model, "tp", LOCAL)
 
     @property
     def device(self) -> torch.device:

@@ -37,7 +37,7 @@ from realhf.api.core.model_api import FinetuneSpec
 from realhf.base import dist_util, logging
 from realhf.impl.model.backend.inference import InferenceEngine, mb_inputs
 from realhf.impl.model.backend.lr_schedule import LRSchedule
-from realhf.impl.model.nn.flat_param import flat_view
+from realhf.impl.model.nn.flat_param import flat_intervals, flat_view
 
 logger = logging.getLogger("train_engine")
 
@@ -82,6 +82,10 @@ class TrainEngine(InferenceEngine):
             :attr:`dp_size` and :attr:`dp_rank`.
         gradient_checkpointing: set the model's activation recomputation (None keeps
             the model's setting).
+        grid: the model's :class:`~realhf.impl.model.parallelism.grid.ParallelGrid`
+            (instead of ``dp_group``): gradients are averaged over its ``data`` group, and
+            the gradient norm sums the shards of its ``model`` group (tensor- and
+            pipeline-parallel peers), counting replicated parameters once.
 
     Weight decay applies to matrices only (embeddings, projections); biases and norm
     weights (1-D parameters) are not decayed.
@@ -95,6 +99,7 @@ class TrainEngine(InferenceEngine):
         dp_group=None,
         *,
         gradient_checkpointing: Optional[bool] = None,
+        grid=None,
     ):
         super().__init__(model)
         if not hasattr(model, "flat_params") or not hasattr(model, "param_spec"):
@@ -108,7 +113,19 @@ class TrainEngine(InferenceEngine):
                 f"optimizer must be an OptimizerConfig, got {type(self.config).__name__}"
             )
         self.ft_spec = ft_spec
-        self.dp_group, self.dp_size, self.dp_rank = _resolve_group(dp_group)
+        self.grid = grid
+        if grid is not None:
+            if dp_group is not None:
+                raise ValueError("give TrainEngine a dp_group or a grid, not both")
+            self.dp_group, self.dp_size, self.dp_rank = (
+                grid.groups["data"],
+                grid.dp_size,
+                grid.dp_rank,
+            )
+            self._norm_group = grid.groups["model"]
+        else:
+            self.dp_group, self.dp_size, self.dp_rank = _resolve_group(dp_group)
+            self._norm_group = None
         if gradient_checkpointing is not None:
             model.gradient_checkpointing = bool(gradient_checkpointing)
         self.lr_schedule = LRSchedule.from_config(
@@ -140,6 +157,29 @@ class TrainEngine(InferenceEngine):
             view = flat_view(self.flat_grad, m.param_spec[name])
             p.grad = view
             self._grad_views.append((p, view))
+        # The flat intervals this rank counts in the gradient norm: all of them, except
+        # parameters that tensor-parallel peers hold copies of (counted by one of them).
+        tp = getattr(m, "tp", None)
+        counted = [
+            n for n in m.param_spec if tp is None or tp.size == 1 or tp.counts_in_norm(n, m.config)
+        ]
+        self._norm_intervals = (
+            None if len(counted) == len(m.param_spec) else flat_intervals(m.param_spec, counted)
+        )
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of the (already data-parallel averaged) gradient."""
+        if self._norm_intervals is None:
+            sq = torch.linalg.vector_norm(self.flat_grad.float()).square()
+        else:
+            sq = sum(
+                torch.linalg.vector_norm(self.flat_grad[a:b].float()).square()
+                for a, b in self._norm_intervals
+            )
+            sq = torch.as_tensor(sq, dtype=torch.float32)
+        if self._norm_group is not None:
+            sq = dist_util.all_reduce_(sq.reshape(1).double(), dist.ReduceOp.SUM, self._norm_group)
+        return float(sq.sum().sqrt())
 
     def _check_grad_views(self) -> None:
         # Autograd accumulates in place into an existing .grad, but anything that replaces
@@ -185,7 +225,10 @@ class TrainEngine(InferenceEngine):
         self.model.train()
         if len(sample) == 0:
             raise ValueError("train_batch got a sample with no items; there is nothing to train on")
-        mbs, _, _ = sample.synced_data_parallel_split(mb_spec, group=self.dp_group)
+        if self.grid is not None and self.dp_group is None:  # one replica: nothing to agree
+            mbs = sample.split(mb_spec)[0]
+        else:
+            mbs, _, _ = sample.synced_data_parallel_split(mb_spec, group=self.dp_group)
         weights = [float(loss_weight_fn(mb)) for mb in mbs]
         if any(not math.isfinite(w) or w < 0 for w in weights):
             raise ValueError(f"loss_weight_fn must return finite numbers >= 0, got {weights}")
@@ -251,7 +294,7 @@ class TrainEngine(InferenceEngine):
 
     def _optimizer_step(self, total: float, step: int, lr: float) -> Tuple[float, bool]:
         """Clip and apply the (already averaged) gradient; returns (grad norm, skipped)."""
-        grad_norm = float(torch.linalg.vector_norm(self.flat_grad.float()))
+        grad_norm = self.grad_norm()
         skipped = False
         if total <= 0:
             logger.warning(

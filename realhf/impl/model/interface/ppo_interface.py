@@ -211,6 +211,7 @@ class PPOActorInterface(ModelInterface):
                 mb.cu_seqlens("packed_input_ids").to(dev),
                 d["packed_input_ids"],
                 temperature,
+                tp=engine.tp,
             )
             # With one optimizer step per batch, the policy before the step is the one this
             # forward runs, so its own (detached) log-probs serve as pi_prox.
@@ -248,7 +249,7 @@ def logprobs_sample(
     def hook(logits: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
         ids = mb.data["packed_input_ids"].to(logits.device)
         cu = mb.cu_seqlens("packed_input_ids").to(logits.device)
-        return gather_packed_shifted_log_probs(logits, cu, ids, temperature)
+        return gather_packed_shifted_log_probs(logits, cu, ids, temperature, tp=engine.tp)
 
     lens = [[l - 1 for l in item] for item in data.seqlens["packed_input_ids"]]
     logp = engine.forward(data.select(["packed_input_ids"]), mb_spec, hook, lens).float().cpu()

@@ -38,15 +38,21 @@ def _answer_tokens(mb: SequenceSample) -> int:
     return int(mb.data["prompt_mask"].bool()[shift + 1].logical_not().sum())
 
 
-def _loss(logits: torch.Tensor, mb: SequenceSample):
-    dev = logits.device
-    loss, n = sft_loss(
-        logits,
-        mb.data["packed_input_ids"].to(dev),
-        mb.cu_seqlens("packed_input_ids").to(dev),
-        mb.data["prompt_mask"].to(dev).bool(),
-    )
-    return loss, {}
+def _loss_fn(tp):
+    """The engine's loss function for a model with tensor-parallel hooks ``tp``."""
+
+    def loss(logits: torch.Tensor, mb: SequenceSample):
+        dev = logits.device
+        value, n = sft_loss(
+            logits,
+            mb.data["packed_input_ids"].to(dev),
+            mb.cu_seqlens("packed_input_ids").to(dev),
+            mb.data["prompt_mask"].to(dev).bool(),
+            tp=tp,
+        )
+        return value, {}
+
+    return loss
 
 
 class SFTInterface(ModelInterface):
@@ -62,7 +68,7 @@ class SFTInterface(ModelInterface):
         st = engine.train_batch(
             data.select(_KEYS),
             mb_spec,
-            _loss,
+            _loss_fn(engine.tp),
             _answer_tokens,
             version_steps=model.version.global_step,
         )
@@ -86,6 +92,7 @@ class SFTInterface(ModelInterface):
         require_keys(data, _KEYS, "sft evaluate")
         engine = engine_of(model)
         sample = data.select(_KEYS)
+        _loss = _loss_fn(engine.tp)
 
         def nll_sum(logits: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
             loss, n = _loss(logits, mb)[0], _answer_tokens(mb)

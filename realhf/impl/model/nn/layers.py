@@ -6,6 +6,10 @@ allocates one flat buffer for all layers and registers a view of it under each
 declared name (see :mod:`realhf.impl.model.nn.flat_param`).  The forward code
 then reads the weights as ordinary attributes (``self.attn.c_proj.weight``).
 
+Under tensor parallelism the layers are built from the rank's local config (its share of
+heads, MLP width and vocabulary) and call the hooks of ``tp``
+(:mod:`realhf.impl.model.nn.parallel_hooks`) where the sharded computation differs.
+
 Parameter names (``{layer}.{local}``), e.g. for block 3 of a qwen2 model:
 ``3.attn.c_attn.ln.weight``, ``3.attn.c_attn.q_attn.{weight,bias}``,
 ``3.attn.c_attn.k_attn.*``, ``3.attn.c_attn.v_attn.*``, ``3.attn.c_proj.weight``,
@@ -29,6 +33,7 @@ from realhf.impl.model.modules.attention import packed_causal_attention
 from realhf.impl.model.modules.norm import norm, rms_norm
 from realhf.impl.model.modules.rotary import apply_rope
 from realhf.impl.model.nn.model_config import ReaLModelConfig
+from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
 # (local name, shape, init) with init in {"normal", "ones", "zeros"}.
 ParamDecl = Tuple[str, Tuple[int, ...], str]
@@ -69,6 +74,13 @@ def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, mod.weight, getattr(mod, "bias", None))
 
 
+def _row_linear(mod: nn.Module, x: torch.Tensor, tp: LocalHooks) -> torch.Tensor:
+    # The bias is added once, after the partial products are summed over ranks.
+    y = tp.reduce_out(F.linear(x, mod.weight))
+    b = getattr(mod, "bias", None)
+    return y if b is None else y + b
+
+
 def _norm(mod: nn.Module, x: torch.Tensor, cfg: ReaLModelConfig) -> torch.Tensor:
     return norm(
         x, mod.weight, getattr(mod, "bias", None), cfg.layer_norm_epsilon, cfg.layer_norm_type
@@ -92,9 +104,10 @@ def _linear_decls(prefix: str, out_dim: int, in_dim: int, bias: bool) -> List[Pa
 class EmbeddingLayer(nn.Module):
     """Layer 0: token embedding, plus learned positions for gpt2."""
 
-    def __init__(self, config: ReaLModelConfig):
+    def __init__(self, config: ReaLModelConfig, tp: LocalHooks = LOCAL):
         super().__init__()
         self.config = config
+        self.tp = tp
 
     @staticmethod
     def param_decls(cfg: ReaLModelConfig) -> List[ParamDecl]:
@@ -106,7 +119,7 @@ class EmbeddingLayer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids (and positions) -> hidden states ``[T, hidden_dim]``."""
-        h = F.embedding(input_ids, self.wte.weight)
+        h = self.tp.embed(input_ids, self.wte.weight)
         if self.config.abs_position_embedding:
             h = h + F.embedding(position_ids, self.wpe.weight)
         return h
@@ -115,9 +128,10 @@ class EmbeddingLayer(nn.Module):
 class TransformerBlock(nn.Module):
     """Layers 1..n: pre-norm attention and MLP with residual connections."""
 
-    def __init__(self, config: ReaLModelConfig, block_idx: int):
+    def __init__(self, config: ReaLModelConfig, block_idx: int, tp: LocalHooks = LOCAL):
         super().__init__()
         self.config = config
+        self.tp = tp
         # 0-based like HuggingFace's layer_idx; the block's parameter prefix is block_idx + 1.
         self.block_idx = block_idx
         self._act = _ACTIVATIONS[config.activation]
@@ -158,20 +172,27 @@ class TransformerBlock(nn.Module):
 
     def qkv(self, x: torch.Tensor, ctx: PackedContext):
         """Projected, normed and rotated q ``[T, nq, d]``, k and v ``[T, nkv, d]``."""
-        cfg, ca = self.config, self.attn.c_attn
+        cfg, ca, tp = self.config, self.attn.c_attn, self.tp
         T = x.shape[0]
+        x = tp.copy_in(x)
         q = _linear(ca.q_attn, x).view(T, cfg.n_q_heads, cfg.head_dim)
-        k = _linear(ca.k_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
-        v = _linear(ca.v_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        k = self._kv(ca.k_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = self._kv(ca.v_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
         # Order as in HuggingFace: per-head q/k norm (qwen3), then RoPE. The norm is over
         # head_dim, so it sees one head at a time.
         if cfg.qk_layernorm:
-            q = rms_norm(q, self.attn.q_ln.weight, cfg.layer_norm_epsilon)
-            k = rms_norm(k, self.attn.k_ln.weight, cfg.layer_norm_epsilon)
+            q = rms_norm(q, tp.head_weight(self.attn.q_ln.weight), cfg.layer_norm_epsilon)
+            k = rms_norm(k, tp.head_weight(self.attn.k_ln.weight), cfg.layer_norm_epsilon)
         if ctx.cos is not None:
             q = apply_rope(q, ctx.cos, ctx.sin)
             k = apply_rope(k, ctx.cos, ctx.sin)
         return q, k, v
+
+    def _kv(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        b = getattr(mod, "bias", None)
+        return F.linear(
+            x, self.tp.kv_weight(mod.weight), None if b is None else self.tp.kv_weight(b)
+        )
 
     def _attention(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         q, k, v = self.qkv(x, ctx)
@@ -192,21 +213,29 @@ class TransformerBlock(nn.Module):
                 sliding_window=self.config.sliding_window,
                 impl=ctx.attn_impl,
             )
-        return _linear(self.attn.c_proj, o.reshape(x.shape[0], self.config.q_dim))
+        o = o.reshape(x.shape[0], self.config.q_dim)
+        return _row_linear(self.attn.c_proj, o, self.tp)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        m = self.mlp
+        m, tp = self.mlp, self.tp
+        x = tp.copy_in(x)
         if self.config.gated_mlp:  # SwiGLU-style: act(gate(x)) scales up(x)
-            return _linear(m.down_proj, self._act(_linear(m.gate_proj, x)) * _linear(m.up_proj, x))
-        return _linear(m.c_proj, self._act(_linear(m.c_fc, x)))
+            a = self._act(_linear(m.gate_proj, x)) * _linear(m.up_proj, x)
+            return _row_linear(m.down_proj, a, tp)
+        return _row_linear(m.c_proj, self._act(_linear(m.c_fc, x)), tp)
 
 
 class OutputHead(nn.Module):
-    """Layer n+1: final norm, then the LM head (logits) or the value head."""
+    """Layer n+1: final norm, then the LM head (logits) or the value head.
 
-    def __init__(self, config: ReaLModelConfig):
+    Under tensor parallelism the LM head is vocabulary-parallel (each rank computes the
+    logits of its vocabulary rows) and the value head is replicated.
+    """
+
+    def __init__(self, config: ReaLModelConfig, tp: LocalHooks = LOCAL):
         super().__init__()
         self.config = config
+        self.tp = tp
 
     @staticmethod
     def param_decls(cfg: ReaLModelConfig) -> List[ParamDecl]:
@@ -227,4 +256,4 @@ class OutputHead(nn.Module):
         if self.config.is_critic:
             return F.linear(x, self.weight, self.bias).squeeze(-1)
         w = tied_weight if self.config.tied_embedding else self.weight
-        return F.linear(x, w)
+        return F.linear(self.tp.copy_in(x), w)

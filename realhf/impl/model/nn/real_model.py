@@ -7,8 +7,10 @@ padding.  Output is ``[T, vocab]`` logits, or ``[T]`` values for a critic.
 Every parameter is a view into ``model.flat_params`` (layout in
 ``model.param_spec``, see :mod:`realhf.impl.model.nn.flat_param`).  Moving the
 model (``.to(device/dtype)``) converts the flat buffer once and re-points the
-parameters at it, so the views survive.  The model is single-device; tensor and
-pipeline parallelism wrap it from outside.
+parameters at it, so the views survive.  The model code is single-device; tensor
+parallelism enters through the hooks object ``tp``
+(:mod:`realhf.impl.model.nn.parallel_hooks`): the layers are then built with the rank's
+share of heads, MLP width and vocabulary, so the flat buffer holds only the local shard.
 
 Checkpoints are HuggingFace directories: :meth:`ReaLModel.from_hf`,
 :meth:`ReaLModel.save_hf`, :meth:`ReaLModel.load_hf_weights` (conversion lives
@@ -35,6 +37,7 @@ from realhf.impl.model.nn.layers import (
     TransformerBlock,
 )
 from realhf.impl.model.nn.model_config import ReaLModelConfig
+from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -74,6 +77,11 @@ class ReaLModel(nn.Module):
             storing its activations.
         attn_impl: packed attention implementation, see
             :func:`realhf.impl.model.modules.attention.packed_causal_attention`.
+        tp: tensor-parallel hooks (default: single device); see
+            :class:`realhf.impl.model.parallelism.tensor_parallel.TensorParallel`.
+
+    ``config`` is always the whole architecture; ``layer_config`` is the one the layers
+    were built from (this rank's shard under tensor parallelism, else ``config``).
 
     Children are named ``"0"`` (embedding), ``"1".."n"`` (blocks) and
     ``"n+1"`` (head), so ``state_dict()`` keys equal ``param_spec`` keys.
@@ -89,6 +97,7 @@ class ReaLModel(nn.Module):
         init_weights: bool = True,
         gradient_checkpointing: bool = False,
         attn_impl: str = "auto",
+        tp: LocalHooks = LOCAL,
     ):
         super().__init__()
         if dtype not in _DTYPES:
@@ -96,17 +105,19 @@ class ReaLModel(nn.Module):
         if is_critic is not None and is_critic != config.is_critic:
             config = dataclasses.replace(config, is_critic=is_critic)
         self.config = config
+        self.tp = tp
+        self.layer_config = lc = tp.local_config(config)
         self.gradient_checkpointing = gradient_checkpointing
         self.attn_impl = attn_impl
         self._inv_freq_cache: Dict[torch.device, torch.Tensor] = {}
 
-        layers = [EmbeddingLayer(config)]
-        layers += [TransformerBlock(config, i) for i in range(config.n_layers)]
-        layers += [OutputHead(config)]
+        layers = [EmbeddingLayer(lc, tp)]
+        layers += [TransformerBlock(lc, i, tp) for i in range(config.n_layers)]
+        layers += [OutputHead(lc, tp)]
         for idx, layer in enumerate(layers):
             self.add_module(str(idx), layer)
 
-        decls = [(idx, type(layer).param_decls(config)) for idx, layer in enumerate(layers)]
+        decls = [(idx, type(layer).param_decls(lc)) for idx, layer in enumerate(layers)]
         self.param_spec: Dict[str, ParamSpec]
         self.param_spec, total = build_param_spec(
             [(idx, [(n, s) for n, s, _ in d]) for idx, d in decls]
@@ -177,6 +188,7 @@ class ReaLModel(nn.Module):
             init_weights=False,
             gradient_checkpointing=self.gradient_checkpointing,
             attn_impl=self.attn_impl,
+            tp=self.tp,
         )
         new.load_flat(self.flat_params.detach())
         for (_, src), (_, dst) in zip(self.named_parameters(), new.named_parameters()):
@@ -237,7 +249,8 @@ class ReaLModel(nn.Module):
             max_seqlen: longest sequence, if known (saves a sync for flash-attn).
 
         Returns:
-            ``[T, vocab_size]`` logits, or ``[T]`` values for a critic, in the
+            ``[T, vocab_size]`` logits (``[T, vocab_size / tp]``, this rank's vocabulary
+            rows, under tensor parallelism), or ``[T]`` values for a critic, in the
             model dtype.
         """
         if input_ids.dim() != 1:
@@ -292,11 +305,18 @@ class ReaLModel(nn.Module):
 
         A critic loads its value head from a critic checkpoint written by
         :meth:`save_hf`, or starts a fresh one on a causal-LM checkpoint.
-        ``kwargs`` go to the constructor (``gradient_checkpointing``, ...).
+        ``kwargs`` go to the constructor (``gradient_checkpointing``, ``tp``, ...); with
+        tensor-parallel hooks ``tp`` the model holds this rank's shard.
         """
         from realhf.impl.model.conversion import hf
 
+        tp = kwargs.pop("tp", LOCAL)
         config = hf.config_from_hf_dir(model_dir, is_critic=is_critic)
+        if tp.size > 1:
+            # Every rank reads the whole checkpoint on the host and keeps its shard.
+            full = cls(config, dtype=dtype, device="cpu", init_weights=False)
+            hf.load_weights(full, model_dir, check_config=False)
+            return tp.shard_model(full, device=device, **kwargs)
         model = cls(config, dtype=dtype, device=device, init_weights=False, **kwargs)
         hf.load_weights(model, model_dir, check_config=False)
         return model
@@ -320,8 +340,15 @@ class ReaLModel(nn.Module):
         ``AutoModelForTokenClassification`` with one label for a critic).
 
         ``tokenizer`` is a tokenizer object (saved with ``save_pretrained``) or a
-        directory whose tokenizer files are copied.
+        directory whose tokenizer files are copied.  Under tensor parallelism this is a
+        collective of the tensor-parallel group and its rank 0 writes the whole model.
         """
         from realhf.impl.model.conversion import hf
 
+        if self.tp.size > 1:
+            # Collective: every tensor rank sends its shards; rank 0 writes the whole model.
+            full = self.tp.gather_model(self)
+            if full is not None:
+                full.save_hf(model_dir, tokenizer, max_shard_bytes=max_shard_bytes)
+            return
         hf.save(self, model_dir, tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)

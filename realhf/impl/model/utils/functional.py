@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
+
 __all__ = [
     "check_cu_seqlens",
     "short1cu_seqlens",
@@ -78,15 +80,19 @@ def gather_packed_shifted_log_probs(
     cu_seqlens: torch.Tensor,
     input_ids: torch.Tensor,
     temperature: float = 1.0,
+    tp: Optional[LocalHooks] = None,
 ) -> torch.Tensor:
     """Log-probability of each next token, per sequence.
 
     Args:
-        logits: [T, V] model outputs for the packed tokens.
+        logits: [T, V] model outputs for the packed tokens ([T, V/m], this rank's
+            vocabulary rows, under tensor parallelism).
         cu_seqlens: [B+1] sequence offsets.
         input_ids: [T] packed tokens.
         temperature: logits are divided by it (use the generation temperature so that the
             result matches the sampler's log-probs).
+        tp: the model's hooks (``model.tp``) when its logits are vocabulary-sharded; the
+            log-softmax then runs across ranks without gathering the logits.
 
     Returns:
         [T - B] float32: entry t of sequence i is
@@ -105,8 +111,7 @@ def gather_packed_shifted_log_probs(
     if temperature != 1.0:
         lg = lg / temperature
     labels = input_ids[idx + 1].long()
-    # gather - logsumexp avoids materialising a second [T, V] log-softmax tensor.
-    return lg.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lg, dim=-1)
+    return (tp or LOCAL).token_log_probs(lg, labels)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -166,8 +171,10 @@ def sft_loss(
     input_ids: torch.Tensor,
     cu_seqlens: torch.Tensor,
     prompt_mask: torch.Tensor,
+    tp: Optional[LocalHooks] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Cross entropy on answer tokens only (packed).
+    """Cross entropy on answer tokens only (packed); ``tp`` as for
+    :func:`gather_packed_shifted_log_probs`.
 
     Args:
         logits: [T, V] model outputs.
@@ -185,7 +192,7 @@ def sft_loss(
             f"prompt_mask shape {tuple(prompt_mask.shape)} must equal input_ids shape "
             f"{tuple(input_ids.shape)}"
         )
-    logp = gather_packed_shifted_log_probs(logits, cu_seqlens, input_ids)
+    logp = gather_packed_shifted_log_probs(logits, cu_seqlens, input_ids, tp=tp)
     # Position t predicts token t+1: it is trained when token t+1 is part of the answer.
     answer = prompt_mask[shift_one_indices(cu_seqlens) + 1].logical_not()
     n_tokens = answer.sum()

@@ -1,0 +1,93 @@
+"""The seam through which tensor parallelism enters a single-device ReaLModel.
+
+Model code never touches process groups.  Where a tensor-parallel model differs from the
+single-device one, the layers call a hook of ``model.tp``; :class:`LocalHooks` (the
+default) makes every hook the identity, and
+:class:`realhf.impl.model.parallelism.tensor_parallel.TensorParallel` implements them with
+collectives over the tensor-parallel group.  The places (Megatron-style):
+
+- :meth:`~LocalHooks.copy_in` on the input of every column-parallel projection (q/k/v,
+  MLP up/gate, LM head): identity forward, sum of the input gradients over ranks backward;
+- :meth:`~LocalHooks.reduce_out` on the output of every row-parallel projection (attention
+  output, MLP down) *before its bias*: sum over ranks forward, identity backward;
+- :meth:`~LocalHooks.embed`: the vocabulary-parallel embedding lookup;
+- :meth:`~LocalHooks.kv_weight`: key/value weights that several ranks hold copies of (when
+  there are fewer key/value heads than ranks) get their gradients summed over the copies;
+- :meth:`~LocalHooks.head_weight`: replicated weights applied to this rank's heads only
+  (qwen3's per-head q/k norms) get their gradients summed over ranks;
+- :meth:`~LocalHooks.token_log_probs`: log-softmax of vocabulary-sharded logits at given
+  labels, without gathering the ``[T, vocab]`` logits.
+
+The layers are built from :meth:`~LocalHooks.local_config`: the same architecture with this
+rank's share of heads, MLP width and vocabulary, so their parameter declarations give the
+local shard shapes and the flat buffer holds only the local shard.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.nn.functional as F
+
+from realhf.impl.model.nn.model_config import ReaLModelConfig
+
+__all__ = ["LocalHooks", "LOCAL"]
+
+
+class LocalHooks:
+    """Single-device hooks: one rank holds everything; every hook is the identity."""
+
+    size = 1
+    rank = 0
+
+    def local_config(self, config: ReaLModelConfig) -> ReaLModelConfig:
+        """The architecture of this rank's layers."""
+        return config
+
+    def vocab_range(self, config: ReaLModelConfig) -> Tuple[int, int]:
+        """``[start, end)`` of the vocabulary rows this rank holds."""
+        return 0, config.vocab_size
+
+    def copy_in(self, x: torch.Tensor) -> torch.Tensor:
+        """Input of a column-parallel projection."""
+        return x
+
+    def reduce_out(self, x: torch.Tensor) -> torch.Tensor:
+        """Partial output of a row-parallel projection (before its bias)."""
+        return x
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Token embedding ``[T, hidden]`` of ``input_ids`` from this rank's rows ``weight``."""
+        return F.embedding(input_ids, weight)
+
+    def kv_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A key/value projection weight or bias, as used in forward."""
+        return w
+
+    def head_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """A replicated weight applied per head to this rank's heads, as used in forward."""
+        return w
+
+    def token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``log_softmax(logits)[i, labels[i]]`` for float ``logits [N, V_local]``."""
+        # gather - logsumexp avoids materialising a second [N, V] log-softmax tensor.
+        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[N, V]`` from this rank's ``[N, V_local]`` (for
+        sampling a few rows; training never needs it)."""
+        return logits
+
+    def gather_model(self, model):
+        """The whole single-device model (a collective under tensor parallelism; None on
+        ranks that do not receive it)."""
+        return model
+
+    def shard_model(self, full, device=None, **kwargs):
+        """This rank's share of the whole model ``full`` (itself on a single device)."""
+        return full if device is None else full.to(device)
+
+
+#: the shared single-device hooks
+LOCAL = LocalHooks()
