@@ -54,6 +54,7 @@ from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.sequence import Sequence
+from realhf.impl.model.nn.parallel_hooks import LOCAL
 
 logger = logging.getLogger("gen_engine")
 
@@ -142,8 +143,10 @@ class GenerationEngine:
     ):
         self.model = model
         self.config = config
-        mc = model.config
-        self.vocab_size = mc.vocab_size
+        self.vocab_size = model.config.vocab_size
+        # The cache holds this rank's key/value heads under tensor parallelism.
+        mc = getattr(model, "layer_config", model.config)
+        self._gather_logits = getattr(model, "tp", LOCAL).gather_logits
         self.sliding_window = getattr(mc, "sliding_window", None)
         self.context_length = config.context_length or mc.n_positions
         defaults = set(int(t) for t in eos_token_ids)
@@ -259,7 +262,15 @@ class GenerationEngine:
         self, reqs: Seq[GenerateRequest], timeout: Optional[float] = None
     ) -> List[GenerateOutput]:
         """Submit requests and wait for all outputs (in order)."""
-        futs = [self.submit(r) for r in reqs]
+        return self.collect(reqs, [self.submit(r) for r in reqs], timeout)
+
+    def collect(
+        self,
+        reqs: Seq[GenerateRequest],
+        futs: Seq["concurrent.futures.Future[GenerateOutput]"],
+        timeout: Optional[float] = None,
+    ) -> List[GenerateOutput]:
+        """Wait for the outputs of ``reqs`` submitted as ``futs`` (in order)."""
         deadline = time.monotonic() + (timeout or self.config.request_timeout_s)
         outs = []
         for r, f in zip(reqs, futs):
@@ -473,6 +484,8 @@ class GenerationEngine:
                 torch.tensor(list(range(B)) + [b - 1 for b in bounds[B + 1 :]], device=dev)
             ]
             self.total_prompt_tokens += pbounds[-1]
+        # Vocabulary shards of a tensor-parallel model are joined for these rows only.
+        logits = self._gather_logits(logits)
         return sample(logits, self._sampling_batch(decode + prefill))
 
     def _sampling_batch(self, seqs: List[Sequence]) -> SamplingBatch:

@@ -107,9 +107,12 @@ def generate_offline(
     )
     was_training = model.training
     model.eval()
+    # Queued before the engine thread starts, so it admits them all at once: tensor-parallel
+    # ranks then run the same batches in the same order (their forwards are collectives).
+    futures = [engine.submit(r) for r in requests]
     engine.start()
     try:
-        outputs = engine.generate(requests, timeout=timeout_s)
+        outputs = engine.collect(requests, futures, timeout=timeout_s)
     finally:
         # Closing frees the KV cache before training needs the memory.
         engine.close()

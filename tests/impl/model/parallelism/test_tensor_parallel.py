@@ -1,10 +1,11 @@
 """Tensor parallelism of ReaLModel equals the single-device model.
 
 The multi-rank tests run this file as a script once per rank (gloo, a FileStore); each rank
-loads the same HuggingFace checkpoints into its layout, runs forward, log-probs, a critic and
-one optimizer step, and saves what it computed.  The test process computes the same on one
-device and compares: logits, log-probs and values to 1e-5, gradients and the stepped weights
-(shards put back together) to 1e-5, and ``save_hf`` from the layout to the single-device save.
+loads the same HuggingFace checkpoints into its layout, runs forward, log-probs, a critic,
+greedy and seeded sampled generation and one optimizer step, and saves what it computed.
+The test process computes the same on one device and compares: logits, log-probs and values
+to 1e-5, generated tokens exactly, gradients and the stepped weights (shards put back
+together) to 1e-5, and ``save_hf`` from the layout to the single-device save.
 
 The optimizer is AdamW with ``eps=1``: on a first step its update is ``lr·g / (|g| + 1)``,
 nearly linear in g, so the 1e-9 noise that sums over ranks leave in a (near-)zero gradient
@@ -27,9 +28,11 @@ from tiny_models import make_tiny_hf_model
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.allocation import ParallelismConfig, parse_parallelism
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.base import shutdown
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import TrainEngine
+from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.parallelism.grid import ParallelGrid
 from realhf.impl.model.parallelism.tensor_parallel import (
@@ -53,6 +56,16 @@ def _batch() -> SequenceSample:
         ids=[f"s{i}" for i in range(len(SEQLENS))],
         seqlens=list(SEQLENS),
         data={"packed_input_ids": ids},
+    )
+
+
+def _prompts() -> SequenceSample:
+    lens = [3, 6, 2, 5]
+    g = torch.Generator().manual_seed(11)
+    return SequenceSample.from_default(
+        ids=[f"p{i}" for i in range(len(lens))],
+        seqlens=lens,
+        data={"packed_prompts": torch.randint(0, VOCAB, (sum(lens),), generator=g)},
     )
 
 
@@ -94,6 +107,14 @@ def _compute(model: ReaLModel, critic: ReaLModel, grid, items) -> dict:
         out["logits"] = tp.gather_logits(logits)
         out["logp"] = gather_packed_shifted_log_probs(logits, cu, ids, tp=tp)
         out["values"] = critic(ids, cu)
+        # Greedy answers and a sampled pair per prompt (seeds derive from the prompt ids).
+        prompts = _prompts()
+        for key, gconfig in (
+            ("greedy", GenerationHyperparameters(n=1, max_new_tokens=6, greedy=True)),
+            ("sampled", GenerationHyperparameters(n=2, max_new_tokens=6, temperature=1.0)),
+        ):
+            gen = generate_offline(model, prompts, gconfig, seed=5)
+            out[key] = gen.data["packed_input_ids"]
     engine = (
         TrainEngine(model, _optimizer(), grid=grid) if grid else TrainEngine(model, _optimizer())
     )
@@ -182,6 +203,8 @@ def _check_layout(layout_str, name, ranks, ref, cfg: ReaLModelConfig, saved_dir)
         _close(out["logits"], ref["logits"], f"{what} logits")
         _close(out["logp"], ref["logp"], f"{what} log-probs")
         _close(out["values"], ref["values"], f"{what} values")
+        for key in ("greedy", "sampled"):
+            assert torch.equal(out[key], ref[key]), (what, key, out[key], ref[key])
         for k, v in ref["stats"].items():
             assert abs(out["stats"][k] - v) <= TOL * max(1.0, abs(v)), (what, k, out["stats"], v)
     # Shards of every tensor rank of replica 0 put together equal the reference.
