@@ -38,7 +38,7 @@ __all__ = ["ParallelGrid", "AXES"]
 AXES = ("data", "pipe", "tensor")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class ParallelGrid:
     """This rank's coordinates in a model layout and its groups (see the module docstring).
 
@@ -83,10 +83,12 @@ class ParallelGrid:
         """
         n = layout.world_size
         ranks = tuple(range(n)) if ranks is None else tuple(int(r) for r in ranks)
-        if len(ranks) != n or len(set(ranks)) != n:
+        if len(ranks) != n or any(a >= b for a, b in zip(ranks, ranks[1:])):
+            # Increasing, so that a group's ranks (torch orders them by world rank) are the
+            # grid coordinates along its axis: all_gather returns shards in tensor-rank order.
             raise ValueError(
-                f"layout {layout} needs {n} distinct ranks, got {list(ranks)}; "
-                "give one world rank per grid rank"
+                f"layout {layout} needs {n} increasing world ranks, got {list(ranks)}; "
+                "give one world rank per grid rank, in order"
             )
         if not (dist.is_available() and dist.is_initialized()):
             if n == 1 and ranks == (0,):

@@ -26,7 +26,7 @@ from rank_processes import run_ranks
 from tiny_models import make_tiny_hf_model
 
 from realhf.api.cli_args import OptimizerConfig
-from realhf.api.core.allocation import ParallelismConfig, parse_parallelism
+from realhf.api.core.allocation import parse_parallelism
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.base import shutdown
@@ -310,13 +310,6 @@ def test_indivisible_dimensions_are_named(kw, m, needle):
     with pytest.raises(ValueError, match=needle) as ei:
         check_tensor_parallel(_cfg(**kw), m)
     assert f"m={m}" in str(ei.value)
-
-
-def test_grid_without_distributed_is_single_and_refuses_more_ranks():
-    g = ParallelGrid.create(ParallelismConfig())
-    assert (g.dp_size, g.pp_size, g.tp_size, g.groups["tensor"]) == (1, 1, 1, None)
-    with pytest.raises(RuntimeError, match="initialise torch.distributed"):
-        ParallelGrid.create(ParallelismConfig(tensor=2))
 
 
 class _FakeTP(TensorParallel):
