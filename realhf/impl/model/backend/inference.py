@@ -47,14 +47,18 @@ class InferenceEngine:
 
     Args:
         model: the ReaLModel (already on its device and in its dtype).
+        grid: its :class:`~realhf.impl.model.parallelism.grid.ParallelGrid` (None: one
+            process, or plain data parallelism).  Every rank of a data-parallel replica
+            calls :meth:`forward` with the same sample and gets the same result.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, grid=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"the engine wraps a torch module (a ReaLModel), got {type(model).__name__}"
             )
         self.model = model
+        self.grid = grid
 
     # ---- module-like surface (``Model`` reads parameters() for its dtype) ----
     def parameters(self) -> Iterator[torch.nn.Parameter]:

@@ -101,7 +101,7 @@ class TrainEngine(InferenceEngine):
         gradient_checkpointing: Optional[bool] = None,
         grid=None,
     ):
-        super().__init__(model)
+        super().__init__(model, grid)
         if not hasattr(model, "flat_params") or not hasattr(model, "param_spec"):
             raise TypeError(
                 "TrainEngine needs a ReaLModel (flat_params + param_spec); got "
@@ -113,7 +113,6 @@ class TrainEngine(InferenceEngine):
                 f"optimizer must be an OptimizerConfig, got {type(self.config).__name__}"
             )
         self.ft_spec = ft_spec
-        self.grid = grid
         if grid is not None:
             if dp_group is not None:
                 raise ValueError("give TrainEngine a dp_group or a grid, not both")
