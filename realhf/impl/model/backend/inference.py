@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
@@ -117,13 +118,11 @@ class InferenceEngine:
         # split() reorders items to pack micro-batches: the i-th item in split order is
         # item forward_idx[i] of the sample, and backward_idx puts them back.
         mbs, forward_idx, backward_idx = sample.split(mb_spec)
+        outs = self._run_microbatches(mbs, post_hook)
+        if outs is None:  # a pipeline stage other than the last
+            return self._receive_result()
         per_item: List[torch.Tensor] = []
-        device = self.device
-        for mb, start in zip(mbs, _starts([len(m) for m in mbs])):
-            ids, cu = mb_inputs(mb, device)
-            out = self.model(ids, cu)
-            if post_hook is not None:
-                out = post_hook(out, mb)
+        for mb, out, start in zip(mbs, outs, _starts([len(m) for m in mbs])):
             sizes = [sum(output_seqlens[forward_idx[start + j]]) for j in range(len(mb))]
             if out.shape[0] != sum(sizes):
                 raise ValueError(
@@ -132,7 +131,67 @@ class InferenceEngine:
                     "match the post_hook"
                 )
             per_item.extend(torch.split(out, sizes, dim=0))
-        return torch.cat([per_item[i] for i in backward_idx], dim=0)
+        result = torch.cat([per_item[i] for i in backward_idx], dim=0)
+        if self.pipelined:
+            self._send_result(result)
+        return result
+
+    # ---- pipeline parallelism ----------------------------------------------------------
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model is one stage of a pipeline (its grid has ``pipe > 1``)."""
+        return self.grid is not None and self.grid.pp_size > 1
+
+    def _stage_fn(self, mbs: List[SequenceSample]):
+        device = self.device
+
+        def run(x: Optional[torch.Tensor], i: int) -> torch.Tensor:
+            ids, cu = mb_inputs(mbs[i], device)
+            return self.model(ids, cu, hidden=x)
+
+        return run
+
+    def _act_shape(self, mbs: List[SequenceSample]):
+        hidden = self.model.config.hidden_dim
+        return lambda i: (sum(mbs[i].flat_seqlens("packed_input_ids")), hidden)
+
+    def _run_microbatches(
+        self, mbs: List[SequenceSample], post_hook: Optional[PostHook]
+    ) -> Optional[List[torch.Tensor]]:
+        """The (post-hooked) output of every micro-batch; None on a pipeline stage that
+        is not the last."""
+        if not self.pipelined:
+            outs = []
+            for mb in mbs:
+                ids, cu = mb_inputs(mb, self.device)
+                out = self.model(ids, cu)
+                outs.append(out if post_hook is None else post_hook(out, mb))
+            return outs
+        from realhf.impl.model.parallelism import pipeline
+
+        run = self._stage_fn(mbs)
+        if self.grid.is_last_stage and post_hook is not None:
+            stage, run = run, lambda x, i: post_hook(stage(x, i), mbs[i])
+        return pipeline.forward_only(
+            run, len(mbs), self.grid, self._act_shape(mbs), self.model.dtype, self.device
+        )
+
+    def _send_result(self, result: torch.Tensor) -> None:
+        """Last stage: broadcast the result to the other stages of the pipeline."""
+        g = self.grid
+        meta = [(tuple(result.shape), result.dtype)]
+        dist.broadcast_object_list(meta, src=g.stage_rank(g.pp_size - 1), group=g.groups["pipe"])
+        dist.broadcast(result.contiguous(), src=g.stage_rank(g.pp_size - 1), group=g.groups["pipe"])
+
+    def _receive_result(self) -> torch.Tensor:
+        g = self.grid
+        meta = [None]
+        dist.broadcast_object_list(meta, src=g.stage_rank(g.pp_size - 1), group=g.groups["pipe"])
+        shape, dtype = meta[0]
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.broadcast(out, src=g.stage_rank(g.pp_size - 1), group=g.groups["pipe"])
+        return out
 
 
 def _starts(counts: List[int]) -> List[int]:

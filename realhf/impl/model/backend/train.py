@@ -160,7 +160,9 @@ class TrainEngine(InferenceEngine):
         # parameters that tensor-parallel peers hold copies of (counted by one of them).
         tp = getattr(m, "tp", None)
         counted = [
-            n for n in m.param_spec if tp is None or tp.size == 1 or tp.counts_in_norm(n, m.config)
+            n
+            for n in m.param_spec
+            if tp is None or not tp.distributed or tp.counts_in_norm(n, m.config)
         ]
         self._norm_intervals = (
             None if len(counted) == len(m.param_spec) else flat_intervals(m.param_spec, counted)
@@ -233,7 +235,11 @@ class TrainEngine(InferenceEngine):
             raise ValueError(f"loss_weight_fn must return finite numbers >= 0, got {weights}")
         total = float(self._all_reduce(torch.tensor([sum(weights)], dtype=torch.float64))[0])
 
-        keys, partial = self._forward_backward(mbs, weights, total, loss_fn)
+        if self.pipelined:
+            keys, partial = self._forward_backward_pipelined(mbs, weights, total, loss_fn)
+            self._sync_tied_embedding()
+        else:
+            keys, partial = self._forward_backward(mbs, weights, total, loss_fn)
         reduced = self._all_reduce(partial.cpu())  # [loss, *stats], global weighted means
         if self.dp_size > 1:
             self._all_reduce(self.flat_grad)
@@ -290,6 +296,62 @@ class TrainEngine(InferenceEngine):
             )
         self._check_grad_views()
         return keys or [], torch.stack(shares).sum(0)
+
+    def _forward_backward_pipelined(
+        self, mbs: List[SequenceSample], weights: List[float], total: float, loss_fn: LossFn
+    ) -> Tuple[List[str], torch.Tensor]:
+        """:meth:`_forward_backward` over pipeline stages (1F1B); the last stage computes the
+        losses and sends ``[loss, *stats]`` shares to the other stages."""
+        from realhf.impl.model.parallelism import pipeline
+
+        self.zero_grad()
+        g = self.grid
+        rows: List[torch.Tensor] = []
+        keys: List[List[str]] = []
+
+        def last_stage_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+            loss, stats = loss_fn(out, mbs[i])
+            if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+                raise TypeError(f"loss_fn must return a scalar tensor loss, got {loss!r}")
+            keys.append(sorted(stats))
+            if keys[-1] != keys[0]:
+                raise ValueError(
+                    f"loss_fn returned stats {keys[-1]} for one micro-batch and {keys[0]} for "
+                    "another; return the same keys every time"
+                )
+            frac = weights[i] / total if total > 0 else 0.0
+            row = [loss.detach()] + [torch.as_tensor(stats[k]) for k in keys[0]]
+            rows.append(torch.stack([x.to(torch.float64).cpu().reshape(()) for x in row]) * frac)
+            return loss * (frac * self.dp_size)
+
+        pipeline.train_1f1b(
+            self._stage_fn(mbs),
+            len(mbs),
+            g,
+            self._act_shape(mbs),
+            self.model.dtype,
+            self.device,
+            last_stage_loss,
+        )
+        self._check_grad_views()
+        box = [(keys[0], torch.stack(rows).sum(0))] if g.is_last_stage else [None]
+        last = g.stage_rank(g.pp_size - 1)
+        dist.broadcast_object_list(box, src=last, group=g.groups["pipe"])
+        return box[0]
+
+    def _sync_tied_embedding(self) -> None:
+        """Sum the gradients of a tied embedding's two copies (first and last stage)."""
+        g, m = self.grid, self.model
+        group = g.groups["embed"]
+        if group is None or not m.config.shares_head_with_embedding:
+            return
+        if m.has_embedding:
+            grad = m.embedding.wte.weight.grad
+        elif m.head_copies_embedding:
+            grad = m.head.weight.grad
+        else:
+            return
+        dist_util.all_reduce_(grad, dist.ReduceOp.SUM, group)
 
     def _optimizer_step(self, total: float, step: int, lr: float) -> Tuple[float, bool]:
         """Clip and apply the (already averaged) gradient; returns (grad norm, skipped)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -144,9 +145,15 @@ class GenerationEngine:
         self.model = model
         self.config = config
         self.vocab_size = model.config.vocab_size
-        # The cache holds this rank's key/value heads under tensor parallelism.
+        # The cache holds this rank's key/value heads (tensor parallelism) of the blocks
+        # of its pipeline stage; attn_fn gets global block indices.
         mc = getattr(model, "layer_config", model.config)
-        self._gather_logits = getattr(model, "tp", LOCAL).gather_logits
+        hooks = getattr(model, "tp", LOCAL)
+        self._gather_logits = hooks.gather_logits
+        self._run_model = functools.partial(hooks.run_stages, model)
+        blocks = getattr(model, "blocks", None)
+        self._first_block = blocks[0].block_idx if blocks else 0
+        n_cache_layers = len(blocks) if blocks else mc.n_layers
         self.sliding_window = getattr(mc, "sliding_window", None)
         self.context_length = config.context_length or mc.n_positions
         defaults = set(int(t) for t in eos_token_ids)
@@ -159,7 +166,7 @@ class GenerationEngine:
             mc, config.max_running_requests, self.context_length, config.torch_dtype, self.device
         )
         self.cache = SlotKVCache(
-            n_layers=mc.n_layers,
+            n_layers=n_cache_layers,
             n_kv_heads=mc.n_kv_heads,
             head_dim=mc.head_dim,
             n_slots=config.max_running_requests,
@@ -464,6 +471,7 @@ class GenerationEngine:
             pslots_t, ppos_t = torch.tensor(pslots, device=dev), pos_t[B:]
 
         def attn_fn(layer, q, k, v):
+            layer -= self._first_block
             outs = []
             if dattn is not None:
                 outs.append(dattn(q[:B], k[:B], v[:B], cache.k[layer], cache.v[layer]))
@@ -473,7 +481,7 @@ class GenerationEngine:
                 outs.append(pattn(q[B:], kp, vp))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-        logits = self.model(
+        logits = self._run_model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(bounds, dtype=torch.int32, device=dev),
             position_ids=pos_t,

@@ -40,6 +40,8 @@ class LocalHooks:
 
     size = 1
     rank = 0
+    #: whether the model is split over processes (loading and saving are then collectives)
+    distributed = False
 
     def local_config(self, config: ReaLModelConfig) -> ReaLModelConfig:
         """The architecture of this rank's layers."""
@@ -87,6 +89,11 @@ class LocalHooks:
     def shard_model(self, full, device=None, **kwargs):
         """This rank's share of the whole model ``full`` (itself on a single device)."""
         return full if device is None else full.to(device)
+
+    def run_stages(self, model, input_ids, cu_seqlens, **kwargs) -> torch.Tensor:
+        """The whole model's output for a packed batch (pipeline stages pass hidden states
+        along; on a single device this is just ``model(...)``)."""
+        return model(input_ids, cu_seqlens, **kwargs)
 
 
 #: the shared single-device hooks

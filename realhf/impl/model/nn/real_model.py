@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -79,6 +79,12 @@ class ReaLModel(nn.Module):
             :func:`realhf.impl.model.modules.attention.packed_causal_attention`.
         tp: tensor-parallel hooks (default: single device); see
             :class:`realhf.impl.model.parallelism.tensor_parallel.TensorParallel`.
+        layers: ``(start, end)``: hold only layers ``start..end-1`` (a pipeline stage;
+            layer 0 is the embedding, ``n_layers + 1`` the head); default all.  A stage
+            without the embedding takes hidden states as input (``forward(hidden=)``), one
+            without the head returns them.  A last stage of a tied-embedding model holds
+            its own copy of the embedding matrix as ``{n+1}.weight`` (kept equal to the
+            embedding by summing their gradients, see the pipeline engine).
 
     ``config`` is always the whole architecture; ``layer_config`` is the one the layers
     were built from (this rank's shard under tensor parallelism, else ``config``).
@@ -98,6 +104,7 @@ class ReaLModel(nn.Module):
         gradient_checkpointing: bool = False,
         attn_impl: str = "auto",
         tp: LocalHooks = LOCAL,
+        layers: Optional[Tuple[int, int]] = None,
     ):
         super().__init__()
         if dtype not in _DTYPES:
@@ -111,13 +118,35 @@ class ReaLModel(nn.Module):
         self.attn_impl = attn_impl
         self._inv_freq_cache: Dict[torch.device, torch.Tensor] = {}
 
-        layers = [EmbeddingLayer(lc, tp)]
-        layers += [TransformerBlock(lc, i, tp) for i in range(config.n_layers)]
-        layers += [OutputHead(lc, tp)]
-        for idx, layer in enumerate(layers):
+        n_all = config.n_layers + 2
+        start, end = (0, n_all) if layers is None else (int(layers[0]), int(layers[1]))
+        if not 0 <= start < end <= n_all:
+            raise ValueError(
+                f"ReaLModel layers={layers!r}: need 0 <= start < end <= {n_all} "
+                f"(embedding 0, blocks 1..{config.n_layers}, head {n_all - 1})"
+            )
+        self.layer_range = (start, end)
+        #: whether the head keeps its own copy of a tied embedding (a last pipeline stage)
+        self.head_copies_embedding = (
+            config.shares_head_with_embedding and start > 0 and end == n_all
+        )
+        built = {}
+        for idx in range(start, end):
+            if idx == 0:
+                built[idx] = (EmbeddingLayer(lc, tp), lc)
+            elif idx == n_all - 1:
+                hc = (
+                    dataclasses.replace(lc, tied_embedding=False)
+                    if self.head_copies_embedding
+                    else lc
+                )
+                built[idx] = (OutputHead(hc, tp), hc)
+            else:
+                built[idx] = (TransformerBlock(lc, idx - 1, tp), lc)
+        for idx, (layer, _) in built.items():
             self.add_module(str(idx), layer)
 
-        decls = [(idx, type(layer).param_decls(lc)) for idx, layer in enumerate(layers)]
+        decls = [(idx, type(layer).param_decls(c)) for idx, (layer, c) in built.items()]
         self.param_spec: Dict[str, ParamSpec]
         self.param_spec, total = build_param_spec(
             [(idx, [(n, s) for n, s, _ in d]) for idx, d in decls]
@@ -138,8 +167,20 @@ class ReaLModel(nn.Module):
 
     @property
     def blocks(self):
-        """Layers 1..n_layers, in order."""
-        return [getattr(self, str(i + 1)) for i in range(self.config.n_layers)]
+        """The transformer blocks this model holds (layers 1..n_layers), in order."""
+        start, end = self.layer_range
+        lo, hi = max(start, 1), min(end, self.config.n_layers + 1)
+        return [getattr(self, str(i)) for i in range(lo, hi)]
+
+    @property
+    def has_embedding(self) -> bool:
+        """Whether layer 0 is here (the first pipeline stage)."""
+        return self.layer_range[0] == 0
+
+    @property
+    def has_head(self) -> bool:
+        """Whether the head is here (the last pipeline stage)."""
+        return self.layer_range[1] == self.config.n_layers + 2
 
     @property
     def head(self) -> OutputHead:
@@ -189,6 +230,7 @@ class ReaLModel(nn.Module):
             gradient_checkpointing=self.gradient_checkpointing,
             attn_impl=self.attn_impl,
             tp=self.tp,
+            layers=self.layer_range,
         )
         new.load_flat(self.flat_params.detach())
         for (_, src), (_, dst) in zip(self.named_parameters(), new.named_parameters()):
@@ -232,8 +274,9 @@ class ReaLModel(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         attn_fn: Optional[AttnFn] = None,
         max_seqlen: Optional[int] = None,
+        hidden: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Run the packed batch through all layers.
+        """Run the packed batch through the layers this model holds.
 
         Args:
             input_ids: ``LongTensor[T]``, all sequences concatenated.
@@ -247,11 +290,13 @@ class ReaLModel(nn.Module):
                 the block applies its output projection.  ``cu_seqlens`` is then
                 not used for attention.
             max_seqlen: longest sequence, if known (saves a sync for flash-attn).
+            hidden: ``[T, hidden_dim]`` input hidden states of a pipeline stage without
+                the embedding (required there, refused elsewhere).
 
         Returns:
             ``[T, vocab_size]`` logits (``[T, vocab_size / tp]``, this rank's vocabulary
             rows, under tensor parallelism), or ``[T]`` values for a critic, in the
-            model dtype.
+            model dtype; ``[T, hidden_dim]`` hidden states from a stage without the head.
         """
         if input_ids.dim() != 1:
             raise ValueError(
@@ -275,7 +320,21 @@ class ReaLModel(nn.Module):
         # The RoPE tables are built once per forward and shared by all blocks.
         cos, sin = self._rope_tables(position_ids)
         ctx = PackedContext(cu_seqlens, max_seqlen, cos, sin, attn_fn, self.attn_impl)
-        h = self.embedding(input_ids, position_ids)
+        if self.has_embedding != (hidden is None):
+            raise ValueError(
+                f"ReaLModel holding layers {self.layer_range}: "
+                + (
+                    "pass hidden= (the previous stage's output); this stage has no embedding"
+                    if hidden is None
+                    else "hidden= is only for pipeline stages without the embedding"
+                )
+            )
+        if hidden is not None and tuple(hidden.shape) != (T, self.config.hidden_dim):
+            raise ValueError(
+                f"hidden has shape {tuple(hidden.shape)}; expected [T, hidden_dim] = "
+                f"[{T}, {self.config.hidden_dim}]"
+            )
+        h = self.embedding(input_ids, position_ids) if hidden is None else hidden
         checkpoint = (
             self.gradient_checkpointing
             and self.training
@@ -287,7 +346,11 @@ class ReaLModel(nn.Module):
                 h = torch.utils.checkpoint.checkpoint(block, h, ctx, use_reentrant=False)
             else:
                 h = block(h, ctx)
-        tied = self.embedding.wte.weight if self.config.shares_head_with_embedding else None
+        if not self.has_head:
+            return h
+        tied = None
+        if self.config.shares_head_with_embedding and not self.head_copies_embedding:
+            tied = self.embedding.wte.weight
         return self.head(h, tied)
 
     # ---- HuggingFace checkpoints -----------------------------------------
@@ -312,7 +375,7 @@ class ReaLModel(nn.Module):
 
         tp = kwargs.pop("tp", LOCAL)
         config = hf.config_from_hf_dir(model_dir, is_critic=is_critic)
-        if tp.size > 1:
+        if tp.distributed:
             # Every rank reads the whole checkpoint on the host and keeps its shard.
             full = cls(config, dtype=dtype, device="cpu", init_weights=False)
             hf.load_weights(full, model_dir, check_config=False)
@@ -345,8 +408,8 @@ class ReaLModel(nn.Module):
         """
         from realhf.impl.model.conversion import hf
 
-        if self.tp.size > 1:
-            # Collective: every tensor rank sends its shards; rank 0 writes the whole model.
+        if self.tp.distributed:
+            # Collective over the model's ranks; one of them writes the whole model.
             full = self.tp.gather_model(self)
             if full is not None:
                 full.save_hf(model_dir, tokenizer, max_shard_bytes=max_shard_bytes)

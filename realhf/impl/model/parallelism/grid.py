@@ -15,7 +15,9 @@ Groups (torch.distributed), each holding this rank:
 ``data``   the ranks that differ only in ``data`` (gradient all-reduce);
 ``pipe``   the ranks that differ only in ``pipe`` (activations stage to stage);
 ``tensor`` the ranks that differ only in ``tensor`` (the collectives inside layers);
-``model``  the ``p·m`` ranks of one data-parallel replica (grad norm, stats, data broadcast).
+``model``  the ``p·m`` ranks of one data-parallel replica (grad norm, stats, data broadcast);
+``embed``  the first and last pipeline stage of one (data, tensor) position, which both hold
+           a tied embedding matrix (None unless ``p > 1``).
 
 ``dist.new_group`` must be called by every process of the world in the same order, so
 :meth:`ParallelGrid.create` is called by every rank of the world, also ranks outside the grid
@@ -63,7 +65,7 @@ class ParallelGrid:
         """The ``d1p1m1`` grid of a lone process (no groups)."""
         layout = ParallelismConfig()
         topo = DataPipeTensorParallelTopology(1, 1, 1)
-        return cls(layout, topo, 0, (0,), {a: None for a in AXES + ("model",)})
+        return cls(layout, topo, 0, (0,), {a: None for a in AXES + ("model", "embed")})
 
     @classmethod
     def create(
@@ -106,7 +108,8 @@ class ParallelGrid:
         groups: Dict[str, Optional[object]] = {}
         lists = {a: topo.get_axis_comm_lists(a) for a in AXES}
         lists["model"] = [topo.filter_match(data=k) for k in range(layout.data)]
-        for name in AXES + ("model",):
+        lists["embed"] = [[g[0], g[-1]] for g in lists["pipe"]] if layout.pipe > 1 else []
+        for name in AXES + ("model", "embed"):
             mine = None
             for members in lists[name]:
                 # Singleton groups are skipped on every rank alike, so the calls stay aligned.

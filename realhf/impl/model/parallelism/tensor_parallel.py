@@ -313,6 +313,10 @@ class TensorParallel(LocalHooks):
         """The hooks of a :class:`~realhf.impl.model.parallelism.grid.ParallelGrid`."""
         return cls(grid.groups["tensor"], grid.tp_size, grid.tp_rank)
 
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
     def __repr__(self) -> str:
         return f"TensorParallel(rank {self.rank} of {self.size})"
 
