@@ -10,7 +10,9 @@ engine. Interfaces then call
 - ``model.module.model`` for the raw ReaLModel (e.g. to generate from it).
 
 Every sample must carry ``packed_input_ids`` (one or more sequences per item); the network
-runs as ``model(input_ids [T], cu_seqlens [B+1])`` on each micro-batch.
+runs as ``model(input_ids [T], cu_seqlens [B+1])`` on each micro-batch.  With a pipeline
+layout (``grid`` with ``pipe > 1``) the micro-batches stream through the stages and the last
+stage's result is broadcast, so every rank of a data-parallel replica returns the same.
 """
 
 from __future__ import annotations

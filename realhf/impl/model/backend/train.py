@@ -18,6 +18,12 @@ Gradients live in one flat buffer laid out like ``model.flat_params`` (each ``p.
 view into it), so the data-parallel reduction is a single all-reduce and the grad norm one
 vector norm. Build the engine after the model is on its final device and dtype.
 
+Parallel layouts (``grid=``): gradients are averaged over the grid's data group only; under
+tensor parallelism the loss function gets vocabulary-sharded logits (pass ``engine.tp`` to the
+log-prob helpers); under pipeline parallelism the micro-batches run with the 1F1B schedule
+(:mod:`realhf.impl.model.parallelism.pipeline`), the last stage computes the losses and
+statistics and every stage returns the same result.
+
 Contract with interfaces: see :mod:`realhf.impl.model.backend.inference`. A train engine
 is also an inference engine (``forward``).
 """

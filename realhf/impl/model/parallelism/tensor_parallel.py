@@ -37,7 +37,7 @@ the ranks that share the head (:meth:`TensorParallel.kv_weight`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -306,7 +306,9 @@ class TensorParallel(LocalHooks):
         if size > 1 and group is None:
             raise ValueError("TensorParallel of size > 1 needs its process group")
         self.group, self.size, self.rank = group, size, rank
-        self._kv_slot: Dict[int, Tuple[int, int]] = {}
+        # How many ranks hold a copy of each kv head, and how many kv heads there are: set
+        # by local_config, which the model calls once when it is built.
+        self._kv_copies, self._n_kv = 1, 1
 
     @classmethod
     def from_grid(cls, grid) -> "TensorParallel":
@@ -324,7 +326,6 @@ class TensorParallel(LocalHooks):
     def local_config(self, config: ReaLModelConfig) -> ReaLModelConfig:
         if self.size == 1:
             return config
-        # Remember how the kv heads are shared for kv_weight (depends on the config).
         self._kv_copies = max(1, self.size // config.n_kv_heads)
         self._n_kv = config.n_kv_heads
         return _local_config(config, self.size)
@@ -350,7 +351,7 @@ class TensorParallel(LocalHooks):
         return self.reduce_out(h.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def kv_weight(self, w: torch.Tensor) -> torch.Tensor:
-        if self.size == 1 or getattr(self, "_kv_copies", 1) == 1:
+        if self.size == 1 or self._kv_copies == 1:
             return w
         return _SharedKVGrad.apply(w, self.group, self.rank // self._kv_copies, self._n_kv)
 
