@@ -21,9 +21,13 @@ import torch
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
-from realhf.base import stats_tracker
 from realhf.impl.algorithms import ppo as F
-from realhf.impl.model.interface.helpers import all_reduce_sum, engine_of, require_keys
+from realhf.impl.model.interface.helpers import (
+    all_reduce_sum,
+    engine_of,
+    export_stats,
+    require_keys,
+)
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
 from realhf.impl.model.interface.ppo_interface import make_kl_controller, run_minibatches
@@ -126,7 +130,7 @@ class PPOCriticInterface(ModelInterface):
         sample = batch.to_sample(values=old_values, returns=returns)
         run_minibatches(hp, model, sample, mb_spec, loss_fn, _loss_weight, "ppo_critic")
         model.inc_version()
-        return stats_tracker.export(reduce_group=group)
+        return export_stats(group)
 
     def state_dict(self) -> Dict[str, Any]:
         """KL coefficient and value-normaliser statistics, for recovery checkpoints."""

@@ -4,14 +4,14 @@ stable seeds, per-sequence views of grouped samples, and collective-safe checks.
 from __future__ import annotations
 
 import hashlib
-from typing import List
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model
-from realhf.base import dist_util
+from realhf.base import dist_util, stats_tracker
 
 __all__ = [
     "engine_of",
@@ -68,6 +68,13 @@ def require_keys(data: SequenceSample, keys, who: str) -> None:
         )
     if data.data is None or any(data.data.get(k) is None for k in keys):
         raise ValueError(f"{who} needs the data of keys {sorted(keys)}, got a metadata-only sample")
+
+
+def export_stats(group) -> Dict[str, float]:
+    """The stats tracker's records reduced over the data-parallel ``group`` (None: this
+    rank's own, as for one replica: its tensor/pipeline peers recorded the same values,
+    which a reduction over the world would count p·m times)."""
+    return stats_tracker.export(reduce_group=group, reduce=group is not None)
 
 
 def all_reduce_min(value: int, group) -> int:

@@ -34,6 +34,7 @@ from realhf.impl.model.interface.helpers import (
     all_reduce_min,
     all_reduce_sum,
     engine_of,
+    export_stats,
     network_of,
     require_keys,
     stable_seed,
@@ -224,7 +225,7 @@ class PPOActorInterface(ModelInterface):
 
         run_minibatches(hp, model, batch.to_sample(), mb_spec, loss_fn, _loss_weight, "ppo_actor")
         model.inc_version()
-        return stats_tracker.export(reduce_group=group)
+        return export_stats(group)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:

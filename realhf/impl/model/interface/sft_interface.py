@@ -23,7 +23,13 @@ from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
-from realhf.impl.model.interface.helpers import all_reduce_sum, dp_group_of, engine_of, require_keys
+from realhf.impl.model.interface.helpers import (
+    all_reduce_sum,
+    dp_group_of,
+    engine_of,
+    export_stats,
+    require_keys,
+)
 from realhf.impl.model.utils.functional import sft_loss, shift_one_indices
 
 __all__ = ["SFTInterface"]
@@ -83,7 +89,7 @@ class SFTInterface(ModelInterface):
                 lr=st["lr"],
             )
             stats_tracker.scalar(reduce_type="sum", skipped_steps=st["skipped"])
-        return stats_tracker.export(reduce_group=engine.dp_group)
+        return export_stats(engine.dp_group)
 
     def evaluate(
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
