@@ -4,12 +4,18 @@ Layout under the root (default ``{run_dir}/checkpoints/recover``)::
 
     step{N}.tmp/                  being written; ignored (and removed) if a run dies here
     step{N}/
-        models/{role}/            HF directory of each trainable role (rank 0 writes)
-        optimizer/{role}/rank{r}.pt   optimizer + step counters of each rank's engine
+        models/{role}/            HF directory of each trainable role (data-parallel replica
+                                  0 writes it; rank 0 holds the file handles)
+        optimizer/{role}/rank{r}.pt   optimizer + step counters of each rank's engine (its
+                                      shard of the parameters under tensor/pipeline parallelism)
         interfaces/{mfc}/rank{r}.pt   state of interfaces that have one (e.g. an adaptive
                                       KL controller): ``state_dict()`` / ``load_state_dict()``
-        data/rank{r}.json         each rank's data loader: epoch and ids used in it
-        master.json               the master's counters (written last, then the rename)
+        data/rank{r}.json         each data loader (a replica head's): epoch and ids used in it
+        master.json               the master's counters and the trainer layout (written
+                                  last, then the rename)
+
+Ranks are model-worker ranks of the trainer layout, so a checkpoint resumes on the same
+layout only (the master refuses another one).
     latest                        text: "step{N}", replaced atomically after the rename
 
 A checkpoint is complete once ``latest`` names it: the master writes ``master.json`` into
@@ -27,7 +33,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -189,15 +195,20 @@ def save_worker_state(
     trainable: Mapping[str, Tuple[Any, Any]],
     loader_state: Optional[Dict[str, Any]],
     interfaces: Mapping[str, Any] = {},
+    *,
+    save_weights: Optional[bool] = None,
 ) -> List[str]:
     """Write one model worker's part of a checkpoint; returns the paths written.
 
     Args:
-        trainable: ``role -> (ReaLModel, TrainEngine)``; rank 0 writes the weights, every
-            rank its engine's ``state_dict()``.
+        trainable: ``role -> (ReaLModel, TrainEngine)``; every rank writes its engine's
+            ``state_dict()``.
         loader_state: the data loader's ``state_dict()`` (None: no dataset).
         interfaces: ``MFC name -> interface``; those with ``state_dict``/``load_state_dict``
             are saved.
+        save_weights: whether this rank calls ``save_hf`` for the weights; under
+            tensor/pipeline parallelism that is a collective of data-parallel replica 0,
+            whose rank 0 writes the directory.  Default: rank 0 alone (data parallelism).
     """
     written = []
     # No atomic writes needed for the .pt files: they go into the .tmp
@@ -207,12 +218,15 @@ def save_worker_state(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(iface.state_dict(), path)
         written.append(path)
+    if save_weights is None:
+        save_weights = rank == 0
     for role, (model, engine) in trainable.items():
-        # Model workers are data-parallel replicas holding the full weights, so
-        # one copy suffices; the optimizer state is saved by every rank.
-        if rank == 0:
+        # Data-parallel replicas hold identical weights, so replica 0 writes one copy;
+        # the optimizer state is saved by every rank.
+        if save_weights:
             model.save_hf(model_dir(ckpt_dir, role))
-            written.append(model_dir(ckpt_dir, role))
+            if rank == 0:
+                written.append(model_dir(ckpt_dir, role))
         path = optimizer_path(ckpt_dir, role, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(engine.state_dict(), path)
@@ -231,9 +245,16 @@ def load_worker_state(
     trainable: Mapping[str, Tuple[Any, Any]],
     loader=None,
     interfaces: Mapping[str, Any] = {},
+    *,
+    load_weights: Optional[Callable[[str, str], None]] = None,
 ) -> None:
     """Restore what :func:`save_worker_state` wrote (weights, optimizer, data position,
-    interface states)."""
+    interface states).
+
+    ``load_weights(role, model_dir)`` puts the saved HF directory into the role's model in
+    place (this rank's part of it under tensor/pipeline parallelism); default: the
+    model's ``load_hf_weights`` (the whole model on this rank).
+    """
     for name, iface in _stateful(interfaces).items():
         path = interface_state_path(ckpt_dir, name, rank)
         if not os.path.exists(path):
@@ -255,7 +276,10 @@ def load_worker_state(
                     "with other trainable roles or fewer model workers — resume with "
                     "the same experiment config"
                 )
-        model.load_hf_weights(mdir)
+        if load_weights is None:
+            model.load_hf_weights(mdir)
+        else:
+            load_weights(role, mdir)
         engine.load_state_dict(torch.load(opath, map_location="cpu", weights_only=False))
     if loader is not None:
         path = data_state_path(ckpt_dir, rank)

@@ -240,11 +240,15 @@ class StatsTracker:
 
     # ---- export -------------------------------------------------------------
 
-    def export(self, reduce_group=None, reset: bool = True) -> Dict[str, float]:
+    def export(
+        self, reduce_group=None, reset: bool = True, *, reduce: bool = True
+    ) -> Dict[str, float]:
         """Reduce everything recorded (across ``reduce_group`` if distributed) into a flat dict.
 
         Every rank of the group must call this (it is a collective).  Keys are
-        sorted.  ``reset`` clears the records afterwards.
+        sorted.  ``reset`` clears the records afterwards.  ``reduce=False`` keeps this
+        rank's records only (no collective), for ranks whose peers recorded the same
+        values (e.g. the ranks of one tensor-parallel replica).
         """
         # Snapshot under the lock, reduce outside it: the collectives wait for
         # the slowest rank, and other threads must be able to keep recording
@@ -254,7 +258,7 @@ class StatsTracker:
             if reset:
                 self._records.clear()
                 self._masks.clear()
-        if dist.is_available() and dist.is_initialized():
+        if reduce and dist.is_available() and dist.is_initialized():
             local = _all_reduce_partials(local, reduce_group)
         out: Dict[str, float] = {}
         for key in sorted(local):

@@ -3,12 +3,12 @@
     python -m realhf.apps.quickstart async-ppo-math                  # embedded tiny model + data
     python -m realhf.apps.quickstart async-ppo-math max_head_offpolicyness=4 n_rollout_workers=2
 
-Processes (``allocation_mode=gen.d<G>p1m1+d<D>p1m1``)::
+Processes (``allocation_mode=gen.d<G>p1m1+d<D>p<P>m<M>``)::
 
     generation_server x G ──HTTP── gserver_manager ──HTTP── rollout_worker x R
             ▲ new weights (pause → load → continue)                │ trajectories (ZMQ push)
             │                                                      ▼
-    model_worker x D (trainer: actor_inf → actor_train) ◀── master_worker
+    model_worker x D·P·M (trainer: actor_inf → actor_train) ◀── master_worker
 
 Rollout workers take prompts from their shard of the dataset, ask the manager for a slot, let
 the ``math-single-step`` agent sample ``group_size`` answers per prompt (in chunks of
@@ -211,7 +211,8 @@ def _threads(n: int) -> int:
 def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     """Compile an AsyncPPOMathConfig into servers, manager, rollout workers, trainer and master."""
     alloc = blocks.allocation(cfg, decoupled=True)
-    n_gen, n_train = alloc.gen.data, alloc.train.data
+    n_gen, layout = alloc.gen.data, alloc.train
+    n_train = layout.world_size
     actor_path = blocks.model_path(cfg.actor, "actor")
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
@@ -282,9 +283,12 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         manager_wait_timeout_s=cfg.worker_timeout,
         push_timeout_s=cfg.worker_timeout,
     )
+    models = model_specs(cfg, actor_path, publish_weights=True)
+    blocks.check_trainer_layout(layout, models)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
-        models=model_specs(cfg, actor_path, publish_weights=True),
+        models=models,
+        layout=layout,
         mfcs=mfcs,
         dataset=None,
         stream=TrajectoryStreamSpec(
@@ -309,6 +313,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         mfcs=mfcs,
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_train,
+        layout=layout,
         train_batch_size=B,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,

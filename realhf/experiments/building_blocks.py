@@ -9,10 +9,10 @@ failure.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from realhf.api.cli_args import BaseExperimentConfig, ModelConfig
-from realhf.api.core.allocation import AllocationMode, parse_allocation_mode
+from realhf.api.core.allocation import AllocationMode, ParallelismConfig, parse_allocation_mode
 from realhf.api.core.worker_api import ModelSpec
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
@@ -71,6 +71,53 @@ def allocation(cfg: BaseExperimentConfig, decoupled: Optional[bool] = None) -> A
             "e.g. 'gen.d1p1m1+d1p1m1'"
         )
     return alloc
+
+
+#: Most model workers per CPU core on a machine without GPUs.  The local launcher starts
+#: one process per rank of the trainer layout on this machine; ranks that share a core
+#: run correctly over gloo, only slower, so a layout may oversubscribe the cores (the tests
+#: run d2p1m2 on 2 cores) up to this factor, beyond which it is refused as a mistake.
+MAX_PROCESSES_PER_CORE = 4
+
+
+def check_trainer_layout(layout: ParallelismConfig, models: Sequence[ModelSpec]) -> None:
+    """Fail before any process starts unless every model can be split as ``layout`` says
+    (``m`` divides its heads, MLP width and vocabulary; ``p`` fits its layers) and this
+    machine can hold the layout's ``d·p·m`` model workers: one CUDA device each when CUDA
+    is present (nccl ranks cannot share a device), at most ``MAX_PROCESSES_PER_CORE`` per
+    CPU core otherwise."""
+    import torch
+
+    from realhf.impl.model.conversion.hf import config_from_hf_dir
+    from realhf.impl.model.parallelism import check_layout
+
+    for spec in models:
+        try:
+            config = config_from_hf_dir(spec.path, is_critic=spec.is_critic)
+        except ValueError as e:
+            raise ExperimentSetupError(f"model {spec.role!r}: {e}") from None
+        try:
+            check_layout(config, layout, f"model {spec.role!r} ({spec.path})")
+        except ValueError as e:
+            raise ExperimentSetupError(f"allocation_mode: {e}") from None
+        except NotImplementedError as e:
+            raise ExperimentSetupError(f"allocation_mode: not yet supported: {e}") from None
+    n = layout.world_size
+    if torch.cuda.is_available():
+        devices = torch.cuda.device_count()
+        if n > devices:
+            raise ExperimentSetupError(
+                f"allocation_mode: trainer layout {layout} needs d·p·m = {n} model workers, one "
+                f"CUDA device each, but this machine has {devices}; use a smaller layout"
+            )
+        return
+    cores = os.cpu_count() or 1
+    if n > MAX_PROCESSES_PER_CORE * cores:
+        raise ExperimentSetupError(
+            f"allocation_mode: trainer layout {layout} needs d·p·m = {n} model worker processes "
+            f"on {cores} CPU core(s); at most {MAX_PROCESSES_PER_CORE} per core are allowed "
+            f"({MAX_PROCESSES_PER_CORE * cores} here): use a smaller layout"
+        )
 
 
 def torch_threads(cfg, n_model_workers: int) -> int:

@@ -37,7 +37,8 @@ class NullConfig(BaseExperimentConfig):
 
 def build_null(cfg: NullConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=False)
-    n_workers = alloc.train.data
+    layout = alloc.train
+    n_workers = layout.world_size
     path = blocks.model_path(cfg.model, "model")
     data = blocks.data_path(cfg.dataset.path, blocks.TINY_SFT, "dataset.path")
     with open(data) as f:
@@ -64,9 +65,12 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
             log_return_value=True,
         ),
     ]
+    models = [blocks.model_spec("default", cfg.model, path, trainable=True)]
+    blocks.check_trainer_layout(layout, models)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
-        models=[blocks.model_spec("default", cfg.model, path, trainable=True)],
+        models=models,
+        layout=layout,
         mfcs=mfcs,
         dataset=DatasetAbstraction(
             "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
@@ -83,6 +87,7 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         mfcs=mfcs,
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_workers,
+        layout=layout,
         train_batch_size=n,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,

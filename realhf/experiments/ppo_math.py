@@ -295,9 +295,10 @@ def math_eval(cfg: PPOMathConfig, eval_path: str, data_args: dict) -> dict:
 
 
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
-    """Compile a PPOMathConfig into one master and `data`-parallel model workers."""
+    """Compile a PPOMathConfig into one master and d·p·m model workers (the trainer layout)."""
     alloc = blocks.allocation(cfg, decoupled=False)
-    n_workers = alloc.train.data
+    layout = alloc.train
+    n_workers = layout.world_size
     actor_path = blocks.model_path(cfg.actor, "actor")
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
@@ -305,9 +306,12 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
     mfcs = ppo_mfcs(cfg, mb_spec)
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
+    models = model_specs(cfg, actor_path)
+    blocks.check_trainer_layout(layout, models)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
-        models=model_specs(cfg, actor_path),
+        models=models,
+        layout=layout,
         mfcs=mfcs,
         dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
         **math_eval(cfg, eval_, data_args),
@@ -323,6 +327,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         mfcs=mfcs,
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_workers,
+        layout=layout,
         train_batch_size=cfg.train_batch_size,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,

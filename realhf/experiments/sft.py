@@ -65,9 +65,10 @@ class SFTConfig(BaseExperimentConfig):
 
 
 def build_sft(cfg: SFTConfig) -> ExperimentConfig:
-    """Compile an SFTConfig into one master and `data`-parallel model workers."""
+    """Compile an SFTConfig into one master and d·p·m model workers (the trainer layout)."""
     alloc = blocks.allocation(cfg, decoupled=False)
-    n_workers = alloc.train.data
+    layout = alloc.train
+    n_workers = layout.world_size
     path = blocks.model_path(cfg.model, "model")
     data = blocks.data_path(cfg.dataset.path, blocks.TINY_SFT, "dataset.path")
     tok = blocks.load_tokenizer(path)
@@ -95,9 +96,12 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
             log_return_value=True,
         )
     ]
+    models = [blocks.model_spec("default", cfg.model, path, trainable=True)]
+    blocks.check_trainer_layout(layout, models)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
-        models=[blocks.model_spec("default", cfg.model, path, trainable=True)],
+        models=models,
+        layout=layout,
         mfcs=mfcs,
         dataset=DatasetAbstraction(
             "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
@@ -118,6 +122,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         mfcs=mfcs,
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_workers,
+        layout=layout,
         train_batch_size=cfg.train_batch_size,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,
@@ -125,8 +130,8 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         log_stats_keys=("loss", "ppl"),
         eval=eval_ds is not None,
     )
-    # One config object for every model worker: a worker learns its
-    # data-parallel rank from its WorkerInformation.  Model workers serve
+    # One config object for every model worker: a worker learns its rank in
+    # the layout from its WorkerInformation.  Model workers serve
     # until told to stop, so the master alone decides when the run is done.
     return ExperimentConfig(
         workers={"model_worker": [worker] * n_workers, "master_worker": [master]},

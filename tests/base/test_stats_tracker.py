@@ -108,6 +108,8 @@ _CHILD = textwrap.dedent(
         st.export()
     except ValueError as e:
         out["clash"] = str(e)
+    st.scalar(reduce_type="sum", c=rank + 1)
+    out["local"] = st.export(reduce=False)  # no collective: this rank's records only
     print(json.dumps(out))
     dist.destroy_process_group()
     from realhf.base import shutdown
@@ -147,3 +149,4 @@ def test_export_reduces_across_two_gloo_ranks():
     for r in results:
         assert r["stats"] == expected
         assert "clash" in r["clash"] and "reduce type" in r["clash"]
+    assert [r["local"] for r in results] == [{"c": 1.0}, {"c": 2.0}]

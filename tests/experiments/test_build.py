@@ -110,7 +110,9 @@ def test_sft_single_mfc(init_model):
     [
         (["model.path=/no/such/dir"], "model directory '/no/such/dir' does not exist"),
         (["dataset.path=/no/such.jsonl"], "dataset file '/no/such.jsonl' does not exist"),
-        (["allocation_mode=d1p2m1"], "not yet supported"),
+        (["allocation_mode=d1p1m3"], r"model 'default' .*m=3 does not divide n_q_heads=4"),
+        (["allocation_mode=d1p9m1"], r"9 pipeline stages for 4 transformer layers"),
+        (["allocation_mode=d64p1m1"], r"layout d64p1m1 needs d·p·m = 64 model worker"),
         (["allocation_mode=banana"], "allocation_mode"),
         (["allocation_mode=gen.d1p1m1+d1p1m1"], "has generation servers"),
     ],
@@ -129,4 +131,32 @@ def test_malformed_dataset_row_named(init_model, tmp_path):
     with pytest.raises(blocks.ExperimentSetupError, match=r"bad.jsonl:2: missing field 'prompt'"):
         build_ppo_math(
             parse_config(PPOMathConfig, [f"actor.path={init_model}", f"dataset.path={bad}"])
+        )
+
+
+def test_trainer_layout_reaches_the_workers_and_the_master(init_model, monkeypatch):
+    from realhf.api.core.allocation import ParallelismConfig
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    exp = build_sft(parse_config(SFTConfig, [f"model.path={init_model}", "allocation_mode=d2p1m2"]))
+    layout = ParallelismConfig(2, 1, 2)
+    workers, master = exp.workers["model_worker"], exp.workers["master_worker"][0]
+    assert len(workers) == 4 and all(w.layout == layout for w in workers)
+    assert master.layout == layout and master.n_model_workers == 4
+    assert workers[0].torch_num_threads == 2  # the cores shared by d·p·m processes
+    exp = build_async_ppo_math(
+        parse_config(
+            AsyncPPOMathConfig, [f"actor.path={init_model}", "allocation_mode=gen.d1p1m1+d1p1m2"]
+        )
+    )
+    assert len(exp.workers["model_worker"]) == 2 and len(exp.workers["generation_server"]) == 1
+    assert exp.workers["master_worker"][0].layout == ParallelismConfig(1, 1, 2)
+    # A critic is checked like the actor (same body, value head).
+    with pytest.raises(blocks.ExperimentSetupError, match=r"model 'actor' .*m=3 does not divide"):
+        build_ppo_math(
+            parse_config(
+                PPOMathConfig,
+                [f"actor.path={init_model}", "ppo.disable_value=false", "allocation_mode=d1p1m3"],
+            )
         )

@@ -13,6 +13,8 @@ Graph (``graph="dag"``)::
 ids it trained on to ``{log_dir}/train_ids_rank{r}.jsonl`` (one line per step), so tests
 can check that every item was used once per epoch; ``crash_at_step`` SIGKILLs one model
 worker when that global step's ``train`` starts (failure injection for recovery tests).
+``layout`` (``"dXpYmZ"``) lays the model workers out as a trainer layout (default: one
+data-parallel rank per worker).
 
     python -m realhf.apps.remote controller --experiment-type dag-test ...   (via a launcher)
 """
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 
 from realhf.api.cli_args import ExperimentControlConfig, OptimizerConfig
+from realhf.api.core.allocation import parse_parallelism
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, ModelInterface
@@ -145,10 +148,12 @@ class CheckAndTrainInterface(ModelInterface):
                     + "\n"
                 )
 
+        tp = model.module.tp  # logits are vocabulary-sharded under tensor parallelism
+
         def loss_fn(logits, mb):
             cu = mb.cu_seqlens("packed_input_ids").to(logits.device)
             ids = mb.data["packed_input_ids"].to(logits.device)
-            return -gather_packed_shifted_log_probs(logits, cu, ids).mean(), {}
+            return -gather_packed_shifted_log_probs(logits, cu, ids, tp=tp).mean(), {}
 
         def weight_fn(mb):
             return sum(l - 1 for l in mb.flat_seqlens("packed_input_ids"))
@@ -161,10 +166,12 @@ class CheckAndTrainInterface(ModelInterface):
     def evaluate(self, model, data, mb_spec):
         """Mean next-token log-probability of ``data`` (this rank's items)."""
 
+        tp = model.module.tp
+
         def hook(logits, mb):
             cu = mb.cu_seqlens("packed_input_ids").to(logits.device)
             return gather_packed_shifted_log_probs(
-                logits, cu, mb.data["packed_input_ids"].to(logits.device)
+                logits, cu, mb.data["packed_input_ids"].to(logits.device), tp=tp
             )
 
         lens = [[l - 1 for l in ls] for ls in data.seqlens["packed_input_ids"]]
@@ -201,10 +208,15 @@ def dag_test_experiment(
     eval: bool = False,
     publish_weights: bool = False,
     plot_curves: bool = False,
+    layout: Optional[str] = None,
 ) -> ExperimentConfig:
     """Build the ``dag-test`` experiment (see the module docstring)."""
     if graph not in ("dag", "sft"):
         raise ValueError(f"dag-test: graph={graph!r}; use 'dag' or 'sft'")
+    par = None
+    if layout is not None:
+        par = parse_parallelism(layout, "layout")
+        n_model_workers = par.world_size
     bs = train_batch_size
     train_keys = ["packed_input_ids"] + (["b_out", "c_out"] if graph == "dag" else [])
     train = MFCDef(
@@ -297,11 +309,13 @@ def dag_test_experiment(
         timeout=timeout,
         imports=(__name__,),
         torch_num_threads=torch_num_threads,
+        layout=par,
     )
     master = MasterWorkerConfig(
         seed=seed,
         mfcs=mfcs,
         n_model_workers=n_model_workers,
+        layout=par,
         train_batch_size=bs,
         ft_spec=ft_spec,
         exp_ctrl=ExperimentControlConfig(

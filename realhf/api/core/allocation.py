@@ -12,7 +12,8 @@ and takes the first devices; the trainer takes the rest.  ``sglang.d4p1m1+d2p2m1
 four TP-1 SGLang servers and a dp2 x pp2 trainer.
 
 :func:`parse_allocation_mode` returns a typed :class:`AllocationMode`;
-:meth:`AllocationMode.check_supported` rejects what this version cannot run yet.
+:meth:`AllocationMode.check_supported` rejects what this version cannot run yet (generation
+servers of more than one device).
 """
 
 from __future__ import annotations
@@ -166,14 +167,20 @@ class AllocationMode:
         return self.gen_world_size + self.train_world_size
 
     def check_supported(self) -> None:
-        """Raise ``NotImplementedError`` for layouts this version cannot run (tp or pp > 1)."""
-        for what, layout in (("generation", self.gen), ("trainer", self.train)):
-            if layout is not None and (layout.tensor > 1 or layout.pipe > 1):
-                raise NotImplementedError(
-                    f"allocation_mode {str(self)!r} ({what} layout {layout}): "
-                    "tensor/pipeline parallelism > 1 is not yet supported "
-                    "(coming with the parallelism milestone); use d<N>p1m1"
-                )
+        """Raise ``NotImplementedError`` for layouts this version cannot run.
+
+        Any trainer layout ``dXpYmZ`` passes here: whether a model can be split that way
+        (``m`` against its heads and vocabulary, ``p`` against its layers, and pipeline
+        support itself) is checked per model by the experiment builders
+        (``realhf.impl.model.parallelism.check_layout``).  Generation servers are still
+        one device each (``d<N>p1m1``).
+        """
+        if self.gen is not None and (self.gen.tensor > 1 or self.gen.pipe > 1):
+            raise NotImplementedError(
+                f"allocation_mode {str(self)!r} (generation layout {self.gen}): "
+                "tensor/pipeline parallelism > 1 is not yet supported "
+                "(coming with the parallelism milestone); use d<N>p1m1"
+            )
 
     def __str__(self) -> str:
         if self.gen is None:

@@ -2,9 +2,11 @@
 
 An experiment (``realhf.experiments``) compiles to one :class:`MasterWorkerConfig` and
 ``n_model_workers`` :class:`ModelWorkerConfig` s (worker type ``master_worker`` /
-``model_worker``).  In this milestone every model worker hosts *every* model role as
-data-parallel rank ``worker_index`` of that role (no tensor/pipeline parallelism), so all
-model workers get the same config; each learns its index from its ``WorkerInformation``.
+``model_worker``).  The model workers form one trainer layout ``d × p × m``
+(:class:`~realhf.api.core.allocation.ParallelismConfig`, one worker per rank, ranks
+row-major over (data, pipe, tensor)) and every model worker hosts *every* model role in
+that layout, so all model workers get the same config; each learns its rank (= worker
+index) from its ``WorkerInformation``.
 
 All configs are frozen dataclasses that check themselves on construction and raise
 ``ValueError`` naming the field, the bad value and the fix.
@@ -16,6 +18,7 @@ import dataclasses
 from typing import Optional, Sequence, Tuple
 
 from realhf.api.cli_args import DTYPES, RECOVER_MODES, ExperimentControlConfig, OptimizerConfig
+from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec
@@ -46,7 +49,7 @@ def _check_pos_number(cls: str, field: str, v) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """One model role, hosted on every model worker (DP rank = worker index).
+    """One model role, hosted on every model worker in the trainer layout.
 
     Attributes:
         role: the role name MFCs refer to (``actor``, ``critic``, ``ref``...).
@@ -117,8 +120,9 @@ class EvalSpec:
     """What ``evaluate`` runs on each model worker: ``interface.evaluate`` of one role.
 
     The interface's ``evaluate(model, data, mb_spec)`` receives this worker's shard of the
-    eval dataset (all items gathered in one ``SequenceSample``) and returns a dict of
-    numbers that are *means over those items*; the worker combines the ranks by an
+    eval dataset (all items gathered in one ``SequenceSample``; the ranks of a
+    data-parallel replica share one shard and evaluate it together) and returns a dict of
+    numbers that are *means over those items*; the workers combine the replicas by an
     item-weighted average, so every rank reports the global mean.
     """
 
@@ -220,9 +224,14 @@ class ModelWorkerConfig:
             the data order from (seed, epoch).
         models: the roles this worker hosts.
         mfcs: the dataflow graph (the worker runs the MFCs the master names).
-        dataset: the training dataset; worker i loads shard i of ``n`` (its ``dp_rank``).
+        layout: the trainer layout the model workers form (``d·p·m`` must equal the number
+            of model workers; checked on configure); None: every worker is a data-parallel
+            rank (``d`` = the number of workers).
+        dataset: the training dataset; the head (pipe 0, tensor 0) of data-parallel replica
+            ``k`` loads shard ``k`` of ``d``; the replica's other ranks load none.
         stream: instead of ``dataset``: trajectories streamed by rollout workers (async RL).
-        eval_dataset: the held-out dataset ``evaluate`` runs on (sharded the same way).
+        eval_dataset: the held-out dataset ``evaluate`` runs on (shard ``k`` of ``d`` on
+            every rank of replica ``k``: they evaluate it together).
         evaluation: which role/interface ``evaluate`` runs (needs ``eval_dataset``).
         tokenizer_path: HF tokenizer directory (empty: no tokenizer; datasets that need one fail).
         dataset_batch_size: most items one ``fetch`` call returns (per worker).
@@ -246,9 +255,12 @@ class ModelWorkerConfig:
     imports: Sequence[str] = ()
     torch_num_threads: Optional[int] = None
     stream: Optional[TrajectoryStreamSpec] = None
+    layout: Optional[ParallelismConfig] = None
 
     def __post_init__(self):
         c = "ModelWorkerConfig"
+        if self.layout is not None and not isinstance(self.layout, ParallelismConfig):
+            raise _bad(c, "layout", self.layout, "use a ParallelismConfig (dXpYmZ) or None")
         if self.stream is not None:
             if not isinstance(self.stream, TrajectoryStreamSpec):
                 raise _bad(c, "stream", self.stream, "use a TrajectoryStreamSpec or None")
@@ -353,7 +365,10 @@ class MasterWorkerConfig:
         seed: experiment seed (checked against a recover checkpoint).
         mfcs: the dataflow graph; the same list the model workers got.
         exp_ctrl: run length and save / recover-checkpoint / eval frequencies.
-        n_model_workers: how many model workers (= data-parallel degree).
+        n_model_workers: how many model workers (``d·p·m`` of ``layout``).
+        layout: the trainer layout the model workers form; None: ``d = n_model_workers``
+            (plain data parallelism).  The master splits every MFC call over the ``d``
+            data-parallel replicas.
         train_batch_size: items per training step (the last step of an epoch may hold fewer).
         ft_spec: the planned run length (the dataset size is re-measured on start).
         timeout: seconds to wait for any model-worker reply before failing, naming them.
@@ -383,6 +398,7 @@ class MasterWorkerConfig:
     eval: bool = False
     progress_interval: float = 0.0
     plot_curves: bool = True
+    layout: Optional[ParallelismConfig] = None
 
     def __post_init__(self):
         c = "MasterWorkerConfig"
@@ -396,6 +412,21 @@ class MasterWorkerConfig:
             v = getattr(self, f)
             if not _is_int(v) or v < 1:
                 raise _bad(c, f, v, "use an integer >= 1")
+        layout = self.layout
+        if layout is None:
+            layout = ParallelismConfig(data=self.n_model_workers)
+        if not isinstance(layout, ParallelismConfig):
+            raise _bad(c, "layout", layout, "use a ParallelismConfig (dXpYmZ) or None")
+        if layout.world_size != self.n_model_workers:
+            raise _bad(
+                c,
+                "layout",
+                str(layout),
+                f"the layout spans d·p·m = {layout.world_size} model workers but "
+                f"n_model_workers={self.n_model_workers}; launch one model worker per rank "
+                "of the layout",
+            )
+        object.__setattr__(self, "layout", layout)
         if not isinstance(self.ft_spec, FinetuneSpec):
             raise _bad(c, "ft_spec", self.ft_spec, "use a FinetuneSpec")
         for m in mfcs:
@@ -427,9 +458,9 @@ class MasterWorkerConfig:
             raise _bad(c, "progress_interval", self.progress_interval, "use seconds >= 0")
 
     def check_call_sizes(self, dataset_size: int) -> None:
-        """Raise if some MFC call would get fewer items than there are data-parallel ranks.
+        """Raise if some MFC call would get fewer items than there are data-parallel replicas.
 
-        Every rank needs at least one item per call (a rank with nothing to train on
+        Every replica needs at least one item per call (a replica with nothing to train on
         could not take part in the gradient all-reduce).  Steps hold
         ``train_batch_size`` items except the last of an epoch, which holds the rest.
         """
@@ -438,17 +469,19 @@ class MasterWorkerConfig:
         step_sizes = {min(self.train_batch_size, dataset_size)}
         if dataset_size % self.train_batch_size:
             step_sizes.add(dataset_size % self.train_batch_size)
+        dp = self.layout.data
         for m in self.mfcs:
             for s in sorted(step_sizes):
-                small = [n for n in call_sizes(s, m.n_seqs) if n < self.n_model_workers]
+                small = [n for n in call_sizes(s, m.n_seqs) if n < dp]
                 if small:
                     raise ValueError(
                         f"MasterWorkerConfig: with dataset_size={dataset_size}, "
                         f"train_batch_size={self.train_batch_size} and n_seqs={m.n_seqs}, MFC "
                         f"{m.name!r} would get a call of {small[0]} item(s) for "
-                        f"{self.n_model_workers} data-parallel ranks; every rank needs one. "
+                        f"{dp} data-parallel ranks; every rank needs one. "
                         "Pick train_batch_size and n_seqs so that every call (including the "
-                        "last, partial step of an epoch) holds at least n_model_workers items."
+                        f"last, partial step of an epoch) holds at least {dp} items (the "
+                        "data-parallel degree d)."
                     )
 
     @property

@@ -4,9 +4,15 @@ Worker type ``master_worker`` (an asyncio worker); config
 :class:`~realhf.api.core.worker_api.MasterWorkerConfig`.  The master sees metadata only;
 tensors stay on the model workers and move between them.
 
-Start (first poll): wait for every model worker on the request stream, ``spec`` (dataset
-shard sizes -> the real :class:`FinetuneSpec`), pick a recover checkpoint (``recover_mode``),
-``initialize`` the workers (engines, recovered weights/optimizers/data positions).
+The model workers form the trainer layout ``config.layout`` (``d × p × m``, ranks row-major
+over (data, pipe, tensor)): the master splits each MFC call over the ``d`` data-parallel
+replicas and sends every rank of a replica the same part; only replica heads (pipe 0,
+tensor 0) hold dataset shards and answer ``fetch``.
+
+Start (first poll): wait for every model worker on the request stream, ``spec`` (the
+heads' dataset shard sizes -> the real :class:`FinetuneSpec`), pick a recover checkpoint
+(``recover_mode``; it must come from the same layout), ``initialize`` the workers
+(engines, recovered weights/optimizers/data positions).
 
 Then step after step (:class:`~realhf.system.dag.runner.DagRunner`: load the step's
 items, run every MFC over them, clear them), followed by the step's metrics line,
@@ -29,6 +35,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from realhf.api.cli_args import RecoverMode
+from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
@@ -86,6 +93,7 @@ class MasterWorker(AsyncWorker):
         self.graph = build_graph(config.mfcs)
         self.mfcs: Dict[str, MFCDef] = {m.name: m for m in config.mfcs}
         self.n = config.n_model_workers
+        self.layout: ParallelismConfig = config.layout
         self.handlers = [f"model_worker/{i}" for i in range(self.n)]
         # Bind and publish now; model workers connect on their first poll.
         self.client = RequestClient(
@@ -96,7 +104,7 @@ class MasterWorker(AsyncWorker):
             reply_timeout=config.timeout,
             wait=False,
         )
-        self.runner = DagRunner(self.graph, self.client, config.timeout)
+        self.runner = DagRunner(self.graph, self.client, config.timeout, layout=self.layout)
         self.save_ctl = _freq(config.exp_ctrl, "save")
         self.ckpt_ctl = _freq(config.exp_ctrl, "ckpt")
         self.eval_ctl = _freq(config.exp_ctrl, "eval")
@@ -113,7 +121,8 @@ class MasterWorker(AsyncWorker):
         cfg = self.config
         self.client.wait_for_handlers(cfg.timeout)
         specs = await self._call(Handle.SPEC, [None] * self.n)
-        self.shard_sizes = [s.dataset_size for s in specs]
+        heads = self.runner.heads
+        self.shard_sizes = [specs[h].dataset_size for h in heads]
         size = sum(self.shard_sizes)
         if size == 0:
             raise RuntimeError(
@@ -138,7 +147,7 @@ class MasterWorker(AsyncWorker):
             self._load_state(recover.read_master_state(ckpt), ckpt)
         init = InitializeRequest(self.ft_spec, ckpt, self.step.global_step)
         positions = await self._call(Handle.INITIALIZE, [init] * self.n)
-        self.runner.remaining = [self._remaining(i, p) for i, p in enumerate(positions)]
+        self.runner.remaining = [self._remaining(h, positions[h]) for h in heads]
         self._announce_start(ckpt)
         resume = None if ckpt is None else self.step.global_step
         self.metrics = MetricsLog(constants.metrics_path(), resume_step=resume)
@@ -154,7 +163,8 @@ class MasterWorker(AsyncWorker):
             interval=cfg.progress_interval,
         )
         self.logger.info(
-            f"{size} items over {self.n} model workers, "
+            f"{size} items over {self.layout.data} data-parallel replicas "
+            f"(layout {self.layout}, {self.n} model workers), "
             f"{self.ft_spec.steps_per_epoch} steps/epoch, "
             f"running steps {self.step.global_step + 1}..{self.total_steps}"
             + (f" (resumed from {ckpt})" if ckpt else "")
@@ -205,6 +215,7 @@ class MasterWorker(AsyncWorker):
                 "global_step": self.step.global_step,
             },
             "seed": self.config.seed,
+            "layout": str(self.layout),
             "n_model_workers": self.n,
             "train_batch_size": self.config.train_batch_size,
             "dataset_size": self.ft_spec.dataset_size,
@@ -218,6 +229,15 @@ class MasterWorker(AsyncWorker):
         if state.get("format") != STATE_FORMAT:
             raise recover.RecoverError(
                 f"{path}: unknown master state format {state.get('format')!r}"
+            )
+        # Optimizer states, data positions and interface states are per rank of the layout.
+        layout = state.get("layout", str(ParallelismConfig(data=state["n_model_workers"])))
+        if layout != str(self.layout):
+            raise recover.RecoverError(
+                f"recover checkpoint {path} was written by trainer layout {layout}, this run "
+                f"has layout {self.layout}; a checkpoint resumes on the layout "
+                f"that wrote it (its optimizer states are per rank): run with {layout} or "
+                "delete the checkpoint to start afresh"
             )
         now = {
             "seed": self.config.seed,

@@ -110,7 +110,7 @@ class DataPosition:
 @dataclasses.dataclass(frozen=True)
 class FetchRequest:
     """Load up to ``n`` next items of epoch ``epoch`` (the loader moves on to ``epoch`` when
-    its current one is used up)."""
+    its current one is used up); sent to replica heads only."""
 
     epoch: int
     n: int
@@ -134,8 +134,9 @@ class MFCRequest:
         mfc_name: the MFC (the worker has the MFCDef from its config).
         step: training progress (the interface sees it as ``model.version``; seeds derive from it).
         plan: the data transfers all ranks run first, in order.
-        meta: metadata-only sample of this rank's partition with the MFC's input keys
-            (buffer names) and the items' metadata.
+        meta: metadata-only sample of this rank's partition (its data-parallel replica's:
+            the same on every rank of the replica) with the MFC's input keys (buffer
+            names) and the items' metadata.
         call: index of this call among the MFC's calls in the step (an MFC whose
             ``n_seqs`` is below the batch size runs several); part of the call's seed.
     """
@@ -176,7 +177,7 @@ class EvalRequest:
 
 @dataclasses.dataclass(frozen=True)
 class EvalReply:
-    """Metrics averaged over all ranks' eval items (identical on every rank)."""
+    """Metrics averaged over the replicas' eval items (identical on every rank)."""
 
     worker: str
     metrics: Dict[str, float]
@@ -187,7 +188,8 @@ class EvalReply:
 
 @dataclasses.dataclass(frozen=True)
 class SaveRequest:
-    """Write each trainable role as an HF directory: ``dirs[role]`` (rank 0 writes)."""
+    """Write each trainable role as an HF directory: ``dirs[role]`` (every rank of
+    data-parallel replica 0 takes part; rank 0 writes)."""
 
     dirs: Dict[str, str]
 

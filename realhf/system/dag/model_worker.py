@@ -1,25 +1,32 @@
-"""The model worker: hosts every model role as one data-parallel rank, runs MFCs on request.
+"""The model worker: hosts every model role as one rank of the trainer layout, runs MFCs.
 
 Worker type ``model_worker``; config :class:`~realhf.api.core.worker_api.ModelWorkerConfig`.
 
 On ``configure`` it joins the torch.distributed world of all model workers
 (:mod:`realhf.system.transport.process_group`: gloo on CPU, nccl with a gloo side group for
-data when CUDA is present; every wait bounded by ``config.timeout``), loads each role with
-``ReaLModel.from_hf``, its dataset shard (``dp_rank`` = worker index) and the interfaces
-of the MFCs.  It then serves the master's requests in arrival order, one at a time — the
-master relies on that order to keep collectives aligned across workers.  What each handle
-takes, answers and runs is the table :data:`PROTOCOL` at the end of this module; the
-messages are in :mod:`realhf.system.dag.messages`.
+data when CUDA is present; every wait bounded by ``config.timeout``), builds the
+:class:`~realhf.impl.model.parallelism.ParallelGrid` of the trainer layout ``d × p × m``
+(rank = worker index; replica ``k`` is ranks ``[k·p·m, (k+1)·p·m)``), loads its part of
+each role (:func:`~realhf.impl.model.parallelism.load_model`), the datasets and the
+interfaces of the MFCs.  The head (pipe 0, tensor 0) of replica ``k`` loads training shard
+``k`` of ``d`` and alone answers ``fetch``; every rank of replica ``k`` loads eval shard
+``k``.  It then serves the master's requests in arrival order, one at a time — the master
+relies on that order to keep collectives aligned across workers.  What each handle takes,
+answers and runs is the table :data:`PROTOCOL` at the end of this module; the messages are
+in :mod:`realhf.system.dag.messages`.
 
-MFC call (``generate`` / ``inference`` / ``train_step``):
+MFC call (``generate`` / ``inference`` / ``train_step``); every rank of a replica gets the
+same partition and computes the same results (the engines' contract):
 
 1. run the master's transfer plan (:func:`~realhf.system.dag.transfer.execute_plan`);
 2. assemble the local partition from the store, rename keys (``input_key_remap``);
-3. seed torch/numpy/random from (seed, MFC, global step, rank), call the interface;
+3. seed torch/numpy/random from (seed, MFC, global step, data-parallel rank), call the
+   interface;
 4. store the outputs (``output_key_remap``) and reply their metadata, or reply the train
-   statistics; ``stats_tracker`` records are reduced over all ranks and added;
+   statistics; ``stats_tracker`` records are reduced over the replicas and added;
 5. after ``train_step`` of a role with ``publish_weights``, write an HF directory to
-   ``constants.weight_publication_dir(role, version)`` and set ``names.model_version``.
+   ``constants.weight_publication_dir(role, version)`` (replica 0, a collective over its
+   ranks) and set ``names.model_version``.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from realhf.api.core import registry
+from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, Model, StepInfo
@@ -45,7 +53,7 @@ from realhf.api.core.worker_api import ModelWorkerConfig
 from realhf.base import constants, name_resolve, names, recover, seeding, stats_tracker
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
-from realhf.impl.model.nn.real_model import ReaLModel
+from realhf.impl.model.parallelism import ParallelGrid, load_model
 from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.messages import (
     REQUEST_STREAM,
@@ -111,7 +119,10 @@ class ModelWorker(Worker):
     def _configure(self, config: ModelWorkerConfig) -> None:
         self._prepare_process(config)
         self._pick_device()
+        layout = self._check_layout(config)
         self._join_world(config)
+        # Collective (new_group): every model worker builds it, right after joining.
+        self.grid = ParallelGrid.create(layout)
         self._load_tokenizer(config)
         self._load_models(config)
         self._open_datasets(config)
@@ -136,6 +147,23 @@ class ModelWorker(Worker):
             # worker sees several, ranks spread over them.
             self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+
+    def _check_layout(self, config: ModelWorkerConfig) -> ParallelismConfig:
+        """The trainer layout, which must span exactly the launched model workers."""
+        layout = config.layout or ParallelismConfig(data=self.world_size)
+        if layout.world_size != self.world_size:
+            raise ValueError(
+                f"{self.worker_name}: ModelWorkerConfig.layout={layout} spans d·p·m = "
+                f"{layout.world_size} model workers but the experiment launched "
+                f"{self.world_size}; launch one model worker per rank of the layout"
+            )
+        return layout
+
+    @property
+    def is_replica_head(self) -> bool:
+        """Whether this rank is its replica's (pipe 0, tensor 0) rank: it loads the
+        replica's training data and answers ``fetch``."""
+        return self.rank == self.grid.dp_head(self.grid.dp_rank)
 
     def _join_world(self, config: ModelWorkerConfig) -> None:
         """Join the model workers' torch.distributed world; keep its group for data."""
@@ -162,26 +190,44 @@ class ModelWorker(Worker):
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
 
     def _load_models(self, config: ModelWorkerConfig) -> None:
-        """Each role's weights as a ReaLModel on this rank's device (engines come later)."""
+        """Each role's weights (this rank's part) on this rank's device (engines come later)."""
         self.specs = {m.role: m for m in config.models}
         self.modules: Dict[str, Any] = {}
+        # Weights drawn at load time (the fresh value head of a critic started from a causal
+        # LM) must be the same on every rank: replicas and tensor/pipeline peers hold one
+        # model.  Every rank draws what rank 0 draws.
+        torch.manual_seed(seeding.derive_seed(config.seed, f"{self.worker_type}/0"))
         for spec in config.models:
-            self.modules[spec.role] = ReaLModel.from_hf(
-                spec.path,
-                dtype=getattr(torch, spec.dtype),
-                device=self.device,
-                is_critic=spec.is_critic,
-                gradient_checkpointing=spec.gradient_checkpointing,
-            )
+            self.modules[spec.role] = self._load_part(spec.role, spec.path)
+
+    def _load_part(self, role: str, path: str):
+        """This rank's part of HF directory ``path`` as a ReaLModel of ``role``'s spec."""
+        spec = self.specs[role]
+        return load_model(
+            path,
+            self.grid,
+            dtype=getattr(torch, spec.dtype),
+            device=self.device,
+            is_critic=spec.is_critic,
+            gradient_checkpointing=spec.gradient_checkpointing,
+        )
+
+    def _reload_weights(self, role: str, path: str) -> None:
+        """Replace ``role``'s weights in place (parameters and optimizer stay bound)."""
+        self.modules[role].load_flat(self._load_part(role, path).flat_params.detach())
 
     def _open_datasets(self, config: ModelWorkerConfig) -> None:
-        """The training data (this rank's shard, or the rollout stream) and the eval shard."""
-        if config.stream is not None:
+        """The training data (replica heads: the replica's shard or the rollout stream) and
+        the eval shard (every rank of the replica)."""
+        self.loader = None
+        if not self.is_replica_head:
+            pass  # the master sends this rank its replica's items through transfer plans
+        elif config.stream is not None:
             self.loader = TrajectoryStreamLoader(
                 config.stream,
                 self.experiment_name,
                 self.trial_name,
-                self.rank,
+                self.grid.dp_rank,  # the replica head consumes the stream as this dp rank
                 self.worker_name,
                 log_path=os.path.join(constants.run_dir(), "trajectories.jsonl"),
             )
@@ -208,17 +254,17 @@ class ModelWorker(Worker):
     def _make_loader(self, abstraction, what: str) -> Optional[ShardLoader]:
         if abstraction is None:
             return None
+        dp_rank, dp_size = self.grid.dp_rank, self.grid.dp_size
         dataset = registry.make_dataset(
             abstraction,
             seed=self.config.seed,
-            dp_rank=self.rank,
-            world_size=self.world_size,
+            dp_rank=dp_rank,
+            world_size=dp_size,
             tokenizer=self.tokenizer,
         )
         loader = ShardLoader(dataset, self.config.seed, f"{self.worker_name} {what}")
         self.logger.info(
-            f"{what} {abstraction.type_!r}: {len(loader)} items "
-            f"in shard {self.rank}/{self.world_size}"
+            f"{what} {abstraction.type_!r}: {len(loader)} items in shard {dp_rank}/{dp_size}"
         )
         return loader
 
@@ -292,10 +338,11 @@ class ModelWorker(Worker):
                     module,
                     spec.optimizer_config,
                     req.ft_spec,
+                    grid=self.grid,
                     gradient_checkpointing=spec.gradient_checkpointing,
                 )
             else:
-                engine = InferenceEngine(module)
+                engine = InferenceEngine(module, grid=self.grid)
             self.engines[role] = engine
             self.models[role] = Model(
                 name=role,
@@ -306,7 +353,12 @@ class ModelWorker(Worker):
             )
         if req.recover_dir is not None:
             recover.load_worker_state(
-                req.recover_dir, self.rank, self._trainable(), self.loader, self.interfaces
+                req.recover_dir,
+                self.rank,
+                self._trainable(),
+                self.loader,
+                self.interfaces,
+                load_weights=self._reload_weights,
             )
             self.logger.info(f"resumed from {req.recover_dir} at data position {self._position()}")
         if req.version > 0:
@@ -322,7 +374,9 @@ class ModelWorker(Worker):
     def _fetch(self, req: FetchRequest) -> FetchReply:
         if self.loader is None:
             raise RuntimeError(
-                f"{self.worker_name} has no dataset (ModelWorkerConfig.dataset is None)"
+                f"{self.worker_name} has no dataset: ModelWorkerConfig.dataset is None, or this "
+                f"rank ({self.grid}) is not the head (pipe 0, tensor 0) of its data-parallel "
+                "replica, which alone loads the replica's data"
             )
         # Capped per request to bound one reply's load time; the master asks again for the rest.
         items = self.loader.take(req.epoch, min(req.n, self.config.dataset_batch_size))
@@ -336,8 +390,10 @@ class ModelWorker(Worker):
 
     def _seed_for(self, what: str, step: StepInfo) -> None:
         # Derived from the call, not drawn from a running generator: a resumed run seeds
-        # every call exactly as the uninterrupted run did.
-        s = seeding.derive_seed(self.config.seed, f"{what}:step{step.global_step}:rank{self.rank}")
+        # every call exactly as the uninterrupted run did.  The ranks of a replica draw
+        # alike (same data, same results); plain data parallelism has dp_rank == rank.
+        dp = self.grid.dp_rank
+        s = seeding.derive_seed(self.config.seed, f"{what}:step{step.global_step}:rank{dp}")
         random.seed(s)
         np.random.seed(s)
         torch.manual_seed(s)
@@ -377,8 +433,8 @@ class ModelWorker(Worker):
         else:
             output = self._store_output(mfc, data, result)
             stats = {}
-        # A collective over the whole world: every rank runs every MFC call, so all reach it.
-        stats.update(stats_tracker.export(reduce_group=None))
+        # Every rank runs every MFC call, so all reach this collective.
+        stats.update(self._export_stats())
         return MFCReply(
             worker=self.worker_name,
             mfc_name=mfc.name,
@@ -390,6 +446,17 @@ class ModelWorker(Worker):
             bytes_received=tstats.bytes_received,
             bytes_sent=tstats.bytes_sent,
         )
+
+    def _export_stats(self) -> Dict[str, float]:
+        """The ``stats_tracker`` records of the call, reduced over the data-parallel replicas.
+
+        The ranks of a replica recorded identical values (same data, same results), so the
+        reduction runs over the ``data`` group only: over all ranks, sums would count each
+        replica ``p·m`` times.
+        """
+        if self.grid.dp_size == 1:
+            return stats_tracker.export(reduce=False)
+        return stats_tracker.export(reduce_group=self.grid.groups["data"])
 
     def _store_output(self, mfc: MFCDef, data: SequenceSample, out) -> SequenceSample:
         if not isinstance(out, SequenceSample) or out.data is None:
@@ -416,21 +483,24 @@ class ModelWorker(Worker):
         return out.meta()
 
     def _publish(self, role: str, version: int) -> None:
-        # Data-parallel replicas hold the same weights after a step: rank 0 writes for all.
-        # The directory is renamed into place complete, then the version key names it, so
-        # a generation server that sees the key never loads a half-written directory.
-        if self.rank == 0:
+        # Data-parallel replicas hold the same weights after a step: replica 0 writes for
+        # all (save_hf is a collective over its ranks; rank 0 writes the files).  The
+        # directory is renamed into place complete, then the version key names it, so a
+        # generation server that sees the key never loads a half-written directory.
+        if self.grid.dp_rank == 0:
             final = constants.weight_publication_dir(role, version)
             tmp = final + ".tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
             self.modules[role].save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            name_resolve.add(
-                names.model_version(self.experiment_name, self.trial_name, role),
-                str(version),
-                replace=True,
-            )
+            if self.rank == 0:
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+                name_resolve.add(
+                    names.model_version(self.experiment_name, self.trial_name, role),
+                    str(version),
+                    replace=True,
+                )
         self.versions[role] = version
 
     def _evaluate(self, req: EvalRequest) -> EvalReply:
@@ -446,9 +516,11 @@ class ModelWorker(Worker):
         self._seed_for("evaluate", req.step)
         local = self.evaluator.evaluate(model, SequenceSample.gather(items), spec.mb_spec) or {}
         local = {k: float(v) for k, v in local.items()}
-        # Item-weighted mean over ranks: every rank reports the global value.
-        gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (len(items), local))
+        # Item-weighted mean over the replicas (one entry each: a replica's ranks evaluated
+        # the same items together): every rank reports the global value.
+        everyone: List[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, (len(items), local))
+        gathered = [everyone[self.grid.dp_head(k)] for k in range(self.grid.dp_size)]
         total = sum(n for n, _ in gathered)
         keys = sorted({k for _, m in gathered for k in m})
         metrics = {
@@ -456,24 +528,32 @@ class ModelWorker(Worker):
             / max(1, sum(n for n, m in gathered if k in m))
             for k in keys
         }
-        metrics.update(stats_tracker.export(reduce_group=None))
+        metrics.update(self._export_stats())
         return EvalReply(self.worker_name, metrics, total, start, time.time())
 
     def _save(self, req: SaveRequest) -> List[str]:
+        unknown = sorted(set(req.dirs) - set(self.specs))
+        if unknown:
+            raise KeyError(f"{self.worker_name}: cannot save unknown roles {unknown}")
         written = []
-        if self.rank == 0:  # replicas are identical (see _publish)
+        if self.grid.dp_rank == 0:  # replicas are identical (see _publish)
             for role, path in req.dirs.items():
-                if role not in self.specs:
-                    raise KeyError(f"{self.worker_name}: cannot save unknown role {role!r}")
                 self.modules[role].save_hf(path, tokenizer=self.config.tokenizer_path or None)
-                written.append(path)
+                if self.rank == 0:
+                    written.append(path)
         return written
 
     def _checkpoint(self, req: CheckpointRequest) -> List[str]:
-        # Every rank writes: optimizer states are per rank, and so is the data position.
+        # Every rank writes its optimizer state (its shard of the parameters); replica
+        # heads their data position; replica 0 the weights (collective, rank 0 writes).
         state = self.loader.state_dict() if self.loader is not None else None
         return recover.save_worker_state(
-            req.dir, self.rank, self._trainable(), state, self.interfaces
+            req.dir,
+            self.rank,
+            self._trainable(),
+            state,
+            self.interfaces,
+            save_weights=self.grid.dp_rank == 0,
         )
 
     def _clear_data_cache(self, ids: tuple) -> int:

@@ -3,11 +3,15 @@
 :class:`DagRunner` owns the master's side of the data: the :class:`SampleBuffer`, the
 request client and the shards' positions.  A step is::
 
-    load   fetch the step's items from the workers' shards (allocate_fetch)
+    load   fetch the step's items from the replicas' shards (allocate_fetch; only the
+           head, pipe 0 / tensor 0, of each data-parallel replica holds a shard)
     run    one coroutine per MFC: wait until n_seqs of the step's items have its input
-           keys (oldest first), split them over the data-parallel ranks, send every rank
-           the request with the transfer plan, await the replies, record outputs / stats
-    clear  every MFC consumed the step's items: clear_data_cache on the workers
+           keys (oldest first), split them over the d data-parallel replicas, send every
+           rank its replica's part with the transfer plan (which brings the part's data
+           to every rank of the replica), await the replies, record the outputs as held
+           by every rank of the replica (they compute the same) and the stats averaged
+           over the replicas
+    clear  every MFC consumed the step's items: clear_data_cache on every worker
 
 Ordering rule (deadlock freedom): requests of one MFC go to all ranks in one
 synchronous burst (``_dispatch`` never awaits, and runs under the dispatch lock to say
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import DataFlowGraph, MFCDef, ModelInterfaceType
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.worker_api import call_sizes
+from realhf.base.topology import DataPipeTensorParallelTopology
 from realhf.system.dag.buffer import SampleBuffer
 from realhf.system.dag.messages import FetchRequest, Handle, MFCReply, MFCRequest, mfc_handle
 from realhf.system.dag.transfer import build_transfer_plan, partition_for_dp
@@ -33,7 +39,7 @@ __all__ = ["DagRunner", "StepResult", "allocate_fetch"]
 
 
 def allocate_fetch(need: int, remaining: List[int]) -> List[int]:
-    """How many items to fetch from each worker: as even as the shards' leftovers allow.
+    """How many items to fetch from each shard: as even as the shards' leftovers allow.
 
     Deterministic in ``(need, remaining)``, which a recover checkpoint restores, so a
     resumed run fetches exactly what the uninterrupted one would have.
@@ -69,13 +75,39 @@ class DagRunner:
         client: the request client (its handlers are the model workers, rank = index).
         timeout: seconds to wait for any reply.
         trace: a :class:`~realhf.system.dag.outputs.TraceLog` (or None).
+        layout: the trainer layout of the model workers (None: each one is a data-parallel
+            replica); ranks are laid out like the workers' grid, row-major over (data,
+            pipe, tensor).
     """
 
-    def __init__(self, graph: DataFlowGraph, client: RequestClient, timeout: float, trace=None):
+    def __init__(
+        self,
+        graph: DataFlowGraph,
+        client: RequestClient,
+        timeout: float,
+        trace=None,
+        layout: Optional[ParallelismConfig] = None,
+    ):
         self.graph = graph
         self.client = client
         self.handlers = list(client.handlers)
         self.n = len(self.handlers)
+        self.layout = layout or ParallelismConfig(data=self.n)
+        if self.layout.world_size != self.n:
+            raise ValueError(
+                f"layout {self.layout} spans {self.layout.world_size} model workers, "
+                f"the master talks to {self.n}"
+            )
+        topo = DataPipeTensorParallelTopology(
+            self.layout.data, self.layout.pipe, self.layout.tensor
+        )
+        #: number of data-parallel replicas
+        self.d = self.layout.data
+        #: world ranks of each replica; its head (pipe 0, tensor 0) is the first
+        self.replicas: List[List[int]] = [topo.filter_match(data=k) for k in range(self.d)]
+        self.heads: List[int] = [r[0] for r in self.replicas]
+        #: the replica of each rank
+        self.replica_of: List[int] = [topo.get_coord(r).data for r in range(self.n)]
         self.timeout = timeout
         self.trace = trace
         self.buffer = SampleBuffer()
@@ -83,14 +115,19 @@ class DagRunner:
         # whenever a call's outputs land or an MFC finishes.
         self.cond = asyncio.Condition()
         self.dispatch_lock = asyncio.Lock()
-        #: per worker: items of the current epoch not fetched yet (set by the master)
+        #: per replica (its head's shard): items of the current epoch not fetched yet (set
+        #: by the master)
         self.remaining: List[int] = []
         self._stats: Dict[str, List[float]] = {}
         self._done: Dict[str, bool] = {}
 
-    async def call(self, handle: Handle, datas: List[Any]) -> List[Any]:
-        """Send ``handle`` to every worker (one datum each); return their replies' data."""
-        rids = self.client.request(self.handlers, handle, datas)
+    async def call(
+        self, handle: Handle, datas: List[Any], ranks: Optional[Sequence[int]] = None
+    ) -> List[Any]:
+        """Send ``handle`` to the workers of ``ranks`` (default: all; one datum each);
+        return their replies' data."""
+        handlers = self.handlers if ranks is None else [self.handlers[r] for r in ranks]
+        rids = self.client.request(handlers, handle, datas)
         return [r.data for r in await self.client.gather_async(rids, timeout=self.timeout)]
 
     def _trace(self, name: str, process: str, start: float, end: float, **kw) -> None:
@@ -121,30 +158,34 @@ class DagRunner:
         return StepResult(ids, tokens, {k: sum(v) / len(v) for k, v in sorted(self._stats.items())})
 
     async def _load(self, epoch: int, need: int) -> List[str]:
-        """Fetch ``need`` items (metadata into the buffer; tensors stay on the workers)."""
+        """Fetch ``need`` items from the replica heads (metadata into the buffer; tensors
+        stay on the workers)."""
         want = allocate_fetch(need, self.remaining)
         ids: List[str] = []
         t = time.time()
         # A worker answers at most dataset_batch_size items per fetch: ask until all came.
         while True:
             asked = list(want)
-            replies = await self.call(Handle.FETCH, [FetchRequest(epoch, w) for w in asked])
-            for rank, rep in enumerate(replies):
+            replies = await self.call(
+                Handle.FETCH, [FetchRequest(epoch, w) for w in asked], ranks=self.heads
+            )
+            for k, rep in enumerate(replies):
+                head = self.heads[k]
                 got = 0 if rep.meta is None else len(rep.meta)
                 if got:
-                    self.buffer.add(rep.meta, owner=rank)
+                    self.buffer.add(rep.meta, owner=head)
                     ids.extend(rep.meta.ids)
-                self.remaining[rank] = rep.position.remaining
-                for k, v in rep.stats.items():
-                    self._stats.setdefault(k, []).append(v)
+                self.remaining[k] = rep.position.remaining
+                for key, v in rep.stats.items():
+                    self._stats.setdefault(key, []).append(v)
                 # Nothing back would make this loop forever; more than asked means master
                 # and worker disagree on the shard.
-                if got == 0 and asked[rank] > 0 or got > asked[rank]:
+                if got == 0 and asked[k] > 0 or got > asked[k]:
                     raise RuntimeError(
-                        f"{self.handlers[rank]} returned {got} items for a fetch of {asked[rank]} "
+                        f"{self.handlers[head]} returned {got} items for a fetch of {asked[k]} "
                         f"(epoch {epoch}, position {rep.position}); master and worker disagree"
                     )
-                want[rank] -= got
+                want[k] -= got
             if not any(want):
                 break
         self._trace("fetch", "master_worker/0", t, time.time(), n_items=len(ids))
@@ -185,13 +226,15 @@ class DagRunner:
     def _dispatch(
         self, mfc: MFCDef, ids: List[str], step: StepInfo, call: int
     ) -> Tuple[List[str], list]:
-        """Split, plan and send one MFC call to every rank (no await: one burst)."""
+        """Split over the replicas, plan and send one MFC call to every rank (no await: one
+        burst); returns the request ids and the replicas' parts."""
         keys = list(mfc.input_keys)
         by_count = mfc.interface_type == ModelInterfaceType.GENERATE
-        parts = partition_for_dp(ids, self.buffer.item_tokens(ids, keys), self.n, by_count)
+        parts = partition_for_dp(ids, self.buffer.item_tokens(ids, keys), self.d, by_count)
         first = self.buffer.entry(ids[0]).keys
         plan = build_transfer_plan(
-            parts,
+            # Every rank of a replica needs the replica's whole part.
+            [parts[k] for k in self.replica_of],
             keys,
             self.buffer.holder_map(ids, keys),
             seqlens=lambda i, k: self.buffer.entry(i).keys[k].seqlens,
@@ -200,17 +243,21 @@ class DagRunner:
         )
         for s in plan:
             self.buffer.add_holder(s.ids, s.key, s.dst)
-        datas = [
-            MFCRequest(mfc.name, step, tuple(plan), self.buffer.meta(p, keys), call) for p in parts
-        ]
+        tplan = tuple(plan)
+        metas = [MFCRequest(mfc.name, step, tplan, self.buffer.meta(p, keys), call) for p in parts]
+        datas = [metas[k] for k in self.replica_of]
         return self.client.request(self.handlers, mfc_handle(mfc.interface_type), datas), parts
 
     def _absorb(
         self, mfc: MFCDef, parts: List[List[str]], replies: List[MFCReply], sent: float
     ) -> None:
-        """Record one call's replies: output ownership, stats (averaged over ranks), trace."""
+        """Record one call's replies (one per rank; ``parts`` per replica): output holders
+        (every rank of the replica, its head the owner), stats (averaged over the replicas:
+        a replica's ranks report the same), trace."""
         stats: Dict[str, List[float]] = {}
-        for rank, (part, rep) in enumerate(zip(parts, replies)):
+        for rank, rep in enumerate(replies):
+            k = self.replica_of[rank]
+            part, head = parts[k], self.heads[k]
             if rep.output is not None:
                 out = rep.output
                 if sorted(out.ids) != sorted(part) or not set(mfc.output_keys) <= out.keys:
@@ -219,11 +266,16 @@ class DagRunner:
                         f"with keys {sorted(out.keys)} for its {len(part)} items; expected "
                         f"keys {list(mfc.output_keys)}"
                     )
-                self.buffer.amend(out, owner=rank)
+                if rank == head:  # heads come first in their replica (lowest rank)
+                    self.buffer.amend(out, owner=rank)
+                else:
+                    for key in out.keys:
+                        self.buffer.add_holder(out.ids, key, rank)
             elif mfc.output_keys:
                 raise RuntimeError(f"MFC {mfc.name!r}: {rep.worker} replied no output")
-            for k, v in rep.stats.items():
-                stats.setdefault(k, []).append(v)
+            if rank == head:
+                for key, v in rep.stats.items():
+                    stats.setdefault(key, []).append(v)
             self._trace(
                 mfc.name,
                 self.handlers[rank],

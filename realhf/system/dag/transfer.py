@@ -3,8 +3,9 @@
 The master decides, the model workers move:
 
 1. :func:`partition_for_dp` cuts the ids of one MFC call into one contiguous group per
-   data-parallel rank: equal token loads (exact min-max, ``datapack.partition_balanced``)
-   or equal item counts (``generate``, whose cost grows with the answers, not the prompt).
+   data-parallel replica (every rank of a replica gets its group): equal token loads
+   (exact min-max, ``datapack.partition_balanced``) or equal item counts (``generate``,
+   whose cost grows with the answers, not the prompt).
 2. :func:`build_transfer_plan` lists, for every input key, which rank sends which items
    to which rank: an ordered list of :class:`TransferStep` s, one per (key, src, dst)
    with data to move.  A rank that already holds a key (it produced it, loaded it or
@@ -134,7 +135,8 @@ def build_transfer_plan(
     """The steps that bring every rank the ``keys`` of its partition.
 
     Args:
-        partitions: ``partitions[d]`` = ids rank d will process.
+        partitions: ``partitions[r]`` = ids rank r will process (the ranks of one
+            data-parallel replica share a partition).
         keys: the MFC's input keys (buffer names).
         holders: ``(id, key) -> ranks holding it`` (owner first).
         seqlens: ``seqlens(id, key)`` = the item's sequence lengths for ``key``.
@@ -188,7 +190,7 @@ def execute_plan(
 
     Args:
         plan: the same list on every rank.
-        rank: this rank in ``group`` (= its data-parallel rank).
+        rank: this rank in ``group`` (= its model-worker rank).
         store: a :class:`~realhf.system.dag.local_store.LocalStore` with ``get``/``put``.
         group: the process group (gloo recommended for host tensors); None = default.
         device: where the wire tensors live (CPU for gloo, the GPU for nccl).

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from realhf.api.cli_args import ExperimentControlConfig
+from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
@@ -69,10 +70,15 @@ class _Items:
 class StandIn(threading.Thread):
     """Answers the master like a model worker would, with metadata only."""
 
-    def __init__(self, trial, rank, world, n_items, mfcs, held, calls, seed=1):
+    def __init__(self, trial, rank, world, n_items, mfcs, held, calls, seed=1, shard=None):
         super().__init__(daemon=True)
         self.trial, self.rank, self.world = trial, rank, world
-        self.loader = ShardLoader(_Items(rank, world, n_items), seed)
+        # shard: (index, count) of the data shard this worker loads (a replica head's);
+        # None: shard `rank` of `world`.
+        index, count = shard if shard is not None else (rank, world)
+        self.loader = ShardLoader(_Items(index, count, n_items), seed)
+        self.fetched = 0
+        self.plan_steps: List = []  # every transfer step this worker was sent
         self.mfcs = {m.name: m for m in mfcs}
         self.held: Dict[int, Set[Tuple[str, str]]] = held  # shared by all stand-ins
         self.calls: List[tuple] = calls
@@ -104,6 +110,7 @@ class StandIn(threading.Thread):
                         self.loader.load_state_dict(json.load(f))
                 out = DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
             elif h is Handle.FETCH:
+                self.fetched += 1
                 items = self.loader.take(d.epoch, min(d.n, 2))  # at most 2 per call
                 meta = SequenceSample.gather(items).meta() if items else None
                 for s in items:
@@ -131,6 +138,7 @@ class StandIn(threading.Thread):
         mfc = self.mfcs[req.mfc_name]
         ids = req.meta.ids
         assert ids, "every rank gets items"
+        self.plan_steps.extend(req.plan)
         for step in req.plan:  # apply the plan: only the receiver records the copy
             if step.dst == self.rank:
                 for i in step.ids:
@@ -212,12 +220,28 @@ def run_env(tmp_path, memory_name_resolve, trial):
     constants.set_fileroot(None)
 
 
+def _shard(layout, rank, n_items):
+    """``(shard, n_items)`` of ``rank`` in ``layout``: the head (pipe 0, tensor 0: the first
+    rank of each block of p·m) of replica k loads shard k of d, the other ranks nothing."""
+    per_replica = layout.pipe * layout.tensor
+    head = rank % per_replica == 0
+    return dict(shard=(rank // per_replica, layout.data), n_items=n_items if head else 0)
+
+
 def _run_master(trial, cfg, n_items, stop_after=None, held=None, calls=None):
     """Run a master and stand-ins; returns (master, calls, stand-ins)."""
     held = held if held is not None else {r: set() for r in range(cfg.n_model_workers)}
     calls = calls if calls is not None else []
     workers = [
-        StandIn(trial, r, cfg.n_model_workers, n_items, cfg.mfcs, held, calls)
+        StandIn(
+            trial,
+            r,
+            cfg.n_model_workers,
+            mfcs=cfg.mfcs,
+            held=held,
+            calls=calls,
+            **_shard(cfg.layout, r, n_items),
+        )
         for r in range(cfg.n_model_workers)
     ]
     master = MasterWorker(EXP, trial, "master_worker", 0)
@@ -345,3 +369,75 @@ def test_config_rejects_calls_smaller_than_the_dp_degree():
         _master_config(2, 9, 4, 1)  # the last step of an epoch holds 1 item
     with pytest.raises(ValueError, match="n_seqs=8 items per call, more than a step holds"):
         _master_config(2, 8, 4, 1, n_seqs_b=8)
+
+
+def test_layout_splits_calls_over_replicas_and_fetches_from_heads(tmp_path, run_env):
+    trial = run_env
+    # d2p1m2: replica 0 = ranks 0, 1 and replica 1 = ranks 2, 3 (heads 0 and 2); 12 items,
+    # steps of 6, "score" 3 items at a time (split 2 + 1 over the replicas).
+    cfg = _master_config(4, 12, 6, 2, n_seqs_b=3, layout=ParallelismConfig(2, 1, 2))
+    master, calls, workers = _run_master(trial, cfg, 12)
+    assert master.status == WorkerStatus.COMPLETED, master.status
+    assert all(w.error is None for w in workers), [w.error for w in workers]
+    assert [w.fetched > 0 for w in workers] == [True, False, True, False]
+    # Per call: the ranks of a replica got the same items, the two replicas disjoint parts.
+    per_call: Dict[tuple, Dict[int, tuple]] = {}
+    seen: Dict[tuple, int] = {}
+    for name, rank, step, ids in calls:
+        k = seen[(name, rank, step)] = seen.get((name, rank, step), -1) + 1
+        per_call.setdefault((name, step, k), {})[rank] = ids
+    assert len(per_call) == 2 * 2 * (1 + 2 + 1)  # 2 epochs x 2 steps x (gen, score x 2, train)
+    for key, by_rank in per_call.items():
+        assert sorted(by_rank) == [0, 1, 2, 3], key
+        assert by_rank[0] == by_rank[1] and by_rank[2] == by_rank[3], key
+        assert not set(by_rank[0]) & set(by_rank[2]), key
+    for name in ("gen", "score", "train"):
+        for epoch_steps in ((0, 1), (2, 3)):
+            ids = [
+                i
+                for (n, r, s, c) in calls
+                if n == name and r in (0, 2) and s in epoch_steps
+                for i in c
+            ]
+            assert sorted(ids) == sorted(f"q{i}" for i in range(12)), (name, epoch_steps)
+    # Outputs are held by every rank of the replica that computed them: they only ever
+    # move between replicas; dataset items move from a head to its replica's peers too.
+    replica = [0, 0, 1, 1]
+    for w in workers:
+        for st in w.plan_steps:
+            if st.key != "packed_prompts":
+                assert replica[st.src] != replica[st.dst], st.describe()
+    records = _metrics(tmp_path, trial)
+    assert [r["n_items"] for r in records] == [6, 6, 6, 6]
+    assert records[0]["score/n"] == 1.5 and records[0]["gen/n"] == 3.0  # per replica
+
+
+def test_resume_refuses_a_checkpoint_of_another_layout(tmp_path, run_env):
+    from realhf.system.worker.base import read_error
+
+    trial = run_env
+    kw = dict(ctl={"ckpt_freq_steps": 1}, recover_mode="auto")
+    cfg = _master_config(2, 8, 4, 2, layout=ParallelismConfig(1, 1, 2), **kw)
+    _, _, workers = _run_master(trial, cfg, 8, stop_after=2)
+    for w in workers:
+        w.stop.set()
+    assert recover.find_latest(recover.recover_root(None)).endswith("step2")
+    master, _, workers = _run_master(trial, _master_config(2, 8, 4, 2, **kw), 8)  # d2p1m1
+    for w in workers:
+        w.stop.set()
+    assert master.status == WorkerStatus.ERROR
+    msg = read_error(EXP, trial, "master_worker/0").message
+    assert "was written by trainer layout d1p1m2, this run has layout d2p1m1" in msg
+    assert "run with d1p1m2 or delete the checkpoint" in msg
+
+
+def test_config_rejects_a_layout_that_does_not_span_the_workers():
+    with pytest.raises(
+        ValueError,
+        match=r"layout='d1p1m2': the layout spans d·p·m = 2 model workers but n_model_workers=4",
+    ):
+        _master_config(4, 8, 4, 1, layout=ParallelismConfig(1, 1, 2))
+    # Calls must cover the data-parallel degree d, not d·p·m: a last step of 1 item is fine.
+    _master_config(4, 9, 4, 1, layout=ParallelismConfig(1, 2, 2))
+    with pytest.raises(ValueError, match="a call of 1 item.s. for 2 data-parallel ranks"):
+        _master_config(4, 9, 4, 1, layout=ParallelismConfig(2, 1, 2))
