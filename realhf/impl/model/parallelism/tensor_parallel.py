@@ -84,7 +84,7 @@ def check_tensor_parallel(config: ReaLModelConfig, m: int) -> None:
         )
 
 
-def _local_config(config: ReaLModelConfig, m: int) -> ReaLModelConfig:
+def local_shard_config(config: ReaLModelConfig, m: int) -> ReaLModelConfig:
     check_tensor_parallel(config, m)
     return dataclasses.replace(
         config,
@@ -105,7 +105,7 @@ _KV = ("attn.c_attn.k_attn.", "attn.c_attn.v_attn.")
 _ROW_WEIGHTS = ("attn.c_proj.weight", "mlp.down_proj.weight", "mlp.c_proj.weight")
 
 
-def _rule(name: str, config: ReaLModelConfig) -> Optional[Tuple[str, int]]:
+def shard_rule(name: str, config: ReaLModelConfig) -> Optional[Tuple[str, int]]:
     """``(kind, dim)`` of how parameter ``name`` is split, or None when replicated.
 
     kind is ``"split"`` (even split along ``dim``) or ``"kv"`` (key/value heads: split
@@ -127,7 +127,7 @@ def _rule(name: str, config: ReaLModelConfig) -> Optional[Tuple[str, int]]:
     return None
 
 
-def _kv_heads_of(config: ReaLModelConfig, m: int, r: int) -> Tuple[int, int]:
+def kv_heads_of(config: ReaLModelConfig, m: int, r: int) -> Tuple[int, int]:
     """``[first, last)`` key/value heads held by rank ``r``."""
     kv = config.n_kv_heads
     if kv % m == 0:
@@ -140,12 +140,12 @@ def shard_tensor(
     name: str, full: torch.Tensor, config: ReaLModelConfig, m: int, r: int
 ) -> torch.Tensor:
     """Rank ``r``'s shard (a view) of the whole parameter ``full`` named ``name``."""
-    rule = _rule(name, config)
+    rule = shard_rule(name, config)
     if rule is None or m == 1:
         return full
     kind, dim = rule
     if kind == "kv":
-        lo, hi = _kv_heads_of(config, m, r)
+        lo, hi = kv_heads_of(config, m, r)
         return full.narrow(0, lo * config.head_dim, (hi - lo) * config.head_dim)
     return full.chunk(m, dim)[r]
 
@@ -153,7 +153,7 @@ def shard_tensor(
 def unshard_tensor(name: str, shards: List[torch.Tensor], config: ReaLModelConfig) -> torch.Tensor:
     """The whole parameter from every rank's shard (rank order)."""
     m = len(shards)
-    rule = _rule(name, config)
+    rule = shard_rule(name, config)
     if rule is None or m == 1:
         return shards[0]
     kind, dim = rule
@@ -166,7 +166,7 @@ def unshard_tensor(name: str, shards: List[torch.Tensor], config: ReaLModelConfi
 def counts_in_norm(name: str, config: ReaLModelConfig, m: int, r: int) -> bool:
     """Whether rank ``r`` counts parameter ``name`` in the global gradient norm (each
     element exactly once over the tensor-parallel group)."""
-    rule = _rule(name, config)
+    rule = shard_rule(name, config)
     if m == 1:
         return True
     if rule is None:
@@ -328,7 +328,7 @@ class TensorParallel(LocalHooks):
             return config
         self._kv_copies = max(1, self.size // config.n_kv_heads)
         self._n_kv = config.n_kv_heads
-        return _local_config(config, self.size)
+        return local_shard_config(config, self.size)
 
     def vocab_range(self, config: ReaLModelConfig) -> Tuple[int, int]:
         n = config.vocab_size // self.size
