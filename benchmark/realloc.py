@@ -1,0 +1,167 @@
+"""Parameter reallocation between layouts against one broadcast of as many bytes.
+
+For a ~90M-parameter random qwen2-like model and each pair of layouts (``m2→d2``, ``p2→m2``,
+``d2m2→p2m2``; both layouts on the same 4 gloo processes, or NCCL on GPUs), every process holds
+its source shard (random values: only the sizes matter), and the script times
+
+- ``realloc``: :func:`realhf.impl.model.parallelism.realloc.reallocate` of the pair's plan
+  (plans are computed beforehand, as the system caches them);
+- ``broadcast``: one ``dist.broadcast`` among the same 4 ranks of a flat buffer as large as
+  the most any destination rank receives (the ReaL paper's yardstick: reallocation should
+  cost about a broadcast of the parameters a rank needs).
+
+Each figure is the median of ``--repeats`` runs after one warm-up, on rank 0's clock after a
+barrier.  Run (about 2 minutes on the 2-core CPU VM):
+
+    python benchmark/realloc.py [--repeats 3]
+
+The last line printed is one JSON object ``{"results": [{"pair", "realloc_s", "broadcast_s",
+"realloc_over_broadcast", "max_received_mb"}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PAIRS = [("d1p1m2", "d2p1m1"), ("d1p2m1", "d1p1m2"), ("d2p1m2", "d1p2m2")]
+WORLD = 4
+MODEL = dict(
+    family="qwen2",
+    n_layers=12,
+    hidden_dim=640,
+    n_q_heads=10,
+    n_kv_heads=2,
+    head_dim=64,
+    intermediate_dim=2560,
+    vocab_size=32000,
+    n_positions=1024,
+    use_attention_bias=True,
+    tied_embedding=True,
+)
+
+
+def _rank_main(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from realhf.api.core.allocation import parse_parallelism
+    from realhf.base import shutdown
+    from realhf.impl.model.nn.model_config import ReaLModelConfig
+    from realhf.impl.model.parallelism.realloc import plan_reallocation, rank_model, reallocate
+
+    torch.set_num_threads(1)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", args.rank % torch.cuda.device_count()) if cuda else "cpu"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=dist.FileStore(args.store, WORLD),
+        rank=args.rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=900),
+    )
+    config = ReaLModelConfig(**MODEL)
+    results = []
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    for src, dst in PAIRS:
+        src_l, dst_l = parse_parallelism(src), parse_parallelism(dst)
+        plan = plan_reallocation(config, src_l, dst_l)
+        r = args.rank
+
+        def numel(layout):
+            if r >= layout.world_size:
+                return None
+            return rank_model(config, layout, r)[0].flat_params.numel()
+
+        n_src, n_dst = numel(src_l), numel(dst_l)
+        have = None if n_src is None else torch.randn(n_src, device=device)
+        got = None if n_dst is None else torch.empty(n_dst, device=device)
+        received = [0] * WORLD
+        for c in plan:
+            if c.src != c.dst:
+                received[c.dst] += c.length
+        biggest = max(received)
+        flat = torch.empty(biggest, device=device)
+        t_realloc = timed(lambda: reallocate(plan, r, have, got))
+        t_bcast = timed(lambda: dist.broadcast(flat, src=0))
+        results.append(
+            {
+                "pair": f"{src}->{dst}",
+                "realloc_s": round(t_realloc, 4),
+                "broadcast_s": round(t_bcast, 4),
+                "realloc_over_broadcast": round(t_realloc / t_bcast, 3),
+                "max_received_mb": round(biggest * 4 / 2**20, 1),
+            }
+        )
+    if args.rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+    shutdown.hard_exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--store", default=None)
+    p.add_argument("--result", default=None)
+    args = p.parse_args()
+    if args.rank is not None:
+        _rank_main(args)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        store, result = os.path.join(tmp, "store"), os.path.join(tmp, "result.json")
+        common = ["--store", store, "--result", result, "--repeats", str(args.repeats)]
+        procs = [
+            subprocess.Popen([sys.executable, __file__, "--rank", str(r), *common])
+            for r in range(WORLD)
+        ]
+        try:
+            for proc in procs:
+                if proc.wait(timeout=args.timeout) != 0:
+                    raise SystemExit(f"a rank exited with code {proc.returncode}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        with open(result) as f:
+            results = json.load(f)
+    print(f"{'pair':<18} {'realloc s':>10} {'broadcast s':>12} {'ratio':>7} {'max MB in':>10}")
+    for r in results:
+        print(
+            f"{r['pair']:<18} {r['realloc_s']:>10.3f} {r['broadcast_s']:>12.3f} "
+            f"{r['realloc_over_broadcast']:>7.2f} {r['max_received_mb']:>10.1f}"
+        )
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
