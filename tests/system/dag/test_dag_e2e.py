@@ -13,22 +13,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import time
 
-import dag_test_experiment as dag_test
-import psutil
 import pytest
 import torch
+from dag_runs import EXP, launch, metrics
 from tiny_models import make_tiny_hf_model
 
-from realhf.api.core.system_api import make_experiment
 from realhf.base import name_resolve, names
 from realhf.impl.model.nn.real_model import ReaLModel
-from realhf.scheduler.local import JobFailure, launch_experiment
+from realhf.scheduler.local import JobFailure
 
 pytestmark = pytest.mark.slow
-
-EXP = "dag-test"
 
 
 @pytest.fixture(scope="module")
@@ -36,45 +31,6 @@ def root(tmp_path_factory):
     path = tmp_path_factory.mktemp("dag_e2e")
     make_tiny_hf_model("qwen2", path / "model")
     return path
-
-
-def _children():
-    return {
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE
-    }
-
-
-def _launch(root, trial, **kw):
-    """Run dag-test; returns (exit codes or the JobFailure, run dir, experiment args)."""
-    kw = dict(model_path=str(root / "model"), log_dir=str(root / trial / "ids"), **kw)
-    run_dir = root / EXP / trial
-    before = _children()
-    try:
-        result = launch_experiment(
-            make_experiment(EXP, **kw),
-            EXP,
-            trial,
-            run_dir=str(run_dir),
-            name_resolve_spec=f"file://{root / 'name_resolve'}",
-            experiment_args=kw,
-            imports=[dag_test.__name__],
-            timeout=240,
-            fileroot=str(root),
-        )
-    except JobFailure as e:
-        result = e
-    deadline = time.monotonic() + 10
-    while _children() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not (_children() - before), "processes left behind"
-    return result, run_dir
-
-
-def _metrics(run_dir):
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(l) for l in f]
 
 
 def _trained_ids(root, trial):
@@ -114,7 +70,7 @@ def _status(root, trial):
 
 def test_toy_dag_over_two_model_workers(root):
     trial, n_items, epochs = "dag", 16, 2
-    codes, run_dir = _launch(
+    codes, run_dir = launch(
         root,
         trial,
         n_model_workers=2,
@@ -128,7 +84,7 @@ def test_toy_dag_over_two_model_workers(root):
     )
     assert not isinstance(codes, Exception), codes
     assert set(codes.values()) == {0}
-    records = _metrics(run_dir)
+    records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["train/mismatches"] == 0 for r in records)  # b = 2x + 1 and c = 6x arrived intact
     assert all(r["train/n_items"] == 4 for r in records)  # 8 items split 4 + 4
@@ -149,7 +105,7 @@ def test_two_data_parallel_ranks_train_like_one(root):
     # One step per epoch holds every item, so both layouts see the same global batches.
     weights = {}
     for n in (1, 2):
-        codes, run_dir = _launch(
+        codes, run_dir = launch(
             root,
             f"dp{n}",
             graph="sft",
@@ -161,7 +117,7 @@ def test_two_data_parallel_ranks_train_like_one(root):
         )
         assert not isinstance(codes, Exception), codes
         weights[n] = _final_weights(run_dir)
-        losses = [r["train/loss"] for r in _metrics(run_dir)]
+        losses = [r["train/loss"] for r in metrics(run_dir)]
         weights[f"loss{n}"] = losses
     assert len(weights["loss1"]) == 3
     assert weights["loss1"] == pytest.approx(weights["loss2"], rel=1e-5)
@@ -180,22 +136,22 @@ def test_killed_worker_is_lost_and_resume_matches_an_uninterrupted_run(root):
         save_freq_steps=100,
         recover_mode="auto",
     )
-    codes, base_dir = _launch(root, "base", **common)
+    codes, base_dir = launch(root, "base", **common)
     assert not isinstance(codes, Exception), codes
 
     # model_worker/1 SIGKILLs itself when the 4th step (global step 3) starts training.
-    failure, run_dir = _launch(root, "rec", crash_at_step=3, **common)
+    failure, run_dir = launch(root, "rec", crash_at_step=3, **common)
     assert isinstance(failure, JobFailure), failure
     summary = json.load(open(run_dir / "controller_summary.json"))
     assert summary["ok"] is False
     assert summary["failures"]["model_worker/1"].startswith("LOST")
     assert "model_worker/1 (killed by SIGKILL)" in str(failure)
-    assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
     assert os.path.exists(run_dir / "checkpoints" / "recover" / "step2")
 
-    codes, run_dir = _launch(root, "rec", **common)
+    codes, run_dir = launch(root, "rec", **common)
     assert not isinstance(codes, Exception), codes
-    base, resumed = _metrics(base_dir), _metrics(run_dir)
+    base, resumed = metrics(base_dir), metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in base]
     _assert_each_item_once_per_epoch(root, "rec", 8, 2)

@@ -17,21 +17,17 @@ import dataclasses
 import glob
 import json
 import os
-import time
 
-import dag_test_experiment as dag_test
-import psutil
 import pytest
 import torch
+from dag_runs import EXP, launch, metrics
 from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.allocation import ParallelismConfig, parse_parallelism
 from realhf.api.core.system_api import WorkerInformation, make_experiment
 from realhf.impl.model.nn.real_model import ReaLModel
-from realhf.scheduler.local import JobFailure, launch_experiment
+from realhf.scheduler.local import JobFailure
 from realhf.system.dag.model_worker import ModelWorker
-
-EXP = "dag-test"
 
 
 @pytest.fixture(scope="module")
@@ -40,45 +36,6 @@ def root(tmp_path_factory):
     # qwen2 tiny: 4 query / 2 kv heads, MLP 128, vocabulary 128: splits 2 ways.
     make_tiny_hf_model("qwen2", path / "model")
     return path
-
-
-def _children():
-    return {
-        p.pid
-        for p in psutil.Process().children(recursive=True)
-        if p.status() != psutil.STATUS_ZOMBIE
-    }
-
-
-def _launch(root, trial, **kw):
-    """Run dag-test; returns (exit codes or the JobFailure, run dir)."""
-    kw = dict(model_path=str(root / "model"), log_dir=str(root / trial / "ids"), **kw)
-    run_dir = root / EXP / trial
-    before = _children()
-    try:
-        result = launch_experiment(
-            make_experiment(EXP, **kw),
-            EXP,
-            trial,
-            run_dir=str(run_dir),
-            name_resolve_spec=f"file://{root / 'name_resolve'}",
-            experiment_args=kw,
-            imports=[dag_test.__name__],
-            timeout=240,
-            fileroot=str(root),
-        )
-    except JobFailure as e:
-        result = e
-    deadline = time.monotonic() + 10
-    while _children() - before and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not (_children() - before), "processes left behind"
-    return result, run_dir
-
-
-def _metrics(run_dir):
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(l) for l in f]
 
 
 def _final_weights(run_dir):
@@ -109,7 +66,7 @@ def _train(root, runs, layout, graph="sft"):
     """(metrics, final weights, run dir) of 3 epochs of one step holding every item, so
     that every layout sees the same global batches."""
     if layout not in runs:
-        codes, run_dir = _launch(
+        codes, run_dir = launch(
             root,
             layout,
             layout=layout,
@@ -124,7 +81,7 @@ def _train(root, runs, layout, graph="sft"):
         assert not isinstance(codes, Exception), codes
         n_workers = parse_parallelism(layout).world_size
         assert sum(k.startswith("model_worker/") for k in codes) == n_workers
-        runs[layout] = (_metrics(run_dir), _final_weights(run_dir), run_dir)
+        runs[layout] = (metrics(run_dir), _final_weights(run_dir), run_dir)
     return runs[layout]
 
 
@@ -187,15 +144,15 @@ def test_tensor_parallel_run_resumes_like_an_uninterrupted_one(root):
         save_freq_steps=100,
         recover_mode="auto",
     )
-    codes, base_dir = _launch(root, "tp_base", **common)
+    codes, base_dir = launch(root, "tp_base", **common)
     assert not isinstance(codes, Exception), codes
     # model_worker/1 (tensor rank 1) SIGKILLs itself when global step 3 starts training.
-    failure, run_dir = _launch(root, "tp_rec", crash_at_step=3, crash_rank=1, **common)
+    failure, run_dir = launch(root, "tp_rec", crash_at_step=3, crash_rank=1, **common)
     assert isinstance(failure, JobFailure), failure
     assert os.path.exists(run_dir / "checkpoints" / "recover" / "step2")
-    codes, run_dir = _launch(root, "tp_rec", **common)
+    codes, run_dir = launch(root, "tp_rec", **common)
     assert not isinstance(codes, Exception), codes
-    base, resumed = _metrics(base_dir), _metrics(run_dir)
+    base, resumed = metrics(base_dir), metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert [r["train/loss"] for r in resumed] == [r["train/loss"] for r in base]
     assert torch.equal(_final_weights(run_dir), _final_weights(base_dir))
