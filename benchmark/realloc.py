@@ -4,19 +4,23 @@ For a ~90M-parameter random qwen2-like model and each pair of layouts (``m2→d2
 ``d2m2→p2m2``; both layouts on the same 4 gloo processes, or NCCL on GPUs), every process holds
 its source shard (random values: only the sizes matter), and the script times
 
-- ``realloc``: :func:`realhf.impl.model.parallelism.realloc.reallocate` of the pair's plan
-  (plans are computed beforehand, as the system caches them);
+- ``realloc``: :meth:`realhf.impl.model.parallelism.realloc.RankPlan.run` of the pair's plan
+  (planned and compiled beforehand, as the system caches them per pair);
 - ``broadcast``: one ``dist.broadcast`` among the same 4 ranks of a flat buffer as large as
-  the most any destination rank receives (the ReaL paper's yardstick: reallocation should
-  cost about a broadcast of the parameters a rank needs).
+  the most any destination rank *writes* (receives plus copies locally) — the ReaL paper's
+  yardstick: reallocation should cost about a broadcast of the parameters a rank needs.  A
+  pair of local copies only is thus compared with a broadcast of as many bytes as it copies.
 
 Each figure is the median of ``--repeats`` runs after one warm-up, on rank 0's clock after a
-barrier.  Run (about 2 minutes on the 2-core CPU VM):
+barrier.  Run (about 15 seconds on the 2-core CPU VM):
 
     python benchmark/realloc.py [--repeats 3]
 
-The last line printed is one JSON object ``{"results": [{"pair", "realloc_s", "broadcast_s",
-"realloc_over_broadcast", "max_received_mb"}, ...]}``.
+The last line printed is one JSON object ``{"realloc_over_broadcast": {"m2->d2": ratio, ...},
+"results": [{"pair", "layouts", "realloc_s", "broadcast_s", "realloc_over_broadcast",
+"broadcast_received_s", "max_written_mb", "max_received_mb"}, ...]}`` (``broadcast_received_s``:
+a broadcast of only the most any rank receives, the yardstick of results before 2026-11-25;
+null when nothing is received).
 """
 
 from __future__ import annotations
@@ -34,7 +38,12 @@ from datetime import timedelta
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PAIRS = [("d1p1m2", "d2p1m1"), ("d1p2m1", "d1p1m2"), ("d2p1m2", "d1p2m2")]
+# short name -> (source layout, destination layout)
+PAIRS = {
+    "m2->d2": ("d1p1m2", "d2p1m1"),
+    "p2->m2": ("d1p2m1", "d1p1m2"),
+    "d2m2->p2m2": ("d2p1m2", "d1p2m2"),
+}
 WORLD = 4
 MODEL = dict(
     family="qwen2",
@@ -58,7 +67,8 @@ def _rank_main(args) -> None:
     from realhf.api.core.allocation import parse_parallelism
     from realhf.base import shutdown
     from realhf.impl.model.nn.model_config import ReaLModelConfig
-    from realhf.impl.model.parallelism.realloc import plan_reallocation, rank_model, reallocate
+    from realhf.impl.model.parallelism.realloc import plan_reallocation, rank_model
+    from realhf.impl.model.parallelism.realloc_exec import compile_plan
 
     torch.set_num_threads(1)
     cuda = torch.cuda.is_available()
@@ -88,10 +98,11 @@ def _rank_main(args) -> None:
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    for src, dst in PAIRS:
+    for name, (src, dst) in PAIRS.items():
         src_l, dst_l = parse_parallelism(src), parse_parallelism(dst)
         plan = plan_reallocation(config, src_l, dst_l)
         r = args.rank
+        mine = compile_plan(plan, r)
 
         def numel(layout):
             if r >= layout.world_size:
@@ -101,21 +112,27 @@ def _rank_main(args) -> None:
         n_src, n_dst = numel(src_l), numel(dst_l)
         have = None if n_src is None else torch.randn(n_src, device=device)
         got = None if n_dst is None else torch.empty(n_dst, device=device)
-        received = [0] * WORLD
+        written, received = [0] * WORLD, [0] * WORLD
         for c in plan:
+            written[c.dst] += c.length
             if c.src != c.dst:
                 received[c.dst] += c.length
-        biggest = max(received)
-        flat = torch.empty(biggest, device=device)
-        t_realloc = timed(lambda: reallocate(plan, r, have, got))
+        flat = torch.empty(max(written), device=device)
+        t_realloc = timed(lambda: mine.run(have, got))
         t_bcast = timed(lambda: dist.broadcast(flat, src=0))
+        # The former yardstick (received bytes only), for comparison with older results.
+        part = flat[: max(received)]
+        t_bcast_in = timed(lambda: dist.broadcast(part, src=0)) if max(received) else None
         results.append(
             {
-                "pair": f"{src}->{dst}",
+                "pair": name,
+                "layouts": f"{src}->{dst}",
                 "realloc_s": round(t_realloc, 4),
                 "broadcast_s": round(t_bcast, 4),
                 "realloc_over_broadcast": round(t_realloc / t_bcast, 3),
-                "max_received_mb": round(biggest * 4 / 2**20, 1),
+                "broadcast_received_s": None if t_bcast_in is None else round(t_bcast_in, 4),
+                "max_written_mb": round(max(written) * 4 / 2**20, 1),
+                "max_received_mb": round(max(received) * 4 / 2**20, 1),
             }
         )
     if args.rank == 0:
@@ -154,13 +171,20 @@ def main() -> None:
                     proc.wait()
         with open(result) as f:
             results = json.load(f)
-    print(f"{'pair':<18} {'realloc s':>10} {'broadcast s':>12} {'ratio':>7} {'max MB in':>10}")
+    print(
+        f"{'pair':<12} {'layouts':<16} {'realloc s':>10} {'broadcast s':>12} {'ratio':>7} "
+        f"{'MB written':>11} {'MB received':>12} {'bcast recv s':>13}"
+    )
     for r in results:
+        b_in = r["broadcast_received_s"]
         print(
-            f"{r['pair']:<18} {r['realloc_s']:>10.3f} {r['broadcast_s']:>12.3f} "
-            f"{r['realloc_over_broadcast']:>7.2f} {r['max_received_mb']:>10.1f}"
+            f"{r['pair']:<12} {r['layouts']:<16} {r['realloc_s']:>10.3f} "
+            f"{r['broadcast_s']:>12.3f} {r['realloc_over_broadcast']:>7.2f} "
+            f"{r['max_written_mb']:>11.1f} {r['max_received_mb']:>12.1f} "
+            f"{'-' if b_in is None else f'{b_in:.3f}':>13}"
         )
-    print(json.dumps({"results": results}))
+    ratios = {r["pair"]: r["realloc_over_broadcast"] for r in results}
+    print(json.dumps({"realloc_over_broadcast": ratios, "results": results}))
 
 
 if __name__ == "__main__":

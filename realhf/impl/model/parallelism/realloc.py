@@ -14,17 +14,15 @@ otherwise, merged where both sides are contiguous.  Every destination element is
 exactly once.  Among source ranks holding the same element (data-parallel replicas, copied kv
 heads, replicated parameters) the destination's own rank is preferred (a local copy), then
 senders are spread over the replicas.  Plans depend only on the model's architecture and the
-two layouts, so callers compute them once per pair.  :func:`reallocate` carries a plan out
-over torch.distributed (one packed point-to-point message per pair of ranks).
+two layouts, so callers compute them once per pair.
+
+Carrying a plan out is :mod:`realhf.impl.model.parallelism.realloc_exec`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
-
-import torch
-import torch.distributed as dist
 
 from realhf.api.core.allocation import ParallelismConfig
 from realhf.base.topology import DataPipeTensorParallelTopology
@@ -45,7 +43,6 @@ __all__ = [
     "holdings",
     "plan_reallocation",
     "rank_model",
-    "reallocate",
     "source_name",
 ]
 
@@ -225,54 +222,3 @@ def plan_reallocation(
                 if part is not None:
                     copies.extend(_copies(sh, h, part, s, d))
     return _merge(copies)
-
-
-def reallocate(
-    plan: Sequence[Copy],
-    rank: int,
-    src_flat: Optional[torch.Tensor],
-    dst_flat: Optional[torch.Tensor],
-    group=None,
-) -> Dict[str, int]:
-    """Carry out the copies of ``plan`` that involve world ``rank``.
-
-    Every rank that appears in the plan calls this with its source buffer (None if it holds
-    no source part) and its destination buffer (None if it receives nothing).  Copies between
-    the same two ranks travel as one packed message; all sends and receives are posted in
-    one ``batch_isend_irecv``, so no ordering between ranks can deadlock.  Returns the
-    elements sent, received and copied locally.
-    """
-    sends: Dict[int, List[Copy]] = {}
-    recvs: Dict[int, List[Copy]] = {}
-    local = 0
-    for c in plan:
-        if c.src == rank and c.dst == rank:
-            dst_flat[c.dst_offset : c.dst_offset + c.length] = src_flat[
-                c.src_offset : c.src_offset + c.length
-            ]
-            local += c.length
-        elif c.src == rank:
-            sends.setdefault(c.dst, []).append(c)
-        elif c.dst == rank:
-            recvs.setdefault(c.src, []).append(c)
-    ops, inbox = [], []
-    for peer, cs in sorted(sends.items()):
-        packed = torch.cat([src_flat[c.src_offset : c.src_offset + c.length] for c in cs])
-        ops.append(dist.P2POp(dist.isend, packed, peer=peer, group=group))
-    for peer, cs in sorted(recvs.items()):
-        buf = torch.empty(sum(c.length for c in cs), dtype=dst_flat.dtype, device=dst_flat.device)
-        ops.append(dist.P2POp(dist.irecv, buf, peer=peer, group=group))
-        inbox.append((buf, cs))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for buf, cs in inbox:
-        at = 0
-        for c in cs:
-            dst_flat[c.dst_offset : c.dst_offset + c.length] = buf[at : at + c.length]
-            at += c.length
-    return {
-        "sent": sum(c.length for cs in sends.values() for c in cs),
-        "received": sum(c.length for _, cs in inbox for c in cs),
-        "local": local,
-    }

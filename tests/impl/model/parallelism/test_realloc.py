@@ -1,9 +1,10 @@
-"""Reallocation plans between layouts, executed in one process.
+"""Reallocation plans between layouts and their compiled execution.
 
 For every pair among d1, d2, m2, p2, d2m2, p2m2 and m4: the source ranks' flat buffers are cut
 from one random single-device model by the sharding rules; running the plan's copies must give
 exactly the destination ranks' buffers cut the same way, with every destination element
-written exactly once (counted)."""
+written exactly once (counted).  The ranks' compiled plans (:class:`RankPlan`) must do the
+same, first in one process (messages handed over by packing and unpacking), then over gloo."""
 
 from __future__ import annotations
 
@@ -20,16 +21,13 @@ from rank_processes import run_ranks
 
 from realhf.api.core.allocation import parse_parallelism
 from realhf.base import shutdown
+from realhf.impl.kernels import set_intervals, slice_intervals
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.parallelism import ParallelGrid
 from realhf.impl.model.parallelism.model import GridHooks
-from realhf.impl.model.parallelism.realloc import (
-    plan_reallocation,
-    rank_model,
-    reallocate,
-    source_name,
-)
+from realhf.impl.model.parallelism.realloc import plan_reallocation, rank_model, source_name
+from realhf.impl.model.parallelism.realloc_exec import RankPlan, compile_plan, reallocate
 from realhf.impl.model.parallelism.tensor_parallel import shard_tensor
 
 LAYOUTS = ["d1p1m1", "d2p1m1", "d1p1m2", "d1p2m1", "d2p1m2", "d1p2m2", "d1p1m4"]
@@ -126,9 +124,99 @@ def test_rank_counts_must_match_the_layouts(full):
         )
 
 
+def _plan_counts(plan, rank) -> dict:
+    """The elements world ``rank`` sends, receives and copies locally in ``plan``."""
+    return {
+        "sent": sum(c.length for c in plan if c.src == rank != c.dst),
+        "received": sum(c.length for c in plan if c.dst == rank != c.src),
+        "local": sum(c.length for c in plan if c.src == rank == c.dst),
+    }
+
+
+def _staging_ptrs(rp: RankPlan) -> list:
+    """The addresses of a RankPlan's staging buffers (to see that runs reuse them)."""
+    return [
+        None if b is None else b.data_ptr()
+        for bufs in rp._buffers.values()
+        for b in [*bufs.send, *bufs.recv, bufs.local]
+    ]
+
+
+def _run_in_process(plan, have: list, got: list) -> dict:
+    """Every rank's compiled plan carried out in one process: the local copies by
+    ``RankPlan.run`` of the rank's local-only part of the plan, each message by packing the
+    sender's intervals and unpacking the packed elements at the receiver's (the pairing of
+    the two message orders that ``run`` relies on)."""
+    ranks = sorted({c.src for c in plan} | {c.dst for c in plan})
+    compiled = {r: compile_plan(plan, r) for r in ranks}
+    for r, rp in compiled.items():
+        local = compile_plan([c for c in plan if c.src == r == c.dst], r)
+        assert not local.sends and not local.recvs
+        local.run(have[r] if r < len(have) else None, got[r] if r < len(got) else None)
+        for m in rp.sends:
+            (inbox,) = [x for x in compiled[m.peer].recvs if x.peer == r]
+            packed = slice_intervals(have[r], m.side.intervals)
+            set_intervals(packed, got[m.peer], inbox.side.intervals)
+    return compiled
+
+
+@pytest.mark.parametrize("src, dst", list(itertools.product(LAYOUTS, LAYOUTS)))
+def test_compiled_plans_rebuild_the_destination_layout(full, src, dst):
+    src_l, dst_l = parse_parallelism(src), parse_parallelism(dst)
+    have, want = _buffers(full, src_l), _buffers(full, dst_l)
+    got = [torch.full_like(w, float("nan")) for w in want]  # an unwritten element stays NaN
+    plan = plan_reallocation(full.config, src_l, dst_l)
+    compiled = _run_in_process(plan, have, got)
+    for d in range(dst_l.world_size):
+        assert torch.equal(got[d], want[d]), (src, dst, d)
+    for r, rp in compiled.items():
+        assert rp.counts == _plan_counts(plan, r), (src, dst, r)
+
+
+def test_a_rank_plan_runs_again_in_the_same_buffers(full):
+    # m4 -> p2m2, rank 1's local copies: neither side is one piece (through the scratch).
+    src_l, dst_l = parse_parallelism("d1p1m4"), parse_parallelism("d1p2m2")
+    have, want = _buffers(full, src_l)[1], _buffers(full, dst_l)[1]
+    plan = [c for c in plan_reallocation(full.config, src_l, dst_l) if c.src == 1 == c.dst]
+    rp = compile_plan(plan, 1)
+    assert rp.local.src.whole is None and rp.local.dst.whole is None
+    expected = torch.zeros_like(want)
+    for c in plan:
+        expected[c.dst_offset : c.dst_offset + c.length] = have[
+            c.src_offset : c.src_offset + c.length
+        ]
+    first, second = torch.zeros_like(want), torch.zeros_like(want)
+    assert rp.run(have, first) == _plan_counts(plan, 1)
+    ptrs = _staging_ptrs(rp)
+    assert rp.run(have, second) == _plan_counts(plan, 1)
+    assert _staging_ptrs(rp) == ptrs and any(ptrs)
+    assert torch.equal(first, expected) and torch.equal(second, expected)
+    # Another dtype gets its own staging buffers.
+    assert rp.run(have.double(), torch.zeros_like(want, dtype=torch.float64))["local"] > 0
+    assert len(rp._buffers) == 2
+
+
+def test_a_rank_plan_names_the_missing_buffer(full):
+    src_l, dst_l = parse_parallelism("d1p1m2"), parse_parallelism("d2p1m1")
+    rp = compile_plan(plan_reallocation(full.config, src_l, dst_l), 0)
+    have = _buffers(full, src_l)[0]
+    with pytest.raises(ValueError, match="dst_flat is None"):
+        rp.run(have, None)
+    with pytest.raises(ValueError, match="at least"):
+        rp.run(have[:-1], torch.empty(_buffers(full, dst_l)[0].numel()))
+    with pytest.raises(ValueError, match="does not cast"):
+        rp.run(have, torch.empty(_buffers(full, dst_l)[0].numel(), dtype=torch.float64))
+
+
 # ---- over processes ---------------------------------------------------------------------
 
-PAIRS = [("d1p1m1", "d1p1m2"), ("d1p1m2", "d1p2m1"), ("d2p1m2", "d1p2m2"), ("d1p2m1", "d2p1m1")]
+PAIRS = [
+    ("d1p1m1", "d1p1m2"),
+    ("d1p1m2", "d1p2m1"),
+    ("d2p1m2", "d1p2m2"),
+    ("d1p2m1", "d2p1m1"),
+    ("d1p1m2", "d2p1m1"),
+]
 
 
 def _rank_main(args) -> None:
@@ -154,10 +242,22 @@ def _rank_main(args) -> None:
             have = _buffers(full, src_l)[r] if r < src_l.world_size else None
             want = _buffers(full, dst_l)[r] if r < dst_l.world_size else None
             got = None if want is None else torch.full_like(want, float("nan"))
-            moved = reallocate(plan_reallocation(full.config, src_l, dst_l), r, have, got)
-            res = {"moved": moved}
+            plan = plan_reallocation(full.config, src_l, dst_l)
+            moved = reallocate(plan, r, have, got)
+            # The compiled plan, run twice as a cached one is: same buffers, same result.
+            rp = compile_plan(plan, r)
+            again = [None if want is None else torch.full_like(want, float("nan")) for _ in "ab"]
+            counts = [rp.run(have, again[0])]
+            ptrs = _staging_ptrs(rp)
+            counts.append(rp.run(have, again[1]))
+            res = {
+                "moved": moved,
+                "counts_match_plan": all(c == _plan_counts(plan, r) for c in counts),
+                "buffers_reused": _staging_ptrs(rp) == ptrs,
+            }
             if grid is not None:
                 res["exact"] = bool(torch.equal(got, want))
+                res["compiled_exact"] = all(bool(torch.equal(a, want)) for a in again)
                 # The reallocated buffer serves as the destination layout's model.
                 hooks = GridHooks(grid)
                 model, _ = rank_model(full.config, dst_l, r, device="cpu")
@@ -179,7 +279,9 @@ def _rank_main(args) -> None:
 @pytest.mark.slow
 def test_reallocation_over_gloo_gives_the_destination_layout(tmp_path, no_leftover_processes):
     """Four ranks carry out plans between layouts; the destination ranks end with exactly
-    their shards, and the destination layout's logits equal the single-device model's."""
+    their shards, and the destination layout's logits equal the single-device model's.  A
+    compiled plan run twice gives the same shards in the same staging buffers, and counts
+    what the plan says."""
     world = 4
     results = run_ranks(
         __file__, world, lambda r: ["--store", str(tmp_path / "store")], str(tmp_path)
@@ -188,8 +290,9 @@ def test_reallocation_over_gloo_gives_the_destination_layout(tmp_path, no_leftov
         key = f"{src}->{dst}"
         n_dst = parse_parallelism(dst).world_size
         for r, res in enumerate(results):
+            assert res[key]["counts_match_plan"] and res[key]["buffers_reused"], (key, r)
             if r < n_dst:
-                assert res[key]["exact"], (key, r)
+                assert res[key]["exact"] and res[key]["compiled_exact"], (key, r)
                 assert res[key]["logits_err"] <= 1e-6, (key, r, res[key])
         # Every element a destination holds came from a send or a local copy.
         sent = sum(res[key]["moved"]["sent"] for res in results)
