@@ -94,6 +94,13 @@ class ModelConfig:
         default=False, metadata={"help": "recompute activations in backward to save memory"}
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    offload: bool = field(
+        default=False,
+        metadata={
+            "help": "keep the weights in host memory between this model's calls "
+            "(models that are not trained: ref); a no-op on CPU workers"
+        },
+    )
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"model dtype={self.dtype!r}; use one of {DTYPES}")
@@ -192,7 +199,15 @@ class BaseExperimentConfig:
         default="d1p1m1",
         metadata={
             "help": "trainer layout dXpYmZ (data/pipe/tensor), "
-            "or gen.dXpYmZ+dXpYmZ for generation servers + trainer"
+            "or gen.dXpYmZ+dXpYmZ for generation servers + trainer, "
+            "or per-MFC layouts mfc:dXpYmZ,mfc:dXpYmZ,... (README, 'Parallel layouts')"
+        },
+    )
+    keep_replicas: bool = field(
+        default=True,
+        metadata={
+            "help": "with per-MFC layouts, keep a model's replica on an MFC's layout between "
+            "calls (memory for speed); false frees it after each call and refills it next time"
         },
     )
     recover_mode: str = field(default="disabled", metadata={"help": f"one of {RECOVER_MODES}"})

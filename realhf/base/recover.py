@@ -33,7 +33,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -196,7 +196,7 @@ def save_worker_state(
     loader_state: Optional[Dict[str, Any]],
     interfaces: Mapping[str, Any] = {},
     *,
-    save_weights: Optional[bool] = None,
+    save_weights: Union[None, bool, Mapping[str, bool]] = None,
 ) -> List[str]:
     """Write one model worker's part of a checkpoint; returns the paths written.
 
@@ -208,7 +208,8 @@ def save_worker_state(
             are saved.
         save_weights: whether this rank calls ``save_hf`` for the weights; under
             tensor/pipeline parallelism that is a collective of data-parallel replica 0,
-            whose rank 0 writes the directory.  Default: rank 0 alone (data parallelism).
+            whose rank 0 writes the directory; a mapping says it per role (roles on layouts
+            of their own).  Default: rank 0 alone (data parallelism).
     """
     written = []
     # No atomic writes needed for the .pt files: they go into the .tmp
@@ -220,10 +221,12 @@ def save_worker_state(
         written.append(path)
     if save_weights is None:
         save_weights = rank == 0
+    if not isinstance(save_weights, Mapping):
+        save_weights = {role: save_weights for role in trainable}
     for role, (model, engine) in trainable.items():
         # Data-parallel replicas hold identical weights, so replica 0 writes one copy;
         # the optimizer state is saved by every rank.
-        if save_weights:
+        if save_weights[role]:
             model.save_hf(model_dir(ckpt_dir, role))
             if rank == 0:
                 written.append(model_dir(ckpt_dir, role))

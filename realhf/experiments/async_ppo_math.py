@@ -284,11 +284,12 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         push_timeout_s=cfg.worker_timeout,
     )
     models = model_specs(cfg, actor_path, publish_weights=True)
-    blocks.check_trainer_layout(layout, models)
+    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
         models=models,
         layout=layout,
+        placements=places,
         mfcs=mfcs,
         dataset=None,
         stream=TrajectoryStreamSpec(
@@ -314,6 +315,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_train,
         layout=layout,
+        placements=places,
         train_batch_size=B,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,

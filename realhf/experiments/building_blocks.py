@@ -12,8 +12,14 @@ import os
 from typing import Optional, Sequence
 
 from realhf.api.cli_args import BaseExperimentConfig, ModelConfig
-from realhf.api.core.allocation import AllocationMode, ParallelismConfig, parse_allocation_mode
-from realhf.api.core.worker_api import ModelSpec
+from realhf.api.core.allocation import (
+    AllocationError,
+    AllocationMode,
+    ParallelismConfig,
+    parse_allocation_mode,
+    uses_weights,
+)
+from realhf.api.core.worker_api import ModelSpec, Placements
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
 #: the embedded tiny SFT model (a complete HF directory with its tokenizer)
@@ -80,12 +86,58 @@ def allocation(cfg: BaseExperimentConfig, decoupled: Optional[bool] = None) -> A
 MAX_PROCESSES_PER_CORE = 4
 
 
-def check_trainer_layout(layout: ParallelismConfig, models: Sequence[ModelSpec]) -> None:
+def placements(
+    alloc: AllocationMode,
+    mfcs: Sequence,
+    models: Sequence[ModelSpec],
+    keep_replicas: bool = True,
+) -> Placements:
+    """The per-MFC layouts of ``alloc`` checked against the graph ``mfcs`` and the models,
+    and whether this machine can hold the model workers (see :func:`check_trainer_layout`);
+    an empty :class:`Placements` for one global layout."""
+    import importlib
+
+    for module in WORKER_IMPORTS:  # the interfaces say whether they use weights
+        importlib.import_module(module)
+    try:
+        homes = alloc.home_layouts(mfcs)
+    except AllocationError as e:
+        raise ExperimentSetupError(f"allocation_mode: {e}") from None
+    by_role = {m.role: m for m in models}
+    if not alloc.is_per_mfc:
+        check_trainer_layout(alloc.train, models)
+        return Placements()
+    weightless = {m.name for m in mfcs if not uses_weights(m)}
+    # Every (model, layout) pair that will hold weights must split.
+    pairs = {(role, str(x)): (role, x) for role, x in homes.items()}
+    for m in mfcs:
+        if m.name not in weightless:
+            pairs.setdefault(
+                (m.role, str(alloc.layout_of(m.name))), (m.role, alloc.layout_of(m.name))
+            )
+    for role, layout in pairs.values():
+        check_trainer_layout(layout, [by_role[role]], n_workers=alloc.train.world_size)
+    if not pairs:  # only weightless MFCs listed: still check the workers fit
+        check_trainer_layout(alloc.train, [])
+    return Placements(
+        mfcs={
+            m.name: alloc.layout_of(m.name) for m in mfcs if alloc.layout_of(m.name) != alloc.train
+        },
+        homes={r: x for r, x in homes.items() if x != alloc.train},
+        weightless=weightless,
+        keep_replicas=keep_replicas,
+        manual=True,
+    )
+
+
+def check_trainer_layout(
+    layout: ParallelismConfig, models: Sequence[ModelSpec], n_workers: Optional[int] = None
+) -> None:
     """Fail before any process starts unless every model can be split as ``layout`` says
     (``m`` divides its heads, MLP width and vocabulary; ``p`` fits its layers) and this
-    machine can hold the layout's ``d·p·m`` model workers: one CUDA device each when CUDA
-    is present (nccl ranks cannot share a device), at most ``MAX_PROCESSES_PER_CORE`` per
-    CPU core otherwise."""
+    machine can hold the ``n_workers`` model workers (default: the layout's ``d·p·m``): one
+    CUDA device each when CUDA is present (nccl ranks cannot share a device), at most
+    ``MAX_PROCESSES_PER_CORE`` per CPU core otherwise."""
     import torch
 
     from realhf.impl.model.conversion.hf import config_from_hf_dir
@@ -102,19 +154,20 @@ def check_trainer_layout(layout: ParallelismConfig, models: Sequence[ModelSpec])
             raise ExperimentSetupError(f"allocation_mode: {e}") from None
         except NotImplementedError as e:
             raise ExperimentSetupError(f"allocation_mode: not yet supported: {e}") from None
-    n = layout.world_size
+    n = layout.world_size if n_workers is None else n_workers
+    needs = f"layout {layout} needs d·p·m = {n}" if n_workers is None else f"the layouts need {n}"
     if torch.cuda.is_available():
         devices = torch.cuda.device_count()
         if n > devices:
             raise ExperimentSetupError(
-                f"allocation_mode: trainer layout {layout} needs d·p·m = {n} model workers, one "
+                f"allocation_mode: {needs} model workers, one "
                 f"CUDA device each, but this machine has {devices}; use a smaller layout"
             )
         return
     cores = os.cpu_count() or 1
     if n > MAX_PROCESSES_PER_CORE * cores:
         raise ExperimentSetupError(
-            f"allocation_mode: trainer layout {layout} needs d·p·m = {n} model worker processes "
+            f"allocation_mode: {needs} model worker processes "
             f"on {cores} CPU core(s); at most {MAX_PROCESSES_PER_CORE} per core are allowed "
             f"({MAX_PROCESSES_PER_CORE * cores} here): use a smaller layout"
         )
@@ -161,4 +214,5 @@ def model_spec(
         optimizer=cfg.optimizer if trainable else None,
         gradient_checkpointing=cfg.gradient_checkpointing,
         publish_weights=publish_weights,
+        offload=cfg.offload,
     )

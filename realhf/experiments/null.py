@@ -66,11 +66,12 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         ),
     ]
     models = [blocks.model_spec("default", cfg.model, path, trainable=True)]
-    blocks.check_trainer_layout(layout, models)
+    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
         models=models,
         layout=layout,
+        placements=places,
         mfcs=mfcs,
         dataset=DatasetAbstraction(
             "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
@@ -88,6 +89,7 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_workers,
         layout=layout,
+        placements=places,
         train_batch_size=n,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,

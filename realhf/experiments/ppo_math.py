@@ -307,11 +307,12 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     mfcs = ppo_mfcs(cfg, mb_spec)
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
     models = model_specs(cfg, actor_path)
-    blocks.check_trainer_layout(layout, models)
+    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
     worker = ModelWorkerConfig(
         seed=cfg.seed,
         models=models,
         layout=layout,
+        placements=places,
         mfcs=mfcs,
         dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
         **math_eval(cfg, eval_, data_args),
@@ -328,6 +329,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         exp_ctrl=cfg.exp_ctrl,
         n_model_workers=n_workers,
         layout=layout,
+        placements=places,
         train_batch_size=cfg.train_batch_size,
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,

@@ -160,3 +160,63 @@ def test_trainer_layout_reaches_the_workers_and_the_master(init_model, monkeypat
                 [f"actor.path={init_model}", "ppo.disable_value=false", "allocation_mode=d1p1m3"],
             )
         )
+
+
+# ---- per-MFC layouts (parameter reallocation) ------------------------------------------
+
+
+def test_per_mfc_allocation_reaches_the_workers_and_the_master(init_model):
+    from realhf.api.core.allocation import ParallelismConfig as P
+
+    exp = build_ppo_math(
+        parse_config(
+            PPOMathConfig,
+            [
+                f"actor.path={init_model}",
+                "ppo.kl_ctl=0.1",
+                "allocation_mode=actor_gen:d2p1m1,actor_train:d1p2m1,ref_inf:d1p1m1",
+            ],
+        )
+    )
+    workers, master = exp.workers["model_worker"], exp.workers["master_worker"][0]
+    assert len(workers) == 2 and master.n_model_workers == 2
+    places = master.placements
+    assert places == workers[0].placements
+    # rew_inf uses no weights: left out, it runs on the workers' base layout
+    assert places.mfcs == {"actor_train": P(1, 2, 1), "ref_inf": P(1, 1, 1)}
+    assert places.homes == {"actor": P(1, 2, 1), "ref": P(1, 1, 1)}
+    assert places.weightless == {"rew_inf"}
+    assert master.layout == P(2, 1, 1)
+    assert places.describe(master.layout).startswith("actor_train:d1p2m1,ref_inf:d1p1m1")
+
+
+@pytest.mark.parametrize(
+    "alloc, needle",
+    [
+        ("actor_gen:d2p1m1", r"gives no layout to \['actor_train'\]"),
+        ("actor_gen:d2p1m1,actor_train:d1p1m1,critic_inf:d1p1m1", r"lists \['critic_inf'\]"),
+        ("actor_gen:d64p1m1,actor_train:d1p1m1", "the layouts need 64 model worker processes"),
+        ("actor_gen:d1p1m3,actor_train:d1p1m1", r"m=3 does not divide n_q_heads=4"),
+        ("actor_gen:d1p1m1,actor_train:d1p9m1", r"9 pipeline stages for 4 transformer layers"),
+        ("actor_gen:d1p1m1,actor_train:d1p1", r"layout of MFC 'actor_train' 'd1p1': missing"),
+    ],
+)
+def test_per_mfc_allocation_errors_before_launch(init_model, alloc, needle):
+    with pytest.raises(blocks.ExperimentSetupError, match=needle):
+        build_ppo_math(
+            parse_config(PPOMathConfig, [f"actor.path={init_model}", f"allocation_mode={alloc}"])
+        )
+
+
+def test_offload_is_for_models_that_do_not_train(init_model):
+    exp = build_ppo_math(
+        parse_config(
+            PPOMathConfig, [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "ref.offload=true"]
+        )
+    )
+    specs = {m.role: m for m in exp.workers["model_worker"][0].models}
+    assert specs["ref"].offload and not specs["actor"].offload
+    with pytest.raises(ValueError, match="role 'actor' is trainable"):
+        build_ppo_math(
+            parse_config(PPOMathConfig, [f"actor.path={init_model}", "actor.offload=true"])
+        )

@@ -226,7 +226,13 @@ class ModelInterface:
     returns a stats dict (or a list of them, one per optimizer step).  A subclass implements
     only the methods its MFCs use; calling another one raises ``NotImplementedError`` naming
     the interface and the method.
+
+    ``uses_weights = False`` says the interface never reads the model's weights (a reward
+    computed from the tokens alone): such an MFC needs no layout of its own in a per-MFC
+    allocation, and no reallocation brings weights to it.
     """
+
+    uses_weights: bool = True
 
     def inference(
         self, model: Model, data: "SequenceSample", mb_spec: "MicroBatchSpec"

@@ -15,7 +15,7 @@ All configs are frozen dataclasses that check themselves on construction and rai
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from realhf.api.cli_args import DTYPES, RECOVER_MODES, ExperimentControlConfig, OptimizerConfig
 from realhf.api.core.allocation import ParallelismConfig
@@ -25,6 +25,7 @@ from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 
 __all__ = [
+    "Placements",
     "ModelSpec",
     "EvalSpec",
     "TrajectoryStreamSpec",
@@ -63,6 +64,10 @@ class ModelSpec:
         publish_weights: after each ``train_step`` of this role write an HF directory to
             ``constants.weight_publication_dir(role, version)`` and set
             ``names.model_version(exp, trial, role)`` (for generation servers).
+        offload: keep the weights in host memory between this role's MFCs and bring them
+            to the device around each call (a reference or frozen reward model that is idle
+            most of a step).  Only for roles that are not trainable; on CPU workers the
+            weights are on the host already and nothing moves.
     """
 
     role: str
@@ -73,6 +78,7 @@ class ModelSpec:
     optimizer: Optional[OptimizerConfig] = None
     gradient_checkpointing: bool = False
     publish_weights: bool = False
+    offload: bool = False
 
     def __post_init__(self):
         c = "ModelSpec"
@@ -89,9 +95,17 @@ class ModelSpec:
             )
         if self.dtype not in DTYPES:
             raise _bad(c, "dtype", self.dtype, f"use one of {DTYPES}")
-        for f in ("is_critic", "trainable", "gradient_checkpointing", "publish_weights"):
+        for f in ("is_critic", "trainable", "gradient_checkpointing", "publish_weights", "offload"):
             if not isinstance(getattr(self, f), bool):
                 raise _bad(c, f, getattr(self, f), "use true or false")
+        if self.offload and self.trainable:
+            raise _bad(
+                c,
+                "offload",
+                True,
+                f"role {self.role!r} is trainable; its optimizer works on the device "
+                "every step, so offload only roles that are not trained (ref, reward)",
+            )
         if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
             raise _bad(c, "optimizer", self.optimizer, "use an OptimizerConfig or None")
         if not self.trainable and self.optimizer is not None:
@@ -189,6 +203,106 @@ class TrajectoryStreamSpec:
         _check_pos_number(c, "wait_timeout_s", self.wait_timeout_s)
 
 
+@dataclasses.dataclass(frozen=True)
+class Placements:
+    """Per-MFC layouts (parameter reallocation): where each MFC runs and where each model
+    lives.  Every layout's ranks are the first ``d·p·m`` model workers.
+
+    Attributes:
+        mfcs: ``{mfc name: layout}`` of the MFCs that do not run on the workers' base layout.
+        homes: ``{role: layout}``: the layout holding a model's weights (and optimizer
+            state); roles not named live on the base layout.
+        weightless: MFCs whose interface reads no weights (nothing is reallocated for them;
+            they get their role's model only where it lives).
+        keep_replicas: keep a replica's memory between its calls (reallocated only when
+            its model trained since); False frees it after every call and reallocates
+            before the next (for memory-tight devices).
+        manual: the allocation gave layouts per MFC (also when they all equal the base).
+    """
+
+    mfcs: Dict[str, ParallelismConfig] = dataclasses.field(default_factory=dict)
+    homes: Dict[str, ParallelismConfig] = dataclasses.field(default_factory=dict)
+    weightless: FrozenSet[str] = frozenset()
+    keep_replicas: bool = True
+    manual: bool = False
+
+    def __post_init__(self):
+        for f in ("mfcs", "homes"):
+            d = getattr(self, f)
+            if not isinstance(d, dict) or not all(
+                isinstance(k, str) and isinstance(v, ParallelismConfig) for k, v in d.items()
+            ):
+                raise _bad("Placements", f, d, "use a dict of name -> ParallelismConfig")
+        object.__setattr__(self, "weightless", frozenset(self.weightless))
+
+    def of_mfc(self, mfc: str, base: ParallelismConfig) -> ParallelismConfig:
+        """The layout ``mfc`` runs on."""
+        return self.mfcs.get(mfc, base)
+
+    def home(self, role: str, base: ParallelismConfig) -> ParallelismConfig:
+        """The layout that holds ``role``'s weights."""
+        return self.homes.get(role, base)
+
+    def on_replica(self, mfc: MFCDef, base: ParallelismConfig) -> bool:
+        """Whether ``mfc`` runs on a replica of its model (a layout other than its home)."""
+        return mfc.name not in self.weightless and self.of_mfc(mfc.name, base) != self.home(
+            mfc.role, base
+        )
+
+    @property
+    def per_mfc(self) -> bool:
+        """Whether layouts were given per MFC."""
+        return self.manual or bool(self.mfcs or self.homes)
+
+    def data_layout(self, base: ParallelismConfig) -> ParallelismConfig:
+        """The layout whose replica heads load the training data, one shard each: the base
+        layout, or with per-MFC layouts one shard on worker 0 (so what a step trains on
+        does not depend on the layouts; the master moves every call's part to its ranks)."""
+        return ParallelismConfig() if self.per_mfc else base
+
+    def layouts(self, base: ParallelismConfig) -> List[ParallelismConfig]:
+        """Every distinct layout (base first, then sorted by name: every worker builds their
+        process groups in this order)."""
+        rest = {str(x): x for x in list(self.mfcs.values()) + list(self.homes.values())}
+        rest.pop(str(base), None)
+        return [base] + [rest[k] for k in sorted(rest)]
+
+    def describe(self, base: ParallelismConfig) -> str:
+        """A stable one-line description (the base layout alone without per-MFC layouts)."""
+        if not self.per_mfc:
+            return str(base)
+        return ",".join(f"{k}:{v}" for k, v in sorted(self.mfcs.items())) + f";base:{base}"
+
+    def check(self, cls: str, mfcs: Sequence[MFCDef], base: ParallelismConfig) -> None:
+        """Raise unless the layouts fit the workers of ``base`` and the graph ``mfcs``."""
+        names = {m.name for m in mfcs}
+        roles = {m.role for m in mfcs}
+        for what, d, known in (("mfcs", self.mfcs, names), ("homes", self.homes, roles)):
+            for k, layout in d.items():
+                if k not in known:
+                    raise _bad(
+                        cls, "placements", k, f"{what} names {k!r}, not one of {sorted(known)}"
+                    )
+                if layout.world_size > base.world_size:
+                    raise _bad(
+                        cls,
+                        "placements",
+                        f"{k}:{layout}",
+                        f"the layout needs {layout.world_size} model workers; there are "
+                        f"{base.world_size}",
+                    )
+        for m in mfcs:
+            if m.is_train and self.on_replica(m, base):
+                raise _bad(
+                    cls,
+                    "placements",
+                    m.name,
+                    f"train_step MFC {m.name!r} runs on {self.of_mfc(m.name, base)}, not on "
+                    f"model {m.role!r}'s home layout {self.home(m.role, base)}; a model "
+                    "trains where its optimizer state lives",
+                )
+
+
 def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
     mfcs = tuple(mfcs)
     if not mfcs or not all(isinstance(m, MFCDef) for m in mfcs):
@@ -201,8 +315,8 @@ def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
                 "mfcs",
                 m.name,
                 f"MFC {m.name!r} uses replica {m.model_name.replica_id} of role {m.role!r}; "
-                "this version hosts one replica per role "
-                "(parameter reallocation comes later): use replica 0",
+                "use replica 0: an MFC gets its own copy of a model by running on a layout "
+                "of its own (per-MFC allocation_mode), not by a replica id",
             )
         if m.is_train and m.output_keys:
             raise _bad(
@@ -224,6 +338,8 @@ class ModelWorkerConfig:
             the data order from (seed, epoch).
         models: the roles this worker hosts.
         mfcs: the dataflow graph (the worker runs the MFCs the master names).
+        placements: per-MFC layouts and each model's home layout (parameter
+            reallocation); empty: every MFC and model on ``layout``.
         layout: the trainer layout the model workers form (``d·p·m`` must equal the number
             of model workers; checked on configure); None: every worker is a data-parallel
             rank (``d`` = the number of workers).
@@ -256,11 +372,14 @@ class ModelWorkerConfig:
     torch_num_threads: Optional[int] = None
     stream: Optional[TrajectoryStreamSpec] = None
     layout: Optional[ParallelismConfig] = None
+    placements: Placements = dataclasses.field(default_factory=Placements)
 
     def __post_init__(self):
         c = "ModelWorkerConfig"
         if self.layout is not None and not isinstance(self.layout, ParallelismConfig):
             raise _bad(c, "layout", self.layout, "use a ParallelismConfig (dXpYmZ) or None")
+        if not isinstance(self.placements, Placements):
+            raise _bad(c, "placements", self.placements, "use a Placements")
         if self.stream is not None:
             if not isinstance(self.stream, TrajectoryStreamSpec):
                 raise _bad(c, "stream", self.stream, "use a TrajectoryStreamSpec or None")
@@ -291,6 +410,8 @@ class ModelWorkerConfig:
         object.__setattr__(self, "models", models)
         mfcs = _check_mfcs(c, self.mfcs)
         object.__setattr__(self, "mfcs", mfcs)
+        if self.layout is not None:
+            self.placements.check(c, mfcs, self.layout)
         by_role = {m.role: m for m in models}
         for m in mfcs:
             if m.role not in by_role:
@@ -366,6 +487,7 @@ class MasterWorkerConfig:
         mfcs: the dataflow graph; the same list the model workers got.
         exp_ctrl: run length and save / recover-checkpoint / eval frequencies.
         n_model_workers: how many model workers (``d·p·m`` of ``layout``).
+        placements: per-MFC layouts and each model's home layout (see ModelWorkerConfig).
         layout: the trainer layout the model workers form; None: ``d = n_model_workers``
             (plain data parallelism).  The master splits every MFC call over the ``d``
             data-parallel replicas.
@@ -399,6 +521,7 @@ class MasterWorkerConfig:
     progress_interval: float = 0.0
     plot_curves: bool = True
     layout: Optional[ParallelismConfig] = None
+    placements: Placements = dataclasses.field(default_factory=Placements)
 
     def __post_init__(self):
         c = "MasterWorkerConfig"
@@ -427,6 +550,9 @@ class MasterWorkerConfig:
                 "of the layout",
             )
         object.__setattr__(self, "layout", layout)
+        if not isinstance(self.placements, Placements):
+            raise _bad(c, "placements", self.placements, "use a Placements")
+        self.placements.check(c, mfcs, layout)
         if not isinstance(self.ft_spec, FinetuneSpec):
             raise _bad(c, "ft_spec", self.ft_spec, "use a FinetuneSpec")
         for m in mfcs:

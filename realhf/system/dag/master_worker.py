@@ -104,7 +104,15 @@ class MasterWorker(AsyncWorker):
             reply_timeout=config.timeout,
             wait=False,
         )
-        self.runner = DagRunner(self.graph, self.client, config.timeout, layout=self.layout)
+        self.runner = DagRunner(
+            self.graph,
+            self.client,
+            config.timeout,
+            layout=self.layout,
+            placements=config.placements,
+        )
+        #: the allocation a recover checkpoint must match (optimizer states are per rank)
+        self.allocation = config.placements.describe(self.layout)
         self.save_ctl = _freq(config.exp_ctrl, "save")
         self.ckpt_ctl = _freq(config.exp_ctrl, "ckpt")
         self.eval_ctl = _freq(config.exp_ctrl, "eval")
@@ -215,7 +223,7 @@ class MasterWorker(AsyncWorker):
                 "global_step": self.step.global_step,
             },
             "seed": self.config.seed,
-            "layout": str(self.layout),
+            "layout": self.allocation,
             "n_model_workers": self.n,
             "train_batch_size": self.config.train_batch_size,
             "dataset_size": self.ft_spec.dataset_size,
@@ -232,10 +240,10 @@ class MasterWorker(AsyncWorker):
             )
         # Optimizer states, data positions and interface states are per rank of the layout.
         layout = state.get("layout", str(ParallelismConfig(data=state["n_model_workers"])))
-        if layout != str(self.layout):
+        if layout != self.allocation:
             raise recover.RecoverError(
                 f"recover checkpoint {path} was written by trainer layout {layout}, this run "
-                f"has layout {self.layout}; a checkpoint resumes on the layout "
+                f"has layout {self.allocation}; a checkpoint resumes on the layout "
                 f"that wrote it (its optimizer states are per rank): run with {layout} or "
                 "delete the checkpoint to start afresh"
             )

@@ -15,6 +15,7 @@ import dataclasses
 import enum
 from typing import Dict, Optional, Tuple
 
+from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import ModelInterfaceType
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
@@ -36,6 +37,8 @@ __all__ = [
     "EvalReply",
     "SaveRequest",
     "CheckpointRequest",
+    "ReallocRequest",
+    "ReallocReply",
 ]
 
 #: name of the request/reply stream between the master and the model workers
@@ -56,6 +59,7 @@ class Handle(enum.Enum):
     CHECKPOINT = "checkpoint"
     CLEAR_DATA_CACHE = "clear_data_cache"
     MODEL_VERSION = "model_version"
+    REALLOCATE = "reallocate"
     EXIT = "exit"
 
 
@@ -200,3 +204,36 @@ class CheckpointRequest:
 
     dir: str
     step: StepInfo
+
+
+@dataclasses.dataclass(frozen=True)
+class ReallocRequest:
+    """Bring the replica of ``role`` on layout ``dst`` up to date with its home layout
+    ``src`` (parameter reallocation).  Every rank of either layout takes part: the home's
+    ranks send what they hold, the replica's receive.
+
+    Attributes:
+        role: the model.
+        src: the role's home layout (weights and optimizer state).
+        dst: the replica's layout.
+        version: the trained version the replica holds afterwards (train steps dispatched
+            to the role so far).
+    """
+
+    role: str
+    src: ParallelismConfig
+    dst: ParallelismConfig
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReallocReply:
+    """What one rank moved (bytes) and when (wall clock)."""
+
+    worker: str
+    role: str
+    bytes_sent: int
+    bytes_received: int
+    bytes_local: int
+    start: float
+    end: float

@@ -1,4 +1,4 @@
-"""The model worker: hosts every model role as one rank of the trainer layout, runs MFCs.
+"""The model worker: hosts every model role as one rank of its layout, runs MFCs.
 
 Worker type ``model_worker``; config :class:`~realhf.api.core.worker_api.ModelWorkerConfig`.
 
@@ -10,7 +10,16 @@ data when CUDA is present; every wait bounded by ``config.timeout``), builds the
 each role (:func:`~realhf.impl.model.parallelism.load_model`), the datasets and the
 interfaces of the MFCs.  The head (pipe 0, tensor 0) of replica ``k`` loads training shard
 ``k`` of ``d`` and alone answers ``fetch``; every rank of replica ``k`` loads eval shard
-``k``.  It then serves the master's requests in arrival order, one at a time — the master
+``k``.
+
+Per-MFC layouts (``config.placements``): the grid of every layout is built on every worker
+(a layout of ``n`` ranks spans workers ``0..n-1``); each role is loaded on its *home*
+layout (where it trains), and every MFC of the role on another layout gets an empty
+*replica* there, which the master's ``reallocate`` request fills from the home
+(:mod:`realhf.impl.model.parallelism.realloc`; plans compiled once per layout pair).  A
+worker outside an MFC's layout runs only the call's transfer plan.  Worker 0 then loads
+the training data as one shard.  Roles with ``offload`` wait in host memory between their
+calls.  It then serves the master's requests in arrival order, one at a time — the master
 relies on that order to keep collectives aligned across workers.  What each handle takes,
 answers and runs is the table :data:`PROTOCOL` at the end of this module; the messages are
 in :mod:`realhf.system.dag.messages`.
@@ -31,6 +40,7 @@ same partition and computes the same results (the engines' contract):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -38,7 +48,7 @@ import random
 import shutil
 import time
 from types import NoneType
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -53,7 +63,12 @@ from realhf.api.core.worker_api import ModelWorkerConfig
 from realhf.base import constants, name_resolve, names, recover, seeding, stats_tracker
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
+from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
+from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism import ParallelGrid, load_model
+from realhf.impl.model.parallelism.model import GridHooks
+from realhf.impl.model.parallelism.realloc import plan_reallocation
+from realhf.impl.model.parallelism.realloc_exec import compile_plan
 from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.messages import (
     REQUEST_STREAM,
@@ -67,6 +82,8 @@ from realhf.system.dag.messages import (
     InitializeRequest,
     MFCReply,
     MFCRequest,
+    ReallocReply,
+    ReallocRequest,
     SaveRequest,
     SpecReply,
 )
@@ -103,6 +120,19 @@ def _average_stats(result) -> Dict[str, float]:
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
+@dataclasses.dataclass
+class _Replica:
+    """A role's part on an MFC layout other than its home (filled by reallocation).
+
+    ``version`` is the trained version it holds (-1: never filled); ``model`` the handle
+    interfaces get (built by ``initialize``)."""
+
+    module: Any
+    grid: ParallelGrid
+    model: Optional[Model] = None
+    version: int = -1
+
+
 @register_worker("model_worker")
 class ModelWorker(Worker):
     """See the module docstring."""
@@ -121,8 +151,7 @@ class ModelWorker(Worker):
         self._pick_device()
         layout = self._check_layout(config)
         self._join_world(config)
-        # Collective (new_group): every model worker builds it, right after joining.
-        self.grid = ParallelGrid.create(layout)
+        self._make_grids(config, layout)
         self._load_tokenizer(config)
         self._load_models(config)
         self._open_datasets(config)
@@ -159,11 +188,34 @@ class ModelWorker(Worker):
             )
         return layout
 
+    def _make_grids(self, config: ModelWorkerConfig, base: ParallelismConfig) -> None:
+        """The grid of every layout (collective ``new_group`` calls: every model worker
+        builds all of them, in one order, right after joining).  ``self.grid`` is the base
+        layout's: it shards the data.  A layout of ``n`` ranks spans workers ``0..n-1``; a
+        worker outside it gets None."""
+        self.base = base
+        self.places = config.placements
+        self.grids: Dict[str, Optional[ParallelGrid]] = {
+            str(x): ParallelGrid.create(x, range(x.world_size)) for x in self.places.layouts(base)
+        }
+        self.grid = self.grids[str(base)]
+        # The data shards' layout: the base, or one shard on worker 0 (a grid without groups).
+        data = self.places.data_layout(base)
+        self.data_grid = self.grid if data == base else ParallelGrid.create(data, (0,))
+
+    def _grid_of_mfc(self, mfc: MFCDef) -> Optional[ParallelGrid]:
+        return self.grids[str(self.places.of_mfc(mfc.name, self.base))]
+
+    def _home_grid(self, role: str) -> Optional[ParallelGrid]:
+        return self.grids[str(self.places.home(role, self.base))]
+
     @property
     def is_replica_head(self) -> bool:
         """Whether this rank is its replica's (pipe 0, tensor 0) rank: it loads the
         replica's training data and answers ``fetch``."""
-        return self.rank == self.grid.dp_head(self.grid.dp_rank)
+        return self.data_grid is not None and self.rank == self.data_grid.dp_head(
+            self.data_grid.dp_rank
+        )
 
     def _join_world(self, config: ModelWorkerConfig) -> None:
         """Join the model workers' torch.distributed world; keep its group for data."""
@@ -190,22 +242,57 @@ class ModelWorker(Worker):
             self.tokenizer = transformers.AutoTokenizer.from_pretrained(config.tokenizer_path)
 
     def _load_models(self, config: ModelWorkerConfig) -> None:
-        """Each role's weights (this rank's part) on this rank's device (engines come later)."""
+        """Each role's weights (this rank's part) on its home layout, and empty replicas for
+        its MFCs on other layouts (engines come later; reallocation fills replicas)."""
+        from realhf.impl.model.conversion.hf import config_from_hf_dir
+
         self.specs = {m.role: m for m in config.models}
-        self.modules: Dict[str, Any] = {}
-        # Weights drawn at load time (the fresh value head of a critic started from a causal
-        # LM) must be the same on every rank: replicas and tensor/pipeline peers hold one
-        # model.  Every rank draws what rank 0 draws.
-        torch.manual_seed(seeding.derive_seed(config.seed, f"{self.worker_type}/0"))
+        self.configs = {
+            m.role: config_from_hf_dir(m.path, is_critic=m.is_critic) for m in config.models
+        }
+        self.modules: Dict[str, Any] = {}  # role -> its home part, on the home's ranks
         for spec in config.models:
+            if self._home_grid(spec.role) is None:
+                continue
+            # Weights drawn at load time (the fresh value head of a critic started from a
+            # causal LM) must be the same on every rank: replicas and tensor/pipeline peers
+            # hold one model.  Every rank draws what rank 0 draws, per role (not every
+            # rank loads every role).
+            torch.manual_seed(seeding.derive_seed(config.seed, f"{self.worker_type}/0/{spec.role}"))
             self.modules[spec.role] = self._load_part(spec.role, spec.path)
+        self.replicas: Dict[Tuple[str, str], _Replica] = {}
+        for mfc in config.mfcs:
+            grid = self._grid_of_mfc(mfc)
+            key = (mfc.role, str(grid.layout) if grid else "")
+            if grid is None or not self.places.on_replica(mfc, self.base) or key in self.replicas:
+                continue
+            self.replicas[key] = _Replica(self._empty_part(mfc.role, grid), grid)
+        self.offloaders = {
+            role: Offloader(module.flat_params)
+            for role, module in self.modules.items()
+            if self.specs[role].offload
+        }
+
+    def _empty_part(self, role: str, grid: ParallelGrid):
+        """This rank's part of ``role`` in ``grid``'s layout, with uninitialised weights."""
+        spec, cfg = self.specs[role], self.configs[role]
+        hooks = GridHooks(grid)
+        return ReaLModel(
+            cfg,
+            dtype=getattr(torch, spec.dtype),
+            device=self.device,
+            init_weights=False,
+            tp=hooks,
+            layers=hooks.stage_range(cfg),
+        )
 
     def _load_part(self, role: str, path: str):
-        """This rank's part of HF directory ``path`` as a ReaLModel of ``role``'s spec."""
+        """This rank's part of HF directory ``path`` as a ReaLModel of ``role``'s spec, in
+        ``role``'s home layout."""
         spec = self.specs[role]
         return load_model(
             path,
-            self.grid,
+            self._home_grid(role),
             dtype=getattr(torch, spec.dtype),
             device=self.device,
             is_critic=spec.is_critic,
@@ -227,13 +314,21 @@ class ModelWorker(Worker):
                 config.stream,
                 self.experiment_name,
                 self.trial_name,
-                self.grid.dp_rank,  # the replica head consumes the stream as this dp rank
+                self.data_grid.dp_rank,  # the replica head consumes the stream as this dp rank
                 self.worker_name,
                 log_path=os.path.join(constants.run_dir(), "trajectories.jsonl"),
             )
         else:
-            self.loader = self._make_loader(config.dataset, "dataset")
-        self.eval_loader = self._make_loader(config.eval_dataset, "eval_dataset")
+            self.loader = self._make_loader(config.dataset, "dataset", self.data_grid)
+        # Evaluation runs where the evaluated role lives.
+        self.eval_grid = (
+            None if config.evaluation is None else self._home_grid(config.evaluation.role)
+        )
+        self.eval_loader = None
+        if self.eval_grid is not None:
+            self.eval_loader = self._make_loader(
+                config.eval_dataset, "eval_dataset", self.eval_grid
+            )
 
     def _make_interfaces(self, config: ModelWorkerConfig) -> None:
         """The MFCs' interfaces and the evaluator."""
@@ -245,16 +340,18 @@ class ModelWorker(Worker):
 
     def _reset_run_state(self) -> None:
         """Empty engines, data store and weight versions; the stream connects on first poll."""
-        self.models: Dict[str, Model] = {}  # built by `initialize`
+        self.models: Dict[str, Model] = {}  # built by `initialize` (home parts)
         self.engines: Dict[str, Any] = {}
+        self.initialized = False
+        self.realloc_plans: Dict[Tuple[str, str, str], Any] = {}
         self.store = LocalStore(self.worker_name)
         self.server: Optional[ReplyServer] = None
         self.versions: Dict[str, int] = {}
 
-    def _make_loader(self, abstraction, what: str) -> Optional[ShardLoader]:
+    def _make_loader(self, abstraction, what: str, grid: ParallelGrid) -> Optional[ShardLoader]:
         if abstraction is None:
             return None
-        dp_rank, dp_size = self.grid.dp_rank, self.grid.dp_size
+        dp_rank, dp_size = grid.dp_rank, grid.dp_size
         dataset = registry.make_dataset(
             abstraction,
             seed=self.config.seed,
@@ -326,31 +423,31 @@ class ModelWorker(Worker):
         return DataPosition(self.loader.epoch, self.loader.n_used, len(self.loader))
 
     def _initialize(self, req: InitializeRequest) -> DataPosition:
-        if self.models:
+        if self.initialized:
             raise RuntimeError(
                 f"{self.worker_name} is already initialized; `initialize` comes once"
             )
+        self.initialized = True
         self.ft_spec: FinetuneSpec = req.ft_spec
-        for role, spec in self.specs.items():
-            module = self.modules[role]
+        for role, module in self.modules.items():
+            spec = self.specs[role]
+            grid = self._home_grid(role)
             if spec.trainable:
                 engine = TrainEngine(
                     module,
                     spec.optimizer_config,
                     req.ft_spec,
-                    grid=self.grid,
+                    grid=grid,
                     gradient_checkpointing=spec.gradient_checkpointing,
                 )
             else:
-                engine = InferenceEngine(module, grid=self.grid)
+                engine = InferenceEngine(module, grid=grid)
             self.engines[role] = engine
-            self.models[role] = Model(
-                name=role,
-                module=engine,
-                tokenizer=self.tokenizer,
-                device=self.device,
-                ft_spec=req.ft_spec if spec.trainable else None,
-            )
+            self.models[role] = self._handle(role, engine, req.ft_spec if spec.trainable else None)
+        for (role, _), rep in self.replicas.items():
+            rep.model = self._handle(role, InferenceEngine(rep.module, grid=rep.grid), None)
+        for off in self.offloaders.values():
+            off.offload()  # brought back around each call
         if req.recover_dir is not None:
             recover.load_worker_state(
                 req.recover_dir,
@@ -368,14 +465,20 @@ class ModelWorker(Worker):
                     self._publish(role, req.version)
         return self._position()
 
+    def _handle(self, role: str, engine, ft_spec) -> Model:
+        return Model(
+            name=role, module=engine, tokenizer=self.tokenizer, device=self.device, ft_spec=ft_spec
+        )
+
     def _trainable(self) -> Dict[str, tuple]:
-        return {r: (self.modules[r], self.engines[r]) for r, s in self.specs.items() if s.trainable}
+        """Trainable roles whose home part this rank holds."""
+        return {r: (m, self.engines[r]) for r, m in self.modules.items() if self.specs[r].trainable}
 
     def _fetch(self, req: FetchRequest) -> FetchReply:
         if self.loader is None:
             raise RuntimeError(
                 f"{self.worker_name} has no dataset: ModelWorkerConfig.dataset is None, or this "
-                f"rank ({self.grid}) is not the head (pipe 0, tensor 0) of its data-parallel "
+                f"rank ({self.data_grid}) is not the head (pipe 0, tensor 0) of its data-parallel "
                 "replica, which alone loads the replica's data"
             )
         # Capped per request to bound one reply's load time; the master asks again for the rest.
@@ -388,23 +491,36 @@ class ModelWorker(Worker):
         stats = self.loader.take_stats() if isinstance(self.loader, TrajectoryStreamLoader) else {}
         return FetchReply(meta, self._position(), stats)
 
-    def _seed_for(self, what: str, step: StepInfo) -> None:
+    def _seed_for(self, what: str, step: StepInfo, grid: ParallelGrid) -> None:
         # Derived from the call, not drawn from a running generator: a resumed run seeds
         # every call exactly as the uninterrupted run did.  The ranks of a replica draw
         # alike (same data, same results); plain data parallelism has dp_rank == rank.
-        dp = self.grid.dp_rank
+        dp = grid.dp_rank
         s = seeding.derive_seed(self.config.seed, f"{what}:step{step.global_step}:rank{dp}")
         random.seed(s)
         np.random.seed(s)
         torch.manual_seed(s)
 
-    def _model(self, role: str) -> Model:
-        if role not in self.models:
+    def _model(self, mfc: MFCDef) -> Model:
+        """The model handle ``mfc`` runs on here: its role's replica on the MFC's layout, or
+        the home part."""
+        if not self.initialized:
             raise RuntimeError(
-                f"{self.worker_name}: model {role!r} is not initialized; "
+                f"{self.worker_name}: model {mfc.role!r} is not initialized; "
                 "the master sends `initialize` first"
             )
-        return self.models[role]
+        if self.places.on_replica(mfc, self.base):
+            rep = self.replicas[(mfc.role, str(self._grid_of_mfc(mfc).layout))]
+            if rep.version < 0:
+                raise RuntimeError(
+                    f"{self.worker_name}: MFC {mfc.name!r} runs on a replica of {mfc.role!r} "
+                    "that no reallocation has filled; the master reallocates before the call"
+                )
+            return rep.model
+        if mfc.role in self.models:
+            return self.models[mfc.role]
+        # An MFC that reads no weights, away from where its role lives: tokenizer only.
+        return Model(name=mfc.role, module=None, tokenizer=self.tokenizer, device=self.device)
 
     def _run_mfc(self, req: MFCRequest) -> MFCReply:
         start = time.time()
@@ -413,28 +529,35 @@ class ModelWorker(Worker):
             raise KeyError(
                 f"{self.worker_name}: unknown MFC {req.mfc_name!r}; MFCs: {sorted(self.mfcs)}"
             )
-        model = self._model(mfc.role)
         # The store keeps host tensors and data moves over gloo (the world on CPU, a side
-        # group next to nccl on GPU).
+        # group next to nccl on GPU).  Every worker runs the plan: one outside the MFC's
+        # layout may hold inputs to send.
         tstats = execute_plan(req.plan, self.rank, self.store, self.data_group, torch.device("cpu"))
-        data = self.store.sample(req.meta)
-        if mfc.input_key_remap:
-            data.remap_keys_(mfc.input_key_remap)
-        model.version = req.step
-        self._seed_for(f"{mfc.name}:call{req.call}", req.step)
-        result = getattr(self.interfaces[mfc.name], mfc.interface_type.value)(
-            model, data, mfc.mb_spec
-        )
-        output = None
-        if mfc.is_train:
-            stats = _average_stats(result)
-            if self.specs[mfc.role].publish_weights:
-                self._publish(mfc.role, req.step.global_step + 1)
-        else:
-            output = self._store_output(mfc, data, result)
-            stats = {}
-        # Every rank runs every MFC call, so all reach this collective.
-        stats.update(self._export_stats())
+        grid = self._grid_of_mfc(mfc)
+        output, stats = None, {}
+        if grid is not None:
+            model = self._model(mfc)
+            data = self.store.sample(req.meta)
+            if mfc.input_key_remap:
+                data.remap_keys_(mfc.input_key_remap)
+            model.version = req.step
+            self._seed_for(f"{mfc.name}:call{req.call}", req.step, grid)
+            with self._onloaded(mfc.role):
+                result = getattr(self.interfaces[mfc.name], mfc.interface_type.value)(
+                    model, data, mfc.mb_spec
+                )
+            if self.places.on_replica(mfc, self.base) and not self.places.keep_replicas:
+                rep = self.replicas[(mfc.role, str(grid.layout))]
+                free_storage(rep.module.flat_params)  # refilled by the next reallocation
+                rep.version = -1
+            if mfc.is_train:
+                stats = _average_stats(result)
+            else:
+                output = self._store_output(mfc, data, result)
+            # Every rank of the MFC's layout runs the call, so all reach this collective.
+            stats.update(self._export_stats(grid))
+        if mfc.is_train and self.specs[mfc.role].publish_weights:
+            self._publish(mfc.role, req.step.global_step + 1)
         return MFCReply(
             worker=self.worker_name,
             mfc_name=mfc.name,
@@ -447,16 +570,60 @@ class ModelWorker(Worker):
             bytes_sent=tstats.bytes_sent,
         )
 
-    def _export_stats(self) -> Dict[str, float]:
+    @contextlib.contextmanager
+    def _onloaded(self, role: str):
+        """``role``'s home weights on the device for the duration (offloaded roles)."""
+        off = self.offloaders.get(role)
+        if off is None:
+            yield
+            return
+        off.onload()
+        try:
+            yield
+        finally:
+            off.offload()
+
+    def _reallocate(self, req: ReallocRequest) -> ReallocReply:
+        """Copy ``req.role``'s trained weights from its home layout into its replica on
+        ``req.dst`` (every rank of either layout calls this; plans are cached per pair)."""
+        start = time.time()
+        key = (req.role, str(req.src), str(req.dst))
+        if key not in self.realloc_plans:
+            # Layouts span the first d·p·m workers, so grid ranks are world ranks.
+            plan = plan_reallocation(self.configs[req.role], req.src, req.dst)
+            self.realloc_plans[key] = compile_plan(plan, self.rank)
+        src = self.modules.get(req.role) if self.grids[str(req.src)] is not None else None
+        rep = self.replicas.get((req.role, str(req.dst)))
+        if rep is not None:
+            regrow_storage(rep.module.flat_params)
+        with torch.no_grad(), self._onloaded(req.role):
+            moved = self.realloc_plans[key].run(
+                None if src is None else src.flat_params.detach(),
+                None if rep is None else rep.module.flat_params.detach(),
+            )
+        if rep is not None:
+            rep.version = req.version
+        size = torch.finfo(getattr(torch, self.specs[req.role].dtype)).bits // 8
+        return ReallocReply(
+            self.worker_name,
+            req.role,
+            moved["sent"] * size,
+            moved["received"] * size,
+            moved["local"] * size,
+            start,
+            time.time(),
+        )
+
+    def _export_stats(self, grid: Optional[ParallelGrid]) -> Dict[str, float]:
         """The ``stats_tracker`` records of the call, reduced over the data-parallel replicas.
 
         The ranks of a replica recorded identical values (same data, same results), so the
         reduction runs over the ``data`` group only: over all ranks, sums would count each
         replica ``p·m`` times.
         """
-        if self.grid.dp_size == 1:
+        if grid is None or grid.dp_size == 1:
             return stats_tracker.export(reduce=False)
-        return stats_tracker.export(reduce_group=self.grid.groups["data"])
+        return stats_tracker.export(reduce_group=grid.groups["data"])
 
     def _store_output(self, mfc: MFCDef, data: SequenceSample, out) -> SequenceSample:
         if not isinstance(out, SequenceSample) or out.data is None:
@@ -483,11 +650,12 @@ class ModelWorker(Worker):
         return out.meta()
 
     def _publish(self, role: str, version: int) -> None:
-        # Data-parallel replicas hold the same weights after a step: replica 0 writes for
-        # all (save_hf is a collective over its ranks; rank 0 writes the files).  The
-        # directory is renamed into place complete, then the version key names it, so a
-        # generation server that sees the key never loads a half-written directory.
-        if self.grid.dp_rank == 0:
+        # Data-parallel replicas hold the same weights after a step: replica 0 of the home
+        # layout writes for all (save_hf is a collective over its ranks; rank 0 writes the
+        # files).  The directory is renamed into place complete, then the version key names
+        # it, so a generation server that sees the key never loads a half-written directory.
+        grid = self._home_grid(role)
+        if grid is not None and grid.dp_rank == 0:
             final = constants.weight_publication_dir(role, version)
             tmp = final + ".tmp"
             if self.rank == 0:
@@ -505,22 +673,27 @@ class ModelWorker(Worker):
 
     def _evaluate(self, req: EvalRequest) -> EvalReply:
         start = time.time()
-        if self.evaluator is None or self.eval_loader is None:
+        if self.evaluator is None:
             raise RuntimeError(
                 f"{self.worker_name}: no evaluation configured (ModelWorkerConfig.evaluation)"
             )
         spec = self.config.evaluation
-        model = self._model(spec.role)
-        model.version = req.step
-        items = [self.eval_loader.dataset[i] for i in range(len(self.eval_loader))]
-        self._seed_for("evaluate", req.step)
-        local = self.evaluator.evaluate(model, SequenceSample.gather(items), spec.mb_spec) or {}
-        local = {k: float(v) for k, v in local.items()}
+        grid, local, items = self.eval_grid, {}, []
+        if grid is not None:  # this rank holds part of the evaluated role
+            model = self.models[spec.role]
+            model.version = req.step
+            items = [self.eval_loader.dataset[i] for i in range(len(self.eval_loader))]
+            self._seed_for("evaluate", req.step, grid)
+            with self._onloaded(spec.role):
+                local = self.evaluator.evaluate(model, SequenceSample.gather(items), spec.mb_spec)
+            local = {k: float(v) for k, v in (local or {}).items()}
         # Item-weighted mean over the replicas (one entry each: a replica's ranks evaluated
         # the same items together): every rank reports the global value.
         everyone: List[Any] = [None] * self.world_size
         dist.all_gather_object(everyone, (len(items), local))
-        gathered = [everyone[self.grid.dp_head(k)] for k in range(self.grid.dp_size)]
+        heads = self.grids[str(self.places.home(spec.role, self.base))].dp_head
+        n_replicas = self.places.home(spec.role, self.base).data
+        gathered = [everyone[heads(k)] for k in range(n_replicas)] if grid else []
         total = sum(n for n, _ in gathered)
         keys = sorted({k for _, m in gathered for k in m})
         metrics = {
@@ -528,7 +701,7 @@ class ModelWorker(Worker):
             / max(1, sum(n for n, m in gathered if k in m))
             for k in keys
         }
-        metrics.update(self._export_stats())
+        metrics.update(self._export_stats(grid))
         return EvalReply(self.worker_name, metrics, total, start, time.time())
 
     def _save(self, req: SaveRequest) -> List[str]:
@@ -536,8 +709,9 @@ class ModelWorker(Worker):
         if unknown:
             raise KeyError(f"{self.worker_name}: cannot save unknown roles {unknown}")
         written = []
-        if self.grid.dp_rank == 0:  # replicas are identical (see _publish)
-            for role, path in req.dirs.items():
+        for role, path in req.dirs.items():
+            grid = self._home_grid(role)
+            if grid is not None and grid.dp_rank == 0:  # replicas are identical (_publish)
                 self.modules[role].save_hf(path, tokenizer=self.config.tokenizer_path or None)
                 if self.rank == 0:
                     written.append(path)
@@ -545,7 +719,8 @@ class ModelWorker(Worker):
 
     def _checkpoint(self, req: CheckpointRequest) -> List[str]:
         # Every rank writes its optimizer state (its shard of the parameters); replica
-        # heads their data position; replica 0 the weights (collective, rank 0 writes).
+        # heads their data position; replica 0 of each home layout the weights
+        # (collective, rank 0 writes).
         state = self.loader.state_dict() if self.loader is not None else None
         return recover.save_worker_state(
             req.dir,
@@ -553,7 +728,7 @@ class ModelWorker(Worker):
             self._trainable(),
             state,
             self.interfaces,
-            save_weights=self.grid.dp_rank == 0,
+            save_weights={r: self._home_grid(r).dp_rank == 0 for r in self._trainable()},
         )
 
     def _clear_data_cache(self, ids: tuple) -> int:
@@ -608,6 +783,7 @@ PROTOCOL: Dict[Handle, Route] = {
     Handle.CHECKPOINT: Route(CheckpointRequest, list, ModelWorker._checkpoint),  # files written
     Handle.CLEAR_DATA_CACHE: Route(tuple, int, ModelWorker._clear_data_cache),  # ids -> dropped
     Handle.MODEL_VERSION: Route(NoneType, dict, ModelWorker._model_version),  # {role: version}
+    Handle.REALLOCATE: Route(ReallocRequest, ReallocReply, ModelWorker._reallocate),
     Handle.EXIT: Route(NoneType, NoneType, ModelWorker._exit),
 }
 

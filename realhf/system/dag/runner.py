@@ -6,17 +6,26 @@ request client and the shards' positions.  A step is::
     load   fetch the step's items from the replicas' shards (allocate_fetch; only the
            head, pipe 0 / tensor 0, of each data-parallel replica holds a shard)
     run    one coroutine per MFC: wait until n_seqs of the step's items have its input
-           keys (oldest first), split them over the d data-parallel replicas, send every
-           rank its replica's part with the transfer plan (which brings the part's data
-           to every rank of the replica), await the replies, record the outputs as held
-           by every rank of the replica (they compute the same) and the stats averaged
-           over the replicas
+           keys (oldest first), split them over the d data-parallel replicas of the MFC's
+           layout, send every rank its replica's part with the transfer plan (which brings
+           the part's data to every rank of the replica), await the replies, record the
+           outputs as held by every rank of the replica (they compute the same) and the
+           stats averaged over the replicas
     clear  every MFC consumed the step's items: clear_data_cache on every worker
 
 Ordering rule (deadlock freedom): requests of one MFC go to all ranks in one
 synchronous burst (``_dispatch`` never awaits, and runs under the dispatch lock to say
 so), so every worker receives MFC requests in the same order.  Workers serve requests
 in order, hence run their data transfers and collectives in the same global order.
+
+Per-MFC layouts (``placements``; parameter reallocation): an MFC runs on the first
+``d·p·m`` workers of its layout; every worker still gets its request (those outside run
+only the transfer plan, as they may hold inputs).  An MFC on a *replica* of its model (a
+layout other than the model's home) is preceded, in the same burst, by a ``reallocate``
+request to the ranks of both layouts whenever the replica is behind: the master counts
+``train_step`` calls dispatched per role, and workers serve in order, so a replica
+reallocated after the n-th train call holds exactly the n-th weights.  Each reallocation
+is traced per rank with its bytes.
 """
 
 from __future__ import annotations
@@ -28,14 +37,43 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import DataFlowGraph, MFCDef, ModelInterfaceType
 from realhf.api.core.model_api import StepInfo
-from realhf.api.core.worker_api import call_sizes
+from realhf.api.core.worker_api import Placements, call_sizes
 from realhf.base.topology import DataPipeTensorParallelTopology
 from realhf.system.dag.buffer import SampleBuffer
-from realhf.system.dag.messages import FetchRequest, Handle, MFCReply, MFCRequest, mfc_handle
+from realhf.system.dag.messages import (
+    FetchRequest,
+    Handle,
+    MFCReply,
+    MFCRequest,
+    ReallocReply,
+    ReallocRequest,
+    mfc_handle,
+)
 from realhf.system.dag.transfer import build_transfer_plan, partition_for_dp
 from realhf.system.transport.request_reply import RequestClient
 
 __all__ = ["DagRunner", "StepResult", "allocate_fetch"]
+
+
+class _Ranks:
+    """The model workers of one layout (the first ``d·p·m``) and its replicas.
+
+    Attributes:
+        layout: the layout.
+        ranks: its world ranks ``0..d·p·m-1``.
+        replicas: world ranks of each data-parallel replica; its head (pipe 0, tensor 0)
+            first.
+        heads: each replica's head.
+        replica_of: the replica of each rank.
+    """
+
+    def __init__(self, layout: ParallelismConfig):
+        topo = DataPipeTensorParallelTopology(layout.data, layout.pipe, layout.tensor)
+        self.layout = layout
+        self.ranks = list(range(layout.world_size))
+        self.replicas: List[List[int]] = [topo.filter_match(data=k) for k in range(layout.data)]
+        self.heads: List[int] = [r[0] for r in self.replicas]
+        self.replica_of: List[int] = [topo.get_coord(r).data for r in self.ranks]
 
 
 def allocate_fetch(need: int, remaining: List[int]) -> List[int]:
@@ -87,6 +125,7 @@ class DagRunner:
         timeout: float,
         trace=None,
         layout: Optional[ParallelismConfig] = None,
+        placements: Optional[Placements] = None,
     ):
         self.graph = graph
         self.client = client
@@ -98,16 +137,18 @@ class DagRunner:
                 f"layout {self.layout} spans {self.layout.world_size} model workers, "
                 f"the master talks to {self.n}"
             )
-        topo = DataPipeTensorParallelTopology(
-            self.layout.data, self.layout.pipe, self.layout.tensor
-        )
-        #: number of data-parallel replicas
-        self.d = self.layout.data
-        #: world ranks of each replica; its head (pipe 0, tensor 0) is the first
-        self.replicas: List[List[int]] = [topo.filter_match(data=k) for k in range(self.d)]
-        self.heads: List[int] = [r[0] for r in self.replicas]
-        #: the replica of each rank
-        self.replica_of: List[int] = [topo.get_coord(r).data for r in range(self.n)]
+        self.placements = placements or Placements()
+        #: the ranks whose replica heads hold the data shards
+        self.data = _Ranks(self.placements.data_layout(self.layout))
+        #: where each MFC runs
+        self.ranks_of: Dict[str, _Ranks] = {
+            name: _Ranks(self.placements.of_mfc(name, self.layout)) for name in graph.mfcs
+        }
+        #: train_step calls dispatched per role (the version its home weights will have
+        #: once the workers ran everything dispatched so far) and the version each replica
+        #: (role, layout) holds; a replica behind its role is reallocated before its MFC
+        self.role_version: Dict[str, int] = {m.role: 0 for m in graph.mfcs.values()}
+        self.replica_version: Dict[Tuple[str, str], int] = {}
         self.timeout = timeout
         self.trace = trace
         self.buffer = SampleBuffer()
@@ -120,6 +161,11 @@ class DagRunner:
         self.remaining: List[int] = []
         self._stats: Dict[str, List[float]] = {}
         self._done: Dict[str, bool] = {}
+
+    @property
+    def heads(self) -> List[int]:
+        """The ranks holding the data shards (see ``Placements.data_layout``)."""
+        return self.data.heads
 
     async def call(
         self, handle: Handle, datas: List[Any], ranks: Optional[Sequence[int]] = None
@@ -212,9 +258,12 @@ class DagRunner:
                 # Marked under the condition, so the MFC's next call cannot take them again.
                 self.buffer.mark_consumed(ids, mfc.name)
             async with self.dispatch_lock:
-                rids, parts = self._dispatch(mfc, ids, step, call)
+                realloc_rids, rids, parts = self._dispatch(mfc, ids, step, call)
             t = time.time()
             # Awaited outside the condition: other MFCs dispatch while this call runs.
+            if realloc_rids:
+                realloc = await self.client.gather_async(realloc_rids, timeout=self.timeout)
+                self._absorb_realloc(mfc, [r.data for r in realloc], t)
             replies = await self.client.gather_async(rids, timeout=self.timeout)
             async with self.cond:
                 self._absorb(mfc, parts, [r.data for r in replies], t)
@@ -225,16 +274,24 @@ class DagRunner:
 
     def _dispatch(
         self, mfc: MFCDef, ids: List[str], step: StepInfo, call: int
-    ) -> Tuple[List[str], list]:
-        """Split over the replicas, plan and send one MFC call to every rank (no await: one
-        burst); returns the request ids and the replicas' parts."""
+    ) -> Tuple[List[str], List[str], list]:
+        """Split over the MFC's replicas, plan and send one MFC call to every worker (no
+        await: one burst), preceded by a reallocation when the MFC runs on a replica of its
+        model that is behind the trained weights.  Returns the reallocation's and the call's
+        request ids and the replicas' parts."""
+        where = self.ranks_of[mfc.name]
+        realloc = self._realloc_requests(mfc, where.layout)
+        if mfc.is_train:  # everything dispatched after this call sees the new weights
+            self.role_version[mfc.role] += 1
         keys = list(mfc.input_keys)
         by_count = mfc.interface_type == ModelInterfaceType.GENERATE
-        parts = partition_for_dp(ids, self.buffer.item_tokens(ids, keys), self.d, by_count)
+        d = where.layout.data
+        parts = partition_for_dp(ids, self.buffer.item_tokens(ids, keys), d, by_count)
         first = self.buffer.entry(ids[0]).keys
         plan = build_transfer_plan(
-            # Every rank of a replica needs the replica's whole part.
-            [parts[k] for k in self.replica_of],
+            # Every rank of a replica needs the replica's whole part; the MFC's ranks are
+            # world ranks 0..d·p·m-1.
+            [parts[k] for k in where.replica_of],
             keys,
             self.buffer.holder_map(ids, keys),
             seqlens=lambda i, k: self.buffer.entry(i).keys[k].seqlens,
@@ -245,19 +302,66 @@ class DagRunner:
             self.buffer.add_holder(s.ids, s.key, s.dst)
         tplan = tuple(plan)
         metas = [MFCRequest(mfc.name, step, tplan, self.buffer.meta(p, keys), call) for p in parts]
-        datas = [metas[k] for k in self.replica_of]
-        return self.client.request(self.handlers, mfc_handle(mfc.interface_type), datas), parts
+        # Every worker gets the request: one outside the MFC's layout runs the transfer plan
+        # only (it may hold inputs), and all workers see every request in one order.
+        datas = [
+            metas[where.replica_of[r]] if r < len(where.ranks) else metas[0] for r in range(self.n)
+        ]
+        handle = mfc_handle(mfc.interface_type)
+        return realloc, self.client.request(self.handlers, handle, datas), parts
+
+    def _realloc_requests(self, mfc: MFCDef, layout: ParallelismConfig) -> List[str]:
+        """Send the reallocation that brings ``mfc``'s replica up to date, if it is behind
+        (part of the dispatch burst); its request ids."""
+        if not self.placements.on_replica(mfc, self.layout):
+            return []
+        key, version = (mfc.role, str(layout)), self.role_version[mfc.role]
+        if self.replica_version.get(key) == version:
+            return []
+        if self.placements.keep_replicas:
+            self.replica_version[key] = version  # else the worker frees it after the call
+        home = self.placements.home(mfc.role, self.layout)
+        ranks = range(max(home.world_size, layout.world_size))
+        req = ReallocRequest(mfc.role, home, layout, version)
+        return self.client.request(
+            [self.handlers[r] for r in ranks], Handle.REALLOCATE, [req] * len(ranks)
+        )
+
+    def _absorb_realloc(self, mfc: MFCDef, replies: List[ReallocReply], sent: float) -> None:
+        """Trace a reallocation (one event per rank) and record its bytes and seconds."""
+        home = self.placements.home(mfc.role, self.layout)
+        name = f"realloc {mfc.role} {home}->{self.ranks_of[mfc.name].layout}"
+        for rep in replies:
+            self._trace(
+                name,
+                rep.worker,
+                rep.start,
+                rep.end,
+                tid=mfc.role,
+                bytes_sent=rep.bytes_sent,
+                bytes_received=rep.bytes_received,
+                bytes_local=rep.bytes_local,
+            )
+        self._stats.setdefault(f"realloc/{mfc.name}_seconds", []).append(
+            max(r.end for r in replies) - sent
+        )
+        self._stats.setdefault(f"realloc/{mfc.name}_bytes", []).append(
+            sum(r.bytes_received + r.bytes_local for r in replies)
+        )
 
     def _absorb(
         self, mfc: MFCDef, parts: List[List[str]], replies: List[MFCReply], sent: float
     ) -> None:
-        """Record one call's replies (one per rank; ``parts`` per replica): output holders
+        """Record one call's replies (one per worker; ``parts`` per replica of the MFC's
+        layout, whose ranks come first): output holders
         (every rank of the replica, its head the owner), stats (averaged over the replicas:
         a replica's ranks report the same), trace."""
         stats: Dict[str, List[float]] = {}
+        where = self.ranks_of[mfc.name]
+        replies = replies[: len(where.ranks)]  # the others only ran the transfer plan
         for rank, rep in enumerate(replies):
-            k = self.replica_of[rank]
-            part, head = parts[k], self.heads[k]
+            k = where.replica_of[rank]
+            part, head = parts[k], where.heads[k]
             if rep.output is not None:
                 out = rep.output
                 if sorted(out.ids) != sorted(part) or not set(mfc.output_keys) <= out.keys:

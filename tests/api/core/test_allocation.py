@@ -9,6 +9,7 @@ from realhf.api.core.allocation import (
     parse_allocation_mode,
     parse_parallelism,
 )
+from realhf.api.core.dfg import MFCDef
 
 
 @pytest.mark.parametrize("s", ["d2p1m1", "p1m1d2", "m1d2p1", " d2p1m1 "])
@@ -49,7 +50,10 @@ def test_decoupled_mode(backend):
         ("gen.d1p1m1+d1p1m1+d1p1m1", r"more than one '\+'"),
         ("gen.d1p2m1+d1p1m1", "do not use pipeline parallelism; use d1p1m1"),
         ("gen.d1p1m1+d1q1m1", "trainer layout 'd1q1m1': unknown letter 'q'"),
-        ("actor_gen:d4p1m1,*:d4p1m1", "per-MFC allocations"),
+        ("actor_gen:d4p1m1,*:d4p1m1", "'\\*:d4p1m1' is not of the form 'mfc_name:dXpYmZ'"),
+        ("actor_gen:d4p1m1,actor_train", "not of the form 'mfc_name:dXpYmZ'"),
+        ("actor_gen:d4p1m1,actor_gen:d1p1m1", "MFC 'actor_gen' is listed twice"),
+        ("actor_gen:d4p1m1,actor_train:d1p1", "layout of MFC 'actor_train' 'd1p1': missing"),
         ("heuristic", "not supported"),
     ],
 )
@@ -60,6 +64,7 @@ def test_malformed_strings_name_the_bad_part_and_show_examples(s, match):
         "valid examples" in str(e.value)
         or "use d1p1m1" in str(e.value)
         or "non-empty" in str(e.value)
+        or "listed twice" in str(e.value)
     )
 
 
@@ -86,3 +91,82 @@ def test_typed_configs_validate():
         ParallelismConfig(1, 1, 0)
     with pytest.raises(AllocationError, match="given together"):
         AllocationMode(train=ParallelismConfig(), gen=ParallelismConfig())
+
+
+# ---- per-MFC layouts ------------------------------------------------------------------
+
+
+def test_per_mfc_layouts_parse_and_span_the_widest():
+    a = parse_allocation_mode("actor_gen:d4m1p1, actor_train:d1m2p2,ref_inf:d2m1p2")
+    assert a.is_per_mfc and not a.is_decoupled
+    assert a.mfc_layouts == {
+        "actor_gen": ParallelismConfig(4, 1, 1),
+        "actor_train": ParallelismConfig(1, 2, 2),
+        "ref_inf": ParallelismConfig(2, 2, 1),
+    }
+    # The workers: as many as the widest layout, each a data shard.
+    assert a.train == ParallelismConfig(data=4) and a.train_world_size == 4
+    assert a.layout_of("ref_inf") == ParallelismConfig(2, 2, 1)
+    assert a.layout_of("rew_inf") == a.train  # unlisted
+    assert parse_allocation_mode(str(a)) == a
+    d = parse_allocation_mode("gen.d2p1m1+actor_train:d1p2m1,actor_inf:d2p1m1")
+    assert d.is_decoupled and d.is_per_mfc and d.n_gen_servers == 2
+    assert d.train == ParallelismConfig(data=2) and d.world_size == 4
+    assert str(d) == "gen.d2p1m1+actor_train:d1p2m1,actor_inf:d2p1m1"
+
+
+def _mfc(name, role, kind, iface="ppo_actor"):
+    out = () if kind == "train_step" else (f"{name}_out",)
+    return MFCDef(
+        name=name,
+        model_name=role,
+        interface_type=kind,
+        interface_impl=iface,
+        n_seqs=1,
+        output_keys=out,
+    )
+
+
+GRAPH = [
+    _mfc("actor_gen", "actor", "generate"),
+    _mfc("rew_inf", "actor", "inference", "math_reward"),
+    _mfc("ref_inf", "ref", "inference"),
+    _mfc("actor_train", "actor", "train_step"),
+]
+
+
+def test_home_layouts_follow_training_and_weightless_mfcs_may_be_left_out():
+    import realhf.impl.model.interface  # noqa: F401  (registers math_reward: uses no weights)
+
+    a = parse_allocation_mode("actor_gen:d2p1m1,actor_train:d1p2m1,ref_inf:d1p1m1")
+    homes = a.home_layouts(GRAPH)
+    assert homes == {"actor": ParallelismConfig(1, 2, 1), "ref": ParallelismConfig(1, 1, 1)}
+    # One global layout: every role lives there.
+    g = parse_allocation_mode("d1p1m2")
+    assert g.home_layouts(GRAPH) == {"actor": g.train, "ref": g.train}
+
+
+@pytest.mark.parametrize(
+    "s, match",
+    [
+        ("actor_gen:d2p1m1,actor_train:d1p2m1", r"gives no layout to \['ref_inf'\]"),
+        (
+            "actor_gen:d2p1m1,actor_train:d1p2m1,ref_inf:d1p1m1,critic_train:d1p1m1",
+            r"lists \['critic_train'\], which this experiment does not run",
+        ),
+    ],
+)
+def test_per_mfc_layouts_are_checked_against_the_graph(s, match):
+    import realhf.impl.model.interface  # noqa: F401
+
+    with pytest.raises(AllocationError, match=match):
+        parse_allocation_mode(s).home_layouts(GRAPH)
+
+
+def test_a_model_trains_on_one_layout():
+    graph = GRAPH + [_mfc("actor_train2", "actor", "train_step")]
+    a = parse_allocation_mode(
+        "actor_gen:d2p1m1,actor_train:d1p2m1,ref_inf:d1p1m1,actor_train2:d2p1m1"
+    )
+    with pytest.raises(AllocationError, match="both train model 'actor' but on different"):
+        a.home_layouts(graph)

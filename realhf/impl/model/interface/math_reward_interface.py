@@ -52,6 +52,8 @@ class MathRewardInterface(ModelInterface):
         timeout_s: seconds each answer may spend in the symbolic checks (then it is wrong).
     """
 
+    uses_weights = False  # the verdict comes from the decoded tokens alone
+
     def __init__(
         self, output_scaling: float = 5.0, output_bias: float = 0.0, timeout_s: float = 15.0
     ):
