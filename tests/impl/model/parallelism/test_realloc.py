@@ -210,20 +210,23 @@ def test_a_rank_plan_names_the_missing_buffer(full):
 
 # ---- over processes ---------------------------------------------------------------------
 
-PAIRS = [
-    ("d1p1m1", "d1p1m2"),
-    ("d1p1m2", "d1p2m1"),
-    ("d2p1m2", "d1p2m2"),
-    ("d1p2m1", "d2p1m1"),
-    ("d1p1m2", "d2p1m1"),
-]
+# Every ordered pair of distinct layouts among d1, d2, m2, p2, d2m2, p2m2, m4.
+PAIRS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 
 
 def _rank_main(args) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(args.store, args.world)
+    # nccl between GPU buffers where CUDA is present, gloo between host buffers here; the
+    # layouts' own collectives (the logits check) run on host tensors over gloo groups.
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", args.rank % torch.cuda.device_count()) if cuda else "cpu"
     dist.init_process_group(
-        "gloo", store=store, rank=args.rank, world_size=args.world, timeout=timedelta(seconds=60)
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=60),
     )
     out = {}
     try:
@@ -237,10 +240,10 @@ def _rank_main(args) -> None:
             reference = full(ids, cu)
         for src, dst in PAIRS:
             src_l, dst_l = parse_parallelism(src), parse_parallelism(dst)
-            grid = ParallelGrid.create(dst_l)  # every rank of the world takes part
+            grid = ParallelGrid.create(dst_l, backend="gloo")  # every rank takes part
             r = args.rank
-            have = _buffers(full, src_l)[r] if r < src_l.world_size else None
-            want = _buffers(full, dst_l)[r] if r < dst_l.world_size else None
+            have = _buffers(full, src_l)[r].to(dev) if r < src_l.world_size else None
+            want = _buffers(full, dst_l)[r].to(dev) if r < dst_l.world_size else None
             got = None if want is None else torch.full_like(want, float("nan"))
             plan = plan_reallocation(full.config, src_l, dst_l)
             moved = reallocate(plan, r, have, got)
@@ -264,7 +267,7 @@ def _rank_main(args) -> None:
                 model = ReaLModel(
                     full.config, init_weights=False, tp=hooks, layers=model.layer_range
                 )
-                model.load_flat(got)
+                model.load_flat(got.cpu())
                 with torch.no_grad():
                     logits = hooks.gather_logits(hooks.run_stages(model, ids, cu))
                 res["logits_err"] = float((logits - reference).abs().max())
@@ -277,8 +280,9 @@ def _rank_main(args) -> None:
 
 
 @pytest.mark.slow
-def test_reallocation_over_gloo_gives_the_destination_layout(tmp_path, no_leftover_processes):
-    """Four ranks carry out plans between layouts; the destination ranks end with exactly
+def test_reallocation_over_processes_gives_the_destination_layout(tmp_path, no_leftover_processes):
+    """Four ranks carry out plans between every pair of layouts (over gloo here, nccl
+    where CUDA is present); the destination ranks end with exactly
     their shards, and the destination layout's logits equal the single-device model's.  A
     compiled plan run twice gives the same shards in the same staging buffers, and counts
     what the plan says."""
