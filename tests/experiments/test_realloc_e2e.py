@@ -131,3 +131,44 @@ def _initial(run):
         if name.endswith(".safetensors"):
             out.update(load_file(os.path.join(TINY_MODEL, name)))
     return out
+
+
+def test_async_ppo_math_trainer_on_per_mfc_layouts(tmp_path):
+    """Decoupled generation servers + a per-MFC trainer: training on two pipeline stages,
+    the proximal log-probs on two replicas refilled every step; weights still reach the
+    generation server from the home layout, within the staleness bound."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "realhf.apps.quickstart",
+            "async-ppo-math",
+            "allocation_mode=gen.d1p1m1+actor_train:d1p2m1,actor_inf:d2p1m1",
+            "ppo.recompute_logprob=true",
+            "train_batch_size=4",
+            "ppo.group_size=2",
+            "ppo.gen.max_new_tokens=6",
+            "max_head_offpolicyness=1",
+            "exp_ctrl.benchmark_steps=3",
+            "exp_ctrl.eval_freq_steps=3",
+            "dataset.eval_max_new_tokens=4",
+            "worker_timeout=120",
+            f"fileroot={tmp_path}",
+            "trial_name=run0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "async-ppo-math" / "run0" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(x["rollout/staleness_max"] <= 1 for x in rows)
+    assert all(
+        x["realloc/actor_inf_bytes"] > 0 and x["realloc/actor_inf_seconds"] >= 0 for x in rows
+    )
+    assert "eval/greedy_acc" in rows[-1]
+    weights = tmp_path / ".cache" / "async-ppo-math" / "run0" / "weights" / "actor"
+    assert (weights / "v3" / "config.json").exists()

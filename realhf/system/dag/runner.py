@@ -263,7 +263,7 @@ class DagRunner:
             # Awaited outside the condition: other MFCs dispatch while this call runs.
             if realloc_rids:
                 realloc = await self.client.gather_async(realloc_rids, timeout=self.timeout)
-                self._absorb_realloc(mfc, [r.data for r in realloc], t)
+                self._absorb_realloc(mfc, [r.data for r in realloc])
             replies = await self.client.gather_async(rids, timeout=self.timeout)
             async with self.cond:
                 self._absorb(mfc, parts, [r.data for r in replies], t)
@@ -327,7 +327,7 @@ class DagRunner:
             [self.handlers[r] for r in ranks], Handle.REALLOCATE, [req] * len(ranks)
         )
 
-    def _absorb_realloc(self, mfc: MFCDef, replies: List[ReallocReply], sent: float) -> None:
+    def _absorb_realloc(self, mfc: MFCDef, replies: List[ReallocReply]) -> None:
         """Trace a reallocation (one event per rank) and record its bytes and seconds."""
         home = self.placements.home(mfc.role, self.layout)
         name = f"realloc {mfc.role} {home}->{self.ranks_of[mfc.name].layout}"
@@ -342,8 +342,10 @@ class DagRunner:
                 bytes_received=rep.bytes_received,
                 bytes_local=rep.bytes_local,
             )
+        # From the workers' own clocks: the dispatch burst may still be sending when the
+        # reallocation (sent first) is done.
         self._stats.setdefault(f"realloc/{mfc.name}_seconds", []).append(
-            max(r.end for r in replies) - sent
+            max(r.end for r in replies) - min(r.start for r in replies)
         )
         self._stats.setdefault(f"realloc/{mfc.name}_bytes", []).append(
             sum(r.bytes_received + r.bytes_local for r in replies)
