@@ -1,28 +1,50 @@
-"""Launch a quickstart experiment locally and recover it after failures.
+"""Launch a quickstart experiment and recover it after failures; see or stop a run.
 
 `run(name, cfg)` is what `python -m realhf.apps.quickstart <name>` calls:
 
 1. resolve names and paths, create ``{fileroot}/{experiment}/{trial}/`` and save the
    resolved config there as ``config.yaml``;
-2. compile the config into workers and launch them with the local scheduler;
+2. compile the config into workers and launch them with the launcher of ``cfg.mode``
+   (local, ray or slurm: :func:`realhf.scheduler.launcher`);
 3. on a failure with ``recover_mode=auto``, relaunch up to ``recover_retries`` times —
-   the workers resume from the last complete recover checkpoint in the run directory;
+   the workers resume from the last complete recover checkpoint in the run directory
+   (not after a stop request: that run ends with exit code 3).
+
+From another shell, whatever the launcher::
+
+    python -m realhf.apps.main status EXPERIMENT TRIAL [--fileroot DIR] [--name-resolve SPEC]
+    python -m realhf.apps.main stop EXPERIMENT TRIAL [--fileroot DIR] [--name-resolve SPEC]
+
+``status`` prints the experiment's and every worker's status and the last step logged;
+``stop`` asks the controller to stop every worker and waits until it has.  Both find the
+run through the same name-resolve backend the run uses (default: the file backend under
+the file root).
 """
 
 from __future__ import annotations
 
+import argparse
+import getpass
+import json
 import os
+import socket
 import sys
 import time
-from typing import Optional
+from typing import List, Optional
 
 from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
-from realhf.base import constants, logging
+from realhf.apps.remote import STOPPED_EXIT_CODE
+from realhf.base import constants, logging, name_resolve, names
 from realhf.experiments.registry import get_quickstart_exp
-from realhf.scheduler.local import JobFailure, launch_experiment
+from realhf.scheduler import launcher
+from realhf.scheduler.local import JobFailure
 
 logger = logging.getLogger("main")
+
+
+def _spec(fileroot: str, name_resolve_spec: str) -> str:
+    return name_resolve_spec or f"file://{os.path.join(fileroot, 'name_resolve')}"
 
 
 def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
@@ -30,8 +52,17 @@ def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
     experiment = cfg.experiment_name or name
     fileroot = os.path.abspath(os.path.expanduser(cfg.fileroot or constants.get_fileroot()))
     constants.ensure_writable(fileroot)
-    spec = cfg.name_resolve or f"file://{os.path.join(fileroot, 'name_resolve')}"
-    return experiment, cfg.trial_name, fileroot, spec
+    return experiment, cfg.trial_name, fileroot, _spec(fileroot, cfg.name_resolve)
+
+
+def _get(spec: str, key: str) -> Optional[str]:
+    repo = name_resolve.from_spec(spec)
+    try:
+        return repo.get(key)
+    except name_resolve.NameEntryNotFoundError:
+        return None
+    finally:
+        repo.close()
 
 
 def run(name: str, cfg, timeout: Optional[float] = None) -> int:
@@ -60,7 +91,9 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
             f"(attempt {attempt + 1}/{attempts}); run dir {run_dir}"
         )
         try:
-            launch_experiment(
+            launch = launcher(cfg.mode)
+            extra = {} if cfg.mode == "local" else {"options": getattr(cfg, cfg.mode)}
+            launch(
                 experiment_cfg,
                 experiment,
                 trial,
@@ -74,9 +107,13 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                 imports=[qs.build.__module__],
                 timeout=timeout,
                 fileroot=fileroot,
+                **extra,
             )
             break
         except (JobFailure, TimeoutError) as e:
+            if _get(spec, names.experiment_status(experiment, trial)) == "STOPPED":
+                print(f"{name}: stopped on request after {time.monotonic() - t0:.0f}s")
+                return STOPPED_EXIT_CODE
             if attempt + 1 < attempts:
                 logger.warning(f"{name}: run failed; recovering from the last checkpoint:\n{e}")
                 continue
@@ -87,3 +124,122 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         f"outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}"
     )
     return 0
+
+
+# ---- status / stop from another shell ------------------------------------------------
+
+
+def status(experiment: str, trial: str, fileroot: str, spec: str) -> int:
+    """Print the run's status; 0 when found, 1 when the name-resolve backend knows no such
+    run."""
+    run_dir = os.path.join(fileroot, experiment, trial)
+    repo = name_resolve.from_spec(spec)
+    try:
+        keys = repo.find_subtree(names.trial_root(experiment, trial))
+        root = names.worker_status_root(experiment, trial)
+        workers = {}
+        for k in keys:
+            if k.startswith(root + "/"):
+                try:
+                    workers[k[len(root) + 1 :]] = repo.get(k)
+                except name_resolve.NameEntryNotFoundError:
+                    pass  # exited meanwhile
+    finally:
+        repo.close()
+    state = _get(spec, names.experiment_status(experiment, trial))
+    if state is None and not keys:
+        print(f"no run {experiment!r} trial {trial!r} known to {spec}", file=sys.stderr)
+        return 1
+    print(f"experiment {experiment!r} trial {trial!r}: {state or 'NOT STARTED'}; run dir {run_dir}")
+    for w in sorted(workers, key=_worker_order):
+        print(f"  {w:<28} {workers[w]}")
+    last = _last_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    if last:
+        print(
+            f"  last step {last.get('step')} (epoch {last.get('epoch')}), "
+            f"{last.get('elapsed', 0):.0f}s of training"
+        )
+    return 0
+
+
+def _worker_order(name: str):
+    wtype, _, index = name.partition("/")
+    return (wtype, int(index) if index.isdigit() else 0)
+
+
+def _last_metrics(path: str) -> Optional[dict]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None
+
+
+def stop(experiment: str, trial: str, spec: str, wait_s: float = 120.0) -> int:
+    """Ask the run's controller to stop every worker; wait until it has (0), or until
+    ``wait_s`` passed (1); 1 as well when the run is not running."""
+    key = names.experiment_status(experiment, trial)
+    state = _get(spec, key)
+    if state != "RUNNING":
+        print(
+            f"{experiment!r} trial {trial!r} is not running ({state or 'unknown'})", file=sys.stderr
+        )
+        return 1
+    who = f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
+    repo = name_resolve.from_spec(spec)
+    try:
+        repo.add(names.stop_request(experiment, trial), who, replace=True, delete_on_exit=False)
+    finally:
+        repo.close()
+    print(f"asked {experiment!r} trial {trial!r} to stop; waiting up to {wait_s:g}s")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        state = _get(spec, key)
+        if state != "RUNNING":
+            print(f"{experiment!r} trial {trial!r}: {state}")
+            return 0
+        time.sleep(0.5)
+    print(
+        f"{experiment!r} trial {trial!r} still RUNNING after {wait_s:g}s: its controller did "
+        "not act on the stop request (is it alive? `status` shows its key)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m realhf.apps.main", description="See or stop a realhf run."
+    )
+    p.add_argument("command", choices=("status", "stop"))
+    p.add_argument("experiment")
+    p.add_argument("trial")
+    p.add_argument(
+        "--fileroot",
+        default="",
+        help="the run's file root (default: $REALHF_FILEROOT or ~/.cache/realhf)",
+    )
+    p.add_argument(
+        "--name-resolve",
+        default="",
+        help="the run's name-resolve spec (default: the file backend under the file root)",
+    )
+    p.add_argument("--wait", type=float, default=120.0, help="stop: seconds to wait")
+    a = p.parse_args(argv)
+    fileroot = os.path.abspath(os.path.expanduser(a.fileroot or constants.get_fileroot()))
+    spec = _spec(fileroot, a.name_resolve)
+    if a.command == "status":
+        return status(a.experiment, a.trial, fileroot, spec)
+    return stop(a.experiment, a.trial, spec, a.wait)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,8 +18,9 @@ The controller rebuilds the experiment registered as ``--experiment-type``
 (default ``--experiment``) with the keyword arguments pickled in
 ``--experiment-args`` and runs it (:class:`realhf.system.worker.controller.Controller`);
 it exits 0 on success, 1 when workers failed (its log and ``--summary`` name
-them and why).  A worker builds its registered type and serves control until
-told to exit; it exits 0 after ``exit``, 1 after a failure.
+them and why), 3 (``STOPPED_EXIT_CODE``) when stopped on request.  A worker builds its
+registered type and serves control until told to exit; it exits 0 after ``exit``, 1 after
+a failure.
 """
 
 from __future__ import annotations
@@ -37,11 +38,14 @@ from typing import List, Optional
 from realhf.api.core import system_api
 from realhf.base import constants, logging, name_resolve, shutdown
 from realhf.base.atomic_file import write_json_atomic
-from realhf.system.transport.errors import ExperimentFailed
+from realhf.system.transport.errors import ExperimentFailed, StopRequested
 from realhf.system.worker import base as worker_base
 from realhf.system.worker.controller import Controller
 
 logger = logging.getLogger("remote", "system")
+
+#: the controller's exit code after ``python -m realhf.apps.main stop``
+STOPPED_EXIT_CODE = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,6 +191,10 @@ def run_controller(args) -> int:
         logger.error(str(e))
         outcome = {"ok": False, "failures": {}, "message": str(e)}
         code = 1
+    except StopRequested as e:
+        logger.warning(str(e))
+        outcome = {"ok": False, "failures": {}, "message": str(e), "stopped": True}
+        code = STOPPED_EXIT_CODE
     if args.summary:
         write_json_atomic(args.summary, outcome, indent=2)
     return code

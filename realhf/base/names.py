@@ -201,6 +201,11 @@ def experiment_status(experiment_name: str, trial_name: str) -> str:
     return f"{trial_root(experiment_name, trial_name)}/experiment_status"
 
 
+def stop_request(experiment_name: str, trial_name: str) -> str:
+    """Set (by ``python -m realhf.apps.main stop``) to ask the controller to stop the run."""
+    return f"{trial_root(experiment_name, trial_name)}/stop_request"
+
+
 def update_weights_from_disk(experiment_name: str, trial_name: str, model_version: int) -> str:
     """Set when weights of ``model_version`` are on disk for servers to load."""
     return (

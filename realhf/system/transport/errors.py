@@ -111,6 +111,11 @@ class ExperimentFailed(RuntimeError):
         return (ExperimentFailed, (self.experiment, self.trial, self.failures))
 
 
+class StopRequested(RuntimeError):
+    """The controller stopped an experiment because a user asked it to
+    (``python -m realhf.apps.main stop``); not a failure to recover from."""
+
+
 def format_error(info: Optional[ErrorInfo]) -> str:
     """Readable multi-line text for an optional :class:`ErrorInfo`."""
     if info is None:

@@ -688,11 +688,13 @@ def make_worker(worker_type: str, *args, **kwargs) -> Worker:
 
 class ExperimentStatus(str, enum.Enum):
     """Values of ``names.experiment_status``: the controller writes RUNNING at start and
-    COMPLETE or ABORTED at the end (kept after exit, so a launcher can tell them apart)."""
+    COMPLETE, ABORTED or STOPPED (on a stop request) at the end (kept after exit, so a
+    launcher can tell them apart)."""
 
     RUNNING = "RUNNING"
     COMPLETE = "COMPLETE"
     ABORTED = "ABORTED"
+    STOPPED = "STOPPED"
 
 
 def experiment_ended(experiment_name: str, trial_name: str) -> bool:

@@ -18,6 +18,8 @@ keys), so a worker that dies mid-``configure`` is reported at once.
    raising :class:`~realhf.system.transport.errors.ExperimentFailed` that names each
    failed worker and why (the remote traceback for ERROR); when every worker of
    ``completion_types`` is COMPLETED the run succeeded;
+   A ``names.stop_request`` key (``python -m realhf.apps.main stop``) ends the run
+   with :class:`~realhf.system.transport.errors.StopRequested` and status STOPPED;
 6. in every case send ``exit`` to the workers still alive.
 """
 
@@ -35,6 +37,7 @@ from realhf.base import logging, name_resolve, names
 from realhf.system.transport.errors import (
     ExperimentFailed,
     RemoteError,
+    StopRequested,
     StreamTimeout,
     format_error,
 )
@@ -315,6 +318,9 @@ class Controller:
                 t_conf,
                 time.monotonic() - t0,
             )
+        except StopRequested:
+            outcome = ExperimentStatus.STOPPED
+            raise
         except (RemoteError, WorkerLost, StreamTimeout) as e:
             raise self._failure_from(e, worker_names) from None
         finally:
@@ -365,6 +371,7 @@ class Controller:
         failures: Dict[str, str] = {}
         settle_until = None
         while True:
+            self._check_stop_request()
             statuses = {
                 w: read_status(self.experiment_name, self.trial_name, w) for w in worker_names
             }
@@ -391,6 +398,17 @@ class Controller:
                     f"complete within {timeout:g}s; still not COMPLETED: {pending}."
                 )
             time.sleep(self.poll_interval)
+
+    def _check_stop_request(self) -> None:
+        try:
+            who = name_resolve.get(names.stop_request(self.experiment_name, self.trial_name))
+        except name_resolve.NameEntryNotFoundError:
+            return
+        logger.warning(f"stop requested ({who}); stopping every worker")
+        raise StopRequested(
+            f"experiment {self.experiment_name!r} trial {self.trial_name!r} stopped on request "
+            f"({who})"
+        )
 
     def _reason(self, worker: str, status: WorkerStatus) -> str:
         if status == WorkerStatus.LOST:

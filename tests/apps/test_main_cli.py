@@ -1,0 +1,78 @@
+"""``python -m realhf.apps.main status|stop``: see and stop a run from another shell."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _main(*args, fileroot):
+    return subprocess.run(
+        [sys.executable, "-m", "realhf.apps.main", *args, "--fileroot", str(fileroot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_status_then_stop_ends_the_run_without_recovery(tmp_path, no_leftover_processes):
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "realhf.apps.quickstart",
+            "ppo-math",
+            "train_batch_size=4",
+            "ppo.group_size=2",
+            "ppo.gen.max_new_tokens=4",
+            "exp_ctrl.benchmark_steps=100000",
+            "eval=false",
+            "recover_mode=auto",  # a stop is not a failure: no relaunch
+            f"fileroot={tmp_path}",
+            "trial_name=t",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        metrics = tmp_path / "ppo-math" / "t" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert run.poll() is None, run.stdout.read()
+            assert time.monotonic() < deadline, "no training step within 120 s"
+            time.sleep(0.5)
+        st = _main("status", "ppo-math", "t", fileroot=tmp_path)
+        assert st.returncode == 0, st.stderr
+        assert "experiment 'ppo-math' trial 't': RUNNING" in st.stdout
+        for w in ("controller/0", "master_worker/0", "model_worker/0"):
+            assert w in st.stdout and "RUNNING" in st.stdout.split(w)[1].splitlines()[0]
+        assert "last step" in st.stdout
+
+        sp = _main("stop", "ppo-math", "t", fileroot=tmp_path)
+        assert sp.returncode == 0, sp.stdout + sp.stderr
+        assert "'t': STOPPED" in sp.stdout
+        out, _ = run.communicate(timeout=120)
+        assert run.returncode == 3, out[-3000:]
+        assert "stopped on request" in out and "attempt 2/2" not in out
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    st = _main("status", "ppo-math", "t", fileroot=tmp_path)
+    assert "trial 't': STOPPED" in st.stdout
+    with open(tmp_path / "ppo-math" / "t" / "controller_summary.json") as f:
+        assert json.load(f)["stopped"] is True
+    # A run that is not running cannot be stopped; an unknown one has no status.
+    assert _main("stop", "ppo-math", "t", fileroot=tmp_path).returncode == 1
+    unknown = _main("status", "ppo-math", "nope", fileroot=tmp_path)
+    assert unknown.returncode == 1 and "no run 'ppo-math' trial 'nope'" in unknown.stderr
