@@ -332,6 +332,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             "rollout_worker": [rollout] * cfg.n_rollout_workers,
         },
         completion_types=("master_worker",),
+        scheduling=blocks.scheduling(alloc),
     )
 
 

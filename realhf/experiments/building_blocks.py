@@ -19,6 +19,7 @@ from realhf.api.core.allocation import (
     parse_allocation_mode,
     uses_weights,
 )
+from realhf.api.core.system_api import Scheduling
 from realhf.api.core.worker_api import ModelSpec, Placements
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
@@ -171,6 +172,28 @@ def check_trainer_layout(
             f"on {cores} CPU core(s); at most {MAX_PROCESSES_PER_CORE} per core are allowed "
             f"({MAX_PROCESSES_PER_CORE * cores} here): use a smaller layout"
         )
+
+
+def scheduling(alloc: AllocationMode) -> dict:
+    """Per worker type resources for the launchers: with CUDA, one device per model worker
+    and ``m`` per generation server, each process getting its own ``CUDA_VISIBLE_DEVICES``
+    (generation servers are launched first, so they take the first devices, as
+    ``allocation_mode`` says); nothing on a machine without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    devices = torch.cuda.device_count()
+    if alloc.world_size > devices:
+        raise ExperimentSetupError(
+            f"allocation_mode={str(alloc)!r} needs {alloc.world_size} CUDA devices "
+            f"({alloc.gen_world_size} for generation servers, {alloc.train_world_size} for "
+            f"model workers) but this machine has {devices}; use a smaller layout"
+        )
+    out = {"model_worker": Scheduling(gpu=1)}
+    if alloc.gen is not None:
+        out["generation_server"] = Scheduling(gpu=alloc.gen.tensor)
+    return out
 
 
 def torch_threads(cfg, n_model_workers: int) -> int:

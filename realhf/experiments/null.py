@@ -99,6 +99,7 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
     return ExperimentConfig(
         workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
         completion_types=("master_worker",),
+        scheduling=blocks.scheduling(alloc),
     )
 
 

@@ -340,6 +340,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     return ExperimentConfig(
         workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
         completion_types=("master_worker",),
+        scheduling=blocks.scheduling(alloc),
     )
 
 

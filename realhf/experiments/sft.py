@@ -138,6 +138,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     return ExperimentConfig(
         workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
         completion_types=("master_worker",),
+        scheduling=blocks.scheduling(alloc),
     )
 
 

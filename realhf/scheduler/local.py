@@ -36,6 +36,7 @@ __all__ = [
     "Job",
     "JobFailure",
     "LocalScheduler",
+    "visible_gpus",
     "remote_controller_cmd",
     "remote_worker_cmd",
     "launch_experiment",
@@ -109,6 +110,17 @@ class JobFailure(RuntimeError):
         super().__init__("\n".join(parts))
 
 
+def visible_gpus() -> List[str]:
+    """The CUDA devices this process may hand out: ``$CUDA_VISIBLE_DEVICES`` when set, else
+    every device torch sees (none without CUDA)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
 # Schedulers alive in this process, stopped at exit (weak: a scheduler that
 # was garbage-collected has already stopped its jobs).
 _live: "weakref.WeakSet[LocalScheduler]" = weakref.WeakSet()
@@ -127,7 +139,7 @@ class LocalScheduler:
         run_dir: logs go to ``{run_dir}/logs/``.
         env: extra environment for every process (on top of ``os.environ``).
         gpu_devices: device ids handed out round-robin to jobs that ask for
-            GPUs; default from ``$CUDA_VISIBLE_DEVICES`` (none if unset).
+            GPUs; default :func:`visible_gpus`.
     """
 
     def __init__(
@@ -142,8 +154,7 @@ class LocalScheduler:
         os.makedirs(self.log_dir, exist_ok=True)
         self.env = dict(env or {})
         if gpu_devices is None:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-            gpu_devices = [d for d in visible.split(",") if d.strip()]
+            gpu_devices = visible_gpus()
         self.gpu_devices = [str(d) for d in gpu_devices]
         self._next_gpu = 0
         self.jobs: List[Job] = []

@@ -162,6 +162,30 @@ def test_trainer_layout_reaches_the_workers_and_the_master(init_model, monkeypat
         )
 
 
+def test_each_process_gets_its_own_gpus_when_cuda_is_present(init_model, monkeypatch):
+    """With CUDA the launchers give every model worker one device and every generation
+    server m; the servers are launched first, so they take the first devices."""
+    from realhf.api.core.system_api import Scheduling
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+
+    def build(alloc):
+        return build_async_ppo_math(
+            parse_config(
+                AsyncPPOMathConfig, [f"actor.path={init_model}", f"allocation_mode={alloc}"]
+            )
+        )
+
+    assert build("gen.d1p1m1+d1p1m1").scheduling == {}  # no CUDA here: CPU processes
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    exp = build("gen.d2p1m1+d2p1m1")
+    assert exp.scheduling_of("model_worker") == Scheduling(gpu=1)
+    assert exp.scheduling_of("generation_server") == Scheduling(gpu=1)
+    assert exp.ordered_types[0] == "generation_server"
+    with pytest.raises(blocks.ExperimentSetupError, match=r"needs 5 CUDA devices \(1 for gen"):
+        build("gen.d1p1m1+d2p1m2")
+
+
 # ---- per-MFC layouts (parameter reallocation) ------------------------------------------
 
 
