@@ -23,12 +23,15 @@ then ``(r − bias) · scaling``.
 
 from __future__ import annotations
 
+import ast
 import atexit
 import concurrent.futures
+import functools
 import logging
 import math
 import multiprocessing
 import os
+import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -96,8 +99,11 @@ def get_pool(max_workers: Optional[int] = None):
 
     ``max_workers`` defaults to ``$REALHF_MATH_VERIFY_WORKERS`` or min(4, CPUs).
     Workers are spawned, not forked: the caller may be a trainer with live
-    threads (torch, zmq) whose locks a fork would copy mid-use. As with any spawn
-    pool, the caller's main script must be import-safe (``if __name__ == "__main__":``).
+    threads (torch, zmq) whose locks a fork would copy mid-use.  A spawned child
+    re-runs the caller's main script (as ``__mp_main__``); when the first call comes
+    from that script's top level outside an ``if __name__ == "__main__":`` block, the
+    children would run the script again, so the workers are forked instead (such a
+    script has not started a trainer's threads at that point).
     """
     global _pool, _pool_pid, _pool_workers, _atexit_registered
     import pebble
@@ -109,19 +115,60 @@ def get_pool(max_workers: Optional[int] = None):
         if n < 1:
             raise ValueError(f"get_pool: max_workers={max_workers} must be >= 1")
         # A pool inherited through fork belongs to the parent: leave it alone.
+        method = "fork" if _called_from_unguarded_main() else "spawn"
         _pool = pebble.ProcessPool(
             max_workers=n,
             max_tasks=1000,  # recycle workers: sympy's caches only grow
             initializer=_warm_worker,
-            context=multiprocessing.get_context("spawn"),
+            context=multiprocessing.get_context(method),
         )
         _pool_pid = os.getpid()
         _pool_workers = n
         if not _atexit_registered:
             atexit.register(shutdown_pool)
             _atexit_registered = True
-        logger.info("math verifier pool started: %d spawned workers", n)
+        logger.info("math verifier pool started: %d %s workers", n, method)
         return _pool
+
+
+def _called_from_unguarded_main() -> bool:
+    """Whether this call comes from the top level of the main script, outside an
+    ``if __name__ == "__main__":`` block (spawned children would run that code again)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not os.path.isfile(path):
+        return False
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_globals is main.__dict__ and f.f_code.co_name == "<module>":
+            return not any(lo <= f.f_lineno <= hi for lo, hi in _main_guards(path))
+        f = f.f_back
+    return False
+
+
+@functools.lru_cache(maxsize=8)
+def _main_guards(path: str) -> tuple:
+    """Line ranges of the ``if __name__ == "__main__":`` blocks of script ``path``."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return ()
+
+    def is_guard(test) -> bool:
+        if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
+            return False
+        sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+        return isinstance(test.ops[0], ast.Eq) and sides == {
+            ast.dump(ast.Name("__name__", ast.Load())),
+            ast.dump(ast.Constant("__main__")),
+        }
+
+    return tuple(
+        (node.lineno, node.end_lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and is_guard(node.test)
+    )
 
 
 def shutdown_pool(timeout: float = 10.0) -> None:

@@ -6,6 +6,8 @@ import logging
 import multiprocessing
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -157,3 +159,55 @@ def test_shutdown_then_reuse():
     assert math_reward._pool is None
     shutdown_pool()  # idempotent
     assert verify(r"\boxed{\sqrt{8}}", [r"\boxed{2\sqrt{2}}"]) is True
+
+
+# ---- called from a user's script ------------------------------------------------------
+
+_SCRIPT = """\
+from realhf.impl.reward.math_reward import verify
+{body}
+"""
+_CALL = (
+    'print("SCRIPT RAN", flush=True)\n'
+    'print("RESULT", verify("so \\\\boxed{\\\\frac{2}{\\\\sqrt{2}}}", ["\\\\sqrt{2}"]), flush=True)'
+)
+
+
+def _run_script(tmp_path, body):
+    path = tmp_path / "user_script.py"
+    path.write_text(_SCRIPT.format(body=body))
+    r = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_verify_from_an_unguarded_script_runs_the_script_once(tmp_path):
+    """Spawned workers would run a script's top level again (3 times here, and the pool
+    broke); called from unguarded top-level code the verifier forks its workers."""
+    out = _run_script(tmp_path, _CALL)
+    assert out.count("SCRIPT RAN") == 1 and "RESULT True" in out, out
+    assert "fork workers" in out
+
+
+@pytest.mark.slow
+def test_verify_from_a_guarded_script_keeps_spawned_workers(tmp_path):
+    guarded = 'if __name__ == "__main__":\n' + "".join(f"    {l}\n" for l in _CALL.splitlines())
+    out = _run_script(tmp_path, guarded)
+    assert out.count("SCRIPT RAN") == 1 and "RESULT True" in out, out
+    assert "spawn workers" in out
+
+
+def test_main_guard_line_ranges(tmp_path):
+    from realhf.impl.reward.math_reward import _main_guards
+
+    path = tmp_path / "s.py"
+    path.write_text(
+        "x = 1\n"
+        'if __name__ == "__main__":\n    y = 2\n    z = 3\n'
+        'if "__main__" == __name__:\n    w = 4\n'
+        'if __name__ != "__main__":\n    v = 5\n'
+    )
+    assert _main_guards(str(path)) == ((2, 4), (5, 6))
