@@ -37,7 +37,7 @@ from realhf.api.cli_parser import to_yaml
 from realhf.apps.remote import STOPPED_EXIT_CODE
 from realhf.base import constants, logging, name_resolve, names
 from realhf.experiments.registry import get_quickstart_exp
-from realhf.scheduler import launcher
+from realhf.scheduler import LaunchError, launcher
 from realhf.scheduler.local import JobFailure
 
 logger = logging.getLogger("main")
@@ -55,8 +55,40 @@ def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
     return experiment, cfg.trial_name, fileroot, _spec(fileroot, cfg.name_resolve)
 
 
+#: seconds a relaunch waits for the name-resolve store to answer again
+STORE_WAIT_S = 120.0
+
+
+def _wait_for_store(spec: str, timeout: float) -> None:
+    """Block until the name-resolve store of ``spec`` answers (logged), at most
+    ``timeout`` seconds; then ConnectionError (the relaunch fails with that reason)."""
+    t0, warned = time.monotonic(), False
+    while True:
+        try:
+            name_resolve.from_spec(spec).close()
+        except ConnectionError as e:
+            waited = time.monotonic() - t0
+            if waited >= timeout:
+                raise ConnectionError(
+                    f"the name-resolve store {spec} did not come back within {timeout:g}s: {e}"
+                ) from e
+            if not warned:
+                logger.warning(f"waiting up to {timeout:g}s for the name-resolve store {spec}: {e}")
+                warned = True
+            time.sleep(1.0)
+            continue
+        if warned:
+            logger.info(f"name-resolve store {spec} is back after {time.monotonic() - t0:.0f}s")
+        return
+
+
 def _get(spec: str, key: str) -> Optional[str]:
-    repo = name_resolve.from_spec(spec)
+    """The value of ``key`` in the store of ``spec``; None when absent or the store is
+    unreachable."""
+    try:
+        repo = name_resolve.from_spec(spec)
+    except ConnectionError:
+        return None
     try:
         return repo.get(key)
     except name_resolve.NameEntryNotFoundError:
@@ -86,6 +118,12 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         ) as e:  # bad paths, rows, allocation: the user's to fix
             print(f"{name}: {e}", file=sys.stderr)
             return 2
+        if attempt > 0:  # what failed may be the store itself: let it come back first
+            try:
+                _wait_for_store(spec, STORE_WAIT_S)
+            except ConnectionError as e:
+                print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
+                return 1
         logger.info(
             f"{name}: launching {len(experiment_cfg.worker_names()) + 1} processes "
             f"(attempt {attempt + 1}/{attempts}); run dir {run_dir}"
@@ -110,6 +148,9 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                 **extra,
             )
             break
+        except LaunchError as e:  # the cluster cannot run it as configured: the user's to fix
+            print(f"{name}: {e}", file=sys.stderr)
+            return 2
         except (JobFailure, TimeoutError) as e:
             if _get(spec, names.experiment_status(experiment, trial)) == "STOPPED":
                 print(f"{name}: stopped on request after {time.monotonic() - t0:.0f}s")

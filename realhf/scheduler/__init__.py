@@ -7,7 +7,9 @@ options)`` with the contract of :func:`realhf.scheduler.local.launch_experiment`
 everything it started, returns exit codes by job name and raises
 :class:`~realhf.scheduler.local.JobFailure` / ``TimeoutError`` / ``KeyboardInterrupt``.
 ``options`` is the launcher's section of the config (``cfg.ray``, ``cfg.slurm``; None for
-local).
+local).  A launch the cluster cannot run as configured (tools missing, an unreachable
+cluster, a partition that does not exist, more resources than there are) raises
+:class:`LaunchError` before anything is left running.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-__all__ = ["launcher"]
+__all__ = ["LaunchError", "launcher"]
+
+
+class LaunchError(RuntimeError):
+    """The launcher cannot run this launch as configured; the message names what and how to
+    fix it.  Nothing of the launch is left queued or running."""
 
 _MODULES = {
     "local": "realhf.scheduler.local",

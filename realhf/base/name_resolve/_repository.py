@@ -5,6 +5,14 @@ sub-entries, waiting, watching, keepalive of TTL'd entries, cleanup of what this
 process added) on top of a handful of primitive operations that each backend
 provides (``_put``, ``_read``, ``_items``, ``_remove``, ``_remove_if_owned``,
 ``_refresh``).
+
+Outages of the store itself (a backend's :attr:`~NameRecordRepository.transient_errors`:
+etcd restarting, a network blip) are ridden out: every operation retries with backoff for
+up to ``outage_tolerance`` seconds (default :data:`DEFAULT_OUTAGE_TOLERANCE`, or
+``$REALHF_NAME_RESOLVE_OUTAGE_S``), logging when the store goes away and when it is back,
+and only then raises ``ConnectionError`` naming the store, the operation and how long it
+tried.  Keepalives keep retrying on their own; an entry is lost only when the store itself
+expired it (an outage longer than its TTL).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from realhf.base import logging
 logger = logging.getLogger("name_resolve")
 
 __all__ = [
+    "DEFAULT_OUTAGE_TOLERANCE",
     "NameEntryExistsError",
     "NameEntryNotFoundError",
     "NameRecordRepository",
@@ -92,13 +101,39 @@ class _Owned:
     next_refresh: float = 0.0
 
 
+#: seconds an operation retries while the store is unreachable (see the module docstring)
+DEFAULT_OUTAGE_TOLERANCE = 30.0
+#: seconds between keepalive attempts while the store is unreachable
+OUTAGE_RETRY_S = 0.5
+
+
+def _outage_tolerance() -> float:
+    env = os.environ.get("REALHF_NAME_RESOLVE_OUTAGE_S")
+    if env is None:
+        return DEFAULT_OUTAGE_TOLERANCE
+    try:
+        value = float(env)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise ValueError(
+            f"REALHF_NAME_RESOLVE_OUTAGE_S={env!r}: give the seconds name-resolve operations "
+            "may retry while the store is unreachable (a number >= 0)"
+        )
+    return value
+
+
 class NameRecordRepository(abc.ABC):
     """A key-value store of short strings with TTL'd entries (one backend)."""
 
     #: backend name, as given to ``reconfigure``
     backend: str = ""
+    #: exceptions of the backend that mean "the store is unreachable right now"
+    transient_errors: Tuple[type, ...] = ()
 
     def __init__(self) -> None:
+        #: seconds an operation retries while the store is unreachable
+        self.outage_tolerance = _outage_tolerance()
         self._owned: Dict[str, _Owned] = {}
         self._owned_lock = threading.Lock()
         self._closed = threading.Event()
@@ -176,7 +211,7 @@ class NameRecordRepository(abc.ABC):
                     f"got {keepalive_ttl!r}."
                 )
             keepalive_ttl = float(keepalive_ttl)
-        token = self._put(key, text, keepalive_ttl, replace)
+        token = self._retrying(f"add {key!r}", self._put, key, text, keepalive_ttl, replace)
         # Refreshing every ttl/3 leaves room for a failed or late refresh (a
         # slow store, a long GC pause) before the entry expires under a live
         # owner.
@@ -208,7 +243,7 @@ class NameRecordRepository(abc.ABC):
         """The value of ``name``; raises NameEntryNotFoundError if absent."""
         self._check_open()
         key = normalize_key(name)
-        value = self._read(key)
+        value = self._retrying(f"get {key!r}", self._read, key)
         if value is None:
             raise NameEntryNotFoundError(
                 f"name-resolve key {key!r} not found ({self.backend} backend)."
@@ -218,12 +253,14 @@ class NameRecordRepository(abc.ABC):
     def get_subtree(self, name_root: str) -> List[str]:
         """Values of ``name_root`` and every key below it, ordered by key."""
         self._check_open()
-        return [v for _, v in sorted(self._items(normalize_key(name_root)))]
+        root = normalize_key(name_root)
+        return [v for _, v in sorted(self._retrying(f"list {root!r}", self._items, root))]
 
     def find_subtree(self, name_root: str) -> List[str]:
         """Keys ``name_root`` and below it (path-wise), sorted."""
         self._check_open()
-        return sorted(k for k, _ in self._items(normalize_key(name_root)))
+        root = normalize_key(name_root)
+        return sorted(k for k, _ in self._retrying(f"list {root!r}", self._items, root))
 
     def delete(self, name: str) -> None:
         """Delete ``name``; raises NameEntryNotFoundError if absent."""
@@ -231,7 +268,7 @@ class NameRecordRepository(abc.ABC):
         key = normalize_key(name)
         with self._owned_lock:
             self._owned.pop(key, None)
-        if self._remove([key]) == 0:
+        if self._retrying(f"delete {key!r}", self._remove, [key]) == 0:
             raise NameEntryNotFoundError(
                 f"name-resolve key {key!r} not found ({self.backend} backend); nothing to delete."
             )
@@ -243,7 +280,7 @@ class NameRecordRepository(abc.ABC):
         with self._owned_lock:
             for k in [k for k in self._owned if in_subtree(k, root)]:
                 del self._owned[k]
-        self._clear(root)
+        self._retrying(f"clear {root!r}", self._clear, root)
 
     def wait(
         self,
@@ -265,7 +302,7 @@ class NameRecordRepository(abc.ABC):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             self._check_open()
-            value = self._read(key)
+            value = self._retrying(f"wait for {key!r}", self._read, key)
             if value is not None:
                 return value
             if deadline is not None and time.monotonic() >= deadline:
@@ -367,6 +404,42 @@ class NameRecordRepository(abc.ABC):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # ---- outages of the store ---------------------------------------------
+
+    def _retrying(self, what: str, fn, *args):
+        """``fn(*args)``, retried with backoff while the store is unreachable, for up to
+        :attr:`outage_tolerance` seconds; then ConnectionError naming what failed."""
+        t0, delay, warned = time.monotonic(), 0.1, False
+        while True:
+            try:
+                result = fn(*args)
+            except self.transient_errors as e:
+                waited = time.monotonic() - t0
+                if waited >= self.outage_tolerance or self._closed.is_set():
+                    raise ConnectionError(
+                        f"the {self._where()} was unreachable for {waited:.1f}s "
+                        f"(outage tolerance {self.outage_tolerance:g}s, "
+                        f"$REALHF_NAME_RESOLVE_OUTAGE_S) during {what}: {type(e).__name__}: {e}"
+                    ) from e
+                if not warned:
+                    logger.warning(
+                        f"{self._where()} unreachable during {what} ({type(e).__name__}); "
+                        f"retrying for up to {self.outage_tolerance:g}s"
+                    )
+                    warned = True
+                self._closed.wait(min(delay, max(0.0, self.outage_tolerance - waited)))
+                delay = min(2 * delay, 2.0)
+                continue
+            if warned:
+                logger.info(
+                    f"{self._where()} reachable again after {time.monotonic() - t0:.1f}s ({what})"
+                )
+            return result
+
+    def _where(self) -> str:
+        """The store, for messages (backends name their address)."""
+        return f"{self.backend} name-resolve store"
+
     # ---- keepalive ---------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -389,6 +462,7 @@ class NameRecordRepository(abc.ABC):
         self._keepalive_wake.set()
 
     def _keepalive_loop(self) -> None:
+        failing_since: Optional[float] = None
         while not self._closed.is_set():
             now = time.monotonic()
             with self._owned_lock:
@@ -399,19 +473,43 @@ class NameRecordRepository(abc.ABC):
                 ]
             # Refresh outside the lock, for the same reason as in reset().
             for key, owned in due:
+                failed = False
                 try:
                     alive = self._refresh(key, owned.token, owned.ttl)
+                    if failing_since is not None:
+                        logger.info(
+                            f"keepalives reach the {self._where()} again after "
+                            f"{time.monotonic() - failing_since:.1f}s"
+                        )
+                        failing_since = None
+                        # A restarted store gives leases only about one TTL from its start:
+                        # refresh every entry now, not on the schedule of the outage.
+                        with self._owned_lock:
+                            for o in self._owned.values():
+                                o.next_refresh = 0.0
                 except Exception as e:  # transient: retry soon, entry may survive
-                    logger.warning(f"Keepalive of name-resolve key {key!r} failed: {e!r}")
-                    alive = True
+                    if failing_since is None:  # once per outage, not once per key and try
+                        failing_since = time.monotonic()
+                        logger.warning(
+                            f"Keepalive of name-resolve key {key!r} failed: {e!r}; retrying "
+                            "until the store answers (it expires the entry only after its TTL)"
+                        )
+                    alive, failed = True, True
                 with self._owned_lock:
                     if self._owned.get(key) is not owned:
                         continue  # deleted or re-added meanwhile
                     if alive:
-                        owned.next_refresh = time.monotonic() + owned.ttl / 3
+                        # While the store is away, try often: the first answer counts.
+                        owned.next_refresh = time.monotonic() + (
+                            min(owned.ttl / 3, OUTAGE_RETRY_S) if failed else owned.ttl / 3
+                        )
                     else:
                         # Gone or replaced by someone else: no longer ours.
                         del self._owned[key]
+                        logger.warning(
+                            f"name-resolve key {key!r} expired or was replaced in the "
+                            f"{self._where()}; it is no longer kept alive"
+                        )
             with self._owned_lock:
                 pending = [o.next_refresh for o in self._owned.values() if o.ttl is not None]
             sleep = 1.0 if not pending else max(0.01, min(pending) - time.monotonic())

@@ -103,6 +103,14 @@ class Etcd3NameRecordRepository(NameRecordRepository):
             ) from e
 
         self._etcd_exceptions = pyetcd.Etcd3Exception
+        from pyetcd import exceptions as etcd_errors
+
+        # etcd down, restarting or unreachable: worth waiting out (_repository._retrying).
+        self.transient_errors = (
+            etcd_errors.ConnectionFailedError,
+            etcd_errors.ConnectionTimeoutError,
+            etcd_errors.NoServerAvailableError,
+        )
         # One endpoint whose "failed" mark expires at once (time_retry=0): the
         # library default benches a failed endpoint for 300 s, which would
         # turn one network blip into five minutes of errors.
