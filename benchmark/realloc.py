@@ -1,26 +1,31 @@
 """Parameter reallocation between layouts against one broadcast of as many bytes.
 
 For a ~90M-parameter random qwen2-like model and each pair of layouts (``m2→d2``, ``p2→m2``,
-``d2m2→p2m2``; both layouts on the same 4 gloo processes, or NCCL on GPUs), every process holds
-its source shard (random values: only the sizes matter), and the script times
+``d2m2→p2m2``, and the one-to-many ``d1→d4`` and ``m2→d4``; both layouts on the same 4 gloo
+processes, or NCCL on GPUs), every process holds its source shard (random values: only the
+sizes matter), and the script times
 
-- ``realloc``: :meth:`realhf.impl.model.parallelism.realloc.RankPlan.run` of the pair's plan
-  (planned and compiled beforehand, as the system caches them per pair);
+- ``realloc``: :meth:`realhf.impl.model.parallelism.realloc_exec.RankPlan.run` of the pair's
+  plan (planned and compiled beforehand, as the system caches them per pair), one-to-many
+  messages sent as broadcasts;
+- ``p2p``: the same plan compiled with ``broadcast=False`` (one message per receiver), only
+  for pairs whose plan has broadcasts (else it is the same plan), its runs interleaved with
+  those of ``realloc``;
 - ``broadcast``: one ``dist.broadcast`` among the same 4 ranks of a flat buffer as large as
   the most any destination rank *writes* (receives plus copies locally) — the ReaL paper's
   yardstick: reallocation should cost about a broadcast of the parameters a rank needs.  A
   pair of local copies only is thus compared with a broadcast of as many bytes as it copies.
 
 Each figure is the median of ``--repeats`` runs after one warm-up, on rank 0's clock after a
-barrier.  Run (about 15 seconds on the 2-core CPU VM):
+barrier.  Run (about 30 seconds on the 2-core CPU VM):
 
     python benchmark/realloc.py [--repeats 3]
 
 The last line printed is one JSON object ``{"realloc_over_broadcast": {"m2->d2": ratio, ...},
-"results": [{"pair", "layouts", "realloc_s", "broadcast_s", "realloc_over_broadcast",
-"broadcast_received_s", "max_written_mb", "max_received_mb"}, ...]}`` (``broadcast_received_s``:
-a broadcast of only the most any rank receives, the yardstick of results before 2026-11-25;
-null when nothing is received).
+"results": [{"pair", "layouts", "realloc_s", "p2p_s", "broadcast_s", "realloc_over_broadcast",
+"broadcast_received_s", "max_written_mb", "max_received_mb"}, ...]}`` (``p2p_s``: null for a
+plan without broadcasts; ``broadcast_received_s``: a broadcast of only the most any rank
+receives, the yardstick of results before 2026-11-25; null when nothing is received).
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ PAIRS = {
     "m2->d2": ("d1p1m2", "d2p1m1"),
     "p2->m2": ("d1p2m1", "d1p1m2"),
     "d2m2->p2m2": ("d2p1m2", "d1p2m2"),
+    # one-to-many: every rank needs what rank 0 holds; each shard goes to three replicas
+    "d1->d4": ("d1p1m1", "d4p1m1"),
+    "m2->d4": ("d1p1m2", "d4p1m1"),
 }
 WORLD = 4
 MODEL = dict(
@@ -83,26 +91,33 @@ def _rank_main(args) -> None:
     config = ReaLModelConfig(**MODEL)
     results = []
 
-    def timed(fn) -> float:
-        fn()  # warm-up
-        times = []
+    def timed(*fns) -> list:
+        """The median time of each of ``fns``, run in turn (interleaved: this VM's load
+        drifts, and it should not favour whichever ran first)."""
+        for fn in fns:
+            fn()  # warm-up
+        times = [[] for _ in fns]
         for _ in range(args.repeats):
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-            dist.barrier()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+            for fn, ts in zip(fns, times):
+                dist.barrier()
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                if cuda:
+                    torch.cuda.synchronize()
+                dist.barrier()
+                ts.append(time.perf_counter() - t)
+        return [statistics.median(ts) for ts in times]
 
     for name, (src, dst) in PAIRS.items():
         src_l, dst_l = parse_parallelism(src), parse_parallelism(dst)
         plan = plan_reallocation(config, src_l, dst_l)
         r = args.rank
         mine = compile_plan(plan, r)
+        # Every rank compiles every rank's part, so all agree whether to time p2p-only.
+        has_bcast = any(compile_plan(plan, q).broadcasts for q in range(WORLD))
+        p2p = compile_plan(plan, r, broadcast=False)
 
         def numel(layout):
             if r >= layout.world_size:
@@ -118,16 +133,18 @@ def _rank_main(args) -> None:
             if c.src != c.dst:
                 received[c.dst] += c.length
         flat = torch.empty(max(written), device=device)
-        t_realloc = timed(lambda: mine.run(have, got))
-        t_bcast = timed(lambda: dist.broadcast(flat, src=0))
+        runs = [lambda: mine.run(have, got)] + ([lambda: p2p.run(have, got)] if has_bcast else [])
+        t_realloc, t_p2p = (timed(*runs) + [None])[:2]
+        (t_bcast,) = timed(lambda: dist.broadcast(flat, src=0))
         # The former yardstick (received bytes only), for comparison with older results.
         part = flat[: max(received)]
-        t_bcast_in = timed(lambda: dist.broadcast(part, src=0)) if max(received) else None
+        t_bcast_in = timed(lambda: dist.broadcast(part, src=0))[0] if max(received) else None
         results.append(
             {
                 "pair": name,
                 "layouts": f"{src}->{dst}",
                 "realloc_s": round(t_realloc, 4),
+                "p2p_s": None if t_p2p is None else round(t_p2p, 4),
                 "broadcast_s": round(t_bcast, 4),
                 "realloc_over_broadcast": round(t_realloc / t_bcast, 3),
                 "broadcast_received_s": None if t_bcast_in is None else round(t_bcast_in, 4),
@@ -172,13 +189,14 @@ def main() -> None:
         with open(result) as f:
             results = json.load(f)
     print(
-        f"{'pair':<12} {'layouts':<16} {'realloc s':>10} {'broadcast s':>12} {'ratio':>7} "
-        f"{'MB written':>11} {'MB received':>12} {'bcast recv s':>13}"
+        f"{'pair':<12} {'layouts':<16} {'realloc s':>10} {'p2p s':>7} {'broadcast s':>12} "
+        f"{'ratio':>7} {'MB written':>11} {'MB received':>12} {'bcast recv s':>13}"
     )
     for r in results:
-        b_in = r["broadcast_received_s"]
+        b_in, p2p = r["broadcast_received_s"], r["p2p_s"]
         print(
             f"{r['pair']:<12} {r['layouts']:<16} {r['realloc_s']:>10.3f} "
+            f"{'-' if p2p is None else f'{p2p:.3f}':>7} "
             f"{r['broadcast_s']:>12.3f} {r['realloc_over_broadcast']:>7.2f} "
             f"{r['max_written_mb']:>11.1f} {r['max_received_mb']:>12.1f} "
             f"{'-' if b_in is None else f'{b_in:.3f}':>13}"

@@ -600,6 +600,7 @@ class ModelWorker(Worker):
             moved = self.realloc_plans[key].run(
                 None if src is None else src.flat_params.detach(),
                 None if rep is None else rep.module.flat_params.detach(),
+                timeout=self.config.timeout,
             )
         if rep is not None:
             rep.version = req.version

@@ -5,15 +5,39 @@ intervals of its buffer that one message carries, and its local copies as one in
 move; :meth:`RankPlan.run` carries it out over torch.distributed with the compiled interval
 kernels (:mod:`realhf.impl.kernels`), so a layout change costs about the transfers
 themselves, not one Python step per row.  :func:`reallocate` compiles and runs at once.
+
+One-to-many messages become broadcasts.  When a sender's messages to two or more receivers
+carry the same source intervals in the same order (d1 -> d4: the whole model to three
+ranks; m2 -> d4: each shard to every replica lacking it), they are one broadcast among the
+sender and those receivers instead of one send per receiver.  Every rank derives the same
+broadcast list, sorted by (sender, receivers), from the same plan.
+
+Run order, which cannot deadlock: (1) create the missing broadcast groups, (2) post every
+point-to-point send and receive in one ``batch_isend_irecv``, (3) post this rank's
+broadcasts in the global order, (4) copy locally, (5) wait for all, unpack.  Steps 2-4
+never block; a rank blocks in step 1 only on a group's members, who create the groups in
+the same global order, so the first group anyone waits on is reached by all its members.
+
+Broadcast groups: ``dist.new_group(ranks, use_local_synchronization=True)`` is not usable
+here: in torch 2.13 it names the group by a hash of the ranks *and of how many groups the
+calling rank has*, so two members that took part in different groups before derive
+different names and hang (checked with gloo); plain ``new_group`` needs every rank of the
+world, while only the layouts' ranks reallocate.  So the members build the backend group
+themselves (gloo for host tensors, NCCL for CUDA ones) on the default store under a name
+made of the ranks, once per world: :class:`_Groups` caches them by backend and ranks, and
+drops them when the default process group changes.  Re-creating a world on the *same*
+store object is unsupported (stale keys under the same names).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 from realhf.impl.kernels import merge_intervals, set_intervals, slice_intervals
 from realhf.impl.model.parallelism.realloc import Copy
@@ -47,6 +71,17 @@ class _Message:
     source buffer when sending, the destination buffer when receiving)."""
 
     peer: int
+    side: _Side
+
+
+@dataclasses.dataclass(frozen=True)
+class _Broadcast:
+    """One message that ``root`` sends to every other rank of ``ranks`` (sorted, root
+    included) at once: its elements in this rank's buffer (the source buffer at the root,
+    the destination buffer at a receiver)."""
+
+    root: int
+    ranks: Tuple[int, ...]
     side: _Side
 
 
@@ -85,7 +120,42 @@ class _Buffers:
 
     send: List[Optional[torch.Tensor]]
     recv: List[Optional[torch.Tensor]]
+    bcast: List[Optional[torch.Tensor]]  # packed at the root, the inbox at a receiver
     local: Optional[torch.Tensor]
+
+
+#: how long a broadcast group waits for its members unless ``RankPlan.run`` says otherwise
+_GROUP_TIMEOUT = dist.distributed_c10d.default_pg_timeout
+
+
+class _Groups:
+    """The broadcast groups of this process, per (backend, ranks), for the current world."""
+
+    def __init__(self):
+        self._world = None
+        self._groups: Dict[Tuple[str, Tuple[int, ...]], object] = {}
+
+    def get(self, ranks: Tuple[int, ...], device: torch.device, timeout: timedelta):
+        world = dist.group.WORLD
+        if world is not self._world:  # a new world: the old groups died with theirs
+            self._groups.clear()
+            self._world = world
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        key = (backend, ranks)
+        if key not in self._groups:
+            name = f"realhf_realloc/{backend}/{'_'.join(map(str, ranks))}/"
+            store = dist.PrefixStore(name, _get_default_store())
+            me, n = ranks.index(dist.get_rank()), len(ranks)
+            if backend == "nccl":
+                opts = dist.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                self._groups[key] = dist.ProcessGroupNCCL(store, me, n, opts)
+            else:
+                self._groups[key] = dist.ProcessGroupGloo(store, me, n, timeout)
+        return self._groups[key]
+
+
+_groups = _Groups()
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,27 +163,35 @@ class RankPlan:
     """One rank's part of a reallocation plan, compiled by :func:`compile_plan`.
 
     Per peer it sends to, the intervals of the source buffer making up the message; per
-    peer it receives from, the intervals of the destination buffer the message fills; its
-    local copies as one move between source and destination intervals.  A message that is
-    one piece of the buffer goes out of (or lands in) a view of it; otherwise it is packed
-    (unpacked) by the compiled interval kernels through staging buffers that the plan keeps
-    between runs, per dtype and device.  Callers cache a RankPlan per pair of layouts.
+    peer it receives from, the intervals of the destination buffer the message fills; the
+    broadcasts it takes part in (in the order every rank follows); its local copies as one
+    move between source and destination intervals.  A message that is one piece of the
+    buffer goes out of (or lands in) a view of it; otherwise it is packed (unpacked) by the
+    compiled interval kernels through staging buffers that the plan keeps between runs, per
+    dtype and device.  Callers cache a RankPlan per pair of layouts.
     """
 
     rank: int
     sends: Tuple[_Message, ...]
     recvs: Tuple[_Message, ...]
     local: Optional[_Local]
+    broadcasts: Tuple[_Broadcast, ...] = ()
     _buffers: Dict[Tuple[torch.dtype, torch.device], _Buffers] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )
 
     @property
     def counts(self) -> Dict[str, int]:
-        """The elements this rank sends, receives and copies locally per run."""
+        """The elements this rank sends, receives and copies locally per run.
+
+        A broadcast counts once for its root, however many receivers it has (the elements
+        the root hands to the transport), and once for each receiver; so over all ranks
+        ``received`` may exceed ``sent``."""
         return {
-            "sent": sum(m.side.length for m in self.sends),
-            "received": sum(m.side.length for m in self.recvs),
+            "sent": sum(m.side.length for m in self.sends)
+            + sum(b.side.length for b in self.broadcasts if b.root == self.rank),
+            "received": sum(m.side.length for m in self.recvs)
+            + sum(b.side.length for b in self.broadcasts if b.root != self.rank),
             "local": 0 if self.local is None else self.local.dst.length,
         }
 
@@ -122,21 +200,46 @@ class RankPlan:
         src_flat: Optional[torch.Tensor],
         dst_flat: Optional[torch.Tensor],
         group=None,
+        timeout: Optional[float] = None,
     ) -> Dict[str, int]:
-        """Carry out this rank's part: pack, post every send and receive in one
-        ``batch_isend_irecv`` (no ordering between ranks can deadlock), copy locally while
-        the messages are in flight, wait, unpack.
+        """Carry out this rank's part in the order of the module docstring: create missing
+        broadcast groups (first run only), post every send and receive in one
+        ``batch_isend_irecv`` and this rank's broadcasts, copy locally while the messages
+        are in flight, wait, unpack.
 
         ``src_flat`` is this rank's source flat buffer (None if it sends and copies
         nothing), ``dst_flat`` its destination one (None if it receives and copies
         nothing); they must not overlap.  Every rank in the plan calls this at the same
-        time.  Returns :attr:`counts`.
+        time.  ``group`` carries the point-to-point messages (default: the world);
+        broadcasts run on groups of their own, whose waits give up after ``timeout``
+        seconds (default: torch's default process-group timeout) — pass the world's.
+        Returns :attr:`counts`.
         """
         self._check(src_flat, dst_flat)
         like = src_flat if src_flat is not None else dst_flat
         if like is None:
             return self.counts
         bufs = self._staging(like.dtype, like.device)
+        wait = _GROUP_TIMEOUT if timeout is None else timedelta(seconds=timeout)
+        groups = [_groups.get(b.ranks, like.device, wait) for b in self.broadcasts]
+        works = self._post_p2p(src_flat, dst_flat, bufs, group)
+        try:
+            works += self._post_broadcasts(src_flat, dst_flat, bufs, groups)
+            if self.local is not None:
+                self._copy_local(src_flat, dst_flat, bufs.local)
+        finally:
+            # Exactly once each: with gloo a second wait on a finished send hangs.
+            for work in works:
+                work.wait()
+        for m, inbox in zip(self.recvs, bufs.recv):
+            if inbox is not None:
+                set_intervals(inbox, dst_flat, m.side.intervals)
+        for b, inbox in zip(self.broadcasts, bufs.bcast):
+            if b.root != self.rank and inbox is not None:
+                set_intervals(inbox, dst_flat, b.side.intervals)
+        return self.counts
+
+    def _post_p2p(self, src_flat, dst_flat, bufs: _Buffers, group) -> list:
         ops = []
         for m, packed in zip(self.sends, bufs.send):
             if packed is None:
@@ -147,18 +250,21 @@ class RankPlan:
         for m, inbox in zip(self.recvs, bufs.recv):
             target = m.side.view(dst_flat) if inbox is None else inbox
             ops.append(dist.P2POp(dist.irecv, target, peer=m.peer, group=group))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        try:
-            if self.local is not None:
-                self._copy_local(src_flat, dst_flat, bufs.local)
-        finally:
-            # Exactly once each: with gloo a second wait on a finished send hangs.
-            for work in works:
-                work.wait()
-        for m, inbox in zip(self.recvs, bufs.recv):
-            if inbox is not None:
-                set_intervals(inbox, dst_flat, m.side.intervals)
-        return self.counts
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
+    def _post_broadcasts(self, src_flat, dst_flat, bufs: _Buffers, groups: list) -> list:
+        works = []
+        for b, staging, g in zip(self.broadcasts, bufs.bcast, groups):
+            if b.root != self.rank:
+                tensor = b.side.view(dst_flat) if staging is None else staging
+            elif staging is None:
+                tensor = b.side.view(src_flat)
+            else:
+                tensor = slice_intervals(src_flat, b.side.intervals, out=staging)
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.rootTensor = b.ranks.index(b.root), 0
+            works.append(g.broadcast([tensor], opts))
+        return works
 
     def free_buffers(self) -> None:
         """Drop the staging buffers (the next run allocates them again)."""
@@ -188,6 +294,7 @@ class RankPlan:
             self._buffers[key] = _Buffers(
                 send=[buf(m.side) for m in self.sends],
                 recv=[buf(m.side) for m in self.recvs],
+                bcast=[buf(b.side) for b in self.broadcasts],
                 local=(
                     torch.empty(local.src.length, dtype=dtype, device=device)
                     if local is not None and local.src.whole is None and local.dst.whole is None
@@ -198,8 +305,14 @@ class RankPlan:
 
     def _check(self, src_flat, dst_flat) -> None:
         what = f"RankPlan.run (rank {self.rank})"
-        need_src = max([m.side.end for m in self.sends] + [self.local.src.end if self.local else 0])
-        need_dst = max([m.side.end for m in self.recvs] + [self.local.dst.end if self.local else 0])
+        mine = [b.side.end for b in self.broadcasts if b.root == self.rank]
+        theirs = [b.side.end for b in self.broadcasts if b.root != self.rank]
+        need_src = max(
+            [m.side.end for m in self.sends] + mine + [self.local.src.end if self.local else 0]
+        )
+        need_dst = max(
+            [m.side.end for m in self.recvs] + theirs + [self.local.dst.end if self.local else 0]
+        )
         for name, flat, need in (
             ("src_flat", src_flat, need_src),
             ("dst_flat", dst_flat, need_dst),
@@ -224,26 +337,51 @@ class RankPlan:
                 )
 
 
-def compile_plan(plan: Sequence[Copy], rank: int) -> RankPlan:
-    """World ``rank``'s part of ``plan`` as a :class:`RankPlan` (intervals precomputed)."""
-    sends: Dict[int, List[Copy]] = {}
-    recvs: Dict[int, List[Copy]] = {}
+def compile_plan(plan: Sequence[Copy], rank: int, broadcast: bool = True) -> RankPlan:
+    """World ``rank``'s part of ``plan`` as a :class:`RankPlan` (intervals precomputed).
+
+    ``plan`` must be the whole plan, the same on every rank: which messages form a broadcast
+    depends on the other ranks' messages.  ``broadcast=False`` keeps every message
+    point-to-point (the behaviour before broadcasts, for comparison)."""
+    messages: Dict[Tuple[int, int], List[Copy]] = {}
     local: List[Copy] = []
     for c in plan:
         if c.length == 0:
             continue
-        if c.src == rank and c.dst == rank:
-            local.append(c)
+        if c.src != c.dst:
+            messages.setdefault((c.src, c.dst), []).append(c)
         elif c.src == rank:
-            sends.setdefault(c.dst, []).append(c)
-        elif c.dst == rank:
-            recvs.setdefault(c.src, []).append(c)
+            local.append(c)
+    # Only the messages of senders this rank exchanges with can join it to a broadcast.
+    senders = {rank} | {s for s, d in messages if d == rank}
+    sides = {k: _sides(messages[k]) for k in sorted(messages) if k[0] in senders}
+    bcasts = _broadcasts(sides) if broadcast else []
+    in_bcast = {(s, d) for s, receivers in bcasts for d in receivers}
+    p2p = [k for k in sides if k not in in_bcast]
+
+    def joined(s: int, receivers: Tuple[int, ...]) -> _Broadcast:
+        side = sides[s, receivers[0]][0] if s == rank else sides[s, rank][1]
+        return _Broadcast(s, tuple(sorted((s, *receivers))), side)
+
     return RankPlan(
         rank,
-        sends=tuple(_Message(p, _sides(cs)[0]) for p, cs in sorted(sends.items())),
-        recvs=tuple(_Message(p, _sides(cs)[1]) for p, cs in sorted(recvs.items())),
+        sends=tuple(_Message(d, sides[s, d][0]) for s, d in p2p if s == rank),
+        recvs=tuple(_Message(s, sides[s, d][1]) for s, d in p2p if d == rank),
         local=_Local(*_sides(local)) if local else None,
+        broadcasts=tuple(joined(s, ds) for s, ds in bcasts if rank == s or rank in ds),
     )
+
+
+def _broadcasts(
+    sides: Dict[Tuple[int, int], Tuple[_Side, _Side]],
+) -> List[Tuple[int, Tuple[int, ...]]]:
+    """(sender, receivers) of each group of two or more messages from one sender with the
+    same source intervals in message order, sorted: the order every rank follows.  A
+    sender sends one message per receiver, so (sender, receivers) names one group."""
+    payloads: Dict[Tuple[int, bytes], List[int]] = {}
+    for s, d in sorted(sides):
+        payloads.setdefault((s, sides[s, d][0].intervals.numpy().tobytes()), []).append(d)
+    return sorted((s, tuple(ds)) for (s, _), ds in payloads.items() if len(ds) >= 2)
 
 
 def reallocate(
@@ -252,9 +390,10 @@ def reallocate(
     src_flat: Optional[torch.Tensor],
     dst_flat: Optional[torch.Tensor],
     group=None,
+    broadcast: bool = True,
 ) -> Dict[str, int]:
     """Carry out the copies of ``plan`` that involve world ``rank``: ``compile_plan`` then
     :meth:`RankPlan.run` (see there).  Callers that reallocate the same pair of layouts
     again should keep the compiled plan instead.  Returns the elements sent, received and
     copied locally."""
-    return compile_plan(plan, rank).run(src_flat, dst_flat, group)
+    return compile_plan(plan, rank, broadcast).run(src_flat, dst_flat, group)

@@ -4,7 +4,8 @@ For every pair among d1, d2, m2, p2, d2m2, p2m2 and m4: the source ranks' flat b
 from one random single-device model by the sharding rules; running the plan's copies must give
 exactly the destination ranks' buffers cut the same way, with every destination element
 written exactly once (counted).  The ranks' compiled plans (:class:`RankPlan`) must do the
-same, first in one process (messages handed over by packing and unpacking), then over gloo."""
+same, with one-to-many messages as broadcasts and without, first in one process (messages
+and broadcasts handed over by packing and unpacking), then over gloo."""
 
 from __future__ import annotations
 
@@ -124,10 +125,12 @@ def test_rank_counts_must_match_the_layouts(full):
         )
 
 
-def _plan_counts(plan, rank) -> dict:
-    """The elements world ``rank`` sends, receives and copies locally in ``plan``."""
+def _plan_counts(plan, rank, broadcasts=()) -> dict:
+    """The elements world ``rank`` sends, receives and copies locally in ``plan``; a
+    broadcast among ``broadcasts`` that ``rank`` roots is sent once, not once per receiver."""
+    shared = sum((len(b.ranks) - 2) * b.side.length for b in broadcasts if b.root == rank)
     return {
-        "sent": sum(c.length for c in plan if c.src == rank != c.dst),
+        "sent": sum(c.length for c in plan if c.src == rank != c.dst) - shared,
         "received": sum(c.length for c in plan if c.dst == rank != c.src),
         "local": sum(c.length for c in plan if c.src == rank == c.dst),
     }
@@ -138,39 +141,76 @@ def _staging_ptrs(rp: RankPlan) -> list:
     return [
         None if b is None else b.data_ptr()
         for bufs in rp._buffers.values()
-        for b in [*bufs.send, *bufs.recv, bufs.local]
+        for b in [*bufs.send, *bufs.recv, *bufs.bcast, bufs.local]
     ]
 
 
-def _run_in_process(plan, have: list, got: list) -> dict:
+def _run_in_process(plan, have: list, got: list, broadcast: bool = True) -> dict:
     """Every rank's compiled plan carried out in one process: the local copies by
-    ``RankPlan.run`` of the rank's local-only part of the plan, each message by packing the
-    sender's intervals and unpacking the packed elements at the receiver's (the pairing of
-    the two message orders that ``run`` relies on)."""
+    ``RankPlan.run`` of the rank's local-only part of the plan, each message and each
+    broadcast by packing the sender's intervals and unpacking the packed elements at each
+    receiver's (the pairing of the message orders that ``run`` relies on).  Checks that
+    every rank of a broadcast knows it, and that any two ranks go through the broadcasts
+    they share in the same order (what keeps ``run`` from deadlocking)."""
     ranks = sorted({c.src for c in plan} | {c.dst for c in plan})
-    compiled = {r: compile_plan(plan, r) for r in ranks}
+    compiled = {r: compile_plan(plan, r, broadcast) for r in ranks}
+    order = {r: [(b.root, b.ranks) for b in rp.broadcasts] for r, rp in compiled.items()}
+    for a, b in itertools.combinations(ranks, 2):
+        assert [k for k in order[a] if b in k[1]] == [k for k in order[b] if a in k[1]]
     for r, rp in compiled.items():
         local = compile_plan([c for c in plan if c.src == r == c.dst], r)
-        assert not local.sends and not local.recvs
+        assert not local.sends and not local.recvs and not local.broadcasts
         local.run(have[r] if r < len(have) else None, got[r] if r < len(got) else None)
         for m in rp.sends:
             (inbox,) = [x for x in compiled[m.peer].recvs if x.peer == r]
             packed = slice_intervals(have[r], m.side.intervals)
             set_intervals(packed, got[m.peer], inbox.side.intervals)
+        for b in rp.broadcasts:
+            assert r in b.ranks and len(b.ranks) >= 3  # a root and two receivers at least
+            if b.root != r:
+                continue
+            packed = slice_intervals(have[r], b.side.intervals)
+            for q in b.ranks:
+                if q != r:
+                    (inbox,) = [x for x in compiled[q].broadcasts if x.root == r]
+                    assert inbox.ranks == b.ranks and inbox.side.length == b.side.length
+                    set_intervals(packed, got[q], inbox.side.intervals)
     return compiled
 
 
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "p2p"])
 @pytest.mark.parametrize("src, dst", list(itertools.product(LAYOUTS, LAYOUTS)))
-def test_compiled_plans_rebuild_the_destination_layout(full, src, dst):
+def test_compiled_plans_rebuild_the_destination_layout(full, src, dst, broadcast):
     src_l, dst_l = parse_parallelism(src), parse_parallelism(dst)
     have, want = _buffers(full, src_l), _buffers(full, dst_l)
     got = [torch.full_like(w, float("nan")) for w in want]  # an unwritten element stays NaN
     plan = plan_reallocation(full.config, src_l, dst_l)
-    compiled = _run_in_process(plan, have, got)
+    compiled = _run_in_process(plan, have, got, broadcast)
     for d in range(dst_l.world_size):
         assert torch.equal(got[d], want[d]), (src, dst, d)
     for r, rp in compiled.items():
-        assert rp.counts == _plan_counts(plan, r), (src, dst, r)
+        assert rp.counts == _plan_counts(plan, r, rp.broadcasts), (src, dst, r)
+        assert broadcast or not rp.broadcasts
+
+
+# One sender, several receivers of the same elements: d1 -> d2m2 sends tensor shard 1 to
+# both replicas' tensor rank 1 and the rest of replica 1 (shard 0) to its rank 2 alone;
+# p2m2 -> d2, each second-stage rank (2, 3) sends its shard of stage 2 to both replicas.
+ONE_TO_MANY = {
+    ("d1p1m1", "d2p1m2"): [(0, (0, 1, 3))],
+    ("d1p2m2", "d2p1m1"): [(2, (0, 1, 2)), (3, (0, 1, 3))],
+}
+
+
+def test_one_to_many_messages_become_broadcasts(full):
+    for (src, dst), expected in ONE_TO_MANY.items():
+        plan = plan_reallocation(full.config, parse_parallelism(src), parse_parallelism(dst))
+        for r in range(4):
+            got = [(b.root, b.ranks) for b in compile_plan(plan, r).broadcasts]
+            assert got == [k for k in expected if r in k[1]], (src, dst, r)
+    # Messages that differ (each tensor rank its own shard) stay point-to-point.
+    plan = plan_reallocation(full.config, parse_parallelism("d1p1m1"), parse_parallelism("d1p1m4"))
+    assert not compile_plan(plan, 0).broadcasts and len(compile_plan(plan, 0).sends) == 3
 
 
 def test_a_rank_plan_runs_again_in_the_same_buffers(full):
@@ -253,14 +293,22 @@ def _rank_main(args) -> None:
             counts = [rp.run(have, again[0])]
             ptrs = _staging_ptrs(rp)
             counts.append(rp.run(have, again[1]))
+            # Point-to-point only: the same buffers as with broadcasts.
+            p2p = None if want is None else torch.full_like(want, float("nan"))
+            moved_p2p = compile_plan(plan, r, broadcast=False).run(have, p2p)
+            expected = _plan_counts(plan, r, rp.broadcasts)
             res = {
                 "moved": moved,
-                "counts_match_plan": all(c == _plan_counts(plan, r) for c in counts),
+                "moved_p2p": moved_p2p,
+                "broadcasts": [[b.root, list(b.ranks)] for b in rp.broadcasts],
+                "counts_match_plan": all(c == expected for c in counts)
+                and moved_p2p == _plan_counts(plan, r),
                 "buffers_reused": _staging_ptrs(rp) == ptrs,
             }
             if grid is not None:
                 res["exact"] = bool(torch.equal(got, want))
                 res["compiled_exact"] = all(bool(torch.equal(a, want)) for a in again)
+                res["p2p_same"] = bool(torch.equal(p2p, got))
                 # The reallocated buffer serves as the destination layout's model.
                 hooks = GridHooks(grid)
                 model, _ = rank_model(full.config, dst_l, r, device="cpu")
@@ -285,7 +333,8 @@ def test_reallocation_over_processes_gives_the_destination_layout(tmp_path, no_l
     where CUDA is present); the destination ranks end with exactly
     their shards, and the destination layout's logits equal the single-device model's.  A
     compiled plan run twice gives the same shards in the same staging buffers, and counts
-    what the plan says."""
+    what the plan says; one-to-many pairs run broadcasts, and the point-to-point-only plan
+    gives the same buffers."""
     world = 4
     results = run_ranks(
         __file__, world, lambda r: ["--store", str(tmp_path / "store")], str(tmp_path)
@@ -297,11 +346,17 @@ def test_reallocation_over_processes_gives_the_destination_layout(tmp_path, no_l
             assert res[key]["counts_match_plan"] and res[key]["buffers_reused"], (key, r)
             if r < n_dst:
                 assert res[key]["exact"] and res[key]["compiled_exact"], (key, r)
+                assert res[key]["p2p_same"], (key, r)
                 assert res[key]["logits_err"] <= 1e-6, (key, r, res[key])
-        # Every element a destination holds came from a send or a local copy.
-        sent = sum(res[key]["moved"]["sent"] for res in results)
-        received = sum(res[key]["moved"]["received"] for res in results)
-        assert sent == received
+        # Every element a destination holds came from a send or a local copy; a broadcast
+        # is sent once for all its receivers.
+        sent = sum(res[key]["moved_p2p"]["sent"] for res in results)
+        received = sum(res[key]["moved_p2p"]["received"] for res in results)
+        assert sent == received == sum(res[key]["moved"]["received"] for res in results)
+        if (src, dst) in ONE_TO_MANY:
+            for r, res in enumerate(results):
+                want = [[s, list(ranks)] for s, ranks in ONE_TO_MANY[src, dst] if r in ranks]
+                assert res[key]["broadcasts"] == want, (key, r)
 
 
 if __name__ == "__main__":
