@@ -15,7 +15,6 @@ of an :class:`~realhf.api.core.system_api.ExperimentConfig`, submit them, wait.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
 import pickle
@@ -23,14 +22,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import weakref
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names, proc_group
+from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJob
 
 logger = logging.getLogger("local_scheduler", "system")
+
+#: where in the run dir the launcher pickles the experiment args for the controller
+EXPERIMENT_ARGS_FILE = "experiment_args.pkl"
 
 __all__ = [
     "Job",
@@ -39,15 +40,14 @@ __all__ = [
     "visible_gpus",
     "remote_controller_cmd",
     "remote_worker_cmd",
+    "launch_controller_cmd",
+    "prepare_trial",
     "launch_experiment",
 ]
 
-CONTROLLER_TYPE = "controller"
-LOG_TAIL_LINES = 25
-
 
 @dataclasses.dataclass
-class Job:
+class Job(LaunchedJob):
     """One launched process."""
 
     worker_type: str
@@ -59,11 +59,6 @@ class Job:
     stopped_as_straggler: bool = False
 
     @property
-    def name(self) -> str:
-        """``{worker_type}/{index}``."""
-        return f"{self.worker_type}/{self.index}"
-
-    @property
     def pid(self) -> int:
         """Process id (also its process-group id)."""
         return self.popen.pid
@@ -72,42 +67,6 @@ class Job:
     def returncode(self) -> Optional[int]:
         """Exit code once it has exited (negative: killed by that signal)."""
         return self.popen.poll()
-
-    def describe_exit(self) -> str:
-        """``exit code 1`` / ``killed by SIGKILL`` / ``running``."""
-        rc = self.returncode
-        if rc is None:
-            return "running"
-        if rc < 0:
-            try:
-                return f"killed by {signal.Signals(-rc).name}"
-            except ValueError:
-                return f"killed by signal {-rc}"
-        return f"exit code {rc}"
-
-    def log_tail(self, n: int = LOG_TAIL_LINES) -> str:
-        """The last ``n`` lines of the job's log file."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 64 * 1024))
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError as e:
-            return f"(log {self.log_path} unreadable: {e})"
-        return "\n".join(lines[-n:])
-
-
-class JobFailure(RuntimeError):
-    """Launched processes failed; names each with its exit and log tail."""
-
-    def __init__(self, failed: Sequence[Job], headline: str = "launched processes failed"):
-        self.failed = list(failed)
-        parts = [headline + ":"]
-        for j in self.failed:
-            parts.append(
-                f"--- {j.name} ({j.describe_exit()}), log {j.log_path} ---\n{j.log_tail()}"
-            )
-        super().__init__("\n".join(parts))
 
 
 def visible_gpus() -> List[str]:
@@ -121,19 +80,8 @@ def visible_gpus() -> List[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-# Schedulers alive in this process, stopped at exit (weak: a scheduler that
-# was garbage-collected has already stopped its jobs).
-_live: "weakref.WeakSet[LocalScheduler]" = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all_at_exit() -> None:
-    for s in list(_live):
-        s.stop_all()
-
-
-class LocalScheduler:
-    """Start, watch and stop local processes.
+class LocalScheduler(JobSet):
+    """Start, watch and stop local processes (watched as :meth:`JobSet.wait` says).
 
     Args:
         run_dir: logs go to ``{run_dir}/logs/``.
@@ -141,6 +89,8 @@ class LocalScheduler:
         gpu_devices: device ids handed out round-robin to jobs that ask for
             GPUs; default :func:`visible_gpus`.
     """
+
+    run_name = "local run"
 
     def __init__(
         self,
@@ -159,7 +109,7 @@ class LocalScheduler:
         self._next_gpu = 0
         self.jobs: List[Job] = []
         self._lock = threading.Lock()
-        _live.add(self)
+        self.stop_at_exit()
 
     # ---- submit ---------------------------------------------------------
 
@@ -230,121 +180,6 @@ class LocalScheduler:
             if j.worker_type == worker_type and j.index == index:
                 return j
         raise KeyError(f"no job {worker_type}/{index}; jobs: {[j.name for j in self.jobs]}")
-
-    # ---- wait -----------------------------------------------------------
-
-    def wait(
-        self,
-        *,
-        timeout: Optional[float] = None,
-        main_type: str = CONTROLLER_TYPE,
-        failure_grace: float = 30.0,
-        exit_grace: float = 15.0,
-        check_interval: float = 0.1,
-    ) -> Dict[str, int]:
-        """Wait for the jobs; stop them all on failure; return exit codes by name.
-
-        Jobs of ``main_type`` (the controller) decide the outcome: when they
-        have exited, the others get ``exit_grace`` s to finish and are then
-        killed (as stragglers, not counted as failures).
-        When any job fails, the main jobs get ``failure_grace`` s to notice
-        and report (the controller's report is the better error) before
-        everything is killed.  Ctrl-C (SIGINT) and SIGTERM are forwarded to
-        every job, then everything is stopped.  Without ``main_type`` jobs,
-        all jobs must exit 0.
-
-        Raises:
-            JobFailure: some job failed (names each failed job, with log tail).
-            TimeoutError: ``timeout`` s passed (all jobs are stopped).
-            KeyboardInterrupt: on Ctrl-C / SIGTERM, after stopping all jobs.
-        """
-        if not self.jobs:
-            raise RuntimeError("LocalScheduler.wait(): nothing was submitted.")
-        restore = self._install_signal_handlers()
-        try:
-            return self._wait(timeout, main_type, failure_grace, exit_grace, check_interval)
-        except KeyboardInterrupt:
-            logger.warning("interrupted: forwarding SIGINT to all jobs, then stopping them")
-            self.stop_all(first_signal=signal.SIGINT)
-            raise
-        except BaseException:
-            self.stop_all()
-            raise
-        finally:
-            restore()
-
-    def _wait(
-        self, timeout, main_type, failure_grace, exit_grace, check_interval
-    ) -> Dict[str, int]:
-        t0 = time.monotonic()
-        mains = [j for j in self.jobs if j.worker_type == main_type] or list(self.jobs)
-        first_failure: Optional[float] = None
-        while True:
-            failed = [j for j in self.jobs if j.returncode not in (None, 0)]
-            if all(j.returncode is not None for j in mains):
-                # Whatever the outcome, the controller has told the workers to
-                # exit: let them finish doing so before stopping the rest.
-                self._drain_others(exit_grace)
-                failed = [
-                    j
-                    for j in self.jobs
-                    if j.returncode not in (None, 0) and not j.stopped_as_straggler
-                ]
-                failed_mains = [j for j in mains if j.returncode != 0]
-                if failed_mains:
-                    raise JobFailure(failed_mains + [j for j in failed if j not in failed_mains])
-                if failed:
-                    raise JobFailure(failed, "the controller succeeded but these processes failed")
-                return {j.name: j.returncode for j in self.jobs}
-            now = time.monotonic()
-            if failed and first_failure is None:
-                first_failure = now
-                logger.warning(
-                    f"{[f'{j.name} ({j.describe_exit()})' for j in failed]} failed; giving "
-                    f"{[j.name for j in mains]} up to {failure_grace:g}s to report"
-                )
-            if first_failure is not None and now - first_failure > failure_grace:
-                raise JobFailure(
-                    failed,
-                    f"processes failed and {[j.name for j in mains]} did not finish "
-                    f"within {failure_grace:g}s",
-                )
-            if timeout is not None and now - t0 > timeout:
-                running = [j.name for j in self.jobs if j.returncode is None]
-                raise TimeoutError(
-                    f"local run did not finish within {timeout:g}s; still running: {running}. "
-                    f"Logs are in {self.log_dir}."
-                )
-            time.sleep(check_interval)
-
-    def _drain_others(self, grace: float) -> None:
-        deadline = time.monotonic() + grace
-        while any(j.returncode is None for j in self.jobs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stragglers = [j for j in self.jobs if j.returncode is None]
-        if stragglers:
-            logger.warning(
-                f"{[j.name for j in stragglers]} still running {grace:g}s after the "
-                "controller finished; stopping them"
-            )
-            for j in stragglers:
-                j.stopped_as_straggler = True
-        self.stop_all()
-
-    def _install_signal_handlers(self):
-        if threading.current_thread() is not threading.main_thread():
-            return lambda: None
-
-        def _raise(signum, frame):
-            raise KeyboardInterrupt(f"received {signal.Signals(signum).name}")
-
-        old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def restore():
-            for s, h in old.items():
-                signal.signal(s, h)
-
-        return restore
 
     # ---- stop -----------------------------------------------------------
 
@@ -429,6 +264,49 @@ def remote_controller_cmd(
     return cmd + list(extra)
 
 
+def launch_controller_cmd(
+    run_dir: str,
+    experiment_name: str,
+    trial_name: str,
+    *,
+    experiment_type: Optional[str] = None,
+    imports: Sequence[str] = (),
+    extra: Sequence[str] = (),
+) -> List[str]:
+    """:func:`remote_controller_cmd` of a launch: the experiment args that
+    :func:`prepare_trial` writes to ``run_dir``, the outcome to
+    ``{run_dir}/controller_summary.json``."""
+    return remote_controller_cmd(
+        experiment_name,
+        trial_name,
+        experiment_type=experiment_type,
+        experiment_args_path=os.path.join(run_dir, EXPERIMENT_ARGS_FILE),
+        summary_path=os.path.join(run_dir, "controller_summary.json"),
+        imports=imports,
+        extra=extra,
+    )
+
+
+def prepare_trial(
+    run_dir: str,
+    name_resolve_spec: str,
+    experiment_name: str,
+    trial_name: str,
+    experiment_args: Optional[dict],
+) -> None:
+    """Clear the trial's name-resolve keys; pickle ``experiment_args`` into ``run_dir``."""
+    # Start from a clean trial: stale keys of an earlier run (e.g. the ERROR
+    # status a failed worker leaves behind) would mislead the new one.
+    repo = name_resolve.from_spec(name_resolve_spec)
+    try:
+        repo.clear_subtree(names.trial_root(experiment_name, trial_name))
+    finally:
+        repo.close()
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, EXPERIMENT_ARGS_FILE), "wb") as f:
+        pickle.dump(dict(experiment_args or {}), f)
+
+
 def launch_experiment(
     experiment: ExperimentConfig,
     experiment_name: str,
@@ -457,19 +335,10 @@ def launch_experiment(
     processes' ``$REALHF_FILEROOT``.  Returns exit codes by job name.
 
     Raises:
-        JobFailure, TimeoutError, KeyboardInterrupt: see :meth:`LocalScheduler.wait`.
+        JobFailure, TimeoutError, KeyboardInterrupt: see
+            :meth:`realhf.scheduler.jobs.JobSet.wait`.
     """
-    # Start from a clean trial: stale keys of an earlier run (e.g. the ERROR
-    # status a failed worker leaves behind) would mislead the new one.
-    repo = name_resolve.from_spec(name_resolve_spec)
-    try:
-        repo.clear_subtree(names.trial_root(experiment_name, trial_name))
-    finally:
-        repo.close()
-    os.makedirs(run_dir, exist_ok=True)
-    args_path = os.path.join(run_dir, "experiment_args.pkl")
-    with open(args_path, "wb") as f:
-        pickle.dump(dict(experiment_args or {}), f)
+    prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment_args)
     penv = {"REALHF_NAME_RESOLVE": name_resolve_spec, "REALHF_DIE_WITH_PARENT": "1"}
     if fileroot is not None:
         penv["REALHF_FILEROOT"] = os.path.abspath(fileroot)
@@ -479,12 +348,11 @@ def launch_experiment(
         sched.env.update(penv)
     sched.submit(
         CONTROLLER_TYPE,
-        remote_controller_cmd(
+        launch_controller_cmd(
+            run_dir,
             experiment_name,
             trial_name,
             experiment_type=experiment_type,
-            experiment_args_path=args_path,
-            summary_path=os.path.join(run_dir, "controller_summary.json"),
             imports=imports,
             extra=controller_extra,
         ),
