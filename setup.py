@@ -120,6 +120,8 @@ setup(
         # with name_resolve=etcd3://..., i.e. on clusters; it pulls grpc, so one machine
         # runs without it.
         "etcd": ["etcd-sdk-python"],
+        # mode=ray (realhf.scheduler.ray) and name_resolve=ray://; core only (no dashboard)
+        "ray": ["ray==2.60.0"],
         "test": [
             "pytest",
             "pytest-timeout",
@@ -127,6 +129,8 @@ setup(
             "requests",
             "tokenizers",
             "etcd-sdk-python",
+            # the Ray launcher's tests start a real two-node Ray cluster
+            "ray==2.60.0",
             # `make lint`; pinned because formatter output changes between releases
             "ruff==0.17.6",
         ],

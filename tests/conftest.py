@@ -31,6 +31,10 @@ if HELPERS not in sys.path:
     sys.path.insert(0, HELPERS)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p)
 
+# Fixtures that start real engines, for every test module (see each helper's docstring).
+from restartable_etcd import restartable_etcd  # noqa: E402,F401
+from slurm_cluster import slurm_cluster  # noqa: E402,F401
+
 ETCD_START_TIMEOUT = 20.0
 
 

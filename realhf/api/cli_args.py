@@ -13,6 +13,9 @@ import enum
 from dataclasses import field
 from typing import Optional
 
+from realhf.api.ray_args import RayConfig
+from realhf.api.slurm_args import SlurmConfig
+
 
 class RecoverMode(str, enum.Enum):
     """``recover_mode``: what a run does with recover checkpoints.
@@ -27,7 +30,7 @@ class RecoverMode(str, enum.Enum):
 
 
 RECOVER_MODES = tuple(m.value for m in RecoverMode)
-LAUNCH_MODES = ("local",)
+LAUNCH_MODES = ("local", "ray", "slurm")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -194,6 +197,8 @@ class BaseExperimentConfig:
         metadata={"help": "root of run outputs; empty = $REALHF_FILEROOT or ~/.cache/realhf"},
     )
     mode: str = field(default="local", metadata={"help": f"launcher, one of {LAUNCH_MODES}"})
+    ray: RayConfig = field(default_factory=RayConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
     seed: int = field(default=1, metadata={"help": "random seed of the whole run"})
     allocation_mode: str = field(
         default="d1p1m1",
@@ -217,7 +222,8 @@ class BaseExperimentConfig:
     name_resolve: str = field(
         default="",
         metadata={
-            "help": "name-resolve backend URL: file:///dir or etcd3://host:port; "
+            "help": "name-resolve backend URL: file:///dir, etcd3://host:port, "
+            "ray://gcs_host:port or ray (mode=ray: the cluster's own store); "
             "empty = file under fileroot"
         },
     )

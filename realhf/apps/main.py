@@ -48,11 +48,26 @@ def _spec(fileroot: str, name_resolve_spec: str) -> str:
 
 
 def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
-    """(experiment, trial, fileroot, name-resolve spec) with defaults filled in."""
+    """(experiment, trial, fileroot, name-resolve spec) with defaults filled in.
+
+    ``name_resolve=ray`` (the Ray cluster's own key-value store) becomes
+    ``ray://ADDRESS`` when ``ray.address`` names the cluster; with a cluster the launcher
+    starts itself it stays ``ray`` and the launcher fills in the address.
+    """
     experiment = cfg.experiment_name or name
     fileroot = os.path.abspath(os.path.expanduser(cfg.fileroot or constants.get_fileroot()))
     constants.ensure_writable(fileroot)
-    return experiment, cfg.trial_name, fileroot, _spec(fileroot, cfg.name_resolve)
+    spec = _spec(fileroot, cfg.name_resolve)
+    if spec.strip() == "ray":
+        if cfg.mode != "ray":
+            raise ValueError(
+                f"name_resolve=ray uses the Ray cluster's key-value store, but mode={cfg.mode}; "
+                "use mode=ray, or a file:// or etcd3:// name_resolve"
+            )
+        address = cfg.ray.address.strip()
+        if address and address != "auto":
+            spec = f"ray://{address}"
+    return experiment, cfg.trial_name, fileroot, spec
 
 
 #: seconds a relaunch waits for the name-resolve store to answer again
@@ -85,6 +100,8 @@ def _wait_for_store(spec: str, timeout: float) -> None:
 def _get(spec: str, key: str) -> Optional[str]:
     """The value of ``key`` in the store of ``spec``; None when absent or the store is
     unreachable."""
+    if spec.strip() == "ray":  # a cluster the launcher started (and has shut down)
+        return None
     try:
         repo = name_resolve.from_spec(spec)
     except ConnectionError:
@@ -100,7 +117,11 @@ def _get(spec: str, key: str) -> Optional[str]:
 def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     """Run quickstart experiment `name` with config `cfg`; return a process exit code."""
     qs = get_quickstart_exp(name)
-    experiment, trial, fileroot, spec = resolve_names(name, cfg)
+    try:
+        experiment, trial, fileroot, spec = resolve_names(name, cfg)
+    except ValueError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
     run_dir = os.path.join(fileroot, experiment, trial)
     os.makedirs(run_dir, exist_ok=True)
     # Written before anything runs, so a run that fails still records the
@@ -118,7 +139,7 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         ) as e:  # bad paths, rows, allocation: the user's to fix
             print(f"{name}: {e}", file=sys.stderr)
             return 2
-        if attempt > 0:  # what failed may be the store itself: let it come back first
+        if attempt > 0 and spec.strip() != "ray":  # the store may be what failed: wait for it
             try:
                 _wait_for_store(spec, STORE_WAIT_S)
             except ConnectionError as e:

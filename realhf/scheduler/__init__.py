@@ -24,6 +24,7 @@ class LaunchError(RuntimeError):
     """The launcher cannot run this launch as configured; the message names what and how to
     fix it.  Nothing of the launch is left queued or running."""
 
+
 _MODULES = {
     "local": "realhf.scheduler.local",
     "ray": "realhf.scheduler.ray",

@@ -1,6 +1,6 @@
-"""name_resolve against real backends: memory, file and a real etcd server.
+"""name_resolve against real backends: memory, file, a real etcd server and a Ray GCS.
 
-Multi-process tests run the file and etcd3 backends from separate Python
+Multi-process tests run the file, etcd3 and ray backends from separate Python
 processes (the memory backend is process-local by design).
 """
 
@@ -14,12 +14,24 @@ import time
 import uuid
 
 import pytest
+import ray_cluster
 
 from realhf.base import name_resolve, network
 from realhf.base.name_resolve import NameEntryExistsError, NameEntryNotFoundError
 
-BACKENDS = ["memory", "file", pytest.param("etcd3", marks=pytest.mark.etcd)]
-MULTIPROC_BACKENDS = ["file", pytest.param("etcd3", marks=pytest.mark.etcd)]
+RAY = pytest.param("ray", marks=pytest.mark.ray)
+BACKENDS = ["memory", "file", pytest.param("etcd3", marks=pytest.mark.etcd), RAY]
+MULTIPROC_BACKENDS = ["file", pytest.param("etcd3", marks=pytest.mark.etcd), RAY]
+
+
+@pytest.fixture(scope="module")
+def ray_gcs():
+    """The GCS address of a one-node Ray cluster started for this module."""
+    if not ray_cluster.ray_importable():
+        pytest.skip("ray is not installed (pip install ray)")
+    cluster = ray_cluster.start_ray_cluster(n_nodes=1)
+    yield cluster.address
+    cluster.stop()
 
 
 def _spec(backend, tmp_path, request):
@@ -28,6 +40,8 @@ def _spec(backend, tmp_path, request):
         return "memory"
     if backend == "file":
         return f"file://{tmp_path / 'nr'}"
+    if backend == "ray":
+        return f"ray://{request.getfixturevalue('ray_gcs')}"
     return f"etcd3://{request.getfixturevalue('etcd_server').address}"
 
 
@@ -255,6 +269,46 @@ def test_unreachable_etcd_fails_fast_naming_host_port():
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.parametrize("address", ["localhost", "ray://host:port", "h:99999", ":6379"])
+def test_malformed_ray_address(address):
+    with pytest.raises(ValueError, match="Ray GCS address"):
+        name_resolve.make_repository("ray", address=address)
+
+
+@pytest.mark.ray
+def test_unreachable_ray_gcs_fails_fast_naming_address():
+    if not ray_cluster.ray_importable():
+        pytest.skip("ray is not installed (pip install ray)")
+    (port,) = network.find_multiple_free_ports(1)  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        name_resolve.from_spec(f"ray://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ray_lock_abandoned_by_a_dead_holder_is_broken(ray_gcs, root):
+    # A process that died between taking a key's lock and releasing it must not
+    # block that key forever: the lock expires after LOCK_TTL.
+    from realhf.base.name_resolve import ray_kv
+
+    repo = name_resolve.from_spec(f"ray://{ray_gcs}")
+    try:
+        key = f"{root}/k"
+        repo.add(key, "v1")
+        stale = {"owner": "dead", "expires_at": time.time() - 1}
+        assert repo._put_raw(key, stale, False, ray_kv.LOCK_NAMESPACE)
+        t0 = time.monotonic()
+        repo.add(key, "v2", replace=True)
+        assert time.monotonic() - t0 < 1
+        assert repo.get(key) == "v2"
+        assert repo._get_raw(key, ray_kv.LOCK_NAMESPACE) is None
+        repo.clear_subtree(root)
+    finally:
+        repo.close()
+
+
 def test_file_backend_unwritable_root_names_path(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -361,7 +415,7 @@ def test_ttl_entry_disappears_after_owner_is_killed(repo, spec, root):
         proc.kill()
     # ...then it must vanish within about the TTL (etcd rounds leases up to
     # 2 s and checks expiry every 0.5 s).
-    limit = ttl + 0.5 if spec.startswith("file") else 2 + 1.5
+    limit = ttl + 0.5 if spec.startswith(("file", "ray")) else 2 + 1.5
     elapsed = _gone_within(repo, f"{root}/ttl", limit + 2)
     assert elapsed is not None and elapsed <= limit, elapsed
     # SIGKILL skips atexit, so an entry without TTL survives its owner.

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-from restartable_etcd import restartable_etcd  # noqa: F401  (fixture)
 
 from realhf.base.name_resolve.etcd3 import Etcd3NameRecordRepository
 

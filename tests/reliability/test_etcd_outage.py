@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-from restartable_etcd import restartable_etcd  # noqa: F401  (fixture)
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

@@ -20,6 +20,10 @@ Backends (``reconfigure(backend, **kwargs)``):
 ``"etcd3"`` (``host=``, ``port=`` or ``address="host:port"``, ``timeout=``)
     an etcd v3 server, for clusters.  Fails within ``timeout`` (5 s) with a
     ConnectionError naming host:port when nothing answers.
+``"ray"`` (``address="host:port"``, ``timeout=``)
+    the key-value store of a Ray cluster's GCS (``host:port`` = the GCS
+    address, as ``ray start --head`` prints it), for experiments launched on
+    Ray (``mode=ray``).  Same failure behaviour as etcd3.
 
 Until ``reconfigure`` is called, the first use builds the backend named by the
 environment variable ``REALHF_NAME_RESOLVE``:
@@ -27,17 +31,18 @@ environment variable ``REALHF_NAME_RESOLVE``:
 * ``memory``
 * ``file`` or ``file:///abs/path`` (root; default ``{fileroot}/name_resolve``)
 * ``etcd3://host:port``
+* ``ray://host:port`` (a Ray GCS address, not a Ray Client address)
 
 and the file backend when it is unset.  Launchers set the variable for the
 workers they start, so every process of an experiment uses the same store.
 
 Entries added with ``keepalive_ttl`` are refreshed by a background thread of
 the adding process and disappear about ``keepalive_ttl`` seconds after it dies
-(file: an expiry time in the entry; etcd3: a lease).  Entries added with
+(file and ray: an expiry time in the entry; etcd3: a lease).  Entries added with
 ``delete_on_exit=True`` (the default) are removed by :func:`reset`, which runs
 at interpreter exit (not in forked children, and not on SIGKILL: use a TTL for
-entries that must vanish when their owner dies).  The etcd3 client (grpc) is
-not fork-safe: build the repository after forking.
+entries that must vanish when their owner dies).  The etcd3 (grpc) and Ray
+(GCS) clients are not fork-safe: build the repository after forking.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ __all__ = [
 ]
 
 ENV_VAR = "REALHF_NAME_RESOLVE"
-BACKENDS = ("memory", "file", "etcd3")
+BACKENDS = ("memory", "file", "etcd3", "ray")
 
 
 def make_repository(backend: str, **kwargs) -> NameRecordRepository:
@@ -94,6 +99,10 @@ def make_repository(backend: str, **kwargs) -> NameRecordRepository:
         from realhf.base.name_resolve.etcd3 import Etcd3NameRecordRepository
 
         return Etcd3NameRecordRepository(**kwargs)
+    if backend == "ray":
+        from realhf.base.name_resolve.ray_kv import RayKVNameRecordRepository
+
+        return RayKVNameRecordRepository(**kwargs)
     raise ValueError(
         f"Unknown name-resolve backend {backend!r}; valid backends: {', '.join(BACKENDS)}."
     )
@@ -102,7 +111,8 @@ def make_repository(backend: str, **kwargs) -> NameRecordRepository:
 def from_spec(spec: str) -> NameRecordRepository:
     """Build a repository from a ``REALHF_NAME_RESOLVE``-style spec string.
 
-    ``memory`` | ``file`` | ``file:///abs/root`` | ``etcd3://host:port``.
+    ``memory`` | ``file`` | ``file:///abs/root`` | ``etcd3://host:port`` |
+    ``ray://host:port`` (the GCS address of a Ray cluster).
     """
     s = spec.strip()
     if s == "memory":
@@ -118,9 +128,11 @@ def from_spec(spec: str) -> NameRecordRepository:
         return make_repository("file", root=root)
     if s.startswith("etcd3://"):
         return make_repository("etcd3", address=s)
+    if s.startswith("ray://"):
+        return make_repository("ray", address=s)
     raise ValueError(
         f"{ENV_VAR}={spec!r} is not understood; use one of 'memory', 'file', "
-        "'file:///abs/path' or 'etcd3://host:port'."
+        "'file:///abs/path', 'etcd3://host:port' or 'ray://gcs_host:port'."
     )
 
 
