@@ -224,7 +224,7 @@ class BaseExperimentConfig:
         metadata={
             "help": "name-resolve backend URL: file:///dir, etcd3://host:port, "
             "ray://gcs_host:port or ray (mode=ray: the cluster's own store); "
-            "empty = file under fileroot"
+            "empty = ray with mode=ray, else file under fileroot"
         },
     )
     worker_timeout: float = field(

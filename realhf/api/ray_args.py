@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -72,6 +72,15 @@ class RayConfig:
             "start before the launch fails"
         },
     )
+    worker_resources: Dict[str, str] = field(
+        default_factory=dict,
+        metadata={
+            "help": "custom Ray resources each process of a worker type asks for, as "
+            "'name:amount,...' (e.g. ray.worker_resources.generation_server=inference_node:1 "
+            "keeps generation servers on nodes started with --resources "
+            "'{\"inference_node\": 8}')"
+        },
+    )
     forward_env: str = field(
         default="PYTHONPATH",
         metadata={
@@ -80,7 +89,29 @@ class RayConfig:
         },
     )
 
+    def resources_of(self, worker_type: str) -> Dict[str, float]:
+        """The custom resources each process of ``worker_type`` asks for."""
+        out: Dict[str, float] = {}
+        spec = self.worker_resources.get(worker_type, "")
+        for part in filter(None, (p.strip() for p in str(spec).split(","))):
+            name, _, amount = part.rpartition(":")
+            out[name.strip()] = float(amount)
+        return out
+
     def __post_init__(self):
+        for wtype, spec in self.worker_resources.items():
+            for part in filter(None, (p.strip() for p in str(spec).split(","))):
+                name, colon, amount = part.rpartition(":")
+                try:
+                    ok = bool(colon and name.strip()) and float(amount) > 0
+                except ValueError:
+                    ok = False
+                _check(
+                    ok and name.strip() not in ("CPU", "GPU", "memory"),
+                    f"ray.worker_resources.{wtype}={spec!r}: give 'name:amount,...' with "
+                    "amounts > 0 of custom resources (CPUs and GPUs come from the experiment "
+                    "and ray.cpus_per_worker)",
+                )
         addr = self.address.strip()
         _check(
             not addr.startswith("ray://"),

@@ -50,14 +50,15 @@ def _spec(fileroot: str, name_resolve_spec: str) -> str:
 def resolve_names(name: str, cfg) -> tuple[str, str, str, str]:
     """(experiment, trial, fileroot, name-resolve spec) with defaults filled in.
 
-    ``name_resolve=ray`` (the Ray cluster's own key-value store) becomes
-    ``ray://ADDRESS`` when ``ray.address`` names the cluster; with a cluster the launcher
-    starts itself it stays ``ray`` and the launcher fills in the address.
+    ``name_resolve=ray`` (the Ray cluster's own key-value store, the default of
+    ``mode=ray``) becomes ``ray://ADDRESS`` when ``ray.address`` names the cluster; with a
+    cluster the launcher starts itself it stays ``ray`` and the launcher fills in the address.
     """
     experiment = cfg.experiment_name or name
     fileroot = os.path.abspath(os.path.expanduser(cfg.fileroot or constants.get_fileroot()))
     constants.ensure_writable(fileroot)
-    spec = _spec(fileroot, cfg.name_resolve)
+    chosen = cfg.name_resolve or ("ray" if cfg.mode == "ray" else "")
+    spec = _spec(fileroot, chosen)
     if spec.strip() == "ray":
         if cfg.mode != "ray":
             raise ValueError(

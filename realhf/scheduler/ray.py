@@ -147,7 +147,7 @@ class RayScheduler(JobSet):
             PlacementGroupSchedulingStrategy,
         )
 
-        bundle = {"CPU": float(cpus)}
+        bundle = {"CPU": float(cpus), **self.options.resources_of(worker_type)}
         if gpus:
             bundle["GPU"] = float(gpus)
         if colocate_with_driver:

@@ -35,3 +35,14 @@ def test_help_mentions_nested_options():
     text = format_help(BaseExperimentConfig)
     assert "exp_ctrl.ckpt_freq_secs" in text and "recover_mode" in text
     assert ExperimentControlConfig().total_train_epochs == 1
+
+
+def test_ray_worker_resources_parse_and_are_checked():
+    from realhf.api.ray_args import RayConfig
+
+    cfg = RayConfig(worker_resources={"generation_server": "inference_node:1, fast:0.5"})
+    assert cfg.resources_of("generation_server") == {"inference_node": 1.0, "fast": 0.5}
+    assert cfg.resources_of("model_worker") == {}
+    for bad in ("inference_node", "x:0", "x:-1", "GPU:1", ":1", "x:abc"):
+        with pytest.raises(ValueError, match="ray.worker_resources.generation_server"):
+            RayConfig(worker_resources={"generation_server": bad})

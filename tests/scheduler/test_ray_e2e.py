@@ -27,8 +27,7 @@ PPO = [
     "ppo.gen.max_new_tokens=4",
     "dataset.eval_max_new_tokens=4",
     "worker_timeout=120",
-    "mode=ray",
-    "name_resolve=ray",  # the cluster's own key-value store
+    "mode=ray",  # names go to the cluster's own key-value store by default
 ]
 
 
@@ -69,19 +68,24 @@ def _node_tags(run_dir):
 
 
 def test_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
-    # 4 processes of 1 CPU on two 2-CPU nodes: both nodes are used.
+    # Custom node resources place the model workers on node2 and the master on node1.
     proc = _start(
         cluster,
         tmp_path,
         "ppo-math",
         "allocation_mode=d2p1m1",
+        "ray.cpus_per_worker=0.5",
+        "ray.worker_resources.model_worker=node2:0.5",
+        "ray.worker_resources.master_worker=node1:0.5",
         "exp_ctrl.benchmark_steps=2",
         "exp_ctrl.eval_freq_steps=2",
     )
     _finish(proc)
     run = tmp_path / "ppo-math" / "t"
     assert _steps(run) == [1, 2]
-    assert set(_node_tags(run).values()) == {"node1", "node2"}
+    tags = _node_tags(run)
+    assert tags["model_worker/0"] == tags["model_worker/1"] == "node2"
+    assert tags["master_worker/0"] == "node1"
 
 
 def test_async_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
