@@ -115,6 +115,15 @@ def _get(spec: str, key: str) -> Optional[str]:
         repo.close()
 
 
+def _stopped_on_request(e: Exception, spec: str, experiment: str, trial: str) -> bool:
+    """Whether the launch ended because ``stop`` asked it to: the controller exited with
+    STOPPED_EXIT_CODE, or the store says STOPPED."""
+    for job in getattr(e, "failed", ()):
+        if job.name == "controller/0" and job.returncode == STOPPED_EXIT_CODE:
+            return True
+    return _get(spec, names.experiment_status(experiment, trial)) == "STOPPED"
+
+
 def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     """Run quickstart experiment `name` with config `cfg`; return a process exit code."""
     qs = get_quickstart_exp(name)
@@ -174,7 +183,7 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
             print(f"{name}: {e}", file=sys.stderr)
             return 2
         except (JobFailure, TimeoutError) as e:
-            if _get(spec, names.experiment_status(experiment, trial)) == "STOPPED":
+            if _stopped_on_request(e, spec, experiment, trial):
                 print(f"{name}: stopped on request after {time.monotonic() - t0:.0f}s")
                 return STOPPED_EXIT_CODE
             if attempt + 1 < attempts:

@@ -4,13 +4,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
+import quickstart_runs as qs
 
 pytestmark = pytest.mark.slow
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _main(*args, fileroot):
@@ -19,38 +17,22 @@ def _main(*args, fileroot):
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=ROOT,
+        cwd=qs.ROOT,
     )
 
 
 def test_status_then_stop_ends_the_run_without_recovery(tmp_path, no_leftover_processes):
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "realhf.apps.quickstart",
-            "ppo-math",
-            "train_batch_size=4",
-            "ppo.group_size=2",
-            "ppo.gen.max_new_tokens=4",
-            "exp_ctrl.benchmark_steps=100000",
-            "eval=false",
-            "recover_mode=auto",  # a stop is not a failure: no relaunch
-            f"fileroot={tmp_path}",
-            "trial_name=t",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
-    try:
-        metrics = tmp_path / "ppo-math" / "t" / "metrics.jsonl"
-        deadline = time.monotonic() + 120
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert run.poll() is None, run.stdout.read()
-            assert time.monotonic() < deadline, "no training step within 120 s"
-            time.sleep(0.5)
+    args = [
+        "train_batch_size=4",
+        "ppo.group_size=2",
+        "ppo.gen.max_new_tokens=4",
+        "exp_ctrl.benchmark_steps=100000",
+        "eval=false",
+        "recover_mode=auto",  # a stop is not a failure: no relaunch
+    ]
+    run = qs.start("ppo-math", args, tmp_path)
+    with qs.killed_on_error(run):
+        qs.wait_for_steps(run, tmp_path / "ppo-math" / "t", 2, timeout=120)
         st = _main("status", "ppo-math", "t", fileroot=tmp_path)
         assert st.returncode == 0, st.stderr
         assert "experiment 'ppo-math' trial 't': RUNNING" in st.stdout
@@ -61,13 +43,8 @@ def test_status_then_stop_ends_the_run_without_recovery(tmp_path, no_leftover_pr
         sp = _main("stop", "ppo-math", "t", fileroot=tmp_path)
         assert sp.returncode == 0, sp.stdout + sp.stderr
         assert "'t': STOPPED" in sp.stdout
-        out, _ = run.communicate(timeout=120)
-        assert run.returncode == 3, out[-3000:]
-        assert "stopped on request" in out and "attempt 2/2" not in out
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
+    out = qs.finish(run, timeout=120, code=3)
+    assert "stopped on request" in out and "attempt 2/2" not in out
     st = _main("status", "ppo-math", "t", fileroot=tmp_path)
     assert "trial 't': STOPPED" in st.stdout
     with open(tmp_path / "ppo-math" / "t" / "controller_summary.json") as f:
@@ -76,3 +53,4 @@ def test_status_then_stop_ends_the_run_without_recovery(tmp_path, no_leftover_pr
     assert _main("stop", "ppo-math", "t", fileroot=tmp_path).returncode == 1
     unknown = _main("status", "ppo-math", "nope", fileroot=tmp_path)
     assert unknown.returncode == 1 and "no run 'ppo-math' trial 'nope'" in unknown.stderr
+    assert os.path.isdir(tmp_path / "ppo-math" / "t" / "logs")

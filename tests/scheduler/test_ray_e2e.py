@@ -6,12 +6,11 @@ from the last checkpoint and every step is trained once."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
+import quickstart_runs as qs
 import ray_cluster
 
 pytestmark = [
@@ -20,7 +19,6 @@ pytestmark = [
     pytest.mark.skipif(not ray_cluster.ray_importable(), reason="ray is not installed"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO = [
     "train_batch_size=4",
     "ppo.group_size=2",
@@ -39,22 +37,7 @@ def cluster():
 
 
 def _start(cluster, tmp_path, exp, *args):
-    cmd = [sys.executable, "-m", "realhf.apps.quickstart", exp, *PPO, *args]
-    cmd += [f"ray.address={cluster.address}", f"fileroot={tmp_path}", "trial_name=t"]
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
-    )
-
-
-def _finish(proc, timeout=400):
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out[-4000:]
-    return out
-
-
-def _steps(run_dir):
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line)["step"] for line in f]
+    return qs.start(exp, [*PPO, *args, f"ray.address={cluster.address}"], tmp_path)
 
 
 def _node_tags(run_dir):
@@ -80,9 +63,9 @@ def test_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
         "exp_ctrl.benchmark_steps=2",
         "exp_ctrl.eval_freq_steps=2",
     )
-    _finish(proc)
+    qs.finish(proc)
     run = tmp_path / "ppo-math" / "t"
-    assert _steps(run) == [1, 2]
+    assert qs.steps(run) == [1, 2]
     tags = _node_tags(run)
     assert tags["model_worker/0"] == tags["model_worker/1"] == "node2"
     assert tags["master_worker/0"] == "node1"
@@ -99,9 +82,9 @@ def test_async_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
         "exp_ctrl.benchmark_steps=3",
         "exp_ctrl.eval_freq_steps=3",
     )
-    _finish(proc)
+    qs.finish(proc)
     run = tmp_path / "async-ppo-math" / "t"
-    assert _steps(run) == [1, 2, 3]
+    assert qs.steps(run) == [1, 2, 3]
     assert set(_node_tags(run).values()) == {"node1", "node2"}
 
 
@@ -118,22 +101,14 @@ def test_ray_killed_worker_is_recovered_and_every_step_trained_once(
         "eval=false",
     )
     run = tmp_path / "ppo-math" / "t"
-    try:
-        deadline = time.monotonic() + 180
-        while not ((run / "metrics.jsonl").exists() and len(_steps(run)) >= 2):
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            assert time.monotonic() < deadline, "no second step within 180 s"
-            time.sleep(0.5)
+    with qs.killed_on_error(proc):
+        qs.wait_for_steps(proc, run, 2)
         kill = (
             "import ray; ray.init(address=%r, log_to_driver=False); "
             "ray.kill(ray.get_actor('ppo-math/t/model_worker/0', namespace='realhf'))"
             % cluster.address
         )
         subprocess.run([sys.executable, "-c", kill], check=True, timeout=120, capture_output=True)
-        out = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out = qs.finish(proc)
     assert "attempt 2/2" in out and "recovering from the last checkpoint" in out
-    assert _steps(run) == [1, 2, 3, 4, 5, 6]
+    assert qs.steps(run) == [1, 2, 3, 4, 5, 6]
