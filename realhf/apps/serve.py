@@ -23,7 +23,7 @@ from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
 from realhf.base.http_server import listen_socket, make_server, serve_until_started
 from realhf.impl.model.gen.engine_config import EngineConfig
-from realhf.impl.model.gen.http_app import create_app
+from realhf.impl.model.gen.http_app import DEFAULT_MAX_CONCURRENT_REQUESTS, create_app
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
 
 logger = logging.getLogger("serve")
@@ -54,6 +54,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=DEFAULT_MAX_CONCURRENT_REQUESTS,
+        help="HTTP requests in flight; more are answered 503 with Retry-After and a reason",
+    )
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--device", default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -104,11 +110,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.max_concurrent_requests < 1:  # checked before the slow model load
+        print(
+            f"error: --max-concurrent-requests {args.max_concurrent_requests} is invalid: "
+            "use an integer >= 1",
+            file=sys.stderr,
+        )
+        return 2
     tokenizer = load_tokenizer(args.model_path)
     engine = load_engine(args.model_path, config, tokenizer=tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
     app = create_app(
-        engine, tokenizer=tokenizer, model_path=args.model_path, served_model_name=name
+        engine,
+        tokenizer=tokenizer,
+        model_path=args.model_path,
+        served_model_name=name,
+        max_concurrent_requests=args.max_concurrent_requests,
     )
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     try:

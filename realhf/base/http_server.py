@@ -14,6 +14,10 @@ One helper for every HTTP service of the system (generation servers, the gserver
   requests) each have a timeout, and a timeout names what was being waited for.
 - **bind first**: the listening socket is bound in the caller, so a taken port is an
   ``OSError`` naming the address right away, and ``port`` is known even after ``stop``.
+- **bounded requests**: an app bounds the requests it handles at once with
+  :class:`RequestLimit`; beyond the bound a request is answered ``503`` at once, with
+  ``Retry-After`` and a JSON reason, before its body is read (uvicorn's own
+  ``limit_concurrency`` also counts idle keep-alive connections and answers in plain text).
 
 :class:`ServerThread` runs a server in a daemon thread with its own event loop;
 :func:`serve_until_started` starts one on the running loop (for a process whose main job is
@@ -23,17 +27,25 @@ serving, or for a service whose other tasks share the loop).
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
-from typing import Any, Optional
+import time
+from typing import Any, Iterable, Optional
 
 import uvicorn
+
+from realhf.base import logging
+
+logger = logging.getLogger("http_server", "system")
 
 __all__ = [
     "SERVER_KEEPALIVE_S",
     "CLIENT_KEEPALIVE_S",
     "GRACEFUL_SHUTDOWN_S",
+    "OVERLOADED_RETRY_AFTER_S",
     "StartupError",
+    "RequestLimit",
     "listen_socket",
     "make_server",
     "serve_until_started",
@@ -49,8 +61,105 @@ CLIENT_KEEPALIVE_S = 30
 GRACEFUL_SHUTDOWN_S = 5.0
 
 
+#: the ``Retry-After`` of a request refused by a :class:`RequestLimit`
+OVERLOADED_RETRY_AFTER_S = 1
+
+
 class StartupError(RuntimeError):
     """The server exited before it served (its lifespan start-up failed, or uvicorn did)."""
+
+
+class RequestLimit:
+    """At most ``max_requests`` HTTP requests of an app in flight; more are refused with 503.
+
+    Every request in flight holds memory until it is answered (its body, the parsed request,
+    a task, in a generation server its place in the engine's queue), so a server without a
+    bound grows with its clients' concurrency.  Beyond the bound a request is answered at
+    once, before its body is read, with ``503``, ``Retry-After:``
+    :data:`OVERLOADED_RETRY_AFTER_S` and ``{"error": {"message": <why>, "type":
+    "overloaded"}}``.  The app never saw it, so a client may send it again unchanged (a 503
+    with ``Retry-After`` means exactly that; the gserver manager's client does).
+
+    ``exempt_paths`` are served whatever the load: health checks (a refused one would get an
+    overloaded server declared dead) and control calls (a refused weight update would fail
+    the run).  They are cheap and come from few callers.
+
+    Install with :meth:`install` before the app serves; the counters (``in_flight``,
+    ``peak``, ``refused``) are read on the app's loop, or racily from elsewhere for reports.
+    """
+
+    def __init__(self, max_requests: int, exempt_paths: Iterable[str] = (), name: str = "server"):
+        if not isinstance(max_requests, int) or isinstance(max_requests, bool) or max_requests < 1:
+            raise ValueError(
+                f"max_concurrent_requests={max_requests!r} is invalid: use an integer >= 1"
+            )
+        self.max_requests = max_requests
+        self.exempt_paths = frozenset(exempt_paths)
+        self.name = name
+        self.in_flight = 0
+        self.peak = 0
+        self.refused = 0
+        self._warned_at = -float("inf")
+
+    def install(self, app: Any) -> "RequestLimit":
+        """Add the limit to a Starlette/FastAPI ``app`` (outside its routing); returns self."""
+        app.add_middleware(_RequestLimitMiddleware, limit=self)
+        return self
+
+    def stats(self) -> dict:
+        """The counters and the bound, for reports."""
+        return {
+            "max_concurrent_requests": self.max_requests,
+            "in_flight": self.in_flight,
+            "peak_in_flight": self.peak,
+            "refused": self.refused,
+        }
+
+    def _refusal(self) -> bytes:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= 10.0:  # a flood must not become a flood of log lines
+            logger.warning(
+                f"{self.name} is overloaded: {self.in_flight} requests in flight, more are "
+                f"refused with 503 (max_concurrent_requests={self.max_requests}; "
+                f"{self.refused} refused so far)"
+            )
+            self._warned_at = now
+        message = (
+            f"{self.name} is overloaded: {self.in_flight} requests are in flight "
+            f"(max_concurrent_requests={self.max_requests}); "
+            f"retry in {OVERLOADED_RETRY_AFTER_S} s"
+        )
+        return json.dumps({"error": {"message": message, "type": "overloaded"}}).encode()
+
+
+class _RequestLimitMiddleware:
+    """The ASGI side of :class:`RequestLimit` (one app, one event loop: no lock needed)."""
+
+    def __init__(self, app: Any, limit: RequestLimit):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        limit = self.limit
+        if scope["type"] != "http" or scope["path"] in limit.exempt_paths:
+            return await self.app(scope, receive, send)
+        if limit.in_flight >= limit.max_requests:
+            body = limit._refusal()
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(OVERLOADED_RETRY_AFTER_S).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 503, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        limit.in_flight += 1
+        limit.peak = max(limit.peak, limit.in_flight)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            limit.in_flight -= 1
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

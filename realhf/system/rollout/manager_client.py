@@ -2,13 +2,17 @@
 
 Every call has a timeout; its errors name the manager's URL and the endpoint.  The
 endpoints and their messages are listed in :mod:`realhf.system.rollout.manager_service`.
+A call the manager refused for load (503 with ``Retry-After``: it was not processed) is sent
+again after a growing, jittered pause until the call's timeout, then fails as
+:class:`ManagerUnavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Dict, Optional, Type, TypeVar
+import random
+from typing import Any, Dict, Optional, Tuple, Type, TypeVar
 
 import aiohttp
 
@@ -33,7 +37,12 @@ __all__ = ["ManagerUnavailable", "UncappedSession", "ManagerClient"]
 
 
 class ManagerUnavailable(ConnectionError):
-    """The gserver manager did not answer (in time)."""
+    """The gserver manager did not answer (in time), or stayed overloaded for the call's timeout."""
+
+
+# Pauses between the tries of a call the manager refused for load: 50 ms doubling to 1 s.
+_BUSY_FIRST_PAUSE_S = 0.05
+_BUSY_MAX_PAUSE_S = 1.0
 
 
 R = TypeVar("R")
@@ -77,24 +86,23 @@ class ManagerClient(UncappedSession):
         self, path: str, msg: Any, reply_cls: Optional[Type[R]], timeout: Optional[float] = None
     ) -> R:
         t = timeout or self.timeout_s
-        try:
-            req = (
-                self.session.post(
-                    self.url + path, json=msg.to_json(), timeout=aiohttp.ClientTimeout(total=t)
-                )
-                if msg is not None
-                else self.session.get(self.url + path, timeout=aiohttp.ClientTimeout(total=t))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + t
+        pause = _BUSY_FIRST_PAUSE_S
+        while True:
+            status, text, overloaded = await self._send(
+                path, msg, max(0.001, deadline - loop.time()), t
             )
-            async with req as r:
-                status, text = r.status, await r.text()
-        except asyncio.TimeoutError:
-            raise ManagerUnavailable(
-                f"gserver manager at {self.url} did not answer {path} within {t:g}s"
-            ) from None
-        except aiohttp.ClientError as e:
-            raise ManagerUnavailable(
-                f"gserver manager at {self.url} could not be reached for {path}: {e!r}"
-            ) from None
+            if not overloaded:
+                break
+            left = deadline - loop.time()
+            if left <= pause:
+                raise ManagerUnavailable(
+                    f"gserver manager at {self.url} refused {path} as overloaded for {t:g}s: "
+                    f"{text[:300]}"
+                )
+            await asyncio.sleep(pause * random.uniform(0.5, 1.0))  # jitter spreads the herd
+            pause = min(_BUSY_MAX_PAUSE_S, 2 * pause)
         try:
             body = json.loads(text)
         except ValueError:
@@ -116,6 +124,28 @@ class ManagerClient(UncappedSession):
             raise RuntimeError(
                 f"gserver manager at {self.url}: {path} answered a malformed reply: {e}"
             ) from None
+
+    async def _send(self, path: str, msg: Any, left: float, t: float) -> Tuple[int, str, bool]:
+        """One try: (status, body text, whether it was refused for load)."""
+        timeout = aiohttp.ClientTimeout(total=left)
+        try:
+            req = (
+                self.session.post(self.url + path, json=msg.to_json(), timeout=timeout)
+                if msg is not None
+                else self.session.get(self.url + path, timeout=timeout)
+            )
+            async with req as r:
+                status, text = r.status, await r.text()
+                overloaded = status == 503 and "Retry-After" in r.headers
+        except asyncio.TimeoutError:
+            raise ManagerUnavailable(
+                f"gserver manager at {self.url} did not answer {path} within {t:g}s"
+            ) from None
+        except aiohttp.ClientError as e:
+            raise ManagerUnavailable(
+                f"gserver manager at {self.url} could not be reached for {path}: {e!r}"
+            ) from None
+        return status, text, overloaded
 
     async def allocate(self, worker: str, incarnation: str, qid: str = "") -> AllocateReply:
         return await self._call(

@@ -12,7 +12,7 @@ POST /finish_rollout       FinishRequest          FinishReply (held up    409 no
                                                   to ``wait_s``)
 POST /heartbeat            HeartbeatRequest       HeartbeatReply
 POST /report_server_failure ServerFailureReport   ``{"dead": bool}``
-GET  /status                                      counters and servers
+GET  /status                                      counters, servers, HTTP load
 GET  /health                                      200
 =========================  =====================  ======================  ====================
 
@@ -20,6 +20,11 @@ Bodies are validated by FastAPI against the pydantic message classes: a malforme
 400 naming every wrong field (type, tuple item, range, unknown or missing field).  Errors
 of the manager map to statuses through exception handlers: :class:`RolloutNotRunning` 409,
 :class:`NoServerAvailable` 503.  All errors answer ``{"error": {"message": ...}}``.
+
+Load: beyond ``GserverManagerConfig.max_concurrent_requests`` requests in flight, a request is
+answered 503 with ``Retry-After`` and ``{"error": {"message", "type": "overloaded"}}`` before
+it is read (:class:`~realhf.base.http_server.RequestLimit`; the client retries it), except
+:data:`UNLIMITED_PATHS`: a refused heartbeat would cost a worker its leases.
 
 :class:`ManagerService` serves the app from a :class:`~realhf.base.http_server.ServerThread`;
 the app's lifespan starts the manager (it waits for its generation servers), runs its
@@ -48,13 +53,16 @@ from realhf.api.core.rollout_api import (
     describe_errors,
 )
 from realhf.base import logging
-from realhf.base.http_server import ServerThread, StartupError
+from realhf.base.http_server import RequestLimit, ServerThread, StartupError
 from realhf.system.rollout.manager import GserverManager, NoServerAvailable
 from realhf.system.rollout.staleness import RolloutNotRunning
 
 logger = logging.getLogger("manager_service", "system")
 
-__all__ = ["create_manager_app", "ManagerService"]
+__all__ = ["create_manager_app", "ManagerService", "UNLIMITED_PATHS"]
+
+#: Routes never refused for load (see the module docstring): cheap, one caller each or few.
+UNLIMITED_PATHS = ("/heartbeat", "/report_server_failure", "/status", "/health")
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -82,9 +90,13 @@ def create_manager_app(
     ``on_exit(error)`` is called when start-up fails or the background loops end (``error``
     is None when they were cancelled or returned), so the host can stop serving and report:
     routes of a manager whose loops died would answer from stale state.
+    ``app.state.request_limit`` counts the requests refused for load.
     """
     app = fastapi.FastAPI(title="realhf gserver manager", lifespan=_lifespan(manager, on_exit))
     app.state.manager = manager
+    app.state.request_limit = RequestLimit(
+        manager.config.max_concurrent_requests, UNLIMITED_PATHS, name="the gserver manager"
+    ).install(app)
     _add_error_handlers(app)
     app.include_router(router)
     return app
@@ -175,8 +187,9 @@ async def report_server_failure(req: ServerFailureReport, manager: Manager):
 
 
 @router.get("/status")
-async def status(manager: Manager):
-    return manager.status()
+async def status(request: fastapi.Request, manager: Manager):
+    # the manager's counters, and the HTTP layer's (requests in flight, refused for load)
+    return {**manager.status(), "http": request.app.state.request_limit.stats()}
 
 
 @router.get("/health")

@@ -14,7 +14,8 @@ Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
 - ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
   (there is no prefix cache to flush; kept for protocol compatibility).
 - ``POST /abort_request {rid}``; ``GET /health`` (and ``/health_generate``);
-  ``GET /get_model_info``; ``GET /get_server_info``; ``GET /v1/models``;
+  ``GET /get_model_info``; ``GET /get_server_info`` (limits, engine stats, HTTP requests
+  in flight and refused); ``GET /v1/models``;
   ``GET /metrics`` (Prometheus text: ``sglang:num_running_reqs``,
   ``sglang:num_used_tokens``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
   ``sglang:gen_throughput``, ``sglang:max_total_num_tokens`` and token/request
@@ -23,7 +24,10 @@ Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
 
 Without a tokenizer, ``text`` inputs and OpenAI text prompts/chat are answered
 with 400 and responses carry no ``text`` field. Invalid requests get 400 with
-a message naming the field; a full queue or a closed engine 503; a request
+a message naming the field; more than ``max_concurrent_requests`` requests in
+flight, a full queue or a closed engine 503 (the first with ``Retry-After``,
+see :class:`~realhf.base.http_server.RequestLimit`; health, metrics, information
+and control routes, :data:`UNLIMITED_PATHS`, are never refused for load); a request
 that outlives the engine's ``request_timeout_s`` is aborted and answered with
 504; a failed engine step 500 with the error. A client that disconnects does
 not abort its request (it runs to its budget; ``/abort_request`` stops it).
@@ -54,6 +58,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
     parse_generate_body,
 )
+from realhf.base.http_server import RequestLimit
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
@@ -71,6 +76,28 @@ def _json(obj: Any, status_code: int = 200) -> Response:
 # tokenizer_manager.py, schedule_batch.py, entrypoints/http_server.py,
 # metrics/collector.py).
 SGLANG_PROTOCOL_VERSION = "0.4.6.post4"
+
+#: Default bound of HTTP requests in flight.  A waiting request costs about 46 KB with
+#: short prompts (benchmark/results/load.md), so the bound keeps them under 200 MB; queueing
+#: more than 4096 requests behind ``max_running_requests`` only adds latency.
+DEFAULT_MAX_CONCURRENT_REQUESTS = 4096
+
+#: Routes served whatever the load: a refused health check or metrics read would get an
+#: overloaded server declared dead by the gserver manager, a refused pause or weight update
+#: would fail the run; all are cheap and come from few callers.
+UNLIMITED_PATHS = (
+    "/health",
+    "/health_generate",
+    "/metrics",
+    "/get_model_info",
+    "/get_server_info",
+    "/v1/models",
+    "/abort_request",
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weights_from_disk",
+    "/flush_cache",
+)
 
 
 class _HTTPError(Exception):
@@ -231,7 +258,7 @@ async def get_model_info(served: Served):
 
 
 @native_router.get("/get_server_info")
-async def get_server_info(served: Served):
+async def get_server_info(request: fastapi.Request, served: Served):
     engine = served.engine
     return {
         "model_path": served.model_path,
@@ -242,6 +269,7 @@ async def get_server_info(served: Served):
         "decode_attention": engine.decode_impl,
         "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
         "stats": engine.stats(),
+        "http": request.app.state.request_limit.stats(),
     }
 
 
@@ -364,10 +392,18 @@ def create_app(
     tokenizer=None,
     model_path: str = "",
     served_model_name: str = "default",
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
 ) -> fastapi.FastAPI:
-    """A FastAPI app serving ``engine`` (which the caller starts and closes)."""
+    """A FastAPI app serving ``engine`` (which the caller starts and closes).
+
+    At most ``max_concurrent_requests`` requests of the serving routes are in flight; more
+    are answered 503 with a reason (``app.state.request_limit`` counts them).
+    """
     app = fastapi.FastAPI(title="realhf generation server")
     app.state.served = _Served(engine, tokenizer, model_path, served_model_name)
+    app.state.request_limit = RequestLimit(
+        max_concurrent_requests, UNLIMITED_PATHS, name="the generation server"
+    ).install(app)
     for router in (native_router, control_router, openai_router):
         app.include_router(router)
     return app
