@@ -94,6 +94,7 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
+        max_recover_checkpoints=cfg.max_recover_checkpoints,
         log_stats_keys=("null/",),
     )
     return ExperimentConfig(

@@ -38,6 +38,7 @@ from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.registry import register_quickstart_exp
+from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.math_dataset import MathPromptDataset
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
@@ -70,6 +71,21 @@ class MathDatasetConfig:
     eval_max_new_tokens: int = field(
         default=16, metadata={"help": "most tokens of a greedy eval answer"}
     )
+    max_bad_row_fraction: float = field(
+        default=DEFAULT_MAX_FRACTION,
+        metadata={
+            "help": "rows that load but cannot be graded mid-run are skipped with a warning; "
+            "the run fails once more than this share of the rows used were bad (0: at the "
+            "first one)"
+        },
+    )
+
+    def __post_init__(self):
+        if not 0.0 <= self.max_bad_row_fraction <= 1.0:
+            raise ValueError(
+                f"dataset.max_bad_row_fraction={self.max_bad_row_fraction!r}: use a share in "
+                "[0, 1] (e.g. 0.05), or 0 to fail at the first bad row"
+            )
 
 
 def _tiny_ppo() -> PPOHyperparameters:
@@ -156,6 +172,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                     {
                         "output_scaling": hp.reward_output_scaling,
                         "output_bias": hp.reward_output_bias,
+                        "max_bad_row_fraction": cfg.dataset.max_bad_row_fraction,
                     },
                 ),
                 n_seqs=n,
@@ -334,6 +351,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
+        max_recover_checkpoints=cfg.max_recover_checkpoints,
         log_stats_keys=("math_reward/reward", "math_reward/accuracy", "greedy_acc"),
         eval=cfg.eval,
     )

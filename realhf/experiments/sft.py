@@ -129,6 +129,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
+        max_recover_checkpoints=cfg.max_recover_checkpoints,
         log_stats_keys=("loss", "ppl"),
         eval=eval_ds is not None,
     )

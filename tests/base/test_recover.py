@@ -167,3 +167,83 @@ def test_interface_states_round_trip(tmp_path):
     assert b.value == 0.25
     with pytest.raises(recover.RecoverError, match="state of MFC 'critic_train'"):
         recover.load_worker_state(ckpt, 1, {}, None, {"critic_train": _Counter()})
+
+
+# ---- damaged checkpoints and full disks ------------------------------------------------
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(tmp_path, caplog):
+    root = str(tmp_path)
+    _commit(root, 2, keep=2)
+    _commit(root, 4, keep=2)
+    os.truncate(os.path.join(root, "step4", "payload"), 0)
+    with caplog.at_level("WARNING"):
+        assert recover.find_latest(root) == os.path.join(root, "step2")
+    assert "payload has 0 bytes, 1 were written" in caplog.text
+    # Moved aside: neither this nor a later run picks it again; pruning leaves it alone.
+    assert sorted(os.listdir(root)) == ["latest", "step2", "step4.invalid"]
+    assert recover.find_latest(root) == os.path.join(root, "step2")
+    _commit(root, 3, keep=1)
+    assert sorted(os.listdir(root)) == ["latest", "step3", "step4.invalid"]
+
+
+def test_latest_naming_a_missing_dir_falls_back(tmp_path):
+    root = str(tmp_path)
+    _commit(root, 2, keep=2)
+    (tmp_path / "latest").write_text("step9")
+    assert recover.find_latest(root) == os.path.join(root, "step2")
+
+
+def test_no_usable_checkpoint_is_an_error_naming_the_damage_and_the_fix(tmp_path):
+    root = str(tmp_path)
+    _commit(root, 2)
+    (tmp_path / "step2" / "master.json").write_text("{garbage")
+    with pytest.raises(recover.RecoverError) as e:
+        recover.find_latest(root)
+    msg = str(e.value)
+    assert "step2 is not a complete recover checkpoint: master.json is not readable JSON" in msg
+    assert "master.json has 8 bytes" in msg
+    assert f"delete {root}" in msg and "recover_mode=disabled" in msg
+    assert os.path.isdir(tmp_path / "step2")  # nothing moved: the user decides
+
+
+def test_a_checkpoint_without_manifest_still_loads(tmp_path):
+    # Written before manifests existed: master.json is all that marks it complete.
+    root = str(tmp_path)
+    _commit(root, 2)
+    os.remove(tmp_path / "step2" / "manifest.json")
+    assert recover.check_checkpoint(str(tmp_path / "step2")) == []
+    assert recover.find_latest(root) == os.path.join(root, "step2")
+    (tmp_path / "step2" / "master.json").write_text("")
+    with pytest.raises(recover.RecoverError, match="master.json is not readable JSON"):
+        recover.find_latest(root)
+    with pytest.raises(recover.RecoverError, match="cannot read .*master.json"):
+        recover.read_master_state(str(tmp_path / "step2"))
+
+
+def test_a_damaged_state_file_names_itself_on_load(tmp_path):
+    # The load-time net for what a check cannot see (old checkpoints, mid-file damage).
+    a = _Counter()
+    ckpt = str(tmp_path)
+    recover.save_worker_state(ckpt, 0, {}, None, {"actor_train": a})
+    path = recover.interface_state_path(ckpt, "actor_train", 0)
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(recover.RecoverError, match=f"cannot read {path}.*delete {ckpt}"):
+        recover.load_worker_state(ckpt, 0, {}, None, {"actor_train": _Counter()})
+
+
+def test_a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint(tmp_path):
+    from faults import small_filesystem
+
+    root = tmp_path / "recover"
+    with small_filesystem(root, 1 << 20):
+        _commit(str(root), 2)
+        tmp = recover.prepare_tmp_dir(str(root), 4)
+        big = _Counter()
+        big.value = torch.zeros(1 << 19)  # 2 MiB: does not fit
+        with pytest.raises(recover.CheckpointWriteError) as e:
+            recover.save_worker_state(tmp, 0, {}, None, {"actor_train": big})
+        assert str(e.value).startswith(f"no space left for recover checkpoint {tmp}: ")
+        recover.discard_tmp_dir(tmp)  # what the master does with the error
+        assert sorted(os.listdir(root)) == ["latest", "step2"]
+        assert recover.find_latest(str(root)) == str(root / "step2")

@@ -15,6 +15,11 @@ normalised advantages.  The rollout worker then releases the group's staleness s
 
 The trajectory is a one-item :class:`SequenceSample` with ``group_size`` sequences; see
 :func:`build_trajectory` for its keys.
+
+A dataset row that cannot be graded (a math row without a readable reference answer,
+checked before generating; or one whose grading raises) is skipped like a filtered group
+(an empty list), named in a warning and counted; more than ``max_bad_row_fraction`` of
+the rows failing fails the rollout worker, naming them (:mod:`realhf.impl.dataset.bad_rows`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
+from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION, BadRowBudget
 from realhf.impl.environment.math_code_single_step import MathCodeAction
+from realhf.impl.reward.math_reward import UngradableRow, reference_answers
 
 __all__ = ["MathSingleStepAgent", "build_trajectory"]
 
@@ -105,6 +112,7 @@ class MathSingleStepAgent(Agent):
         group_size: answers per prompt; overrides ``gconfig.n`` when given.
         reward_scaling, reward_bias: reward = (±1 − bias) · scaling.
         success_rate_lb, success_rate_ub: keep groups whose success rate lies in this range.
+        max_bad_row_fraction: share of rows that may fail grading before the worker does.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class MathSingleStepAgent(Agent):
         reward_bias: float = 0.0,
         success_rate_lb: float = 0.0,
         success_rate_ub: float = 1.0,
+        max_bad_row_fraction: float = DEFAULT_MAX_FRACTION,
     ):
         if gconfig is None:
             gconfig = GenerationHyperparameters()
@@ -150,6 +159,7 @@ class MathSingleStepAgent(Agent):
         self.reward_bias = float(reward_bias)
         self.success_rate_lb = float(success_rate_lb)
         self.success_rate_ub = float(success_rate_ub)
+        self.bad_rows = BadRowBudget("math-single-step", max_bad_row_fraction)
 
     async def collect_trajectory(
         self, prompt, env, obs_queue: asyncio.Queue, act_queue: asyncio.Queue
@@ -165,6 +175,14 @@ class MathSingleStepAgent(Agent):
                 "'packed_prompts'"
             )
         qid = prompt.ids[0]
+        meta = {k: v[0] for k, v in prompt.metadata.items()}
+        task = meta.get("task") or "math"
+        if task != "code":  # checked before generating: a row that cannot be graded costs nothing
+            try:
+                reference_answers(meta.get("solutions") or ())
+            except UngradableRow as e:
+                self.bad_rows.bad_row(qid, str(e))
+                return []
         await obs_queue.put(
             GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig)
         )
@@ -174,21 +192,24 @@ class MathSingleStepAgent(Agent):
                 "math-single-step: expected a GroupGeneration on act_queue, got "
                 f"{type(gen).__name__}"
             )
-        meta = {k: v[0] for k, v in prompt.metadata.items()}
-        task = meta.get("task") or "math"
         texts = [
             self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in gen.output_ids
         ]
-        actions = [
-            MathCodeAction(
-                t,
-                task=task,
-                solutions=tuple(meta.get("solutions") or ()),
-                input_output=meta.get("input_output"),
-            )
-            for t in texts
-        ]
-        results = await asyncio.gather(*(env.step(a) for a in actions))
+        try:
+            actions = [
+                MathCodeAction(
+                    t,
+                    task=task,
+                    solutions=tuple(meta.get("solutions") or ()),
+                    input_output=meta.get("input_output"),
+                )
+                for t in texts
+            ]
+            results = await asyncio.gather(*(env.step(a) for a in actions))
+        except Exception as e:  # noqa: BLE001 — the row's grading failed; the budget decides
+            self.bad_rows.bad_row(qid, f"grading it raised {type(e).__name__}: {e}")
+            return []
+        self.bad_rows.good()
         verdicts = [float(r.reward) for r in results]
         success = sum(v > 0 for v in verdicts) / len(verdicts)
         # Dropped here rather than masked as in the sync pipeline (ppo_data): an async

@@ -50,6 +50,8 @@ __all__ = [
     "normalize_answer",
     "verify",
     "verify_batch",
+    "reference_answers",
+    "UngradableRow",
     "get_pool",
     "shutdown_pool",
     "DEFAULT_TIMEOUT",
@@ -181,6 +183,35 @@ def shutdown_pool(timeout: float = 10.0) -> None:
         return
     pool.stop()
     pool.join(timeout=timeout)
+
+
+class UngradableRow(ValueError):
+    """A dataset row whose reference solutions give nothing to grade against."""
+
+
+def reference_answers(solutions: Sequence[str]) -> List[str]:
+    """The answers that :func:`verify_batch` compares against, one per solution that has one.
+
+    Raises :class:`UngradableRow` saying why when there is none: no solutions, a solution
+    that is not a string, or no answer readable from any of them (every generation would
+    be graded wrong, a silently useless row).
+    """
+    if isinstance(solutions, str):
+        solutions = [solutions]
+    if not solutions:
+        raise UngradableRow("it has no reference solutions")
+    for sol in solutions:
+        if not isinstance(sol, str):
+            raise UngradableRow(
+                f"solution {_short(repr(sol))} ({type(sol).__name__}) is not a string; write "
+                'solutions as strings such as "\\boxed{42}"'
+            )
+    answers = [a for a in (extract_solution_answer(s) for s in solutions) if a]
+    if not answers:
+        raise UngradableRow(
+            f"no answer can be read from its solutions {[_short(s) for s in solutions]}"
+        )
+    return answers
 
 
 def _grade_heavy(pred: str, golds: List[str]) -> bool:

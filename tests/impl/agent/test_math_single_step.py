@@ -153,3 +153,50 @@ def test_bad_configuration_is_named(tokenizer):
         MathSingleStepAgent(tokenizer, success_rate_lb=0.8, success_rate_ub=0.2)
     with pytest.raises(ValueError, match="tokenizer"):
         MathSingleStepAgent(None)
+
+
+def test_an_ungradable_row_is_skipped_before_generating(tokenizer, caplog):
+    agent = MathSingleStepAgent(tokenizer, {"max_new_tokens": 8}, group_size=2)
+    obs_q, act_q = asyncio.Queue(), asyncio.Queue()
+    prompt = _prompt(tokenizer, qid="bad-1", solutions=("\\boxed{}",))
+    with caplog.at_level("WARNING"):
+        out = asyncio.run(agent.collect_trajectory(prompt, MathCodeSingleStepEnv(), obs_q, act_q))
+    assert out == [] and obs_q.empty()  # nothing was generated for it
+    assert "skipping dataset row 'bad-1'" in caplog.text
+    assert (agent.bad_rows.n_bad, agent.bad_rows.n_rows) == (1, 1)
+
+
+class _RaisingEnv(MathCodeSingleStepEnv):
+    async def step(self, action):
+        raise RuntimeError("grader bug on this row")
+
+
+def test_a_row_whose_grading_raises_is_skipped_until_too_many(tokenizer):
+    from realhf.impl.dataset.bad_rows import BadRowsError
+
+    agent = MathSingleStepAgent(tokenizer, {"max_new_tokens": 8}, group_size=2)
+
+    async def one(qid):
+        obs_q, act_q = asyncio.Queue(), asyncio.Queue()
+        task = asyncio.create_task(
+            agent.collect_trajectory(_prompt(tokenizer, qid=qid), _RaisingEnv(), obs_q, act_q)
+        )
+        req = await asyncio.wait_for(obs_q.get(), 10)
+        out = (tuple(tokenizer.encode("\\boxed{92}", add_special_tokens=False)),) * 2
+        await act_q.put(
+            GroupGeneration(
+                req.qid,
+                req.prompt_ids,
+                out,
+                ((-0.5,) * len(out[0]),) * 2,
+                (False, False),
+                (0, 0),
+                (1, 1),
+            )
+        )
+        return await asyncio.wait_for(task, 30)
+
+    for i in range(4):  # min_tolerated
+        assert asyncio.run(one(f"q{i}")) == []
+    with pytest.raises(BadRowsError, match="row 'q0': grading it raised RuntimeError: grader bug"):
+        asyncio.run(one("q4"))

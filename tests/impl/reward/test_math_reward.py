@@ -211,3 +211,17 @@ def test_main_guard_line_ranges(tmp_path):
         'if __name__ != "__main__":\n    v = 5\n'
     )
     assert _main_guards(str(path)) == ((2, 4), (5, 6))
+
+
+def test_reference_answers_names_why_a_row_cannot_be_graded():
+    from realhf.impl.reward.math_reward import UngradableRow, reference_answers
+
+    # a solution without an answer is passed over while another has one
+    assert reference_answers(["\\boxed{92}", "no number here at all"]) == ["92"]
+    for sols, why in (
+        ([], "no reference solutions"),
+        ([42], r"solution 42 \(int\) is not a string"),
+        (["\\boxed{}", ""], "no answer can be read"),
+    ):
+        with pytest.raises(UngradableRow, match=why):
+            reference_answers(sols)

@@ -123,7 +123,11 @@ class StandIn(threading.Thread):
             elif h is Handle.EVALUATE:
                 out = EvalReply(f"model_worker/{self.rank}", {"accuracy": 0.5}, 3, 0.0, 0.0)
             elif h is Handle.CHECKPOINT:
-                out = recover.save_worker_state(d.dir, self.rank, {}, self.loader.state_dict())
+                try:
+                    out = recover.save_worker_state(d.dir, self.rank, {}, self.loader.state_dict())
+                except recover.RecoverError as e:  # replied, as a real model worker does
+                    server.reply_error(req, e)
+                    continue
             elif h in (Handle.SAVE, Handle.CLEAR_DATA_CACHE, Handle.MODEL_VERSION):
                 out = None
             elif h is Handle.EXIT:
@@ -441,3 +445,41 @@ def test_config_rejects_a_layout_that_does_not_span_the_workers():
     _master_config(4, 9, 4, 1, layout=ParallelismConfig(1, 2, 2))
     with pytest.raises(ValueError, match="a call of 1 item.s. for 2 data-parallel ranks"):
         _master_config(4, 9, 4, 1, layout=ParallelismConfig(2, 1, 2))
+
+
+def test_a_full_disk_at_a_checkpoint_fails_the_run_and_keeps_the_last_one(
+    tmp_path, run_env, monkeypatch
+):
+    from faults import small_filesystem
+
+    from realhf.system.worker.base import read_error
+
+    class _Payload:  # 0.75 MiB in step 1's checkpoint, 3 MiB in step 2's: does not fit
+        def __init__(self, step):
+            self.step = step
+
+        def state_dict(self):
+            return {"x": torch.zeros(self.step**2 * (3 << 16))}
+
+        def load_state_dict(self, state):
+            pass
+
+    real_save = recover.save_worker_state
+
+    def save_with_payload(ckpt_dir, rank, trainable, loader_state):
+        step = int(os.path.basename(ckpt_dir)[len("step") : -len(".tmp")])
+        return real_save(ckpt_dir, rank, trainable, loader_state, {"big": _Payload(step)})
+
+    monkeypatch.setattr(recover, "save_worker_state", save_with_payload)
+    trial = run_env
+    root = tmp_path / "recover"
+    cfg = _master_config(2, 8, 2, 1, ctl={"ckpt_freq_steps": 1}, recover_dir=str(root))
+    with small_filesystem(root, 2 << 20):
+        master, _, workers = _run_master(trial, cfg, 8)
+        for w in workers:
+            w.stop.set()
+        assert master.status == WorkerStatus.ERROR
+        msg = read_error(EXP, trial, "master_worker/0").message
+        assert f"no space left for recover checkpoint {root}/step2.tmp" in msg
+        assert sorted(os.listdir(root)) == ["latest", "step1"]  # the partial one is gone
+        assert recover.find_latest(str(root)) == str(root / "step1")

@@ -9,6 +9,12 @@ scaling 5: +5 for a correct answer, -5 otherwise). Output key ``rewards``: one f
 per sequence. The accuracy is recorded in the process stats tracker
 (``math_reward/accuracy``, exported with the next ``train_step`` statistics).
 
+A row whose reference solutions cannot be graded (none, not strings, no readable answer:
+:func:`~realhf.impl.reward.math_reward.reference_answers`) is skipped: its answers get the
+reward NaN, which PPO reads as "no verdict" and masks out of the loss, the row is named in
+a warning and counted (``math_reward/bad_rows``), and the run fails once more than
+``max_bad_row_fraction`` of the rows were bad (:mod:`realhf.impl.dataset.bad_rows`).
+
 The "model" has no weights: only ``model.tokenizer`` is used (``module`` may be None).
 """
 
@@ -23,8 +29,9 @@ from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
+from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION, BadRowBudget
 from realhf.impl.model.interface.helpers import require_keys
-from realhf.impl.reward.math_reward import verify_batch
+from realhf.impl.reward.math_reward import UngradableRow, reference_answers, verify_batch
 
 logger = logging.getLogger("math_reward")
 
@@ -50,12 +57,17 @@ class MathRewardInterface(ModelInterface):
         output_scaling: multiplies ``r - output_bias``.
         output_bias: subtracted from the ±1 verdict.
         timeout_s: seconds each answer may spend in the symbolic checks (then it is wrong).
+        max_bad_row_fraction: share of rows that may be ungradable before the run fails.
     """
 
     uses_weights = False  # the verdict comes from the decoded tokens alone
 
     def __init__(
-        self, output_scaling: float = 5.0, output_bias: float = 0.0, timeout_s: float = 15.0
+        self,
+        output_scaling: float = 5.0,
+        output_bias: float = 0.0,
+        timeout_s: float = 15.0,
+        max_bad_row_fraction: float = DEFAULT_MAX_FRACTION,
     ):
         for name, v in (
             ("output_scaling", output_scaling),
@@ -71,6 +83,7 @@ class MathRewardInterface(ModelInterface):
         self.output_scaling = float(output_scaling)
         self.output_bias = float(output_bias)
         self.timeout_s = float(timeout_s)
+        self.bad_rows = BadRowBudget("math_reward", max_bad_row_fraction)
 
     def inference(
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
@@ -87,24 +100,40 @@ class MathRewardInterface(ModelInterface):
                 f"math_reward needs a tokenizer on model {model.name} to decode the answers"
             )
         texts = decode_answers(data, model.tokenizer)
-        solutions = []
+        graded, solutions, bad = [], [], 0
         for item_id, sols, lens in zip(
             data.ids, data.metadata["solutions"], data.seqlens["packed_input_ids"]
         ):
             # Every answer of the item (its group) is graded against the prompt's solutions.
             sols = [sols] if isinstance(sols, str) else list(sols)
-            if not sols:
-                raise ValueError(f"math_reward: item {item_id!r} has no reference solutions")
+            try:
+                reference_answers(sols)
+            except UngradableRow as e:
+                graded.extend([False] * len(lens))
+                bad += 1
+                self.bad_rows.bad_row(str(item_id), str(e))
+                continue
+            self.bad_rows.good()
+            graded.extend([True] * len(lens))
             solutions.extend([sols] * len(lens))
+        graded = torch.tensor(graded, dtype=torch.bool)
+        texts = [t for t, g in zip(texts, graded.tolist()) if g]
         correct = torch.tensor(
             verify_batch(texts, solutions, timeout=self.timeout_s), dtype=torch.bool
         )
         verdict = torch.where(correct, 1.0, -1.0)
-        rewards = ((verdict - self.output_bias) * self.output_scaling).float()
+        rewards = torch.full(graded.shape, float("nan"))  # NaN: no verdict, masked by PPO
+        rewards[graded] = ((verdict - self.output_bias) * self.output_scaling).float()
         with stats_tracker.scope("math_reward"):
             stats_tracker.denominator(n_seqs=torch.ones_like(correct))
-            stats_tracker.stat(denominator="n_seqs", accuracy=correct.float(), reward=rewards)
-        logger.info(f"math_reward: {int(correct.sum())}/{len(correct)} answers correct")
+            stats_tracker.stat(
+                denominator="n_seqs", accuracy=correct.float(), reward=rewards[graded]
+            )
+            stats_tracker.scalar(reduce_type="sum", bad_rows=bad)
+        logger.info(
+            f"math_reward: {int(correct.sum())}/{len(correct)} answers correct"
+            + (f", {bad} ungradable rows skipped" if bad else "")
+        )
         lens = [[1] * len(item) for item in data.seqlens["packed_input_ids"]]
         return SequenceSample(
             keys={"rewards"},

@@ -22,7 +22,10 @@ sequences with ``mask_too_long``, minus prompts filtered by success rate), the r
 normalised advantages. Success-rate filtering lives here (the step that has every
 group's rewards): a group whose share of answers with reward > 0 lies outside
 ``[success_rate_lb, success_rate_ub]`` is masked out of the loss rather than dropped, so
-every data-parallel rank keeps its batch shape and collectives stay in step.
+every data-parallel rank keeps its batch shape and collectives stay in step.  A reward of
+NaN means "no verdict" (the reward interface could not grade the row: a bad dataset row,
+skipped with a warning there): its sequences are masked out the same way, their reward
+read as 0, and counted (``ppo/n_unscored_seqs``).
 """
 
 from __future__ import annotations
@@ -147,9 +150,11 @@ def prepare_ppo_batch(
             f"per sequence ({n_seq})"
         )
 
+    unscored = torch.isnan(raw_reward)
+    raw_reward = torch.where(unscored, torch.zeros_like(raw_reward), raw_reward)
     # Shifted entry t predicts token t+1: it trains when that token is part of the answer.
     loss_mask = tensors["prompt_mask"].bool()[shift + 1].logical_not()
-    keep_seq = torch.ones(n_seq, dtype=torch.bool, device=device)
+    keep_seq = ~unscored
     if hp.mask_too_long:
         keep_seq &= ~no_eos
     n_filtered = 0
@@ -209,6 +214,7 @@ def prepare_ppo_batch(
             seqlens, raw_reward, no_eos, keep_seq, loss_mask, raw_adv, kl_rewards, kl, returns
         )
         stats_tracker.scalar(reduce_type="sum", **{"ppo/n_filtered_groups": n_filtered})
+        stats_tracker.scalar(reduce_type="sum", **{"ppo/n_unscored_seqs": int(unscored.sum())})
         stats_tracker.scalar(**{"ppo/kl_coef": kl_coef})
     return PPOBatch(
         seq_ids=sequence_ids(data),

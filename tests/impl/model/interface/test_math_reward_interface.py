@@ -66,3 +66,28 @@ def test_errors_name_what_is_missing(tokenizer, pa_sample):
             pa_sample(PAIRS[:1], solutions=[["5"]]),
             MicroBatchSpec(),
         )
+
+
+def test_an_ungradable_row_is_skipped_named_and_counted(tokenizer, pa_sample, caplog):
+    # Row q1's reference answer cannot be read: its answers get NaN ("no verdict", masked
+    # by PPO) instead of failing the run or being graded wrong forever.
+    data = pa_sample(PAIRS, group=2, solutions=[["\\boxed{5}"], ["\\boxed{}"]])
+    stats_tracker.reset()
+    with caplog.at_level("WARNING"):
+        out = MathRewardInterface().inference(_reward_model(tokenizer), data, MicroBatchSpec())
+    r = out.data["rewards"].tolist()
+    assert r[:2] == [5.0, -5.0] and all(x != x for x in r[2:])
+    assert "skipping dataset row 'q1'" in caplog.text and "no answer can be read" in caplog.text
+    stats = stats_tracker.export()
+    assert stats["math_reward/bad_rows"] == 1 and stats["math_reward/n_seqs"] == 2
+    assert stats["math_reward/accuracy"] == 0.5
+
+
+def test_too_many_bad_rows_fail_naming_them(tokenizer, pa_sample):
+    from realhf.impl.dataset.bad_rows import BadRowsError
+
+    data = pa_sample(PAIRS, group=2, solutions=[[42], []])
+    iface = MathRewardInterface(max_bad_row_fraction=0.0)  # 0: the first bad row fails
+    with pytest.raises(BadRowsError, match=r"row 'q0': solution 42 \(int\) is not a string"):
+        iface.inference(_reward_model(tokenizer), data, MicroBatchSpec())
+    stats_tracker.reset()

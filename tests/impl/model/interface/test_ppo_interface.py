@@ -171,6 +171,22 @@ def test_success_rate_filter_masks_solved_groups(make_model, pa_sample):
     assert torch.equal(before, model.module.model.flat_params)
 
 
+def test_a_nan_reward_is_masked_like_a_filtered_group(make_model, pa_sample):
+    # NaN is math_reward's "no verdict" for a row it could not grade (a bad dataset row).
+    model = make_model()
+    actor = PPOActorInterface(group_size=2, disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1)
+    nan = float("nan")
+    data = on_policy(actor, model, pa_sample(PAIRS * 2, group=2), rewards=[nan, nan, 5.0, -5.0])
+    stats = actor.train_step(model, data, MB)
+    assert stats["ppo/n_unscored_seqs"] == 2.0
+    assert stats["ppo/kept_seq_ratio"] == 0.5
+    assert all(v == v for v in stats.values()), stats  # no NaN leaked into the loss or stats
+    data = on_policy(actor, model, pa_sample(PAIRS, group=2), rewards=[nan, nan])
+    before = model.module.model.flat_params.clone()
+    assert actor.train_step(model, data, MB)["ppo_actor/skipped_steps"] == 1.0
+    assert torch.equal(before, model.module.model.flat_params)
+
+
 def test_mask_too_long_drops_truncated_answers(make_model, pa_sample):
     model = make_model(lr=1e-2)
     actor = PPOActorInterface(
