@@ -219,6 +219,20 @@ class BaseExperimentConfig:
     recover_retries: int = field(
         default=1, metadata={"help": "restarts after a failure when recover_mode=auto"}
     )
+    max_recover_checkpoints: int = field(
+        default=1,
+        metadata={
+            "help": "recover checkpoints kept (older ones are deleted); 2 or more keep one to "
+            "fall back to when the newest is found damaged at resume"
+        },
+    )
+    worker_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "mode=local: restarts each generation server / rollout worker may get "
+            "alone, while the trainer keeps running (0: any lost worker stops the run)"
+        },
+    )
     name_resolve: str = field(
         default="",
         metadata={
@@ -250,6 +264,15 @@ class BaseExperimentConfig:
         )
         _check(
             self.recover_retries >= 0, f"recover_retries must be >= 0, got {self.recover_retries}"
+        )
+        _check(
+            isinstance(self.max_recover_checkpoints, int) and self.max_recover_checkpoints >= 1,
+            "max_recover_checkpoints must be an integer >= 1, "
+            f"got {self.max_recover_checkpoints!r}",
+        )
+        _check(
+            isinstance(self.worker_restarts, int) and self.worker_restarts >= 0,
+            f"worker_restarts must be an integer >= 0, got {self.worker_restarts!r}",
         )
         for name in ("experiment_name", "trial_name"):
             v = getattr(self, name)

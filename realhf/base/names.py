@@ -39,6 +39,10 @@ __all__ = [
     "training_samples",
     "used_data_ids",
     "experiment_status",
+    "restart_request",
+    "restart_requests",
+    "stream_missing",
+    "rollout_worker_state",
     "update_weights_from_disk",
 ]
 
@@ -204,6 +208,32 @@ def experiment_status(experiment_name: str, trial_name: str) -> str:
 def stop_request(experiment_name: str, trial_name: str) -> str:
     """Set (by ``python -m realhf.apps.main stop``) to ask the controller to stop the run."""
     return f"{trial_root(experiment_name, trial_name)}/stop_request"
+
+
+def restart_request(experiment_name: str, trial_name: str, worker_name: str) -> str:
+    """Set by the controller to have the launcher kill (and so restart) a restartable worker
+    that is lost or failed: JSON ``{"pid", "reason"}``; the launcher deletes it."""
+    return f"{restart_requests(experiment_name, trial_name)}/{worker_name}"
+
+
+def restart_requests(experiment_name: str, trial_name: str) -> str:
+    """Root of :func:`restart_request` keys."""
+    return f"{trial_root(experiment_name, trial_name)}/restart_request"
+
+
+def stream_missing(experiment_name: str, trial_name: str, stream_name: str) -> str:
+    """JSON list of trajectory indices the trainer waits for (of its next batch), set while
+    it waits: the gserver manager reissues those whose rollout worker died."""
+    return (
+        f"{trial_root(experiment_name, trial_name)}/stream_missing/"
+        f"{_seg('stream_name', stream_name)}"
+    )
+
+
+def rollout_worker_state(experiment_name: str, trial_name: str, worker_name: str) -> str:
+    """A rollout worker's data position in this launch (epoch and prompts pushed), so a
+    restarted process of it continues there."""
+    return f"{trial_root(experiment_name, trial_name)}/rollout_state/{worker_name}"
 
 
 def update_weights_from_disk(experiment_name: str, trial_name: str, model_version: int) -> str:

@@ -270,6 +270,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
                 reward_bias=hp.reward_output_bias,
                 success_rate_lb=cfg.success_rate_lb,
                 success_rate_ub=cfg.success_rate_ub,
+                max_bad_row_fraction=cfg.dataset.max_bad_row_fraction,
             ),
         ),
         env=EnvAbstraction("math-code-single-step"),
@@ -320,6 +321,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         ft_spec=ft_spec,
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
+        max_recover_checkpoints=cfg.max_recover_checkpoints,
         log_stats_keys=("rollout/reward", "rollout/staleness_max", "greedy_acc"),
         eval=cfg.eval,
     )
@@ -333,6 +335,14 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         },
         completion_types=("master_worker",),
         scheduling=blocks.scheduling(alloc),
+        # Only the local launcher restarts single processes; on Ray and SLURM a lost
+        # worker relaunches the run (recover_mode=auto).
+        restartable_types=(
+            ("generation_server", "rollout_worker")
+            if cfg.mode == "local" and cfg.worker_restarts
+            else ()
+        ),
+        max_worker_restarts=cfg.worker_restarts,
     )
 
 

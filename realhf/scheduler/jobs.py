@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Dict, Iterator, Optional, Sequence
+from typing import Callable, Dict, Iterator, Mapping, Optional, Sequence
 
 from realhf.base import logging
 
@@ -166,6 +166,14 @@ class JobSet(abc.ABC):
     drain_interval = 0.05
     log_dir: str
     jobs: Sequence[LaunchedJob]
+    #: worker type -> restarts each of its jobs may get (partial restarts; see
+    #: ``ExperimentConfig.restartable_types``); empty: a failed job fails the launch
+    restartable: Mapping[str, int] = {}
+    #: returns the controller's restart requests ``{job name: pid or None}`` and removes
+    #: them: the job is killed (if that process still runs), then restarted as a failed one
+    take_restart_requests: Optional[Callable[[], Dict[str, Optional[int]]]] = None
+    _next_request_check = 0.0
+    _restart_counts: Optional[Dict[str, int]] = None
 
     def stop_at_exit(self) -> None:
         """Have ``stop_all`` run when the interpreter exits (unless collected before)."""
@@ -199,6 +207,40 @@ class JobSet(abc.ABC):
 
     def _after_wait(self) -> None:  # noqa: B027 (optional hook)
         """Called when wait() returns or raises, after everything was stopped."""
+
+    def _relaunch(self, job: LaunchedJob) -> None:
+        """Start ``job``'s command again in place of its ended process (partial restarts)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart single jobs")
+
+    def _kill(self, job: LaunchedJob) -> None:
+        """Kill ``job``'s process (and its children) at once."""
+        raise NotImplementedError(f"{type(self).__name__} cannot kill single jobs")
+
+    def _restart_jobs(self) -> None:
+        """Kill what the controller asked to restart; restart failed restartable jobs."""
+        now = time.monotonic()
+        if self.take_restart_requests is not None and now >= self._next_request_check:
+            self._next_request_check = now + 0.5
+            by_name = {j.name: j for j in self._watched()}
+            for name, pid in self.take_restart_requests().items():
+                job = by_name.get(name)
+                if job is None or job.done or (pid is not None and getattr(job, "pid", pid) != pid):
+                    continue  # gone already, or already replaced by a new process
+                logger.warning(f"{name}: the controller asked for a restart; killing pid {pid}")
+                self._kill(job)
+        if self._restart_counts is None:
+            self._restart_counts = {}
+        counts = self._restart_counts
+        for job in self._watched():
+            limit = self.restartable.get(job.worker_type)
+            if limit is None or not job.failed:
+                continue
+            n = counts.get(job.name, 0)
+            if n >= limit:
+                continue  # the controller reports it; the launch fails as usual
+            counts[job.name] = n + 1
+            logger.warning(f"{job.name} {job.describe_exit()}: restarting it ({n + 1}/{limit})")
+            self._relaunch(job)
 
     # ---- the loop --------------------------------------------------------------
 
@@ -257,6 +299,8 @@ class JobSet(abc.ABC):
             self._check_progress(time.monotonic() - t0)
             if all(j.done for j in mains):
                 return self._outcome(mains, exit_grace)
+            if self.restartable:
+                self._restart_jobs()
             now = time.monotonic()
             failed = [j for j in jobs if j.failed]
             if failed and first_failure is None:

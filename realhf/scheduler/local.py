@@ -16,6 +16,7 @@ of an :class:`~realhf.api.core.system_api.ExperimentConfig`, submit them, wait.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pickle
 import signal
@@ -57,6 +58,8 @@ class Job(LaunchedJob):
     popen: subprocess.Popen
     #: set when the scheduler stopped it as a straggler after a successful run
     stopped_as_straggler: bool = False
+    #: the process environment (a restart reuses it)
+    env: Dict[str, str] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def pid(self) -> int:
@@ -158,21 +161,38 @@ class LocalScheduler(JobSet):
                 self._next_gpu = (self._next_gpu + gpus_per_process) % len(self.gpu_devices)
                 penv["CUDA_VISIBLE_DEVICES"] = ",".join(devs)
             log_path = os.path.join(self.log_dir, f"{worker_type}_{index}.log")
-            with open(log_path, "ab") as log:
-                popen = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env=penv,
-                    start_new_session=True,
-                )
-            job = Job(worker_type, index, argv, log_path, popen)
+            job = Job(
+                worker_type, index, argv, log_path, self._popen(argv, log_path, penv), env=penv
+            )
             with self._lock:
                 self.jobs.append(job)
             new.append(job)
             logger.debug(f"started {job.name} pid {job.pid}: {' '.join(argv)}")
         return new
+
+    @staticmethod
+    def _popen(argv: Sequence[str], log_path: str, env: Mapping[str, str]) -> subprocess.Popen:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                start_new_session=True,
+            )
+
+    def _relaunch(self, job: Job) -> None:
+        old = job.popen
+        proc_group.stop_groups([old], grace=0.0)  # children the old process left behind
+        with open(job.log_path, "ab") as log:
+            log.write(f"\n---- {job.name} restarted after {job.describe_exit()} ----\n".encode())
+        with self._lock:
+            job.popen = self._popen(job.cmd, job.log_path, job.env)
+        logger.info(f"restarted {job.name}: pid {job.pid} (was {old.pid})")
+
+    def _kill(self, job: Job) -> None:
+        proc_group.signal_group(job.pid, signal.SIGKILL)
 
     def find(self, worker_type: str, index: int = 0) -> Job:
         """The job ``worker_type/index``."""
@@ -368,4 +388,34 @@ def launch_experiment(
             env=dict(sch.env),
             gpus_per_process=sch.gpu,
         )
-    return sched.wait(timeout=timeout)
+    if not experiment.restartable_types:
+        return sched.wait(timeout=timeout)
+    # Partial restarts: failed jobs of these types are started again, and the controller's
+    # restart requests (a hung process) kill the old process first.
+    sched.restartable = {t: experiment.max_worker_restarts for t in experiment.restartable_types}
+    repo = name_resolve.from_spec(name_resolve_spec)
+    sched.take_restart_requests = lambda: take_restart_requests(repo, experiment_name, trial_name)
+    try:
+        return sched.wait(timeout=timeout)
+    finally:
+        sched.take_restart_requests = None
+        repo.close()
+
+
+def take_restart_requests(
+    repo: name_resolve.NameRecordRepository, experiment_name: str, trial_name: str
+) -> Dict[str, Optional[int]]:
+    """The controller's restart requests ``{worker name: pid}``, removed from the store."""
+    root = names.restart_requests(experiment_name, trial_name)
+    out: Dict[str, Optional[int]] = {}
+    try:
+        for key in repo.find_subtree(root):
+            try:
+                pid = json.loads(repo.get(key)).get("pid")
+            except (name_resolve.NameEntryNotFoundError, ValueError):
+                pid = None
+            out[key[len(root) :].strip("/")] = pid
+            repo.delete(key)
+    except Exception as e:  # noqa: BLE001 — the store may be briefly away; ask again later
+        logger.warning(f"could not read restart requests: {e!r}")
+    return out

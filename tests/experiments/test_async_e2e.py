@@ -18,6 +18,7 @@ import time
 
 import psutil
 import pytest
+import quickstart_runs
 
 pytestmark = pytest.mark.slow
 
@@ -46,32 +47,8 @@ def _cmd(tmp_path, *args):
     ]
 
 
-def _rows(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def _last_per_step(records):
-    out = {}
-    for r in records:
-        out[r["step"]] = r  # a replayed step's later line is the one that counts
-    return [out[s] for s in sorted(out)]
-
-
 def _check_trained(run, n_steps):
-    """Every step s trained indices [sB, (s+1)B) within the bound; no prompt twice per epoch."""
-    batches = _last_per_step(_rows(run / "trajectories.jsonl"))
-    assert [b["step"] for b in batches] == list(range(1, n_steps + 1))
-    seen = set()
-    for b in batches:
-        s = b["trained_version"]
-        assert b["indices"] == list(range(s * B, (s + 1) * B))
-        for vs in b["version_start"]:
-            assert all(0 <= s - v <= ETA for v in vs), (s, b["version_start"])
-        for p, w, e in zip(b["prompts"], b["workers"], b["data_epochs"]):
-            assert (w, e, p) not in seen, f"prompt {p} of {w} epoch {e} trained twice"
-            seen.add((w, e, p))
-    return batches
+    return quickstart_runs.check_trained(run, n_steps, B, ETA)
 
 
 def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
@@ -84,7 +61,7 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "async-ppo-math" / "run0"
-    rows = _rows(run / "metrics.jsonl")
+    rows = quickstart_runs.rows(run / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3, 4]
     assert all(x["rollout/staleness_max"] <= ETA for x in rows)
     assert "eval/greedy_acc" in rows[-1] and "actor_train/ppo_actor/behave_imp_weight" in rows[0]
@@ -115,7 +92,7 @@ def _wait_for_step(run, step, proc, timeout=300):
     path = run / "metrics.jsonl"
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        if path.exists() and any(r["step"] >= step for r in _rows(path)):
+        if path.exists() and any(r["step"] >= step for r in quickstart_runs.rows(path)):
             return
         time.sleep(0.2)
     raise TimeoutError(f"step {step} not reached in {timeout}s")
@@ -153,7 +130,7 @@ def test_killed_trainer_resumes_exactly(tmp_path):
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
     assert "recovering from the last checkpoint" in out
-    rows = _last_per_step(_rows(run / "metrics.jsonl"))
+    rows = quickstart_runs.last_per_step(quickstart_runs.rows(run / "metrics.jsonl"))
     assert [x["step"] for x in rows] == list(range(1, 8))
     assert all(x["rollout/staleness_max"] <= ETA for x in rows)
     _check_trained(run, 7)

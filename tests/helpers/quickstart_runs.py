@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import time
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional
+
+import psutil
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -67,4 +69,49 @@ def finish(proc, timeout: float = 400.0, code: int = 0) -> str:
             proc.kill()
             proc.wait()
     assert proc.returncode == code, out[-4000:]
+    return out
+
+
+def rows(path) -> List[dict]:
+    """The JSON lines of ``path``."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def last_per_step(records: List[dict]) -> List[dict]:
+    """One record per step, the last one (a replayed step's later line is the one that
+    counts), in step order."""
+    out: Dict[int, dict] = {}
+    for r in records:
+        out[r["step"]] = r
+    return [out[s] for s in sorted(out)]
+
+
+def check_trained(run_dir, n_steps: int, batch_size: int, eta: int) -> List[dict]:
+    """From ``trajectories.jsonl``: every step s trained exactly indices [sB, (s+1)B), each
+    trajectory within the staleness bound ``eta``, no prompt twice per (worker, epoch)."""
+    batches = last_per_step(rows(os.path.join(run_dir, "trajectories.jsonl")))
+    assert [b["step"] for b in batches] == list(range(1, n_steps + 1))
+    seen = set()
+    for b in batches:
+        s = b["trained_version"]
+        assert b["indices"] == list(range(s * batch_size, (s + 1) * batch_size))
+        for vs in b["version_start"]:
+            assert all(0 <= s - v <= eta for v in vs), (s, b["version_start"])
+        for p, w, e in zip(b["prompts"], b["workers"], b["data_epochs"]):
+            assert (w, e, p) not in seen, f"prompt {p} of {w} epoch {e} trained twice"
+            seen.add((w, e, p))
+    return batches
+
+
+def worker_processes(proc, worker_type: str) -> List[psutil.Process]:
+    """The live worker processes of type ``worker_type`` that the run ``proc`` launched."""
+    out = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            argv = p.cmdline()
+        except psutil.Error:
+            continue
+        if "realhf.apps.remote" in argv and worker_type in argv:
+            out.append(p)
     return out

@@ -186,3 +186,54 @@ def test_gpus_are_assigned_round_robin(tmp_path, no_leftover_processes):
     s.wait(timeout=30)
     got = [(tmp_path / "logs" / f"w_{i}.log").read_text().strip() for i in range(3)]
     assert got == ["0,1", "2,0", "1,2"]
+
+
+@pytest.mark.slow
+def test_restartable_jobs_are_restarted_alone_and_killed_on_request(
+    tmp_path, no_leftover_processes
+):
+    marker = tmp_path / "ran"
+    s = LocalScheduler(str(tmp_path))
+    # The worker fails on its first run and succeeds on its second (same command, same env).
+    s.submit(
+        "flaky",
+        _py(
+            f"""
+            import os, sys
+            first = not os.path.exists({str(marker)!r})
+            open({str(marker)!r}, "a").write("x")
+            sys.exit(3 if first else 0)
+            """
+        ),
+    )
+    (hung,) = s.submit("hung", _py("import time; time.sleep(600)"))
+    s.submit("controller", _py("import time; time.sleep(4)"))
+    first_pid = hung.pid
+    requests = {"hung/0": first_pid}
+
+    def take():
+        out = dict(requests)
+        requests.clear()
+        return out
+
+    s.restartable = {"flaky": 2, "hung": 1}
+    s.take_restart_requests = take
+    codes = s.wait(timeout=60, exit_grace=1)
+    assert marker.read_text() == "xx" and codes["flaky/0"] == 0
+    # the hung job was killed on request, restarted, and stopped after the controller ended
+    assert hung.pid != first_pid and hung.stopped_as_straggler
+    log = (tmp_path / "logs" / "flaky_0.log").read_text()
+    assert "flaky/0 restarted after exit code 3" in log
+    no_leftover_processes()
+
+
+@pytest.mark.slow
+def test_a_restartable_job_out_of_restarts_fails_the_launch(tmp_path, no_leftover_processes):
+    s = LocalScheduler(str(tmp_path))
+    s.submit("flaky", _py("import sys; sys.exit(3)"))
+    s.submit("controller", _py("import time; time.sleep(30)"))
+    s.restartable = {"flaky": 2}
+    with pytest.raises(JobFailure, match="flaky/0"):
+        s.wait(timeout=60, failure_grace=0.5)
+    assert (tmp_path / "logs" / "flaky_0.log").read_text().count("restarted after") == 2
+    no_leftover_processes()

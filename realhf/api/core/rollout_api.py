@@ -165,6 +165,11 @@ class GenerationServerConfig:
         max_running_requests, context_length, dtype, device, seed, num_threads,
             request_timeout_s: the built-in engine's settings (``EngineConfig``).
         sglang_args: extra ``SGLangConfig`` fields for the SGLang backend.
+        max_concurrent_requests: HTTP requests the built-in server handles at once; more
+            are answered 503 with ``Retry-After`` and a reason (health, metrics and control
+            routes are never refused).  A waiting request holds about 46 KB with short
+            prompts, so the default keeps them under 200 MB; raise it when rollouts x group
+            size per server exceed it.
         health_timeout_s: most seconds to wait for the server to answer ``/health``.
         registration_ttl_s: keepalive TTL of its ``names.gen_servers`` entry: the manager
             stops routing to a server whose entry expired.
@@ -183,6 +188,7 @@ class GenerationServerConfig:
     num_threads: Optional[int] = None
     request_timeout_s: float = 3600.0
     sglang_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    max_concurrent_requests: int = 4096
     health_timeout_s: float = 600.0
     registration_ttl_s: float = 10.0
     poll_interval_s: float = 0.5
@@ -198,6 +204,7 @@ class GenerationServerConfig:
         _int(c, self, "max_running_requests", 1)
         _int(c, self, "context_length", 2, allow_none=True)
         _int(c, self, "num_threads", 1, allow_none=True)
+        _int(c, self, "max_concurrent_requests", 1)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise _bad(c, "dtype", self.dtype, "use float32, bfloat16 or float16")
         if not isinstance(self.sglang_args, Mapping):
@@ -227,6 +234,11 @@ class GserverManagerConfig:
         train_batch_size: trajectories (prompts) the trainer consumes per step.
         max_concurrent_rollouts: most rollouts running at once; None = train_batch_size.
         host, port: where the HTTP service listens (None = this host's IP; 0 = free port).
+        max_concurrent_requests: HTTP requests (allocate, schedule, finish; held
+            ``/finish_rollout`` calls count) the manager handles at once; more are answered
+            503 with ``Retry-After`` and a reason, which the rollout workers' client retries
+            within its timeout.  Heartbeats, failure reports, ``/status`` and ``/health``
+            are never refused.
         weight_poll_interval_s: how often the trainer's version is checked.
         weight_update_timeout_s: limit of each server call of a weight update (pause,
             update, continue); a server that misses it fails the manager, naming its URL.
@@ -253,6 +265,7 @@ class GserverManagerConfig:
     max_concurrent_rollouts: Optional[int] = None
     host: Optional[str] = None
     port: int = 0
+    max_concurrent_requests: int = 4096
     weight_poll_interval_s: float = 1.0
     weight_update_timeout_s: float = 300.0
     server_wait_timeout_s: float = 300.0
@@ -281,6 +294,7 @@ class GserverManagerConfig:
         _int(c, self, "train_batch_size", 1)
         _int(c, self, "max_concurrent_rollouts", 1, allow_none=True)
         _int(c, self, "max_health_failures", 1)
+        _int(c, self, "max_concurrent_requests", 1)
         _int(c, self, "keep_weight_versions", 1, allow_none=True)
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise _bad(c, "port", self.port, "use 0 (any free port) or a port in 1..65535")
@@ -329,8 +343,10 @@ class RolloutWorkerConfig:
             manager's ``lease_ttl_s``).
         finish_wait_s: long-poll length of a held ``/finish_rollout``.
         push_timeout_s: most seconds a trajectory push may block.
-        max_server_failures: failed ``/generate`` calls one sequence may survive (each is
-            rescheduled on another server) before the rollout fails.
+        max_server_failures: failed ``/generate`` calls in a row one sequence may survive
+            (each is rescheduled on another server) before the rollout fails.
+        no_server_wait_s: while no generation server is live (the only one died and is being
+            restarted), a chunk waits this long for one before the rollout fails.
         max_rollouts: stop (COMPLETED) after this many finished rollouts; None runs until
             the experiment ends.
         seeded_sampling: send a ``sampling_seed`` derived from (seed, worker, prompt, member,
@@ -357,6 +373,7 @@ class RolloutWorkerConfig:
     finish_wait_s: float = 10.0
     push_timeout_s: float = 300.0
     max_server_failures: int = 3
+    no_server_wait_s: float = 180.0
     max_rollouts: Optional[int] = None
     seeded_sampling: bool = False
     imports: Tuple[str, ...] = ()
@@ -393,6 +410,7 @@ class RolloutWorkerConfig:
             "heartbeat_interval_s",
             "finish_wait_s",
             "push_timeout_s",
+            "no_server_wait_s",
         )
         object.__setattr__(self, "imports", tuple(self.imports))
 

@@ -103,12 +103,21 @@ class ExperimentConfig:
         completion_types: the run has finished when every worker of these
             types is COMPLETED; empty means all workers.
         scheduling: per worker type resources; default ``Scheduling()``.
+        restartable_types: worker types that hold no training state (generation
+            servers, rollout workers): a lost or failed one is restarted alone —
+            relaunched by the launcher, configured and started again by the
+            controller — while the others keep running.  Any other worker's loss
+            stops the run (and ``recover_mode=auto`` relaunches everything).
+        max_worker_restarts: restarts each restartable worker may get in one launch;
+            one more failure stops the run.
     """
 
     workers: Dict[str, List[Any]]
     configure_order: Sequence[str] = DEFAULT_CONFIGURE_ORDER
     completion_types: Sequence[str] = ()
     scheduling: Dict[str, Scheduling] = dataclasses.field(default_factory=dict)
+    restartable_types: Sequence[str] = ()
+    max_worker_restarts: int = 3
 
     def __post_init__(self):
         if not isinstance(self.workers, dict) or not self.workers:
@@ -132,10 +141,18 @@ class ExperimentConfig:
         self.completion_types = tuple(self.completion_types)
         unknown = [t for t in self.completion_types if t not in self.workers]
         unknown += [t for t in self.scheduling if t not in self.workers]
+        self.restartable_types = tuple(self.restartable_types)
+        unknown += [t for t in self.restartable_types if t not in self.workers]
         if unknown:
             raise ValueError(
                 f"ExperimentConfig names worker types {unknown} in completion_types/"
-                f"scheduling that have no workers; known types: {sorted(self.workers)}."
+                f"scheduling/restartable_types that have no workers; known types: "
+                f"{sorted(self.workers)}."
+            )
+        if not isinstance(self.max_worker_restarts, int) or self.max_worker_restarts < 0:
+            raise ValueError(
+                f"ExperimentConfig.max_worker_restarts must be an int >= 0, got "
+                f"{self.max_worker_restarts!r}."
             )
 
     @property

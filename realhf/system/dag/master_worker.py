@@ -29,6 +29,7 @@ rollout side of asynchronous RL waits for.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -39,7 +40,7 @@ from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
-from realhf.base import constants, name_resolve, names, recover
+from realhf.base import constants, faults, name_resolve, names, recover
 from realhf.base.timeutil import FrequencyControl
 from realhf.system.dag.messages import (
     REQUEST_STREAM,
@@ -355,14 +356,24 @@ class MasterWorker(AsyncWorker):
         # Workers write into a .tmp directory that only the commit below, after every
         # worker has replied, turns into a checkpoint: a crash mid-write leaves none.
         tmp = recover.prepare_tmp_dir(root, self.step.global_step)
-        await self._call(Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n)
-        recover.commit(
-            root,
-            tmp,
-            self.step.global_step,
-            self._state_dict(),
-            self.config.max_recover_checkpoints,
-        )
+        try:
+            await self._call(Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n)
+            hold = faults.faults_of(self.worker_name).get("slow_checkpoint")
+            if hold:  # reliability tests strike while a checkpoint is being written
+                await asyncio.sleep(hold)
+            recover.commit(
+                root,
+                tmp,
+                self.step.global_step,
+                self._state_dict(),
+                self.config.max_recover_checkpoints,
+            )
+        except BaseException:
+            # A worker's write failed (e.g. CheckpointWriteError: the disk is full): the
+            # partial directory goes, the previous checkpoint stays the one to resume
+            # from, and the error (naming the directory and the cause) fails the run.
+            recover.discard_tmp_dir(tmp)
+            raise
         self.trace.complete("checkpoint", "master_worker/0", t, time.time())
 
     async def _finish(self) -> None:

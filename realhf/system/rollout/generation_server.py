@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
-from realhf.base import constants, name_resolve, names, network
+from realhf.base import constants, faults, name_resolve, names, network
 from realhf.base.http_server import ServerThread
 from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
 from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
@@ -115,7 +115,10 @@ class GenerationServer(Worker):
             tokenizer=tokenizer,
             model_path=config.model_path,
             served_model_name=self.worker_name.replace("/", "-"),
+            max_concurrent_requests=config.max_concurrent_requests,
         )
+        # Reliability tests inject faults into this server's answers ($REALHF_FAULTS).
+        app = faults.wrap_asgi(app, faults.faults_of(self.worker_name), self.worker_name)
         self.http = ServerThread(app, host=host, port=config.port).start(
             timeout=config.health_timeout_s
         )

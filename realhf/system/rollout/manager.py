@@ -15,6 +15,13 @@ the version all live servers run, which is never ahead of what generates the tok
 Leases: every running rollout belongs to one rollout-worker process (name + incarnation).
 Its heartbeats renew all its leases; after ``lease_ttl_s`` without one, or when a new
 incarnation of the same worker appears, its rollouts are released and their slots freed.
+
+Lost deliveries: an accepted index stays recorded with its owner until the trainer has
+trained it.  When the trainer reports indices it keeps waiting for (``progress.missing()``)
+and their owner is gone (released as above), the process died between taking the index and
+delivering the trajectory: the index is reissued (:meth:`StalenessController.reissue`) and
+the next accepted rollout fills it.  Should the original still arrive, the trainer keeps the
+first copy and drops the other.
 """
 
 from __future__ import annotations
@@ -118,6 +125,8 @@ class GserverManager:
         self.trained_samples = 0
         #: worker name -> its current lease (one incarnation per worker at a time)
         self.owners: Dict[str, _Lease] = {}
+        #: accepted index -> its owner, until the trainer has trained it
+        self.delivering: Dict[int, RolloutOwner] = {}
         self._changed = asyncio.Event()
         self._warned_trained = False
         #: False until the trainer announced where it starts (see GserverManagerWorker);
@@ -224,8 +233,10 @@ class GserverManager:
             # Take the event before trying: a change between the try and the wait then
             # still wakes this request instead of being missed.
             changed = self._changed
-            index = self.staleness.accept(req.rollout_id)  # raises RolloutNotRunning
+            owner = self.staleness.get(req.rollout_id).owner  # raises RolloutNotRunning
+            index = self.staleness.accept(req.rollout_id)
             if index is not None:
+                self.delivering[index] = owner
                 self._notify()
                 return FinishReply(FinishStatus.ACCEPTED, index)
             left = deadline - loop.time()
@@ -263,6 +274,7 @@ class GserverManager:
             "accepted_total": st.accepted_total,
             "accepted_pending": max(0, st.accepted_total - self.trained_samples),
             "running": st.running,
+            "holes": st.holes,
             "capacity": st.capacity(self.version),
             "stats": dict(st.stats),
             "owners": {w: lease.owner.incarnation for w, lease in self.owners.items()},
@@ -323,8 +335,35 @@ class GserverManager:
                 f"accepted only {self.staleness.accepted_total}: trajectories come from elsewhere "
                 "(another manager, or a resumed run without its state), so staleness is not exact"
             )
+        missing = getattr(self.progress, "missing", None)
+        if missing is not None:
+            self.reissue_lost(await asyncio.to_thread(missing))
         if self.trainer_version > self.version:
             await self.pool.update_weights(self.trainer_version)
+
+    def _owner_gone(self, owner: RolloutOwner) -> bool:
+        lease = self.owners.get(owner.worker)
+        return lease is None or lease.owner != owner
+
+    def reissue_lost(self, missing: List[int]) -> List[int]:
+        """Reissue the indices among ``missing`` whose owner is gone; returns them."""
+        for k in [k for k in self.delivering if k < self.trained_samples]:
+            del self.delivering[k]
+        reissued = []
+        for k in missing:
+            owner = self.delivering.get(k)
+            if owner is None or not self._owner_gone(owner):
+                continue
+            del self.delivering[k]
+            if self.staleness.reissue(k):
+                reissued.append(k)
+        if reissued:
+            logger.warning(
+                f"the trainer waits for trajectories {reissued} whose rollout worker process "
+                "is gone: their indices are reissued to the next accepted rollouts"
+            )
+            self._notify()
+        return reissued
 
     # ---- recovery -------------------------------------------------------------
 

@@ -10,8 +10,13 @@ all chunks are concatenated.  ``version_start`` is the version of the first chun
 ``version_end`` that of the last one.
 
 A server that cannot be reached, times out or answers 5xx is reported to the manager and the
-chunk goes to another server (at most ``max_server_failures`` times per member); a 4xx answer
-is a bad request and fails the rollout at once with the server's message.
+chunk goes to another server (at most ``max_server_failures`` failures in a row per member;
+a chunk that succeeds resets the count); a 4xx answer
+is a bad request and fails the rollout at once with the server's message; a 503 with
+``Retry-After`` (the server is at its ``max_concurrent_requests``) is asked again after the
+pause, without counting as a failure.  While no server
+is live at all (the only one died and is being restarted) a chunk waits up to
+``no_server_wait_s`` for one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from realhf.api.core.gen_api import FinishType, parse_sglang_output
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration, ScheduleRequest
 from realhf.base import logging, seeding
 from realhf.system.rollout.manager_client import ManagerClient, UncappedSession
+from realhf.system.rollout.server_pool import NoServerAvailable
 
 logger = logging.getLogger("partial_rollout", "system")
 
@@ -71,7 +77,8 @@ class PartialRolloutManager(UncappedSession):
         new_tokens_per_chunk: most tokens per ``/generate`` call.
         request_timeout_s: limit of one ``/generate`` call.
         stop_token_ids: stop tokens added to every request (EOS and pad of the tokenizer).
-        max_server_failures: failed calls one member may survive.
+        max_server_failures: failed calls in a row one member may survive.
+        no_server_wait_s: how long a chunk waits while no server is live.
         seed: when set, every chunk gets a sampling seed derived from
             ``(seed, qid, member, offset)``, so a replay with the same chunking samples the
             same tokens.
@@ -85,6 +92,7 @@ class PartialRolloutManager(UncappedSession):
         request_timeout_s: float = 3600.0,
         stop_token_ids: Iterable[int] = (),
         max_server_failures: int = 3,
+        no_server_wait_s: float = 180.0,
         seed: Optional[int] = None,
     ):
         if not isinstance(new_tokens_per_chunk, int) or new_tokens_per_chunk < 1:
@@ -96,6 +104,7 @@ class PartialRolloutManager(UncappedSession):
         self.request_timeout_s = request_timeout_s
         self.stop_token_ids = tuple(sorted(set(int(t) for t in stop_token_ids)))
         self.max_server_failures = max_server_failures
+        self.no_server_wait_s = no_server_wait_s
         self.seed = seed
         self.stats: collections.Counter = collections.Counter()
 
@@ -144,9 +153,10 @@ class PartialRolloutManager(UncappedSession):
         prev: Tuple[str, int] = ("", -1)
         exclude: List[str] = []
         failures = chunks = interrupted = empty_aborts = 0
+        overloaded_s = 0.0
         while True:
             remaining = budget - len(out_ids)
-            sched = await self.client.schedule(
+            sched = await self._schedule(
                 ScheduleRequest(
                     rollout_id,
                     len(req.prompt_ids) + len(out_ids),
@@ -167,6 +177,18 @@ class PartialRolloutManager(UncappedSession):
             }
             try:
                 out = await self._generate(sched.url, body)
+            except _Overloaded as e:
+                # Refused before it was processed: not a failure; ask again after a pause.
+                overloaded_s += e.retry_after
+                self.stats["overloaded"] += 1
+                if overloaded_s > self.no_server_wait_s:
+                    raise GenerationFailed(
+                        f"rollout {rollout_id} ({req.qid!r}) member {member}: the servers "
+                        f"refused it as overloaded for {overloaded_s:.0f}s "
+                        f"(no_server_wait_s={self.no_server_wait_s:g}): {e}"
+                    ) from None
+                await asyncio.sleep(e.retry_after)
+                continue
             except _ServerFailure as e:
                 failures += 1
                 self.stats["server_failures"] += 1
@@ -184,6 +206,7 @@ class PartialRolloutManager(UncappedSession):
                 prev = ("", -1)
                 continue
             exclude.clear()
+            failures = 0
             chunks += 1
             self.stats["chunks"] += 1
             out_ids += out.output_ids
@@ -213,6 +236,30 @@ class PartialRolloutManager(UncappedSession):
                     await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
             prev = (sched.url, sched.version)
 
+    async def _schedule(self, req: ScheduleRequest):
+        """The manager's choice of server; waits (bounded) while no server is live."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.no_server_wait_s
+        waited = False
+        while True:
+            try:
+                sched = await self.client.schedule(req)
+            except NoServerAvailable as e:
+                if loop.time() >= deadline:
+                    raise GenerationFailed(
+                        f"rollout {req.rollout_id}: no live generation server for "
+                        f"{self.no_server_wait_s:g}s (no_server_wait_s): {e}"
+                    ) from None
+                if not waited:
+                    waited = True
+                    self.stats["waited_for_server"] += 1
+                    logger.warning(f"rollout {req.rollout_id}: {e}; waiting for a server")
+                await asyncio.sleep(0.5)
+                continue
+            if waited:
+                logger.info(f"rollout {req.rollout_id}: a generation server is back")
+            return sched
+
     async def _generate(self, url: str, body: dict) -> _Chunk:
         try:
             async with self.session.post(
@@ -221,12 +268,19 @@ class PartialRolloutManager(UncappedSession):
                 timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
             ) as r:
                 status, text = r.status, await r.text()
+                retry_after = r.headers.get("Retry-After")
         except asyncio.TimeoutError:
             raise _ServerFailure(
                 f"{url}/generate did not answer within {self.request_timeout_s:g}s"
             ) from None
         except aiohttp.ClientError as e:
             raise _ServerFailure(f"{url}/generate failed: {e!r}") from None
+        if status == 503 and retry_after is not None:
+            try:
+                wait = min(5.0, max(0.05, float(retry_after)))
+            except ValueError:
+                wait = 1.0
+            raise _Overloaded(wait, f"{url}/generate: {text[:300]}")
         if status >= 500:
             raise _ServerFailure(f"{url}/generate answered HTTP {status}: {text[:300]}")
         if status != 200:
@@ -242,6 +296,14 @@ class PartialRolloutManager(UncappedSession):
             data = data[0]
         out = parse_sglang_output(data)
         return _Chunk(out.output_ids, out.output_logprobs, out.finish_reason.type)
+
+
+class _Overloaded(Exception):
+    """The server refused the call for load (503 with ``Retry-After``); it never ran it."""
+
+    def __init__(self, retry_after: float, message: str):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class _ServerFailure(Exception):

@@ -16,13 +16,19 @@ poll tries to start one rollout::
                                             Trajectory to the trainer's data heads
 
 A heartbeat task renews the worker's leases; if this process dies the manager releases its
-running rollouts after ``lease_ttl_s``.  A failing rollout (agent error, no generation server
-left, bad request) fails the worker with that error after releasing the slot.  The worker
-ends when ``names.experiment_status`` leaves RUNNING or after ``max_rollouts`` rollouts.
+running rollouts after ``lease_ttl_s`` (or at once, when a restarted process of the same
+worker says hello).  A failing rollout (agent error, no generation server for
+``no_server_wait_s``, bad request) fails the worker with that error after releasing the slot.
+The worker ends when ``names.experiment_status`` leaves RUNNING or after ``max_rollouts``
+rollouts.
 
-Known limit: a process that dies between getting an index and pushing the trajectory leaves
-that index missing; the trainer then waits for it (its timeout names the index) — in
-practice the controller stops the run when a worker is lost, and recovery starts afresh.
+Restarts: a rollout worker holds no training state, so the controller restarts a lost one
+alone (``ExperimentConfig.restartable_types``).  After every finished rollout the worker
+publishes its data position (``names.rollout_worker_state``: epoch and the prompts whose
+rollouts ended); a restarted process of it in the same launch continues from there, so the
+prompts that were in flight are generated again and no finished one is.  An index the old
+process took but never delivered is reissued by the manager once the trainer reports it
+missing (see :mod:`realhf.system.rollout.manager`).
 """
 
 from __future__ import annotations
@@ -104,6 +110,11 @@ class RolloutWorker(AsyncWorker):
         self._heartbeat: Optional[asyncio.Task] = None
         self._push_lock: Optional[asyncio.Lock] = None
         self._reported = 0
+        self._state_key = names.rollout_worker_state(
+            self.experiment_name, self.trial_name, self.worker_name
+        )
+        #: prompt id -> running rollouts of it (their prompts are not "ended" yet)
+        self._in_flight: Dict[str, int] = {}
         self.logger.info(f"{len(self.loader)} prompts in shard {self.worker_index}/{n_workers}")
 
     # ---- lifecycle ------------------------------------------------------------
@@ -126,6 +137,7 @@ class RolloutWorker(AsyncWorker):
             request_timeout_s=cfg.rollout_request_timeout_s,
             stop_token_ids=self.stop_token_ids,
             max_server_failures=cfg.max_server_failures,
+            no_server_wait_s=cfg.no_server_wait_s,
             seed=seeding.derive_seed(cfg.seed, self.worker_name) if cfg.seeded_sampling else None,
         )
         self.pusher = await asyncio.to_thread(
@@ -156,6 +168,17 @@ class RolloutWorker(AsyncWorker):
                 f"{self.worker_name}: the trainer did not announce its start ({key!r}) within "
                 f"{timeout:g}s; check the master_worker and model_worker logs"
             ) from None
+        try:  # a restarted process of this worker in the same launch
+            state = json.loads(await asyncio.to_thread(name_resolve.get, self._state_key))
+        except name_resolve.NameEntryNotFoundError:
+            state = None
+        if state is not None:
+            self.loader.load_state_dict(state)
+            self.logger.info(
+                f"restarted: continuing epoch {state['epoch']} after the "
+                f"{len(state['used_ids'])} prompts whose rollouts had ended"
+            )
+            return
         ckpt = start.get("checkpoint")
         pos = rollout_position(ckpt, self.worker_name) if ckpt else None
         if pos is not None:
@@ -264,6 +287,8 @@ class RolloutWorker(AsyncWorker):
             return False
         self._next_prompt = None
         self.counts["started"] += 1
+        qid = prompt.ids[0]
+        self._in_flight[qid] = self._in_flight.get(qid, 0) + 1
         self.running[reply.rollout_id] = asyncio.create_task(
             self._rollout(reply.rollout_id, prompt, epoch), name=f"rollout {reply.rollout_id}"
         )
@@ -272,6 +297,31 @@ class RolloutWorker(AsyncWorker):
     # ---- one rollout ----------------------------------------------------------
 
     async def _rollout(self, rollout_id: str, prompt, epoch: int) -> None:
+        await self._rollout_once(rollout_id, prompt, epoch)
+        # Ended (pushed, filtered or dropped): a restarted process need not run it again.
+        qid = prompt.ids[0]
+        self._in_flight[qid] -= 1
+        if not self._in_flight[qid]:
+            del self._in_flight[qid]
+        await self._publish_position()
+
+    async def _publish_position(self) -> None:
+        state = self.loader.state_dict()
+        peeked = {self._next_prompt[0].ids[0]} if self._next_prompt is not None else set()
+        state["used_ids"] = [
+            i for i in state["used_ids"] if i not in self._in_flight and i not in peeked
+        ]
+        # Kept after this process exits: a restarted one reads it.  A new launch clears the
+        # trial's keys, and then the recover checkpoint says where to start.
+        await asyncio.to_thread(
+            name_resolve.add,
+            self._state_key,
+            json.dumps(state),
+            replace=True,
+            delete_on_exit=False,
+        )
+
+    async def _rollout_once(self, rollout_id: str, prompt, epoch: int) -> None:
         try:
             samples = await self._run_agent(rollout_id, prompt)
         except RolloutNotRunning as e:

@@ -12,8 +12,11 @@ policy — ``round_robin``, ``least_requests`` or ``least_token_usage`` (the las
 
 Weights (:meth:`ServerPool.update_weights`): every live server gets ``/pause_generation`` ->
 ``/update_weights_from_disk`` -> ``/continue_generation``, each bounded by
-``weight_update_timeout_s``.  A live server that misses a step raises
-:class:`WeightUpdateError` naming its URL; one that cannot be reached at all is dropped.
+``weight_update_timeout_s``.  A server that cannot be reached is dropped; one that fails a
+step is taken out of service (it may hold the old weights) and tried again at health checks
+every :data:`REJOIN_RETRY_S` seconds — it rejoins once an update to the current version
+succeeds.  Only when no server is left live does the update raise
+:class:`WeightUpdateError` naming each server's failure (the run then stops).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class WeightUpdateError(RuntimeError):
         )
 
 
+#: seconds between attempts to bring a server that failed a weight update back
+REJOIN_RETRY_S = 5.0
+
+
 class NoServerAvailable(RuntimeError):
     """No live generation server can take a request."""
 
@@ -76,6 +83,8 @@ class ServerState:
     assigned_tokens: float = 0.0
     n_scheduled: int = 0
     dead_reason: str = ""
+    #: monotonic time before which a server out of service is not tried again
+    retry_at: float = 0.0
     #: set while a weight update of this server runs (requests to it wait)
     updating: Optional[asyncio.Event] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -227,7 +236,13 @@ class ServerPool:
     async def check(self) -> None:
         """Discover new servers, health-check live ones, refresh load metrics."""
         registered = set(await asyncio.to_thread(self.discover))
-        new = sorted(u for u in registered if u not in self.servers or not self.servers[u].live)
+        now = time.monotonic()
+        new = sorted(
+            u
+            for u in registered
+            if u not in self.servers
+            or (not self.servers[u].live and self.servers[u].retry_at <= now)
+        )
         for s in self.live():
             if s.url not in registered:
                 self.mark_dead(s, "its registration in name_resolve expired")
@@ -248,7 +263,19 @@ class ServerPool:
         async with self._lock:
             s = ServerState(url)
             if self.version > 0:  # a server starts from the initial weights
-                await self._update_server(s, self.version, self.weight_dir(self.version))
+                try:
+                    await self._update_server(s, self.version, self.weight_dir(self.version))
+                except (WeightUpdateError, _ServerGone) as e:
+                    old = self.servers.get(url)
+                    if old is None:
+                        self.servers[url] = old = ServerState(url, live=False)
+                    old.dead_reason = f"could not join: {e}"
+                    old.retry_at = time.monotonic() + REJOIN_RETRY_S
+                    logger.warning(
+                        f"generation server {url} cannot join yet ({e}); "
+                        f"trying again in {REJOIN_RETRY_S:g}s"
+                    )
+                    return
             self.servers[url] = s
         logger.info(f"generation server {url} joined at version {s.version}")
 
@@ -284,11 +311,25 @@ class ServerPool:
             results = await asyncio.gather(
                 *(self._update_server(s, version, path) for s in targets), return_exceptions=True
             )
+            failed = []
             for s, r in zip(targets, results):
                 if isinstance(r, _ServerGone):
                     self.mark_dead(s, f"unreachable during the weight update to version {version}")
+                elif isinstance(r, WeightUpdateError):
+                    failed.append(r)
+                    self.mark_dead(s, str(r))
+                    s.retry_at = time.monotonic() + REJOIN_RETRY_S
                 elif isinstance(r, BaseException):
                     raise r
+            if failed and not self.live():
+                if len(failed) == 1:
+                    raise failed[0]
+                raise WeightUpdateError(
+                    ", ".join(f.url for f in failed),
+                    failed[0].step,
+                    version,
+                    "on every server: " + "; ".join(str(f) for f in failed),
+                )
             self.version = version
         logger.info(
             f"weights of version {version} on {len(targets)} servers "

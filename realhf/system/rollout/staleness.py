@@ -30,6 +30,19 @@ Rules
    until rollouts with earlier deadlines are accepted or rejected.
 3. **Reject** (filtered group, failed rollout, dead worker, expired lease): drop it from
    ``R``; its slot is free at once.
+4. **Reissue** an index ``k < A`` whose trajectory will never arrive (its rollout worker died
+   between taking the index and delivering the trajectory): ``k`` becomes a *hole*, and the
+   next acceptance takes the smallest hole instead of ``A``.
+
+Holes generalise the counts: with ``H`` the set of holes, the indices still free for
+deadline ``d`` are ``F(d) = |{h ∈ H: h < B(d+1)}| + max(0, B(d+1) − A)`` (for ``H = ∅`` the
+rules below read exactly as rules 1 and 2 above).  Admission at ``v`` needs
+``R + 1 ≤ F(v + η)``; acceptance of ``Y`` takes ``f = min(H ∪ {A})`` and needs, for every
+running ``j`` with ``d_j < d_Y``, ``R(≤d_j) ≤ F(d_j) − [f < B(d_j+1)]``; the invariant is
+``R(≤d_j) ≤ F(d_j)``.  Reissue only grows ``F``.  Exactness: ``Y ∈ R(≤d_Y) ≤ F(d_Y)`` means
+some free index lies below ``B(d_Y+1)``, so the smallest one does.  The trainer waits for a
+hole like for any missing index; a late copy of the original trajectory is dropped by
+:class:`IndexOrderBatcher` (first arrival wins), so nothing is trained twice.
 
 Invariant ``I``: for every running ``j``, ``A + R(≤d_j) ≤ B·(d_j + 1)``.
 
@@ -75,9 +88,11 @@ every rollout of the old run.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import itertools
+import json
 import threading
 import uuid
 from collections.abc import Hashable
@@ -107,18 +122,23 @@ class TrainerProgress(Protocol):
     def trained_samples(self) -> int:
         """Trajectories the trainer has consumed so far."""
 
+    def missing(self) -> List[int]:
+        """Indices the trainer has waited for a while (of its next batch); may be empty."""
+
 
 class NameResolveProgress:
     """:class:`TrainerProgress` read from name_resolve.
 
-    ``names.model_version(exp, trial, role)`` (set by the trainer after publishing weights) and
-    ``names.training_samples(exp, trial)`` (set by the master after each step); a missing key
-    reads as 0 (nothing published yet).
+    ``names.model_version(exp, trial, role)`` (set by the trainer after publishing weights),
+    ``names.training_samples(exp, trial)`` (set by the master after each step) and
+    ``names.stream_missing`` (set by the trainer while it waits); a missing key reads as 0
+    (nothing published yet) or as no missing index.
     """
 
-    def __init__(self, experiment_name: str, trial_name: str, role: str):
+    def __init__(self, experiment_name: str, trial_name: str, role: str, stream: str = "rollout"):
         self._version_key = names.model_version(experiment_name, trial_name, role)
         self._samples_key = names.training_samples(experiment_name, trial_name)
+        self._missing_key = names.stream_missing(experiment_name, trial_name, stream)
 
     @staticmethod
     def _read_int(key: str) -> int:
@@ -139,6 +159,12 @@ class NameResolveProgress:
 
     def trained_samples(self) -> int:
         return self._read_int(self._samples_key)
+
+    def missing(self) -> List[int]:
+        try:
+            return [int(i) for i in json.loads(name_resolve.get(self._missing_key))]
+        except name_resolve.NameEntryNotFoundError:
+            return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +214,8 @@ class StalenessController:
         self.eta = max_head_offpolicyness
         self.max_concurrent = max_concurrent_rollouts
         self._lock = threading.Lock()
-        self.accepted_total = 0  # A: also the next index
+        self.accepted_total = 0  # A: the next new index
+        self._holes: List[int] = []  # H: reissued indices below A, sorted
         self._running: Dict[str, Admission] = {}
         self._by_deadline: collections.Counter = collections.Counter()
         self._ids = itertools.count()
@@ -201,6 +228,17 @@ class StalenessController:
     def running(self) -> int:
         """``R``: admitted rollouts not yet accepted or rejected."""
         return len(self._running)
+
+    @property
+    def holes(self) -> List[int]:
+        """Reissued indices (below ``A``) waiting for a trajectory, smallest first."""
+        with self._lock:
+            return list(self._holes)
+
+    def _free(self, deadline: int) -> int:
+        """``F(d)``: indices still free that step ``d`` or an earlier one trains."""
+        limit = self.batch_size * (deadline + 1)
+        return bisect.bisect_left(self._holes, limit) + max(0, limit - self.accepted_total)
 
     def is_running(self, rollout_id: str) -> bool:
         return rollout_id in self._running
@@ -226,18 +264,14 @@ class StalenessController:
     def _refusal(self, version: int) -> Optional[str]:
         if len(self._running) >= self.max_concurrent:
             return "capacity"
-        if (self.accepted_total + len(self._running)) // self.batch_size > version + self.eta:
+        if len(self._running) + 1 > self._free(version + self.eta):
             return "staleness"
         return None
 
     def capacity(self, version: int) -> int:
         """How many rollouts rule 1 and the concurrency cap would admit right now."""
         with self._lock:
-            by_staleness = (
-                self.batch_size * (version + self.eta + 1)
-                - self.accepted_total
-                - len(self._running)
-            )
+            by_staleness = self._free(version + self.eta) - len(self._running)
             return max(0, min(self.max_concurrent - len(self._running), by_staleness))
 
     def owned_by(self, owner: Hashable) -> List[str]:
@@ -267,13 +301,16 @@ class StalenessController:
         with self._lock:
             return self._blocking_deadline(self.get(rollout_id)) is None
 
+    def _next_index(self) -> int:
+        return self._holes[0] if self._holes else self.accepted_total
+
     def _blocking_deadline(self, adm: Admission) -> Optional[int]:
-        cum = 0
+        f, cum = self._next_index(), 0
         for d in sorted(self._by_deadline):
             if d >= adm.deadline:
                 return None
             cum += self._by_deadline[d]
-            if self.accepted_total + 1 + cum > self.batch_size * (d + 1):
+            if cum > self._free(d) - (f < self.batch_size * (d + 1)):
                 return d
         return None
 
@@ -285,10 +322,24 @@ class StalenessController:
                 self.stats["held"] += 1
                 return None
             self._drop(adm)
-            index = self.accepted_total
-            self.accepted_total += 1
+            if self._holes:
+                index = self._holes.pop(0)
+                self.stats["filled_holes"] += 1
+            else:
+                index = self.accepted_total
+                self.accepted_total += 1
             self.stats["accepted"] += 1
             return index
+
+    def reissue(self, index: int) -> bool:
+        """Rule 4: hand ``index`` out again (its trajectory is lost); False if it is not
+        an index given out and not already reissued."""
+        with self._lock:
+            if not 0 <= index < self.accepted_total or index in self._holes:
+                return False
+            bisect.insort(self._holes, index)
+            self.stats["reissued"] += 1
+            return True
 
     def reject(self, rollout_id: str, why: str = "rejected") -> Admission:
         """Rule 3: free the slot of ``rollout_id`` (filtered, failed or released)."""
@@ -351,6 +402,7 @@ class StalenessController:
                 )
             self._running.clear()
             self._by_deadline.clear()
+            self._holes.clear()
             self._run = uuid.uuid4().hex[:6]
             self.accepted_total = trained_samples
             self.stats = collections.Counter(state.get("stats", {}))
@@ -382,16 +434,23 @@ class IndexOrderBatcher(Generic[T]):
             )
         self.batch_size = batch_size
         self.next_index = start_index
+        self.duplicates = 0
         self._items: Dict[int, T] = {}
 
-    def add(self, index: int, item: T) -> None:
+    def add(self, index: int, item: T) -> bool:
+        """Keep ``item`` under ``index``; False (and nothing kept) for an index that already
+        arrived or was consumed: the first arrival wins.
+
+        A second copy of an index is legitimate once: the manager reissued an index whose
+        producer died (rule 4), and the original still arrived.  Duplicates are counted.
+        """
+        if not isinstance(index, int) or index < 0:
+            raise ValueError(f"IndexOrderBatcher: index {index!r} must be an integer >= 0")
         if index < self.next_index or index in self._items:
-            raise ValueError(
-                f"IndexOrderBatcher: index {index} was already "
-                f"{'consumed' if index < self.next_index else 'added'}; every trajectory index "
-                "is pushed exactly once (two managers or runs writing to one trainer?)"
-            )
+            self.duplicates += 1
+            return False
         self._items[index] = item
+        return True
 
     @property
     def pending(self) -> int:

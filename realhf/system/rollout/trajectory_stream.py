@@ -18,6 +18,12 @@ prompts, from which worker and epoch, started and ended at which weight versions
 which step); after a recovery the lines of the replayed steps appear again, the last line of a
 step is the one that counts.
 
+While rank 0 waits longer than a pull slice for a batch it publishes the missing indices
+(``names.stream_missing``): the gserver manager reissues those whose rollout worker died
+after taking the index (:meth:`StalenessController.reissue`).  A copy of an index that
+arrives after another one is dropped and counted (``rollout/duplicates_dropped``): the first
+arrival wins, so no trajectory index is trained twice.
+
 Recoverable state: the position (epoch, used, next index) and, per rollout worker, the
 prompts already trained in that worker's current epoch — a resumed rollout worker reads
 them from the checkpoint and skips those prompts (:func:`rollout_position`).
@@ -34,7 +40,7 @@ from typing import Any, Dict, List, Optional
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.rollout_api import Trajectory
 from realhf.api.core.worker_api import TrajectoryStreamSpec
-from realhf.base import logging, recover
+from realhf.base import logging, name_resolve, names, recover
 from realhf.system.rollout.staleness import IndexOrderBatcher
 from realhf.system.transport.errors import StreamTimeout
 from realhf.system.transport.push_pull import EndOfStream, PullerStream
@@ -44,7 +50,7 @@ logger = logging.getLogger("stream_loader", "system")
 __all__ = ["StalenessViolation", "TrajectoryStreamLoader", "rollout_position"]
 
 # How long one pull blocks before the loader re-checks its deadline.
-_PULL_SLICE_S = 2.0
+_PULL_SLICE_S = 1.0
 
 
 class StalenessViolation(RuntimeError):
@@ -84,6 +90,9 @@ class TrajectoryStreamLoader:
         self.positions: Dict[str, Dict[str, Any]] = {}
         self._stats: Dict[str, float] = {}
         self.log_path = log_path if self.owner else None
+        self._missing_key = names.stream_missing(experiment_name, trial_name, spec.stream_name)
+        self._published_missing: Optional[List[int]] = None
+        self._next_publish = 0.0
         self.puller: Optional[PullerStream] = None
         if self.owner:
             self.puller = PullerStream(
@@ -145,11 +154,18 @@ class TrajectoryStreamLoader:
     # ---- pulling --------------------------------------------------------------
 
     def _wait_batch(self) -> List[Trajectory]:
-        deadline = time.monotonic() + self.spec.wait_timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + self.spec.wait_timeout_s
         while True:
             batch = self.batcher.pop_batch()
             if batch is not None:
+                if self._published_missing:
+                    self._publish_missing([])
                 return batch
+            now = time.monotonic()
+            if now - t0 >= _PULL_SLICE_S and now >= self._next_publish:
+                self._next_publish = now + 1.0
+                self._publish_missing(self.batcher.missing())
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = self.batcher.missing()
@@ -166,7 +182,22 @@ class TrajectoryStreamLoader:
             if isinstance(msg, EndOfStream):
                 logger.info(f"rollout worker {msg.producer_index} ended its stream")
                 continue
-            self.batcher.add(msg.index, msg)
+            if not self.batcher.add(msg.index, msg):
+                logger.warning(
+                    f"trajectory index {msg.index} (prompt {msg.qid!r}, {msg.worker}) arrived "
+                    "again and is dropped: the first copy is kept (the manager reissued an "
+                    "index whose rollout worker was lost, and both copies arrived)"
+                )
+
+    def _publish_missing(self, missing: List[int]) -> None:
+        if missing == self._published_missing:
+            return
+        try:
+            name_resolve.add(self._missing_key, json.dumps(missing), replace=True)
+        except Exception as e:  # noqa: BLE001 — a hint for the manager, never fatal here
+            logger.warning(f"could not publish the missing trajectory indices: {e!r}")
+            return
+        self._published_missing = missing
 
     def _check_staleness(self, batch: List[Trajectory], version: int) -> None:
         eta = self.spec.max_head_offpolicyness
@@ -221,6 +252,7 @@ class TrajectoryStreamLoader:
             "rollout/age_s": sum(now - t.birth_time for t in batch) / len(batch),
             "rollout/wait_s": waited,
             "rollout/queued": float(self.batcher.pending),
+            "rollout/duplicates_dropped": float(self.batcher.duplicates),
         }
 
     # ---- recovery ---------------------------------------------------------------

@@ -74,6 +74,7 @@ __all__ = [
     "AsyncWorker",
     "read_status",
     "read_error",
+    "clear_error",
     "register_worker",
     "make_worker",
     "registered_worker_types",
@@ -188,6 +189,18 @@ def read_error(experiment_name: str, trial_name: str, worker_name: str) -> Optio
     except name_resolve.NameEntryNotFoundError:
         return None
     return ErrorInfo(**json.loads(text))
+
+
+def clear_error(experiment_name: str, trial_name: str, worker_name: str) -> None:
+    """Forget a failed worker's ERROR status and error (before restarting it alone)."""
+    for key in (
+        _error_key(experiment_name, trial_name, worker_name),
+        names.worker_status(experiment_name, trial_name, worker_name),
+    ):
+        try:
+            name_resolve.delete(key)
+        except name_resolve.NameEntryNotFoundError:
+            pass
 
 
 class WorkerControlServer:

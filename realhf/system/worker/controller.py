@@ -21,11 +21,22 @@ keys), so a worker that dies mid-``configure`` is reported at once.
    A ``names.stop_request`` key (``python -m realhf.apps.main stop``) ends the run
    with :class:`~realhf.system.transport.errors.StopRequested` and status STOPPED;
 6. in every case send ``exit`` to the workers still alive.
+
+Partial restarts: a worker of ``experiment.restartable_types`` (generation servers and
+rollout workers hold no training state) that is LOST or ERROR, or whose control address
+changed (the launcher already replaced its process), does not stop the run.  The controller
+asks the launcher to kill the old process if it still runs (``names.restart_request`` with
+its pid: a hung process is killed, a dead one is already gone), waits up to
+``restart_timeout`` for a new process of that worker to register (a ping answers with
+another pid), then configures it with the same config and starts it, while every other
+worker keeps running.  Each worker gets ``experiment.max_worker_restarts`` restarts; the
+next failure stops the run as any other.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
@@ -49,6 +60,7 @@ from realhf.system.worker.base import (
     ControlRequest,
     ExperimentStatus,
     WorkerStatus,
+    clear_error,
     read_error,
     read_status,
 )
@@ -123,6 +135,22 @@ class WorkerControlPanel:
             return True
         except name_resolve.NameEntryNotFoundError:
             return False
+
+    def registered_address(self, worker: str) -> Optional[str]:
+        """The control address ``worker`` registered now (None when there is none)."""
+        try:
+            return name_resolve.get(names.worker(self.experiment_name, self.trial_name, worker))
+        except name_resolve.NameEntryNotFoundError:
+            return None
+
+    def address(self, worker: str) -> str:
+        """The address this panel talks to for ``worker``."""
+        return self._addresses[worker]
+
+    def reconnect(self, worker: str, address: str) -> None:
+        """Talk to ``worker`` at ``address`` from now on (a restarted process of it)."""
+        self._addresses[worker] = address
+        self._reset_socket(worker)
 
     def _new_socket(self, worker: str) -> zmq.Socket:
         s = self._ctx.socket(zmq.REQ)
@@ -224,6 +252,15 @@ class RunSummary:
     run_seconds: float
 
 
+@dataclasses.dataclass
+class _Restart:
+    """A restart in progress: since when, the process it replaces, why."""
+
+    since: float
+    process: tuple
+    why: str
+
+
 class Controller:
     """Runs one trial of an experiment; see the module docstring.
 
@@ -236,6 +273,8 @@ class Controller:
         failure_settle: after the first failure, keep watching this long
             (default: ``status_ttl`` + ``poll_interval``) to also catch the
             workers whose death caused it, then stop everything.
+        restart_timeout: seconds a restartable worker may take to come back (a new
+            process registered, configured and started).
     """
 
     def __init__(
@@ -249,6 +288,7 @@ class Controller:
         command_timeout: float = 30.0,
         status_ttl: float = DEFAULT_STATUS_TTL,
         failure_settle: Optional[float] = None,
+        restart_timeout: float = 300.0,
     ):
         for name, v in (
             ("poll_interval", poll_interval),
@@ -256,6 +296,7 @@ class Controller:
             ("configure_timeout", configure_timeout),
             ("command_timeout", command_timeout),
             ("status_ttl", status_ttl),
+            ("restart_timeout", restart_timeout),
         ):
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(
@@ -275,7 +316,12 @@ class Controller:
             raise ValueError(
                 f"Controller failure_settle must be >= 0 seconds, got {failure_settle!r}."
             )
+        self.restart_timeout = restart_timeout
         self._panel: Optional[WorkerControlPanel] = None
+        self._restarts: Dict[str, int] = {}
+        self._restarting: Dict[str, _Restart] = {}
+        #: restartable worker -> (host, pid) of its current process
+        self._processes: Dict[str, tuple] = {}
 
     def _status_key(self) -> str:
         return names.worker_status(self.experiment_name, self.trial_name, CONTROLLER_NAME)
@@ -308,6 +354,7 @@ class Controller:
             t_conf = time.monotonic() - t0
             self._panel.request(ControlCommand.START, timeout=self.command_timeout)
             logger.info(f"started {len(worker_names)} workers")
+            self._note_processes(experiment, worker_names)
             statuses = self._watch(experiment, worker_names, timeout, t0)
             outcome = ExperimentStatus.COMPLETE
             return RunSummary(
@@ -375,7 +422,17 @@ class Controller:
             statuses = {
                 w: read_status(self.experiment_name, self.trial_name, w) for w in worker_names
             }
+            back = set()
+            if not failures:
+                for w, reason in self._tend_restarts(experiment, statuses).items():
+                    if reason is None:
+                        back.add(w)  # configured and started again since statuses were read
+                        continue
+                    failures[w] = reason
+                    logger.error(f"{w}: {reason.splitlines()[0]}")
             for w, s in statuses.items():
+                if w in self._restarting or w in back:
+                    continue
                 if s in (WorkerStatus.ERROR, WorkerStatus.LOST) and w not in failures:
                     failures[w] = self._reason(w, s)
                     logger.error(f"{w}: {failures[w].splitlines()[0]}")
@@ -398,6 +455,128 @@ class Controller:
                     f"complete within {timeout:g}s; still not COMPLETED: {pending}."
                 )
             time.sleep(self.poll_interval)
+
+    # ---- partial restarts ---------------------------------------------------------
+
+    def _note_processes(self, experiment: ExperimentConfig, worker_names: List[str]) -> None:
+        ws = [w for w in worker_names if w.split("/")[0] in experiment.restartable_types]
+        if not ws:
+            return
+        try:
+            replies = self._panel.request(
+                ControlCommand.PING, ws, timeout=self.command_timeout, raise_errors=False
+            )
+        except (WorkerLost, StreamTimeout) as e:
+            # Lost right after start: the watch loop restarts it (any new pid will do).
+            logger.warning(f"could not ask every restartable worker for its pid: {e}")
+            return
+        for w, r in replies.items():
+            if r.error is None:
+                self._processes[w] = (r.result["host"], r.result["pid"])
+
+    def _tend_restarts(
+        self, experiment: ExperimentConfig, statuses: Dict[str, WorkerStatus]
+    ) -> Dict[str, Optional[str]]:
+        """Start and finish restarts of restartable workers.
+
+        Returns the workers whose restart ended in this call: None for those running again,
+        the failure for those that cannot be restarted (the run stops).
+        """
+        ended: Dict[str, Optional[str]] = {}
+        for w, status in statuses.items():
+            if w.split("/")[0] not in experiment.restartable_types:
+                continue
+            if w in self._restarting:
+                reason = self._continue_restart(experiment, w)
+                if reason is None and w not in self._restarting:
+                    ended[w] = None
+            else:
+                why = self._why_restart(w, status)
+                if why is None:
+                    continue
+                reason = self._begin_restart(experiment, w, status, why)
+            if reason is not None:
+                self._restarting.pop(w, None)
+                ended[w] = reason
+        return ended
+
+    def _why_restart(self, w: str, status: WorkerStatus) -> Optional[str]:
+        if status in (WorkerStatus.ERROR, WorkerStatus.LOST):
+            return self._reason(w, status)
+        addr = self._panel.registered_address(w)
+        if addr is not None and addr != self._panel.address(w):
+            return "its process was replaced (it exited and the launcher started it again)"
+        return None
+
+    def _begin_restart(
+        self, experiment: ExperimentConfig, w: str, status: WorkerStatus, why: str
+    ) -> Optional[str]:
+        n = self._restarts.get(w, 0)
+        if n >= experiment.max_worker_restarts:
+            return (
+                f"{why}\n(not restarted again: it was restarted {n} times already, "
+                f"max_worker_restarts={experiment.max_worker_restarts})"
+            )
+        self._restarts[w] = n + 1
+        host, pid = self._processes.get(w, (None, None))
+        logger.warning(
+            f"{w}: {why.splitlines()[0]} — restarting it alone "
+            f"({n + 1}/{experiment.max_worker_restarts}); the other workers keep running"
+        )
+        name_resolve.add(
+            names.restart_request(self.experiment_name, self.trial_name, w),
+            json.dumps({"pid": pid, "host": host, "reason": why.splitlines()[0]}),
+            replace=True,
+            delete_on_exit=False,
+        )
+        clear_error(self.experiment_name, self.trial_name, w)
+        self._restarting[w] = _Restart(time.monotonic(), (host, pid), why)
+        return None
+
+    def _continue_restart(self, experiment: ExperimentConfig, w: str) -> Optional[str]:
+        r = self._restarting[w]
+        waited = time.monotonic() - r.since
+        addr = self._panel.registered_address(w)
+        if addr is not None:
+            self._panel.reconnect(w, addr)
+            try:
+                reply = self._panel.request(ControlCommand.PING, [w], timeout=2.0)[w]
+            except (StreamTimeout, WorkerLost, RemoteError):
+                reply = None  # the old process on its way out, or the new one not serving yet
+            if reply is not None and (reply.result["host"], reply.result["pid"]) != r.process:
+                return self._bring_back(experiment, w, reply, r.since)
+        if waited > self.restart_timeout:
+            return (
+                f"{r.why}\n(restart: no new process registered within "
+                f"{self.restart_timeout:g}s; see the launcher's output and the worker's log)"
+            )
+        return None
+
+    def _bring_back(self, experiment: ExperimentConfig, w: str, ping, since: float):
+        wtype, index = w.split("/")
+        kwargs = {
+            w: dict(
+                worker_info=experiment.worker_info(
+                    self.experiment_name, self.trial_name, wtype, int(index)
+                ),
+                config=experiment.workers[wtype][int(index)],
+            )
+        }
+        try:
+            self._panel.request(
+                ControlCommand.CONFIGURE, [w], kwargs, timeout=self.configure_timeout
+            )
+            self._panel.request(ControlCommand.START, [w], timeout=self.command_timeout)
+        except (RemoteError, WorkerLost, StreamTimeout) as e:
+            failure = self._failure_from(e, [w]).failures
+            return f"restart failed: {next(iter(failure.values()), e)}"
+        self._processes[w] = (ping.result["host"], ping.result["pid"])
+        del self._restarting[w]
+        logger.info(
+            f"{w} restarted (pid {ping.result['pid']}): running again "
+            f"{time.monotonic() - since:.1f}s after it was found lost"
+        )
+        return None
 
     def _check_stop_request(self) -> None:
         try:

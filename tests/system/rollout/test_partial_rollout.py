@@ -200,3 +200,49 @@ def test_seeded_sampling_replays_the_same_tokens(stack):
         1
     ]
     assert other.output_ids != runs[0].output_ids
+
+
+def test_a_server_at_its_request_limit_is_asked_again_without_counting_a_failure(
+    server, model_dirs
+):
+    refused = {"left": 3}
+
+    async def app(scope, receive, send):  # the real server, refusing its first 3 generations
+        if scope["type"] == "http" and scope["path"] == "/generate" and refused["left"]:
+            refused["left"] -= 1
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [(b"retry-after", b"0.1"), (b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "busy"}}'})
+            return
+        await inner(scope, receive, send)
+
+    inner = create_app(server.engine)
+    busy = ServerThread(app).start()
+    cfg = GserverManagerConfig(n_servers=1, train_batch_size=4, server_wait_timeout_s=30)
+    manager = GserverManager(cfg, Progress(), lambda: [busy.url], model_dirs.get)
+    service = ManagerService(manager).start(60)
+
+    async def go():
+        client = ManagerClient(service.url, timeout_s=30)
+        # max_server_failures=0: a counted failure would fail the rollout at once
+        prm = PartialRolloutManager(client, request_timeout_s=60, max_server_failures=0)
+        try:
+            adm = await client.allocate("rollout_worker/0", "inc0", "q")
+            req = GenerateGroupRequest("q", (3, 4, 5), gconfig(n=1).new(max_new_tokens=4))
+            m = await prm.generate_member(adm.rollout_id, req, 0)
+            return m, prm.stats
+        finally:
+            await prm.close()
+            await client.close()
+
+    try:
+        m, stats = asyncio.run(go())
+    finally:
+        service.stop()
+        busy.stop()
+    assert len(m.output_ids) > 0 and stats["overloaded"] == 3 and not stats["server_failures"]

@@ -31,8 +31,22 @@ def _late_if_all_accepted(accepted: int, B: int, deadlines) -> bool:
     return False
 
 
-def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: float = 0.1):
+def simulate(
+    eta: int,
+    B: int,
+    *,
+    cap: int,
+    ticks: int,
+    seed: int,
+    reject_p: float = 0.1,
+    lose_p: float = 0.0,
+):
+    """``lose_p``: chance that an accepted trajectory never arrives (its worker died after
+    taking the index); the trainer's missing indices are then reissued, and some lost ones
+    still arrive late (a second copy of the index)."""
     rng = random.Random(seed)
+    lost = {}  # index -> record that never arrived
+    late = []  # (tick, index, record): copies that arrive after their index was reissued
     ctl = StalenessController(B, eta, cap)
     batcher: IndexOrderBatcher = IndexOrderBatcher(B)
     served = 0  # version the servers run
@@ -41,7 +55,7 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
     running = {}  # rollout_id -> dict(admission, remaining ticks, version_start, version_end)
     finished_wait = {}  # held: rollout_id -> record
     trained = []  # (trained_version, version_start, version_end, deadline)
-    n_interrupted = n_held = n_refused = n_rejected = 0
+    n_interrupted = n_held = n_refused = n_rejected = n_duplicates = 0
     for tick in range(ticks):
         # servers pick up a published version after a lag (interrupts running rollouts)
         if update_at is not None and tick >= update_at:
@@ -56,12 +70,16 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
             if a is None:
                 n_refused += 1
                 n_running = len(running) + len(finished_wait)
-                assert n_running >= cap or _late_if_all_accepted(
-                    ctl.accepted_total,
-                    B,
-                    [r["adm"].deadline for r in running.values()]
-                    + [r["adm"].deadline for r in finished_wait.values()]
-                    + [served + eta],
+                assert (
+                    n_running >= cap
+                    or ctl.holes
+                    or _late_if_all_accepted(
+                        ctl.accepted_total,
+                        B,
+                        [r["adm"].deadline for r in running.values()]
+                        + [r["adm"].deadline for r in finished_wait.values()]
+                        + [served + eta],
+                    )
                 )
                 break
             running[a.rollout_id] = {"adm": a, "left": rng.randint(1, 12), "version_start": None}
@@ -87,15 +105,29 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
             others = [x["adm"].deadline for x in running.values()] + [
                 x["adm"].deadline for k, x in finished_wait.items() if k != rid
             ]
+            holes = ctl.holes
             idx = ctl.accept(rid)
             if idx is None:
                 n_held += 1
-                assert _late_if_all_accepted(
+                assert holes or _late_if_all_accepted(
                     ctl.accepted_total + 1, B, [d for d in others if d < r["adm"].deadline]
                 )
                 continue
             del finished_wait[rid]
+            if rng.random() < lose_p:
+                lost[idx] = r
+                continue
             batcher.add(idx, r)
+        # the trainer reports what its next batch misses; the lost ones are reissued
+        for k in batcher.missing():
+            if k in lost:
+                r = lost.pop(k)
+                assert ctl.reissue(k) and not ctl.reissue(k)
+                if rng.random() < 0.5:
+                    late.append((tick + rng.randint(0, 4), k, r))
+        for item in [x for x in late if x[0] <= tick]:
+            late.remove(item)
+            n_duplicates += not batcher.add(item[1], item[2])
         # the trainer consumes one batch per tick at most, in index order
         batch = batcher.pop_batch()
         if batch is not None:
@@ -111,6 +143,7 @@ def simulate(eta: int, B: int, *, cap: int, ticks: int, seed: int, reject_p: flo
         held=n_held,
         refused=n_refused,
         rejected=n_rejected,
+        duplicates=n_duplicates,
         ctl=ctl,
     )
 
@@ -129,6 +162,33 @@ def test_no_trajectory_is_trained_too_stale(eta, seed):
     # the bound is reached: with eta > 0 some trajectories are trained exactly eta versions late
     worst = max(step - v_start for step, v_start, _, _ in res["trained"])
     assert worst == eta or eta == 0
+
+
+@pytest.mark.parametrize("eta", [0, 1, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_lost_deliveries_are_reissued_within_the_bound(eta, seed):
+    B = 8
+    res = simulate(eta, B, cap=64, ticks=600, seed=seed, lose_p=0.05)
+    ctl = res["ctl"]
+    assert res["steps"] > 20, "training stalls on lost indices"
+    assert ctl.stats["reissued"] > 5 and ctl.stats["filled_holes"] >= ctl.stats["reissued"] - 1
+    assert res["duplicates"] > 0  # late copies of reissued indices were dropped, not trained
+    for step, v_start, v_end, deadline in res["trained"]:
+        assert step - v_start <= eta, (step, v_start, eta)
+        assert step <= deadline and v_start <= v_end <= step
+    assert len(res["trained"]) == B * res["steps"]
+
+
+def test_reissued_index_goes_to_the_next_acceptance():
+    ctl = StalenessController(2, 1, 8)
+    a = [ctl.admit(0, "w") for _ in range(4)]
+    assert [ctl.accept(x.rollout_id) for x in a[:3]] == [0, 1, 2]
+    assert not ctl.reissue(3) and not ctl.reissue(-1)  # never given out
+    # B(v+η+1) = 4 indices may be trained by step 1: 3 accepted, 1 running
+    assert ctl.capacity(0) == 0
+    assert ctl.reissue(1) and ctl.holes == [1]
+    assert ctl.capacity(0) == 1  # the hole is free again
+    assert ctl.accept(a[3].rollout_id) == 1 and ctl.holes == [] and ctl.accepted_total == 3
 
 
 def test_more_offpolicyness_means_more_throughput():
@@ -196,8 +256,10 @@ def test_index_order_batcher():
     b.add(9, "t9")
     b.add(7, "t7")
     assert b.pop_batch() == ["t6", "t7", "t8"] and b.next_index == 9
-    with pytest.raises(ValueError, match="already consumed"):
-        b.add(7, "again")
+    # a second copy of an index (reissued after its worker died, and the original still
+    # arrived) is dropped: the first arrival wins
+    assert b.add(7, "again") is False and b.add(10, "t10") and b.add(10, "copy") is False
+    assert b.duplicates == 2 and b.missing() == [11]
 
 
 def test_name_resolve_progress(memory_name_resolve, trial):
