@@ -24,8 +24,10 @@ Columns: ``outcome`` (``partial``: the lost worker was restarted alone; ``relaun
 worker was relaunched from the last checkpoint; ``rode out``: nothing restarted; ``error``:
 the run stopped with the error shown), ``ok`` (the outcome is the one defined for the fault),
 ``detect`` (injection -> the first log line reacting to it), ``recover`` (injection -> the run
-passes the step it had reached), ``lost`` (``recover`` minus one normal step: training time
-lost), ``replayed`` (steps trained again after a relaunch), ``traj`` (trajectory indices
+passes the step it had reached), ``lost`` (training time lost: over the steps after the fault,
+the sum of each step's time beyond a normal step — the median step before — so a stall that
+comes later, once queued trajectories are used up, counts too), ``replayed`` (steps trained
+again after a relaunch), ``traj`` (trajectory indices
 missing / prompts trained twice in the final record; async only), ``stale`` (largest
 staleness of a trained trajectory; async only).
 
@@ -128,6 +130,14 @@ def scenarios() -> List[Scenario]:
                         )
                     )
     two = ["allocation_mode=gen.d2p1m1+d1p1m1"]
+    # The same losses with a spare: two servers / two rollout workers, one of them killed.
+    for w, args in (
+        ("generation_server", two),
+        ("rollout_worker", ["n_rollout_workers=2"]),
+    ):
+        out.append(
+            Scenario(f"async-2x-kill-{w}-mid", "async-ppo-math", "kill", "partial", w, args=args)
+        )
     out += [
         Scenario(
             "async-slow-server",
@@ -322,12 +332,15 @@ def _strike_at_checkpoint(run: _Run, step: int, timeout: float) -> str:
     if not run.wait_step(step - 1, timeout):
         return "not reached"
     deadline = time.monotonic() + timeout
+    logged = None  # when the step's line appeared: its checkpoint follows at once
     while time.monotonic() < deadline and run.proc.poll() is None:
         if os.path.isdir(tmp):
             return "in ckpt"
         run.poll_steps()
-        if any(s >= step for _, s in run.seen) and not os.path.isdir(tmp):
-            return "at step"
+        if logged is None and any(s >= step for _, s in run.seen):
+            logged = time.monotonic()
+        if logged is not None and time.monotonic() - logged > 10:
+            return "at step"  # no .tmp seen within 10 s of the step
         time.sleep(0.002)
     return "not reached"
 
@@ -418,6 +431,13 @@ def _measure(sc, run: _Run, rc, t_inject, before, point_note) -> dict:
     intervals = [b[0] - a[0] for a, b in zip(run.seen, run.seen[1:]) if b[1] == a[1] + 1]
     step_s = sorted(intervals)[len(intervals) // 2] if intervals else None
     recover = next((t - t_inject for t, s in steps_after if s > before), None)
+    # Training time lost: the stall of every step from the fault on beyond a normal step (a
+    # restart may cost nothing at first while queued trajectories last, and stall later).
+    lost = None
+    if t_inject is not None and step_s is not None:
+        new = [(t, s) for t, s in run.seen if s > before]
+        marks = [t_inject] + [t for t, _ in new]
+        lost = sum(max(0.0, b - a - step_s) for a, b in zip(marks, marks[1:]))
     detect_times = _log_times(run.run_dir, out, t_inject) if t_inject else []
     row = {
         "scenario": sc.name,
@@ -427,7 +447,7 @@ def _measure(sc, run: _Run, rc, t_inject, before, point_note) -> dict:
         "point": point_note or sc.point,
         "detect_s": round(detect_times[0] - t_inject, 1) if detect_times else None,
         "recover_s": round(recover, 1) if recover is not None else None,
-        "lost_s": round(max(0.0, recover - step_s), 1) if recover and step_s else None,
+        "lost_s": round(lost, 1) if lost is not None else None,
         "step_s": round(step_s, 2) if step_s else None,
         "replayed": sum(1 for _, s in steps_after if s <= before),
         "completed_steps": len({s for _, s in run.seen}),

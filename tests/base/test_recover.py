@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from tiny_models import TinyItems
 
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
@@ -80,20 +81,6 @@ def test_latest_naming_an_incomplete_dir_is_an_error(tmp_path):
         recover.find_latest(str(tmp_path))
 
 
-class _Items:
-    def __init__(self, n):
-        self.items = [
-            SequenceSample.from_default([f"i{j}"], [1], {"packed_prompts": torch.tensor([j])})
-            for j in range(n)
-        ]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, j):
-        return self.items[j]
-
-
 def _engine(model_dir):
     from realhf.impl.model.backend import TrainEngine
     from realhf.impl.model.nn.real_model import ReaLModel
@@ -123,7 +110,7 @@ def test_worker_state_round_trip(tmp_path):
     path = make_tiny_hf_model("qwen2", tmp_path / "model")
     model, engine = _engine(path)
     _step(engine)
-    loader = ShardLoader(_Items(6), seed=1)
+    loader = ShardLoader(TinyItems(6), seed=1)
     loader.take(0, 4)
     ckpt = str(tmp_path / "ckpt")
     written = recover.save_worker_state(ckpt, 0, {"actor": (model, engine)}, loader.state_dict())
@@ -131,7 +118,7 @@ def test_worker_state_round_trip(tmp_path):
     assert os.path.exists(recover.optimizer_path(ckpt, "actor", 0))
 
     model2, engine2 = _engine(path)  # fresh weights from the original directory
-    loader2 = ShardLoader(_Items(6), seed=1)
+    loader2 = ShardLoader(TinyItems(6), seed=1)
     recover.load_worker_state(ckpt, 0, {"actor": (model2, engine2)}, loader2)
     assert torch.equal(model.flat_params, model2.flat_params)
     assert engine2.n_steps == 1 and (loader2.epoch, loader2.n_used) == (0, 4)

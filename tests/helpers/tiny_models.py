@@ -121,3 +121,21 @@ def make_tiny_hf_model(
     os.makedirs(str(path), exist_ok=True)
     model.save_pretrained(str(path))
     return str(path)
+
+
+class TinyItems:
+    """A dataset of ``n`` one-token prompts (``i0``, ``i1``, ...) for a ShardLoader."""
+
+    def __init__(self, n: int):
+        from realhf.api.core.data_api import SequenceSample
+
+        self.items = [
+            SequenceSample.from_default([f"i{j}"], [1], {"packed_prompts": torch.tensor([j])})
+            for j in range(n)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, j: int):
+        return self.items[j]

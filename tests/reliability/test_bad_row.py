@@ -78,15 +78,6 @@ def test_ppo_math_skips_the_row_names_it_and_counts_it(tmp_path, no_leftover_pro
 
 
 @pytest.mark.slow
-def test_ppo_math_fails_naming_the_rows_when_too_many_are_bad(tmp_path, no_leftover_processes):
-    fault = _dataset(tmp_path, how="not_string")
-    args = COMMON + [f"dataset.path={fault.path}", "dataset.max_bad_row_fraction=0"]
-    out = qs.finish(qs.start("ppo-math", args, tmp_path), timeout=300, code=1)
-    assert "BadRowsError: math_reward: 1 of" in out
-    assert f"row {fault.row_id!r}: solution 42 (int) is not a string" in out
-
-
-@pytest.mark.slow
 def test_async_ppo_math_skips_the_row_and_names_it(tmp_path, no_leftover_processes):
     fault = _dataset(tmp_path)
     qs.finish(

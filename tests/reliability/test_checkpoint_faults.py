@@ -19,30 +19,15 @@ import shutil
 
 import pytest
 import quickstart_runs as qs
-import torch
 from faults import FaultUnavailable, inject
+from tiny_models import TinyItems
 
 from realhf.api.cli_args import OptimizerConfig
-from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.base import recover
 from realhf.impl.dataset.shard_loader import ShardLoader
 
 # ---- real checkpoints of a tiny model, damaged one way at a time -----------------------
-
-
-class _Items:
-    def __init__(self, n):
-        self.items = [
-            SequenceSample.from_default([f"i{j}"], [1], {"packed_prompts": torch.tensor([j])})
-            for j in range(n)
-        ]
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, j):
-        return self.items[j]
 
 
 def _worker(model_dir):
@@ -51,7 +36,7 @@ def _worker(model_dir):
 
     model = ReaLModel.from_hf(model_dir)
     engine = TrainEngine(model, OptimizerConfig(lr=1e-2), FinetuneSpec(1, 8, 2))
-    return {"actor": (model, engine)}, ShardLoader(_Items(6), seed=1)
+    return {"actor": (model, engine)}, ShardLoader(TinyItems(6), seed=1)
 
 
 @pytest.fixture(scope="module")
