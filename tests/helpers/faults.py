@@ -277,10 +277,11 @@ _RUN_LIMIT_S = 3600.0
 
 
 def strike_corrupt_checkpoint(run) -> str:
-    """After step 4 (its checkpoint written), cut the newest checkpoint's weights short and
-    kill the master: the relaunch finds it damaged (with max_recover_checkpoints=1 nothing
-    older is kept, so it stops naming the damage; with 2 it resumes from the older one)."""
-    if not run.wait_step(4, _STRIKE_WAIT_S):
+    """After step 5 (the step-4 checkpoint is committed after step 4's line), cut the newest
+    checkpoint's weights short and kill the master: the relaunch finds it damaged (with
+    max_recover_checkpoints=1 nothing older is kept, so it stops naming the damage; with 2
+    it resumes from the older one)."""
+    if not run.wait_step(5, _STRIKE_WAIT_S):
         return "not reached"
     fault = inject("truncated_weights", run.run_dir)
     for p in run.workers("master_worker")[:1]:

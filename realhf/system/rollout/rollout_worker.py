@@ -211,6 +211,13 @@ class RolloutWorker(AsyncWorker):
         await asyncio.gather(*tasks, return_exceptions=True)
         self.running.clear()
         self._heartbeat = None
+        # The rollouts that ended may not all have published the position yet (their
+        # publish was cancelled above): publish it once more, so that a restarted process
+        # does not run an ended prompt again.
+        try:
+            await self._publish_position()
+        except Exception as e:  # noqa: BLE001 — the position is a hint; shutdown goes on
+            self.logger.warning(f"could not publish the data position: {e!r}")
         if self.partial is not None:
             await self.partial.close()
         if self.client is not None:
