@@ -86,7 +86,7 @@ class Scenario:
     exp: str
     #: kill | hang | env | etcd | helper
     kind: str
-    #: defined outcome: partial | relaunch | rode out | error
+    #: defined outcome: partial | relaunch | rode out | error ("a|b": either)
     expect: str
     target: str = ""
     point: str = "mid"
@@ -146,11 +146,14 @@ def scenarios() -> List[Scenario]:
             "rode out",
             env={"REALHF_FAULTS": "generation_server/0:slow_generate=0.5"},
         ),
+        # A member whose calls fail max_server_failures + 1 = 4 times in a row fails its
+        # rollout, and so its rollout worker, which is then restarted: with every 5th answer
+        # cut off that happens in about a quarter of the runs.
         Scenario(
             "async-drop-responses",
             "async-ppo-math",
             "env",
-            "rode out",
+            "rode out|partial",
             env={"REALHF_FAULTS": "generation_server/0:drop_generate=5"},
         ),
         Scenario(
@@ -446,7 +449,7 @@ def _measure(sc, run: _Run, rc, t_inject, before, point_note) -> dict:
         "scenario": sc.name,
         "expect": sc.expect,
         "outcome": outcome,
-        "ok": outcome.split(":")[0] == sc.expect,
+        "ok": outcome.split(":")[0] in sc.expect.split("|"),
         "point": point_note or sc.point,
         "detect_s": round(detect_times[0] - t_inject, 1) if detect_times else None,
         "recover_s": round(recover, 1) if recover is not None else None,
