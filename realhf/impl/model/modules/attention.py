@@ -2,26 +2,27 @@
 
 Tokens of all sequences are concatenated into ``[T, heads, head_dim]`` and
 ``cu_seqlens: [B+1]`` marks where each sequence starts; a token only attends to
-earlier tokens of its own sequence.  Three implementations:
+earlier tokens of its own sequence.  Four implementations:
 
 - ``"flash"``: ``flash_attn.flash_attn_varlen_func`` — used automatically on
   CUDA for fp16/bf16 when the ``flash_attn`` package is installed.  One kernel
   for the whole packed batch, no padding, native GQA.
-- ``"sdpa_per_seq"``: one ``torch.nn.functional.scaled_dot_product_attention``
-  call per sequence with ``is_causal=True`` and ``enable_gqa``.  The default
-  everywhere else (CPU, CUDA without flash-attn, fp32).
+- ``"sdpa_bucketed"``: sequences of similar length (within 1.25x) are padded at
+  their ends into one ``[b, heads, L, head_dim]`` batch per bucket and run through
+  ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True`` and
+  ``enable_gqa``; a real token never attends to the padding after it, so the result is
+  exact.  The default everywhere else (CPU, CUDA without flash-attn, fp32).
+- ``"sdpa_per_seq"``: one SDPA call per sequence (also used for sliding windows).
 - ``"sdpa_masked"``: a single SDPA call over the whole pack with a
   ``[T, T]`` block-diagonal causal mask.  Kept for comparison and tests.
 
-Why per-sequence is the CPU default: on the 2-core CPU VM, attention alone
-(forward + backward, 4 q / 2 kv heads of 64) on ``benchmark/train_step.py``'s
-lengths (8 sequences, 10-100% of 1,024 tokens, T = 4,145) took 0.258 s with one
-call per sequence vs 2.161 s with the block-diagonal mask; for 16 sequences of 51-512
-tokens 0.094 s vs 0.584 s, and for 64 sequences of 3-32 tokens 0.038 s vs
-0.061 s (see benchmark/results/train_step.md).  The mask makes SDPA score all
-T^2 pairs across sequence boundaries.  Inputs go to SDPA as 4-D
-``[1, heads, L, head_dim]`` because torch's fused CPU kernel only takes 4-D
-inputs (3-D falls back to the unfused math path).
+Why buckets: the per-call cost of SDPA (and of the views around it) dominates for the RL
+workload's many short answers. On the 2-core CPU VM (AVX2), a train forward + backward
+of the embedded model over 256 sequences of 12-18 tokens took 0.56 s bucketed vs 0.77 s
+per sequence (2026-11-26), and over 8 sequences of 100-1,024 tokens 1.12 s vs 1.53 s.
+The block-diagonal mask is far slower (2.64 s on the first shape): SDPA scores all
+T^2 pairs across sequence boundaries.  Inputs go to SDPA as 4-D tensors because torch's
+fused CPU kernel only takes 4-D inputs (3-D falls back to the unfused math path).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-ATTN_IMPLS = ("auto", "flash", "sdpa_per_seq", "sdpa_masked")
+ATTN_IMPLS = ("auto", "flash", "sdpa_bucketed", "sdpa_per_seq", "sdpa_masked")
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,7 +58,7 @@ def select_attn_impl(q: torch.Tensor, impl: str = "auto") -> str:
         return impl
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and flash_attn_available():
         return "flash"
-    return "sdpa_per_seq"
+    return "sdpa_bucketed"
 
 
 def _window_mask(length: int, window: int, device) -> torch.Tensor:
@@ -92,6 +93,56 @@ def _per_seq(q, k, v, bounds: List[int], scale, window) -> torch.Tensor:
     if not outs:
         return q.new_empty(q.shape)
     return torch.cat(outs, dim=0)
+
+
+# A bucket's padded length is at most this factor of its shortest sequence's length.
+_BUCKET_SLACK = 1.25
+
+
+def _length_buckets(lens: List[int]) -> List[List[int]]:
+    """Sequence indices grouped so that each group pads to at most ``_BUCKET_SLACK`` times
+    its shortest member (longest first; a lone long sequence is a group of its own)."""
+    order = sorted((i for i, n in enumerate(lens) if n > 0), key=lambda i: -lens[i])
+    buckets: List[List[int]] = []
+    for i in order:
+        if buckets and lens[buckets[-1][0]] <= _BUCKET_SLACK * lens[i]:
+            buckets[-1].append(i)
+        else:
+            buckets.append([i])
+    return buckets
+
+
+def _bucketed(q, k, v, bounds: List[int], scale) -> torch.Tensor:
+    """Sequences of similar length run as one padded batch per bucket.
+
+    Padding goes at the end of each sequence and the attention is causal, so a real token
+    never sees a padded position: its output is exact, and the padded rows are dropped.
+    The gather (``index_select``) and the final reordering keep the backward O(T).
+    """
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    dev = q.device
+    outs, where = [], []
+    for rows in _length_buckets(lens):
+        n = lens[rows[0]]
+        starts = torch.tensor([bounds[i] for i in rows], device=dev)
+        last = torch.tensor([bounds[i + 1] - 1 for i in rows], device=dev)
+        pos = torch.arange(n, device=dev)
+        idx = torch.minimum(starts[:, None] + pos[None, :], last[:, None])  # [b, n]
+        flat = idx.reshape(-1)
+        # [b*n, H, D] -> [b, H, n, D]
+        qq, kk, vv = (
+            t.index_select(0, flat).unflatten(0, idx.shape).transpose(1, 2) for t in (q, k, v)
+        )
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+        valid = (pos[None, :] <= (last - starts)[:, None]).reshape(-1)
+        outs.append(o.transpose(1, 2).reshape(-1, *o.shape[1:2], o.shape[-1])[valid])
+        where.append(flat[valid])
+    if not outs:
+        return q.new_empty(q.shape)
+    order = torch.cat(where)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=dev)
+    return torch.cat(outs).index_select(0, inverse)
 
 
 def _masked(q, k, v, cu_seqlens, scale, window) -> torch.Tensor:
@@ -172,6 +223,8 @@ def packed_causal_attention(
         )
     if impl == "sdpa_masked":
         return _masked(q, k, v, cu_seqlens, scale, sliding_window)
-    # One host sync to learn the boundaries; the loop itself launches per sequence.
+    # One host sync to learn the boundaries; the loops below launch per bucket / sequence.
     bounds = cu_seqlens.tolist()
+    if impl == "sdpa_bucketed" and sliding_window is None:
+        return _bucketed(q, k, v, bounds, scale)
     return _per_seq(q, k, v, bounds, scale, sliding_window)
