@@ -441,24 +441,29 @@ class GenerationEngine:
     def _forward(self, decode: List[Sequence], prefill: List[Sequence]):
         # Packed layout: the last token of each decoding sequence (one token
         # each), then the admitted prompts. One forward serves both, so new
-        # arrivals cost no extra pass over the weights.
+        # arrivals cost no extra pass over the weights. Admitted requests with the
+        # same prompt (the group of answers GRPO samples per prompt) share one
+        # prefill: the prompt runs once and its keys/values go to each one's slot.
         dev = self.device
         B = len(decode)
         ids = [s.output_ids[-1] for s in decode]
         positions = [s.length - 1 for s in decode]
         bounds = list(range(B + 1))
         pbounds = [0]
-        pslots: List[int] = []
+        first: Dict[Tuple[int, ...], int] = {}  # prompt -> its index among the unique ones
+        owner: List[int] = []  # per admitted sequence: the unique prompt it reads
         for s in prefill:
-            n = s.prompt_len
-            ids.extend(s.req.input_ids)
-            positions.extend(range(n))
-            bounds.append(bounds[-1] + n)
-            pbounds.append(pbounds[-1] + n)
-            pslots.extend([s.slot] * n)
+            u = first.setdefault(tuple(s.req.input_ids), len(first))
+            owner.append(u)
+            if u == len(pbounds) - 1:  # a prompt not seen yet in this step
+                n = s.prompt_len
+                ids.extend(s.req.input_ids)
+                positions.extend(range(n))
+                bounds.append(bounds[-1] + n)
+                pbounds.append(pbounds[-1] + n)
         pos_t = torch.tensor(positions, device=dev)
         cache = self.cache
-        dattn = pattn = None
+        dattn = pattn = src_t = None
         if decode:
             dattn = DecodeAttention(
                 torch.tensor([s.slot for s in decode], device=dev),
@@ -468,7 +473,14 @@ class GenerationEngine:
             )
         if prefill:
             pattn = PrefillAttention(pbounds, sliding_window=self.sliding_window, device=dev)
-            pslots_t, ppos_t = torch.tensor(pslots, device=dev), pos_t[B:]
+            src, pslots, ppos = [], [], []  # cache writes: packed row -> (slot, position)
+            for s, u in zip(prefill, owner):
+                src.extend(range(pbounds[u], pbounds[u + 1]))
+                pslots.extend([s.slot] * s.prompt_len)
+                ppos.extend(range(s.prompt_len))
+            if len(first) < len(prefill):
+                src_t = torch.tensor(src, device=dev)
+            pslots_t, ppos_t = torch.tensor(pslots, device=dev), torch.tensor(ppos, device=dev)
 
         def attn_fn(layer, q, k, v):
             layer -= self._first_block
@@ -477,7 +489,10 @@ class GenerationEngine:
                 outs.append(dattn(q[:B], k[:B], v[:B], cache.k[layer], cache.v[layer]))
             if pattn is not None:
                 kp, vp = k[B:], v[B:]
-                cache.write(layer, pslots_t, ppos_t, kp, vp)
+                if src_t is None:
+                    cache.write(layer, pslots_t, ppos_t, kp, vp)
+                else:
+                    cache.write(layer, pslots_t, ppos_t, kp[src_t], vp[src_t])
                 outs.append(pattn(q[B:], kp, vp))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -487,10 +502,9 @@ class GenerationEngine:
             position_ids=pos_t,
             attn_fn=attn_fn,
         )
-        if prefill:  # keep each prompt's last position
-            logits = logits[
-                torch.tensor(list(range(B)) + [b - 1 for b in bounds[B + 1 :]], device=dev)
-            ]
+        if prefill:  # each admitted sequence samples from its prompt's last position
+            rows = list(range(B)) + [bounds[B + 1 + u] - 1 for u in owner]
+            logits = logits[torch.tensor(rows, device=dev)]
             self.total_prompt_tokens += pbounds[-1]
         # Vocabulary shards of a tensor-parallel model are joined for these rows only.
         logits = self._gather_logits(logits)

@@ -131,6 +131,25 @@ def test_stop_tokens_min_new_tokens_and_ignore_eos(model, make_engine):
         eng2.close()
 
 
+def test_requests_with_one_prompt_share_a_prefill_and_sample_as_if_alone(model, make_engine):
+    """A group of answers to one prompt prefills the prompt once (the prompt tokens counted
+    once per step) yet every answer equals its own run alone, tokens and log-probs."""
+    eng = make_engine(max_running_requests=8)
+    base = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True, sampling_seed=7)
+    group = [GenerateRequest(input_ids=PROMPTS[1], sampling=base.for_sample(j)) for j in range(5)]
+    other = [GenerateRequest(input_ids=PROMPTS[0], sampling=greedy(9)) for _ in range(2)]
+    before = eng.stats()["prompt_tokens_total"]
+    outs = eng.generate(group + other, timeout=120)
+    # All seven were admitted in one step: two distinct prompts ran.
+    assert eng.stats()["prompt_tokens_total"] - before == len(PROMPTS[1]) + len(PROMPTS[0])
+    assert len({tuple(o.output_ids) for o in outs[:5]}) > 1  # the answers differ
+    for r, o in zip(group + other, outs):
+        alone = eng.generate([r], timeout=120)[0]
+        assert o.output_ids == alone.output_ids
+        ref = recompute_logprobs(model, list(r.input_ids), o.output_ids)
+        assert torch.allclose(torch.tensor(o.output_logprobs), ref, atol=1e-4)
+
+
 def test_seeded_sampling_is_reproducible_under_other_traffic(make_engine):
     eng = make_engine(max_running_requests=6)
     sp = SamplingParams(temperature=1.0, max_new_tokens=25, ignore_eos=True, sampling_seed=1234)
