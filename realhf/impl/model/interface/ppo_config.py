@@ -171,9 +171,11 @@ class PPOHyperparameters:
         ),
     )
     gen_max_running_requests: int = field(
-        default=64,
+        default=256,
         metadata=_h(
-            "sequences the built-in engine decodes together during the actor's generate call"
+            "sequences the built-in engine decodes together during the actor's generate call "
+            "(a batch of 32 prompts x 8 answers is 256: one wave; each slot holds the longest "
+            "prompt + answer of the call)"
         ),
     )
     gen_timeout_s: float = field(
