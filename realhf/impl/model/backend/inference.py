@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.impl.model.modules.shared_prefix import SharedPrefix, prompt_lengths
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
 __all__ = ["InferenceEngine", "PostHook", "mb_inputs"]
@@ -62,6 +63,9 @@ class InferenceEngine:
             )
         self.model = model
         self.grid = grid
+        #: Compute a prompt shared by several sequences of a micro-batch once (see
+        #: :mod:`realhf.impl.model.modules.shared_prefix`); needs its ``prompt_mask``.
+        self.share_prompts = True
 
     # ---- module-like surface (``Model`` reads parameters() for its dtype) ----
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -138,6 +142,17 @@ class InferenceEngine:
             self._send_result(result)
         return result
 
+    def _run_whole(self, mb: SequenceSample) -> torch.Tensor:
+        """The network output of one micro-batch on a whole (not pipelined) model, each
+        shared prompt computed once when the micro-batch marks its prompts."""
+        ids, cu = mb_inputs(mb, self.device)
+        sp = None
+        mask = mb.data.get("prompt_mask") if mb.data is not None else None
+        if self.share_prompts and mask is not None and not self.model.config.sliding_window:
+            bounds = cu.tolist()
+            sp = SharedPrefix.from_prompts(ids, bounds, prompt_lengths(mask, bounds))
+        return self.model(ids, cu, shared_prefix=sp)
+
     # ---- pipeline parallelism ----------------------------------------------------------
 
     @property
@@ -166,8 +181,7 @@ class InferenceEngine:
         if not self.pipelined:
             outs = []
             for mb in mbs:
-                ids, cu = mb_inputs(mb, self.device)
-                out = self.model(ids, cu)
+                out = self._run_whole(mb)
                 outs.append(out if post_hook is None else post_hook(out, mb))
             return outs
         from realhf.impl.model.parallelism import pipeline

@@ -41,7 +41,7 @@ from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.base import dist_util, logging
-from realhf.impl.model.backend.inference import InferenceEngine, mb_inputs
+from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
 from realhf.impl.model.nn.flat_param import flat_intervals, flat_view
 
@@ -280,8 +280,7 @@ class TrainEngine(InferenceEngine):
         shares = []
         device = self.device
         for mb, w in zip(mbs, weights):
-            ids, cu = mb_inputs(mb, device)
-            loss, stats = loss_fn(self.model(ids, cu), mb)
+            loss, stats = loss_fn(self._run_whole(mb), mb)
             if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
                 raise TypeError(f"loss_fn must return a scalar tensor loss, got {loss!r}")
             if keys is None:

@@ -65,6 +65,8 @@ class PPOBatch:
         seq_ids: ``"{item}@{j}"`` per sequence.
         seqlens: L per sequence.
         input_ids: [T]; cu_seqlens: [B+1] int32.
+        prompt_mask: [T] bool, True on prompt tokens (lets the engines compute a prompt
+            shared by a group of answers once).
         loss_mask: [T'] bool, tokens that train.
         old_logp: [T'] the PPO anchor (behaviour, or recomputed without the decoupled loss).
         proximal_logp: [T'] or None (decoupled loss only).
@@ -78,6 +80,7 @@ class PPOBatch:
     seqlens: List[int]
     input_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    prompt_mask: torch.Tensor
     loss_mask: torch.Tensor
     old_logp: torch.Tensor
     proximal_logp: Optional[torch.Tensor]
@@ -91,10 +94,11 @@ class PPOBatch:
 
     def to_sample(self, **extra: torch.Tensor) -> SequenceSample:
         """One item per sequence with the keys the actor loss needs (``packed_input_ids``,
-        ``ppo_loss_mask``, ``old_logp``, ``advantages``, ``proximal_logprobs`` when
+        ``prompt_mask``, ``ppo_loss_mask``, ``old_logp``, ``advantages``, ``proximal_logprobs`` when
         decoupled) plus ``extra`` keys (standard names, e.g. ``values``, ``returns``)."""
         data: Dict[str, torch.Tensor] = {
             "packed_input_ids": self.input_ids,
+            "prompt_mask": self.prompt_mask,
             "ppo_loss_mask": self.loss_mask,
             "old_logp": self.old_logp,
             "advantages": self.advantages,
@@ -221,6 +225,7 @@ def prepare_ppo_batch(
         seqlens=seqlens,
         input_ids=ids,
         cu_seqlens=cu,
+        prompt_mask=tensors["prompt_mask"].bool(),
         loss_mask=loss_mask,
         old_logp=old_logp,
         proximal_logp=prox,

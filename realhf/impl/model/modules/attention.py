@@ -113,33 +113,64 @@ def _length_buckets(lens: List[int]) -> List[List[int]]:
 
 
 def _bucketed(q, k, v, bounds: List[int], scale) -> torch.Tensor:
-    """Sequences of similar length run as one padded batch per bucket.
-
-    Padding goes at the end of each sequence and the attention is causal, so a real token
-    never sees a padded position: its output is exact, and the padded rows are dropped.
-    The gather (``index_select``) and the final reordering keep the backward O(T).
-    """
+    """Sequences of similar length run as one padded batch per bucket (see
+    :func:`gathered_causal_attention`; here every sequence owns its rows)."""
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    return gathered_causal_attention(
+        q, k, v, [0] * len(lens), [0] * len(lens), bounds[:-1], lens, scale
+    )
+
+
+def gathered_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_start: List[int],
+    prefix_len: List[int],
+    own_start: List[int],
+    own_len: List[int],
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Causal attention over sequences gathered from the packed rows.
+
+    Sequence ``i`` is rows ``prefix_start[i] : + prefix_len[i]`` (a prefix it shares with
+    other sequences, possibly empty) followed by its own rows ``own_start[i] : +
+    own_len[i]``; every packed row is some sequence's own row exactly once, and the output
+    row is that sequence's attention output.  Sequences of similar length run as one padded
+    ``[b, heads, L, head_dim]`` SDPA call per bucket: the padding goes at the end and the
+    attention is causal, so a real token never sees it and its output is exact; the padded
+    rows are dropped.  The gathers (``index_select``) keep the backward O(T); a shared
+    prefix row gets the gradient of every sequence that reads it.
+    """
     dev = q.device
+    lens = [p + o for p, o in zip(prefix_len, own_len)]
     outs, where = [], []
-    for rows in _length_buckets(lens):
+    for rows in _length_buckets([n if o else 0 for n, o in zip(lens, own_len)]):
         n = lens[rows[0]]
-        starts = torch.tensor([bounds[i] for i in rows], device=dev)
-        last = torch.tensor([bounds[i + 1] - 1 for i in rows], device=dev)
-        pos = torch.arange(n, device=dev)
-        idx = torch.minimum(starts[:, None] + pos[None, :], last[:, None])  # [b, n]
+        pstart, plen, ostart, olen = (
+            torch.tensor([x[i] for i in rows], device=dev)[:, None]
+            for x in (prefix_start, prefix_len, own_start, own_len)
+        )
+        pos = torch.arange(n, device=dev)[None, :]
+        # position < plen: the prefix; then the own rows; past the end: the last own row
+        own_pos = torch.minimum(pos - plen, olen - 1)
+        idx = torch.where(pos < plen, pstart + pos, ostart + own_pos)  # [b, n]
         flat = idx.reshape(-1)
-        # [b*n, H, D] -> [b, H, n, D]
         qq, kk, vv = (
             t.index_select(0, flat).unflatten(0, idx.shape).transpose(1, 2) for t in (q, k, v)
         )
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
-        valid = (pos[None, :] <= (last - starts)[:, None]).reshape(-1)
+        valid = ((pos >= plen) & (pos < plen + olen)).reshape(-1)
         outs.append(o.transpose(1, 2).reshape(-1, *o.shape[1:2], o.shape[-1])[valid])
         where.append(flat[valid])
     if not outs:
         return q.new_empty(q.shape)
     order = torch.cat(where)
+    if order.numel() != q.shape[0]:
+        raise ValueError(
+            f"the gathered sequences own {order.numel()} rows of a pack of {q.shape[0]}; "
+            "every packed row must be one sequence's own row exactly once"
+        )
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=dev)
     return torch.cat(outs).index_select(0, inverse)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from realhf.impl.model.modules.attention import packed_causal_attention
 from realhf.impl.model.modules.norm import norm, rms_norm
 from realhf.impl.model.modules.rotary import apply_rope
+from realhf.impl.model.modules.shared_prefix import SharedPrefix
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
@@ -60,6 +61,8 @@ class PackedContext:
         attn_fn: optional replacement of the packed causal attention (the
             KV-cache hook of the generation engine), see ``ReaLModel.forward``.
         attn_impl: implementation name passed to ``packed_causal_attention``.
+        shared_prefix: a :class:`SharedPrefix` whose attention replaces the packed one
+            (the pack then holds each shared prompt once).
     """
 
     cu_seqlens: torch.Tensor
@@ -68,6 +71,7 @@ class PackedContext:
     sin: Optional[torch.Tensor]
     attn_fn: Optional[AttnFn] = None
     attn_impl: str = "auto"
+    shared_prefix: Optional[SharedPrefix] = None
 
 
 def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -203,6 +207,8 @@ class TransformerBlock(nn.Module):
                     f"attn_fn for layer {self.block_idx} returned shape {tuple(o.shape)}, "
                     f"expected {tuple(q.shape)} (= q's shape [T, n_q_heads, head_dim])"
                 )
+        elif ctx.shared_prefix is not None:
+            o = ctx.shared_prefix.attention(q, k, v)
         else:
             o = packed_causal_attention(
                 q,

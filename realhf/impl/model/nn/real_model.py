@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.utils.checkpoint
 
 from realhf.impl.model.modules.rotary import rope_cos_sin, rope_inv_freq
+from realhf.impl.model.modules.shared_prefix import SharedPrefix
 from realhf.impl.model.nn.flat_param import ParamSpec, build_param_spec, flat_view
 from realhf.impl.model.nn.layers import (
     AttnFn,
@@ -275,6 +276,7 @@ class ReaLModel(nn.Module):
         attn_fn: Optional[AttnFn] = None,
         max_seqlen: Optional[int] = None,
         hidden: Optional[torch.Tensor] = None,
+        shared_prefix: Optional[SharedPrefix] = None,
     ) -> torch.Tensor:
         """Run the packed batch through the layers this model holds.
 
@@ -292,6 +294,10 @@ class ReaLModel(nn.Module):
             max_seqlen: longest sequence, if known (saves a sync for flash-attn).
             hidden: ``[T, hidden_dim]`` input hidden states of a pipeline stage without
                 the embedding (required there, refused elsewhere).
+            shared_prefix: compute each shared prompt once (see
+                :mod:`realhf.impl.model.modules.shared_prefix`); the output still has one
+                row per packed token.  Whole models without a sliding window only, and
+                without ``position_ids`` / ``attn_fn`` / ``hidden``.
 
         Returns:
             ``[T, vocab_size]`` logits (``[T, vocab_size / tp]``, this rank's vocabulary
@@ -305,11 +311,25 @@ class ReaLModel(nn.Module):
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
             raise ValueError(f"cu_seqlens must be 1-D [B+1], got shape {tuple(cu_seqlens.shape)}")
         T = input_ids.shape[0]
+        sp = shared_prefix
+        if sp is not None:
+            if attn_fn is not None or position_ids is not None or hidden is not None:
+                raise ValueError("shared_prefix sets positions and attention itself")
+            if not (self.has_embedding and self.has_head) or self.config.sliding_window:
+                raise ValueError(
+                    "shared_prefix needs a whole model (not a pipeline stage) without a "
+                    "sliding window"
+                )
+            if sp.expand.numel() != T:
+                raise ValueError(f"shared_prefix describes {sp.expand.numel()} tokens, not {T}")
         if int(cu_seqlens[-1]) != T:
             raise ValueError(
                 f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of packed tokens {T}"
             )
         cu_seqlens = cu_seqlens.to(input_ids.device)
+        if sp is not None:  # the attention reads sp's rows, not cu_seqlens
+            input_ids, position_ids = input_ids[sp.keep], sp.position_ids
+            cu_seqlens = cu_seqlens.new_tensor([0, input_ids.shape[0]])
         if position_ids is None:
             position_ids = packed_position_ids(cu_seqlens, T)
         elif position_ids.shape != input_ids.shape:
@@ -319,7 +339,9 @@ class ReaLModel(nn.Module):
             )
         # The RoPE tables are built once per forward and shared by all blocks.
         cos, sin = self._rope_tables(position_ids)
-        ctx = PackedContext(cu_seqlens, max_seqlen, cos, sin, attn_fn, self.attn_impl)
+        ctx = PackedContext(
+            cu_seqlens, max_seqlen, cos, sin, attn_fn, self.attn_impl, shared_prefix=sp
+        )
         if self.has_embedding != (hidden is None):
             raise ValueError(
                 f"ReaLModel holding layers {self.layer_range}: "
@@ -351,7 +373,8 @@ class ReaLModel(nn.Module):
         tied = None
         if self.config.shares_head_with_embedding and not self.head_copies_embedding:
             tied = self.embedding.wte.weight
-        return self.head(h, tied)
+        out = self.head(h, tied)
+        return out if sp is None else out.index_select(0, sp.expand)
 
     # ---- HuggingFace checkpoints -----------------------------------------
 
