@@ -96,6 +96,15 @@ def parse_args():
         help="CPU threads for both systems; 1 keeps timings stable on a shared machine, where a "
         "multi-threaded op stalls whenever another process takes one of its cores",
     )
+    p.add_argument(
+        "--rl-rounds",
+        type=int,
+        default=5,
+        help="timed rounds of the RL-shape point (32 prompts x 8 answers, <= 16 new tokens)",
+    )
+    p.add_argument(
+        "--rl-only", action="store_true", help="run only the RL-shape point (about 30 s)"
+    )
     return p.parse_args()
 
 
@@ -193,6 +202,90 @@ def greedy_match(model_dir: str, engine, prompts, n: int = 16) -> bool:
     return True
 
 
+def rl_shape_point(model_dir: str, threads: int, rounds: int, seed: int) -> dict:
+    """The sync RL step's generation: 32 prompts x 8 answers, at most 16 new tokens,
+    temperature 1, stopping at EOS.
+
+    Ours is exactly what ``ppo-math``'s ``actor_gen`` runs (``generate_offline``: an engine
+    over the training model, built for the call, all answers in one wave, the group's
+    prompt prefilled once); ``transformers`` runs what TRL's ``GRPOTrainer`` runs: one
+    ``generate`` over the 256 left-padded rows (each prompt repeated 8 times) with its
+    default cache, stopping when every row has ended. The two alternate round by round;
+    the medians are compared. The answers are sampled, so the work differs a little
+    (mean new tokens are printed for both).
+    """
+    from realhf.api.core.data_api import SequenceSample
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.impl.model.interface.offline_generation import generate_offline
+    from realhf.impl.model.nn.real_model import ReaLModel
+
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    prompts = load_prompts(32, seed)
+    group, max_new, pad, eos = 8, 16, tok.pad_token_id, tok.eos_token_id
+    ours_model = ReaLModel.from_hf(model_dir).eval()
+    sample = SequenceSample.from_default(
+        ids=[f"p{i}" for i in range(len(prompts))],
+        seqlens=[len(p) for p in prompts],
+        data={"packed_prompts": torch.tensor(sum(prompts, []))},
+    )
+    gconfig = GenerationHyperparameters(n=group, max_new_tokens=max_new, temperature=1.0)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rows = [p for p in prompts for _ in range(group)]
+    width = max(len(p) for p in rows)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+
+    def ours(version):
+        out = generate_offline(ours_model, sample, gconfig, tok, version=version)
+        lens, plens = out.flat_seqlens("packed_input_ids"), [len(p) for p in rows]
+        return sum(lens) - sum(plens)
+
+    @torch.inference_mode()
+    def theirs():
+        out = hf.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+        new = out[:, width:]
+        ended = (new == eos) | (new == pad)
+        # tokens up to and including each row's first EOS (or all of them)
+        first = torch.where(ended.any(1), ended.int().argmax(1) + 1, new.shape[1])
+        return int(first.sum())
+
+    ours(0), theirs()  # warm-up (numba kernels, allocator)
+    t_ours, t_hf, n_ours, n_hf = [], [], [], []
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        n_ours.append(ours(r + 1))
+        t_ours.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        n_hf.append(theirs())
+        t_hf.append(time.perf_counter() - t0)
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    res = {
+        "rl_shape_ours_s": round(med(t_ours), 3),
+        "rl_shape_hf_s": round(med(t_hf), 3),
+        "rl_shape_speedup_vs_hf": round(med(t_hf) / med(t_ours), 2),
+        "rl_shape_ours_mean_new_tokens": round(sum(n_ours) / len(n_ours) / len(rows), 2),
+        "rl_shape_hf_mean_new_tokens": round(sum(n_hf) / len(n_hf) / len(rows), 2),
+    }
+    print(
+        f"RL shape (32 prompts x 8 answers, <= {max_new} new tokens, EOS stops, {threads} "
+        f"thread(s)): ours {res['rl_shape_ours_s']:.3f} s, transformers generate "
+        f"{res['rl_shape_hf_s']:.3f} s (median of {rounds}) = "
+        f"{res['rl_shape_speedup_vs_hf']:.2f}x; mean answer {res['rl_shape_ours_mean_new_tokens']}"
+        f" vs {res['rl_shape_hf_mean_new_tokens']} tokens"
+    )
+    return res
+
+
 def _http_client(url: str, prompts, budgets, clients: int):
     """Send every request to ``url/generate`` with ``clients`` in flight; runs in a
     child process so that the client does not share the server's GIL."""
@@ -248,6 +341,15 @@ def main():
     if model_dir is None:
         has_ckpt = os.path.isfile(os.path.join(ASSETS, "model.safetensors"))
         model_dir = ASSETS if has_ckpt else make_model(tmp)
+    if args.rl_only or os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        rl = rl_shape_point(model_dir, args.threads, args.rl_rounds, args.seed)
+    else:
+        rl = {}  # random weights without a tokenizer: no EOS behaviour to compare
+    if args.rl_only:
+        print(
+            json.dumps({**rl, "threads": args.threads, "date": datetime.date.today().isoformat()})
+        )
+        return
     prompts = load_prompts(args.n_requests, args.seed)
     budgets = [log_uniform(rng, args.min_new, args.max_new) for _ in prompts]
     useful = sum(budgets)
@@ -321,6 +423,7 @@ def main():
         "greedy_equal_to_hf": match,
         "load_average": round(os.getloadavg()[0], 2),
         "date": datetime.date.today().isoformat(),
+        **rl,
     }
     print(json.dumps(result))
 

