@@ -216,6 +216,7 @@ def measure(server: Server, prompts: list, points: list) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="256x16,256x128,64x128", help="concurrency x new tokens")
+    p.add_argument("--sides", default="ours,vllm", help="which servers to measure")
     p.add_argument("--client", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
@@ -230,8 +231,15 @@ def main() -> None:
     prompts = [tok.encode(r["prompt"]) for r in rows[:n]]
     logs = tempfile.mkdtemp(prefix="vs_vllm_")
     load0 = os.getloadavg()[0]
-    ours = measure(start_ours(_free_port(), os.path.join(logs, "ours.log")), prompts, points)
-    vllm = measure(start_vllm(_free_port(), os.path.join(logs, "vllm.log")), prompts, points)
+    sides = args.sides.split(",")
+    ours = vllm = {}
+    if "ours" in sides:
+        ours = measure(start_ours(_free_port(), os.path.join(logs, "ours.log")), prompts, points)
+    if "vllm" in sides:
+        vllm = measure(start_vllm(_free_port(), os.path.join(logs, "vllm.log")), prompts, points)
+    if not (ours and vllm):
+        print(json.dumps({"ours_tokens_per_s": ours, "vllm_tokens_per_s": vllm}))
+        return
     print(f"\n{'point':>10} {'ours tok/s':>11} {'vLLM tok/s':>11} {'ratio':>6}")
     ratio = {}
     for k in ours:

@@ -53,7 +53,7 @@ from realhf.api.core.rollout_api import (
     describe_errors,
 )
 from realhf.base import logging
-from realhf.base.http_server import RequestLimit, ServerThread, StartupError
+from realhf.base.http_server import RequestLimit, ServerThread, StartupError, fastapi_app
 from realhf.system.rollout.manager import GserverManager, NoServerAvailable
 from realhf.system.rollout.staleness import RolloutNotRunning
 
@@ -92,7 +92,7 @@ def create_manager_app(
     routes of a manager whose loops died would answer from stale state.
     ``app.state.request_limit`` counts the requests refused for load.
     """
-    app = fastapi.FastAPI(title="realhf gserver manager", lifespan=_lifespan(manager, on_exit))
+    app = fastapi_app(title="realhf gserver manager", lifespan=_lifespan(manager, on_exit))
     app.state.manager = manager
     app.state.request_limit = RequestLimit(
         manager.config.max_concurrent_requests, UNLIMITED_PATHS, name="the gserver manager"

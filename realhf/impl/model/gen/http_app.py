@@ -58,7 +58,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
     parse_generate_body,
 )
-from realhf.base.http_server import RequestLimit
+from realhf.base.http_server import RequestLimit, fastapi_app
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
@@ -399,7 +399,7 @@ def create_app(
     At most ``max_concurrent_requests`` requests of the serving routes are in flight; more
     are answered 503 with a reason (``app.state.request_limit`` counts them).
     """
-    app = fastapi.FastAPI(title="realhf generation server")
+    app = fastapi_app(title="realhf generation server")
     app.state.served = _Served(engine, tokenizer, model_path, served_model_name)
     app.state.request_limit = RequestLimit(
         max_concurrent_requests, UNLIMITED_PATHS, name="the generation server"
