@@ -5,7 +5,7 @@
 
 CKPT_ROOT holds HF directories named ``epoch{E}epochstep{S}globalstep{G}`` (what
 `quickstart sft exp_ctrl.save_freq_steps=N` writes). Each is evaluated greedily on the
-embedded held-out split (500 problems) with evaluation/eval_and_aggregate.py; the
+held-out split of ``--task`` (500 problems) with evaluation/eval_and_aggregate.py; the
 checkpoint in [low, high] closest to --target is copied (config + weights) into --install.
 """
 
@@ -34,6 +34,10 @@ def main(argv=None):
         "--min-step", type=int, default=0, help="skip checkpoints before this global step"
     )
     p.add_argument("--install", default=None, help="directory to copy the chosen weights into")
+    p.add_argument(
+        "--task", default="tiny_arith", help="evaluation data set (tiny_arith, tiny_long)"
+    )
+    p.add_argument("--max-gen-tokens", type=int, default=16, help="greedy answer budget")
     args = p.parse_args(argv)
     ckpts = []
     for name in os.listdir(args.ckpt_root):
@@ -44,8 +48,10 @@ def main(argv=None):
         sys.exit(f"no checkpoints under {args.ckpt_root}")
     results = {}
     for step, path in sorted(ckpts):
-        out = ev.evaluate(path, ["tiny_arith"], os.path.join(path, "eval"), max_gen_tokens=16)
-        results[step] = out["tiny_arith"]["greedy_acc"]
+        out = ev.evaluate(
+            path, [args.task], os.path.join(path, "eval"), max_gen_tokens=args.max_gen_tokens
+        )
+        results[step] = out[args.task]["greedy_acc"]
         print(f"step {step:5d}: greedy accuracy {100 * results[step]:.1f}%", flush=True)
     inside = {s: a for s, a in results.items() if args.low <= a <= args.high}
     if not inside:
@@ -61,7 +67,7 @@ def main(argv=None):
             json.dump(
                 {
                     "global_step": step,
-                    "greedy_acc_tiny_arith": inside[step],
+                    f"greedy_acc_{args.task}": inside[step],
                     "all_checkpoints": {str(k): v for k, v in sorted(results.items())},
                 },
                 f,

@@ -33,6 +33,9 @@ RECOVER_MODES = tuple(m.value for m in RecoverMode)
 LAUNCH_MODES = ("local", "ray", "slurm")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
+#: the embedded tasks (model + data under realhf/assets/), chosen with ``task=NAME``:
+#: 2-digit arithmetic with ~6-token answers, and worked chains of 10-240 tokens
+EMBEDDED_TASKS = ("tiny_arith", "tiny_long")
 
 
 def _check(cond: bool, msg: str):
@@ -196,6 +199,13 @@ class BaseExperimentConfig:
         default="",
         metadata={"help": "root of run outputs; empty = $REALHF_FILEROOT or ~/.cache/realhf"},
     )
+    task: str = field(
+        default="tiny_arith",
+        metadata={
+            "help": f"embedded task, one of {EMBEDDED_TASKS}: its model and data are used "
+            "where model / dataset paths are empty, and its length settings are the defaults"
+        },
+    )
     mode: str = field(default="local", metadata={"help": f"launcher, one of {LAUNCH_MODES}"})
     ray: RayConfig = field(default_factory=RayConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
@@ -254,7 +264,16 @@ class BaseExperimentConfig:
     )
     exp_ctrl: ExperimentControlConfig = field(default_factory=ExperimentControlConfig)
 
+    @classmethod
+    def task_overrides(cls, task: str) -> list[str]:
+        """``key=value`` defaults of embedded task ``task`` (applied before the user's own)."""
+        return []
+
     def __post_init__(self):
+        _check(
+            self.task in EMBEDDED_TASKS,
+            f"task={self.task!r}; embedded tasks: {EMBEDDED_TASKS} (README, 'Embedded tasks')",
+        )
         _check(
             self.mode in LAUNCH_MODES, f"mode={self.mode!r}; supported launchers: {LAUNCH_MODES}"
         )

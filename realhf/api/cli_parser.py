@@ -128,12 +128,7 @@ def parse_config(cls, argv: list[str]):
             raise ConfigError(
                 f"cannot parse argument '{arg}': expected '--config FILE.yaml' or 'key=value'"
             )
-    # Merge order, later wins: dataclass defaults < YAML file < each override
-    # in command-line order.  Merging one source at a time lets an error name
-    # the source it came from.  Nothing is validated beyond types until
-    # _to_object() builds the dataclasses, so a YAML value that is invalid
-    # alone may still be fixed by a later override.
-    conf = OmegaConf.structured(cls)
+    loaded = None
     if yaml_path is not None:
         path = pathlib.Path(yaml_path)
         if not path.is_file():
@@ -142,16 +137,40 @@ def parse_config(cls, argv: list[str]):
             loaded = OmegaConf.load(path)
         except Exception as e:  # yaml syntax errors
             raise ConfigError(f"cannot read config file '{yaml_path}': {e}") from None
+    conf = _merge_sources(cls, [], loaded, yaml_path, overrides)
+    # An embedded task (``task=tiny_long``) brings its own defaults (e.g. longer answers):
+    # merge again with them just above the dataclass defaults, so that the YAML file and
+    # the command line still win over them.
+    presets = _task_presets(cls, conf)
+    if presets:
+        conf = _merge_sources(cls, presets, loaded, yaml_path, overrides)
+    return _to_object(conf)
+
+
+def _task_presets(cls, conf) -> list[str]:
+    task = conf.get("task") if "task" in conf else None
+    hook = getattr(cls, "task_overrides", None)
+    return list(hook(task)) if task is not None and hook is not None else []
+
+
+def _merge_sources(cls, presets: list[str], loaded, yaml_path, overrides: list[str]):
+    # Merge order, later wins: dataclass defaults < task presets < YAML file < each
+    # override in command-line order.  Merging one source at a time lets an error name
+    # the source it came from.  Nothing is validated beyond types until _to_object()
+    # builds the dataclasses, so a YAML value that is invalid alone may still be fixed
+    # by a later override.
+    conf = OmegaConf.structured(cls)
+    for ov in presets:
+        conf = _merge_one(conf, OmegaConf.from_dotlist([ov]), cls, f"task preset '{ov}'")
+    if loaded is not None:
         conf = _merge_one(conf, loaded, cls, f"config file '{yaml_path}'")
     for ov in overrides:
-        key, _, _ = ov.partition("=")
         try:
             dot = OmegaConf.from_dotlist([ov])
         except Exception as e:
             raise ConfigError(f"cannot parse override '{ov}': {e}") from None
         conf = _merge_one(conf, dot, cls, f"override '{ov}'")
-        del key
-    return _to_object(conf)
+    return conf
 
 
 def config_from_dict(cls, values: dict, source: str):

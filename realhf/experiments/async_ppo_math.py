@@ -213,7 +213,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=True)
     n_gen, layout = alloc.gen.data, alloc.train
     n_train = layout.world_size
-    actor_path = blocks.model_path(cfg.actor, "actor")
+    actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
     B = cfg.train_batch_size

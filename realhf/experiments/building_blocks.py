@@ -22,12 +22,27 @@ from realhf.api.core.allocation import (
 from realhf.api.core.system_api import Scheduling
 from realhf.api.core.worker_api import ModelSpec, Placements
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "tiny")
+ASSETS_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+#: asset directory of each embedded task (cli_args.EMBEDDED_TASKS): a complete HF model
+#: directory (the task's SFT model and tokenizer) with data/{train,eval,sft}.jsonl
+TASK_DIRS = {"tiny_arith": "tiny", "tiny_long": "tiny_long"}
+ASSETS = os.path.join(ASSETS_ROOT, "tiny")
 #: the embedded tiny SFT model (a complete HF directory with its tokenizer)
 TINY_MODEL = ASSETS
 TINY_TRAIN = os.path.join(ASSETS, "data", "train.jsonl")
 TINY_EVAL = os.path.join(ASSETS, "data", "eval.jsonl")
 TINY_SFT = os.path.join(ASSETS, "data", "sft.jsonl")
+
+
+def task_model(task: str) -> str:
+    """The SFT model directory of embedded task `task`."""
+    return os.path.join(ASSETS_ROOT, TASK_DIRS[task])
+
+
+def task_data(task: str, split: str) -> str:
+    """Embedded task `task`'s ``train`` / ``eval`` (math jsonl) or ``sft`` split."""
+    return os.path.join(task_model(task), "data", f"{split}.jsonl")
+
 
 #: modules the workers import so that interfaces and datasets are registered
 WORKER_IMPORTS = (
@@ -41,9 +56,9 @@ class ExperimentSetupError(ValueError):
     """The experiment cannot start as configured; the message says what to fix."""
 
 
-def model_path(cfg: ModelConfig, what: str) -> str:
-    """The model directory of `cfg` (the embedded tiny model when empty), checked."""
-    path = os.path.abspath(os.path.expanduser(cfg.path or TINY_MODEL))
+def model_path(cfg: ModelConfig, what: str, task: str = "tiny_arith") -> str:
+    """The model directory of `cfg` (embedded task `task`'s model when empty), checked."""
+    path = os.path.abspath(os.path.expanduser(cfg.path or task_model(task)))
     if not os.path.isdir(path):
         raise ExperimentSetupError(f"{what}.path: model directory '{path}' does not exist")
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -39,8 +39,8 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=False)
     layout = alloc.train
     n_workers = layout.world_size
-    path = blocks.model_path(cfg.model, "model")
-    data = blocks.data_path(cfg.dataset.path, blocks.TINY_SFT, "dataset.path")
+    path = blocks.model_path(cfg.model, "model", cfg.task)
+    data = blocks.data_path(cfg.dataset.path, blocks.task_data(cfg.task, "sft"), "dataset.path")
     with open(data) as f:
         size = sum(1 for line in f if line.strip())
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)

@@ -35,7 +35,7 @@ from realhf.impl.dataset.sft_dataset import PromptAnswerDataset
 class SFTDatasetConfig:
     path: str = field(
         default="",
-        metadata={"help": "SFT jsonl ({id, prompt, answer}); empty = embedded tiny data"},
+        metadata={"help": "SFT jsonl ({id, prompt, answer}); empty = the task's SFT split"},
     )
     eval_path: str = field(
         default="", metadata={"help": "held-out SFT jsonl for eval loss; empty = none"}
@@ -69,8 +69,8 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=False)
     layout = alloc.train
     n_workers = layout.world_size
-    path = blocks.model_path(cfg.model, "model")
-    data = blocks.data_path(cfg.dataset.path, blocks.TINY_SFT, "dataset.path")
+    path = blocks.model_path(cfg.model, "model", cfg.task)
+    data = blocks.data_path(cfg.dataset.path, blocks.task_data(cfg.task, "sft"), "dataset.path")
     tok = blocks.load_tokenizer(path)
     try:  # load once here so malformed rows fail before any process starts
         size = len(PromptAnswerDataset(data, tok, max_length=cfg.dataset.max_length))
