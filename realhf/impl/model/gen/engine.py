@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import functools
+import os
 import queue
 import threading
 import time
@@ -58,6 +59,39 @@ from realhf.impl.model.gen.sequence import Sequence
 from realhf.impl.model.nn.parallel_hooks import LOCAL
 
 logger = logging.getLogger("gen_engine")
+
+#: A directory: every engine then records each step's wall time and running sequences to
+#: ``{dir}/occupancy-{pid}.tsv`` (the generation-batch occupancy that
+#: benchmark/async_vs_sync.py reports).  Unset: nothing is recorded.
+OCCUPANCY_DIR_ENV = "REALHF_GEN_OCCUPANCY_DIR"
+
+
+class _OccupancyLog:
+    """Appends ``time<TAB>running<TAB>slots`` lines, flushed about once a second."""
+
+    def __init__(self, directory: str, slots: int):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, f"occupancy-{os.getpid()}.tsv")
+        self.slots = slots
+        self._rows: List[str] = []
+        self._flushed = time.monotonic()
+
+    @classmethod
+    def from_env(cls, slots: int) -> Optional["_OccupancyLog"]:
+        d = os.environ.get(OCCUPANCY_DIR_ENV)
+        return cls(d, slots) if d else None
+
+    def record(self, running: int) -> None:
+        self._rows.append(f"{time.time():.4f}\t{running}\t{self.slots}\n")
+        if time.monotonic() - self._flushed > 1.0:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._rows:
+            with open(self.path, "a") as f:
+                f.writelines(self._rows)
+            self._rows.clear()
+        self._flushed = time.monotonic()
 
 
 class EngineClosedError(RuntimeError):
@@ -194,6 +228,7 @@ class GenerationEngine:
         self.total_generated_tokens = 0
         self.total_finished = 0
         self._recent: Deque[Tuple[float, int]] = collections.deque(maxlen=256)
+        self._occupancy = _OccupancyLog.from_env(config.max_running_requests)
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
         logger.info(
             f"engine: {config.max_running_requests} slots x {self.context_length} tokens, "
@@ -370,6 +405,8 @@ class GenerationEngine:
                     for s in self.scheduler.take_all():
                         s.fail(e)
         self._apply_commands()
+        if self._occupancy is not None:
+            self._occupancy.flush()
         err = EngineClosedError("the generation engine was closed")
         for s in self.scheduler.take_all():
             s.fail(err)
@@ -559,6 +596,8 @@ class GenerationEngine:
         self.total_generated_tokens += len(toks)
         self.total_finished += len(done)
         self._recent.append((time.monotonic(), len(toks)))
+        if self._occupancy is not None:
+            self._occupancy.record(len(toks))
 
 
 #: What the engine thread runs for each command (called with the engine and the command).

@@ -348,3 +348,21 @@ def test_a_failed_step_fails_in_flight_requests_and_the_engine_keeps_serving(mod
 def test_a_cache_that_cannot_fit_is_refused(model):
     with pytest.raises(ValueError, match="lower EngineConfig.max_running_requests"):
         GenerationEngine(model, EngineConfig(max_running_requests=100_000, context_length=100_000))
+
+
+def test_occupancy_log_records_every_step_when_asked(model, make_engine, tmp_path, monkeypatch):
+    from realhf.impl.model.gen.engine import OCCUPANCY_DIR_ENV
+
+    monkeypatch.setenv(OCCUPANCY_DIR_ENV, str(tmp_path / "occ"))
+    e = make_engine(max_running_requests=4)
+    # 6 requests of 5 tokens for 4 slots: two waves, the second runs with 2 sequences
+    e.generate([GenerateRequest(input_ids=PROMPTS[0], sampling=greedy(5)) for _ in range(6)])
+    e.close()
+    (path,) = (tmp_path / "occ").iterdir()
+    rows = [line.split("\t") for line in path.read_text().splitlines()]
+    running = [int(r[1]) for r in rows]
+    assert sum(running) == 6 * 5 and max(running) == 4 and {int(r[2]) for r in rows} == {4}
+    times = [float(r[0]) for r in rows]
+    assert times == sorted(times)
+    monkeypatch.delenv(OCCUPANCY_DIR_ENV)
+    assert make_engine()._occupancy is None
