@@ -146,6 +146,13 @@ def make_data(
 ) -> Dict[str, int]:
     """Write train/eval/sft jsonl files (and the eval copy); returns the split sizes."""
     train, held_out = split_problems(seed, n_eval, n_train_per_kind)
+    return write_splits(out_dir, eval_copy, train, held_out, math_record, sft_record)
+
+
+def write_splits(out_dir, eval_copy, train, held_out, math_record, sft_record) -> Dict[str, int]:
+    """Write ``train``/``held_out`` problems as train/eval (math jsonl) and sft jsonl under
+    ``out_dir`` (and eval again at ``eval_copy``); returns the split sizes.  Shared with
+    examples/tiny_long/make_data.py."""
     _write_jsonl(os.path.join(out_dir, "train.jsonl"), [math_record(*p) for p in train])
     _write_jsonl(os.path.join(out_dir, "eval.jsonl"), [math_record(*p) for p in held_out])
     _write_jsonl(os.path.join(out_dir, "sft.jsonl"), [sft_record(*p) for p in train])

@@ -29,7 +29,7 @@ once over all splits.  Output is a pure function of ``--seed``.
 from __future__ import annotations
 
 import argparse
-import json
+import importlib.util
 import os
 import random
 from typing import Dict, List, Tuple
@@ -84,11 +84,14 @@ def sample_problems(seed: int, n: int) -> List[Problem]:
     return out
 
 
-def _write_jsonl(path: str, records: List[Dict]):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+def _tiny_make_data():
+    """examples/tiny/make_data.py (its split writer), loaded by path: both scripts are
+    named make_data."""
+    path = os.path.join(REPO_ROOT, "examples", "tiny", "make_data.py")
+    spec = importlib.util.spec_from_file_location("tiny_make_data", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def make_data(
@@ -101,12 +104,9 @@ def make_data(
     """Write train/eval/sft jsonl files (and the eval copy); returns the split sizes."""
     problems = sample_problems(seed, n_eval + n_train)
     held_out, train = problems[:n_eval], problems[n_eval:]
-    _write_jsonl(os.path.join(out_dir, "train.jsonl"), [math_record(*p) for p in train])
-    _write_jsonl(os.path.join(out_dir, "eval.jsonl"), [math_record(*p) for p in held_out])
-    _write_jsonl(os.path.join(out_dir, "sft.jsonl"), [sft_record(*p) for p in train])
-    if eval_copy:
-        _write_jsonl(eval_copy, [math_record(*p) for p in held_out])
-    return {"train": len(train), "eval": len(held_out), "sft": len(train)}
+    return _tiny_make_data().write_splits(
+        out_dir, eval_copy, train, held_out, math_record, sft_record
+    )
 
 
 def main(argv=None):
