@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -234,39 +234,30 @@ def _run(name: str, fileroot: str, args, extra: List[str], label: str, steps: in
     return out
 
 
-def start_lengths(model: str, task: str, n: int = 512, seed: int = 1) -> List[int]:
-    """Answer lengths (tokens, EOS included) of ``model`` sampled at temperature 1 on the
-    first ``n`` training prompts of ``task``: the length distribution a run starts from."""
-    import torch
+def start_lengths(
+    model: str, task: str, n: int = 512, seed: int = 1
+) -> Tuple[List[int], List[int]]:
+    """Prompt and answer lengths (tokens, EOS included) of ``model`` sampled at temperature 1
+    on the first ``n`` training prompts of ``task``: the lengths a run starts from."""
     from transformers import AutoTokenizer
 
     from realhf.api.core.gen_api import GenerateRequest, SamplingParams
-    from realhf.impl.model import ReaLModel
-    from realhf.impl.model.gen.engine import GenerationEngine
     from realhf.impl.model.gen.engine_config import EngineConfig
+    from realhf.impl.model.gen.loading import load_engine
 
     tok = AutoTokenizer.from_pretrained(model)
-    net = ReaLModel.from_hf(model, dtype=torch.float32, device="cpu").eval()
-    engine = GenerationEngine(
-        net,
-        EngineConfig(max_running_requests=256, seed=seed, device="cpu"),
-        eos_token_ids=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
-    ).start()
     with open(task_data(task, "train")) as f:
-        prompts = [json.loads(line)["prompt"] for _, line in zip(range(n), f)]
+        prompts = [
+            tuple(tok(json.loads(line)["prompt"], add_special_tokens=False)["input_ids"])
+            for _, line in zip(range(n), f)
+        ]
     sp = SamplingParams(max_new_tokens=EVAL_TOKENS[task], temperature=1.0)
+    engine = load_engine(model, EngineConfig(max_running_requests=256, seed=seed), tok).start()
     try:
-        outs = engine.generate(
-            [
-                GenerateRequest(tuple(tok(p, add_special_tokens=False)["input_ids"]), sp)
-                for p in prompts
-            ],
-            timeout=600,
-        )
+        outs = engine.generate([GenerateRequest(p, sp) for p in prompts], timeout=600)
     finally:
         engine.close()
-    return [len(o.output_ids) for o in outs]
+    return [len(p) for p in prompts], [len(o.output_ids) for o in outs]
 
 
 def simulator_rows(args, runs: List[dict], lengths_file: str, prompt_len: float) -> List[dict]:
@@ -403,17 +394,10 @@ def main() -> None:
     }
     if args.rows_out:
         model = args.model or task_model(args.task)
-        lengths = start_lengths(model, args.task, seed=args.seed)
+        plens, lengths = start_lengths(model, args.task, seed=args.seed)
         lengths_file = os.path.splitext(args.rows_out)[0] + "_lengths.json"
         with open(lengths_file, "w") as f:
             json.dump(lengths, f)
-        with open(task_data(args.task, "train")) as f:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(model)
-            plens = [
-                len(tok(json.loads(line)["prompt"])["input_ids"]) for _, line in zip(range(512), f)
-            ]
         rows = simulator_rows(args, runs, lengths_file, sum(plens) / len(plens))
         with open(args.rows_out, "w") as f:
             json.dump({"runs": rows}, f, indent=1)

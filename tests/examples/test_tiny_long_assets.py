@@ -94,21 +94,15 @@ def test_model_is_complete_with_room_for_long_answers():
 
 def test_sft_policy_answer_lengths_span_the_tail():
     """Sampled at temperature 1 from the committed SFT model: ~10-250 tokens, a long tail."""
-    import torch
     from transformers import AutoTokenizer
 
     from realhf.api.core.gen_api import GenerateRequest, SamplingParams
-    from realhf.impl.model import ReaLModel
-    from realhf.impl.model.gen.engine import GenerationEngine
     from realhf.impl.model.gen.engine_config import EngineConfig
+    from realhf.impl.model.gen.loading import load_engine
 
     tok = AutoTokenizer.from_pretrained(str(ASSETS))
-    model = ReaLModel.from_hf(str(ASSETS), dtype=torch.float32, device="cpu").eval()
-    engine = GenerationEngine(
-        model,
-        EngineConfig(max_running_requests=256, seed=1, device="cpu"),
-        eos_token_ids=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
+    engine = load_engine(
+        str(ASSETS), EngineConfig(max_running_requests=256, seed=1, device="cpu"), tok
     ).start()
     try:
         prompts = [r["prompt"] for r in _read(DATA / "train.jsonl")[:256]]
