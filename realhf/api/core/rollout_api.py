@@ -519,11 +519,12 @@ class AllocateReply(_Message):
 class ScheduleRequest(_Message):
     """Rollout worker -> manager: which server should run the next chunk of ``rollout_id``?
 
-    ``prompt_len`` counts the tokens the server gets (prompt plus the answer so far) and
-    ``new_token_budget`` the tokens it may still generate.  A continuation names the server
-    and version of its previous chunk (``""`` / ``-1`` for none); it goes back to that server
-    when its version is unchanged (cached prefix).  ``exclude`` lists servers that just
-    failed this sequence.
+    The chunk is one ``/generate`` call for ``n_sequences`` sequences of the rollout (a
+    group's members go together).  ``prompt_len`` counts the tokens the server gets (prompts
+    plus the answers so far, summed over the sequences) and ``new_token_budget`` the tokens
+    they may still generate (summed).  A continuation names the server and version of its
+    previous chunk (``""`` / ``-1`` for none); it goes back to that server when its version is
+    unchanged (cached prefix).  ``exclude`` lists servers that just failed this rollout.
     """
 
     rollout_id: _Name
@@ -532,6 +533,7 @@ class ScheduleRequest(_Message):
     previous_server_url: StrictStr = ""
     previous_version: Annotated[StrictInt, Field(ge=-1)] = -1
     exclude: Tuple[_Name, ...] = ()
+    n_sequences: Annotated[StrictInt, Field(ge=1)] = 1
 
 
 @_message

@@ -1,21 +1,25 @@
 """Interruptible generation: a group of answers, each generated chunk by chunk.
 
-Every member of a group is an independent ``n = 1`` sequence.  For each chunk the manager
-picks a server (``/schedule_request``; a continuation goes back to its previous server when
-that server's weight version is unchanged) and the chunk is one SGLang ``/generate`` call
-for at most ``new_tokens_per_chunk`` tokens.  A chunk that ends with ``length`` below the
-member's budget, or with ``abort`` (the manager paused the server for a weight update), is
-resubmitted with everything generated so far appended to the prompt; tokens and logprobs of
-all chunks are concatenated.  ``version_start`` is the version of the first chunk's server,
-``version_end`` that of the last one.
+Every member of a group is an independent ``n = 1`` sequence; the members still running go
+to the server together.  For each round the manager picks a server (``/schedule_request``
+for the round's ``n_sequences``; a continuation goes back to its previous server when that
+server's weight version is unchanged) and the round is one batched SGLang ``/generate``
+call: one prompt per member (the prompt plus its answer so far), each for at most
+``new_tokens_per_chunk`` tokens with its own sampling seed.  A member whose chunk ends with
+``length`` below its budget, or with ``abort`` (the manager paused the server for a weight
+update), is in the next round with everything generated so far appended to its prompt;
+tokens and logprobs of all its chunks are concatenated.  ``version_start`` is the version of
+a member's first chunk's server, ``version_end`` that of its last one.  One call per round
+rather than one per member is what keeps the manager's and the server's request handling
+small beside the model's work (a group of 8 used to cost 8 schedules and 8 HTTP requests).
 
 A server that cannot be reached, times out or answers 5xx is reported to the manager and the
-chunk goes to another server (at most ``max_server_failures`` failures in a row per member;
-a chunk that succeeds resets the count); a 4xx answer
+round goes to another server (at most ``max_server_failures`` failures in a row per
+rollout; a round that succeeds resets the count); a 4xx answer
 is a bad request and fails the rollout at once with the server's message; a 503 with
 ``Retry-After`` (the server is at its ``max_concurrent_requests``) is asked again after the
 pause, without counting as a failure.  While no server
-is live at all (the only one died and is being restarted) a chunk waits up to
+is live at all (the only one died and is being restarted) a round waits up to
 ``no_server_wait_s`` for one.
 """
 
@@ -25,7 +29,7 @@ import asyncio
 import collections
 import dataclasses
 import json
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import aiohttp
 
@@ -109,10 +113,8 @@ class PartialRolloutManager(UncappedSession):
         self.stats: collections.Counter = collections.Counter()
 
     async def generate_group(self, rollout_id: str, req: GenerateGroupRequest) -> GroupGeneration:
-        """All ``req.gconfig.n`` members of a group, generated concurrently."""
-        members = await asyncio.gather(
-            *(self.generate_member(rollout_id, req, j) for j in range(req.gconfig.n))
-        )
+        """All ``req.gconfig.n`` members of a group, generated together (see :meth:`generate`)."""
+        members = await self.generate(rollout_id, req, range(req.gconfig.n))
         return GroupGeneration(
             qid=req.qid,
             prompt_ids=req.prompt_ids,
@@ -122,6 +124,12 @@ class PartialRolloutManager(UncappedSession):
             version_start=tuple(m.version_start for m in members),
             version_end=tuple(m.version_end for m in members),
         )
+
+    async def generate_member(
+        self, rollout_id: str, req: GenerateGroupRequest, member: int
+    ) -> MemberResult:
+        """Member ``member`` of the group alone (its own calls)."""
+        return (await self.generate(rollout_id, req, [member]))[0]
 
     def _sampling_params(
         self, req: GenerateGroupRequest, member: int, done: int, max_new: int
@@ -141,50 +149,59 @@ class PartialRolloutManager(UncappedSession):
             params["sampling_seed"] = seeding.derive_seed(self.seed, f"{req.qid}/{member}/{done}")
         return params
 
-    async def generate_member(
-        self, rollout_id: str, req: GenerateGroupRequest, member: int
-    ) -> MemberResult:
-        """One sequence, chunk by chunk, resubmitted after interruptions and server failures."""
+    async def generate(
+        self, rollout_id: str, req: GenerateGroupRequest, members: Iterable[int]
+    ) -> List[MemberResult]:
+        """The sequences ``members`` of the group, chunk by chunk, resubmitted after
+        interruptions and server failures.
+
+        The unfinished members travel together: each round is one ``/schedule_request`` and
+        one batched ``/generate`` call (one prompt per member, each with its answer so far and
+        its own sampling seed), so a group of ``n`` costs the manager and the server one
+        request per round rather than ``n``.  Each member's tokens are exactly those it would
+        get alone with the same chunking; a member that finishes leaves the next round.
+        """
         budget = req.gconfig.max_new_tokens
-        out_ids: List[int] = []
-        out_lps: List[float] = []
-        version_start: Optional[int] = None
-        version_end = 0
+        done: Dict[int, MemberResult] = {}
+        running = {j: MemberResult([], [], False, -1, 0) for j in members}
+        order = list(running)
         prev: Tuple[str, int] = ("", -1)
         exclude: List[str] = []
-        failures = chunks = interrupted = empty_aborts = 0
+        failures = empty_aborts = 0
         overloaded_s = 0.0
-        while True:
-            remaining = budget - len(out_ids)
+        while running:
+            todo = list(running.items())
+            remaining = [budget - len(m.output_ids) for _, m in todo]
             sched = await self._schedule(
                 ScheduleRequest(
                     rollout_id,
-                    len(req.prompt_ids) + len(out_ids),
-                    remaining,
+                    sum(len(req.prompt_ids) + len(m.output_ids) for _, m in todo),
+                    sum(remaining),
                     prev[0],
                     prev[1],
                     tuple(exclude),
+                    n_sequences=len(todo),
                 )
             )
-            if version_start is None:
-                version_start = sched.version
-            max_new = min(self.chunk, remaining)
             body = {
-                "input_ids": list(req.prompt_ids) + out_ids,
-                "sampling_params": self._sampling_params(req, member, len(out_ids), max_new),
+                "input_ids": [list(req.prompt_ids) + m.output_ids for _, m in todo],
+                "sampling_params": [
+                    self._sampling_params(req, j, len(m.output_ids), min(self.chunk, left))
+                    for (j, m), left in zip(todo, remaining)
+                ],
                 "return_logprob": True,
                 "stream": False,
             }
             try:
-                out = await self._generate(sched.url, body)
+                outs = await self._generate(sched.url, body, len(todo))
             except _Overloaded as e:
                 # Refused before it was processed: not a failure; ask again after a pause.
                 overloaded_s += e.retry_after
                 self.stats["overloaded"] += 1
                 if overloaded_s > self.no_server_wait_s:
                     raise GenerationFailed(
-                        f"rollout {rollout_id} ({req.qid!r}) member {member}: the servers "
-                        f"refused it as overloaded for {overloaded_s:.0f}s "
+                        f"rollout {rollout_id} ({req.qid!r}): the servers refused it as "
+                        f"overloaded for {overloaded_s:.0f}s "
                         f"(no_server_wait_s={self.no_server_wait_s:g}): {e}"
                     ) from None
                 await asyncio.sleep(e.retry_after)
@@ -193,48 +210,49 @@ class PartialRolloutManager(UncappedSession):
                 failures += 1
                 self.stats["server_failures"] += 1
                 logger.warning(
-                    f"rollout {rollout_id} member {member}: {e}; rescheduling "
+                    f"rollout {rollout_id}: {e}; rescheduling "
                     f"({failures}/{self.max_server_failures})"
                 )
                 await self.client.report_failure(sched.url, str(e))
                 if failures > self.max_server_failures:
                     raise GenerationFailed(
-                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {failures} "
-                        f"generation calls failed, the last on {sched.url}: {e}"
+                        f"rollout {rollout_id} ({req.qid!r}): {failures} generation calls "
+                        f"failed in a row, the last on {sched.url}: {e}"
                     ) from None
                 exclude.append(sched.url)
                 prev = ("", -1)
                 continue
             exclude.clear()
             failures = 0
-            chunks += 1
-            self.stats["chunks"] += 1
-            out_ids += out.output_ids
-            out_lps += out.output_logprobs
-            version_end = sched.version
-            if out.end is FinishType.STOP:
-                return MemberResult(
-                    out_ids, out_lps, False, version_start, version_end, chunks, interrupted
-                )
-            if len(out_ids) >= budget:
-                return MemberResult(
-                    out_ids, out_lps, True, version_start, version_end, chunks, interrupted
-                )
-            if out.end is FinishType.ABORT:
-                interrupted += 1
-                self.stats["interrupted"] += 1
-                # Aborted before its first token again and again: back off, and give up
-                # rather than spin if the server never lets it run.
-                empty_aborts = empty_aborts + 1 if not out.output_ids else 0
-                if empty_aborts > _MAX_EMPTY_ABORTS:
-                    raise GenerationFailed(
-                        f"rollout {rollout_id} ({req.qid!r}) member {member}: {empty_aborts} "
-                        "chunks in a row were aborted before generating a token "
-                        f"(last server {sched.url})"
-                    )
-                if empty_aborts:
-                    await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
+            self.stats["calls"] += 1
+            progressed = False
+            for (j, m), out in zip(todo, outs):
+                self.stats["chunks"] += 1
+                m.n_chunks += 1
+                if m.version_start < 0:
+                    m.version_start = sched.version
+                m.version_end = sched.version
+                m.output_ids += out.output_ids
+                m.output_logprobs += out.output_logprobs
+                progressed |= bool(out.output_ids) or out.end is not FinishType.ABORT
+                if out.end is FinishType.STOP or len(m.output_ids) >= budget:
+                    m.no_eos = out.end is not FinishType.STOP
+                    done[j] = running.pop(j)
+                elif out.end is FinishType.ABORT:
+                    m.n_interrupted += 1
+                    self.stats["interrupted"] += 1
             prev = (sched.url, sched.version)
+            # Aborted before the first token again and again: back off, and give up rather
+            # than spin if the server never lets the rollout run.
+            empty_aborts = 0 if progressed else empty_aborts + 1
+            if empty_aborts > _MAX_EMPTY_ABORTS:
+                raise GenerationFailed(
+                    f"rollout {rollout_id} ({req.qid!r}): {empty_aborts} chunks in a row were "
+                    f"aborted before generating a token (last server {sched.url})"
+                )
+            if empty_aborts:
+                await asyncio.sleep(min(1.0, 0.01 * 2**empty_aborts))
+        return [done[j] for j in order]
 
     async def _schedule(self, req: ScheduleRequest):
         """The manager's choice of server; waits (bounded) while no server is live."""
@@ -260,7 +278,8 @@ class PartialRolloutManager(UncappedSession):
                 logger.info(f"rollout {req.rollout_id}: a generation server is back")
             return sched
 
-    async def _generate(self, url: str, body: dict) -> _Chunk:
+    async def _generate(self, url: str, body: dict, n: int) -> List[_Chunk]:
+        """One batched ``/generate`` call of ``n`` prompts: their chunks, in order."""
         try:
             async with self.session.post(
                 url + "/generate",
@@ -288,14 +307,11 @@ class PartialRolloutManager(UncappedSession):
                 f"{url}/generate rejected the request (HTTP {status}): {text[:1000]}"
             )
         data = json.loads(text)
-        if isinstance(data, list):
-            if len(data) != 1:
-                raise GenerationFailed(
-                    f"{url}/generate returned {len(data)} outputs for one n=1 request"
-                )
-            data = data[0]
-        out = parse_sglang_output(data)
-        return _Chunk(out.output_ids, out.output_logprobs, out.finish_reason.type)
+        if not isinstance(data, list) or len(data) != n:
+            got = len(data) if isinstance(data, list) else "not a list of"
+            raise GenerationFailed(f"{url}/generate returned {got} outputs for {n} prompts")
+        outs = [parse_sglang_output(d) for d in data]
+        return [_Chunk(o.output_ids, o.output_logprobs, o.finish_reason.type) for o in outs]
 
 
 class _Overloaded(Exception):

@@ -207,8 +207,8 @@ class ServerPool:
         return server
 
     def assign(self, s: ServerState, req: ScheduleRequest) -> None:
-        """Count ``req`` against ``s`` until the next metrics read."""
-        s.assigned_requests += 1
+        """Count ``req`` (``n_sequences`` requests) against ``s`` until the next metrics read."""
+        s.assigned_requests += req.n_sequences
         s.assigned_tokens += (
             req.prompt_len + self.config.token_usage_budget_ratio * req.new_token_budget
         )

@@ -202,6 +202,42 @@ def test_seeded_sampling_replays_the_same_tokens(stack):
     assert other.output_ids != runs[0].output_ids
 
 
+def test_a_group_goes_in_one_call_per_round_and_each_member_gets_its_tokens_alone(stack):
+    _, manager, service = stack
+
+    async def go():
+        client = ManagerClient(service.url, timeout_s=30)
+        prms = [
+            PartialRolloutManager(
+                client, new_tokens_per_chunk=6, request_timeout_s=60, stop_token_ids=(EOS,), seed=3
+            )
+            for _ in range(2)
+        ]
+        try:
+            adm = await client.allocate("rollout_worker/0", "inc0", "q")
+            req = GenerateGroupRequest(
+                "q", (11, 12, 13), gconfig(n=4).new(max_new_tokens=30, greedy=False)
+            )
+            alone = [await prms[0].generate_member(adm.rollout_id, req, j) for j in range(4)]
+            group = await prms[1].generate(adm.rollout_id, req, range(4))
+            return alone, group, prms[0].stats, prms[1].stats
+        finally:
+            for p in prms:
+                await p.close()
+            await client.close()
+
+    scheduled = service.call(lambda: sum(s.n_scheduled for s in manager.pool.servers.values()))
+    alone, group, alone_stats, group_stats = asyncio.run(go())
+    assert [m.output_ids for m in group] == [m.output_ids for m in alone]
+    assert [m.n_chunks for m in group] == [m.n_chunks for m in alone]
+    assert len({tuple(m.output_ids) for m in group}) > 1  # members draw their own seeds
+    # one call per round: as many as the member with the most chunks needed, not their sum
+    assert group_stats["calls"] == max(m.n_chunks for m in group)
+    assert alone_stats["calls"] == sum(m.n_chunks for m in alone) > group_stats["calls"]
+    after = service.call(lambda: sum(s.n_scheduled for s in manager.pool.servers.values()))
+    assert after - scheduled == alone_stats["calls"] + group_stats["calls"]
+
+
 def test_a_server_at_its_request_limit_is_asked_again_without_counting_a_failure(
     server, model_dirs
 ):

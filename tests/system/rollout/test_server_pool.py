@@ -77,6 +77,9 @@ def test_discovery_health_metrics_and_dead_servers(model_dir):
             first = pool.pick(req)
             pool.assign(first, req)  # 10 + 0.4 * 100 tokens counted until the next metrics read
             assert first.token_load == 50 and pool.pick(req) is not first
+            group = ScheduleRequest("r", prompt_len=80, new_token_budget=800, n_sequences=8)
+            pool.assign(first, group)  # a group's call counts its 8 sequences
+            assert first.assigned_requests == 9 and first.token_load == 50 + 80 + 320
             await pool.check()  # metrics read: idle servers use no tokens
             assert first.token_load == 0 and first.assigned_requests == 0
             # one server stops answering: dead after max_health_failures checks
