@@ -217,6 +217,7 @@ def rl_shape_point(model_dir: str, threads: int, rounds: int, seed: int) -> dict
     from realhf.api.core.data_api import SequenceSample
     from realhf.api.core.model_api import GenerationHyperparameters
     from realhf.impl.model.interface.offline_generation import generate_offline
+    from realhf.impl.model.interface.ppo_config import PPOHyperparameters
     from realhf.impl.model.nn.real_model import ReaLModel
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -229,6 +230,7 @@ def rl_shape_point(model_dir: str, threads: int, rounds: int, seed: int) -> dict
         data={"packed_prompts": torch.tensor(sum(prompts, []))},
     )
     gconfig = GenerationHyperparameters(n=group, max_new_tokens=max_new, temperature=1.0)
+    slots = PPOHyperparameters().gen_max_running_requests  # what actor_gen runs with
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     rows = [p for p in prompts for _ in range(group)]
     width = max(len(p) for p in rows)
@@ -236,7 +238,9 @@ def rl_shape_point(model_dir: str, threads: int, rounds: int, seed: int) -> dict
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
 
     def ours(version):
-        out = generate_offline(ours_model, sample, gconfig, tok, version=version)
+        out = generate_offline(
+            ours_model, sample, gconfig, tok, version=version, max_running_requests=slots
+        )
         lens, plens = out.flat_seqlens("packed_input_ids"), [len(p) for p in rows]
         return sum(lens) - sum(plens)
 
