@@ -23,12 +23,17 @@ The worker ends when ``names.experiment_status`` leaves RUNNING or after ``max_r
 rollouts.
 
 Restarts: a rollout worker holds no training state, so the controller restarts a lost one
-alone (``ExperimentConfig.restartable_types``).  After every finished rollout the worker
-publishes its data position (``names.rollout_worker_state``: epoch and the prompts whose
-rollouts ended); a restarted process of it in the same launch continues from there, so the
-prompts that were in flight are generated again and no finished one is.  An index the old
-process took but never delivered is reissued by the manager once the trainer reports it
-missing (see :mod:`realhf.system.rollout.manager`).
+alone (``ExperimentConfig.restartable_types``).  The worker publishes its data position
+(``names.rollout_worker_state``: epoch and the prompts whose rollouts ended) whenever a
+rollout ends; a restarted process of it in the same launch continues from there, so the
+prompts that were in flight are generated again and no ended one is.  A rollout that yields
+a trajectory ends when it gets its index, and the position saying so is written *before*
+the trajectory is pushed: a process lost between the two cannot make its successor run
+the prompt again, so no prompt is trained twice in an epoch.  The price is the other side
+of that window: a trajectory that had its index but never reached the trainer (the push
+is a ZMQ send, not a confirmed delivery) is lost, the manager reissues its index to
+another rollout once the trainer reports it missing (see
+:mod:`realhf.system.rollout.manager`), and its prompt misses this epoch.
 """
 
 from __future__ import annotations
@@ -115,6 +120,12 @@ class RolloutWorker(AsyncWorker):
         )
         #: prompt id -> running rollouts of it (their prompts are not "ended" yet)
         self._in_flight: Dict[str, int] = {}
+        # Position publishing: every change bumps _pos_changes; a publish writes the state
+        # as of some change >= its caller's, and one at a time (writes run in threads and
+        # would otherwise land out of order, an older position replacing a newer one).
+        self._pos_changes = 0
+        self._pos_written = 0
+        self._pos_lock: Optional[asyncio.Lock] = None
         self.logger.info(f"{len(self.loader)} prompts in shard {self.worker_index}/{n_workers}")
 
     # ---- lifecycle ------------------------------------------------------------
@@ -304,8 +315,12 @@ class RolloutWorker(AsyncWorker):
     # ---- one rollout ----------------------------------------------------------
 
     async def _rollout(self, rollout_id: str, prompt, epoch: int) -> None:
-        await self._rollout_once(rollout_id, prompt, epoch)
-        # Ended (pushed, filtered or dropped): a restarted process need not run it again.
+        ended = await self._rollout_once(rollout_id, prompt, epoch)
+        if not ended:  # filtered or dropped: a restarted process need not run it again
+            await self._end(prompt)
+
+    async def _end(self, prompt) -> None:
+        """Count ``prompt``'s rollout as ended and publish the position saying so."""
         qid = prompt.ids[0]
         self._in_flight[qid] -= 1
         if not self._in_flight[qid]:
@@ -313,28 +328,39 @@ class RolloutWorker(AsyncWorker):
         await self._publish_position()
 
     async def _publish_position(self) -> None:
-        state = self.loader.state_dict()
-        peeked = {self._next_prompt[0].ids[0]} if self._next_prompt is not None else set()
-        state["used_ids"] = [
-            i for i in state["used_ids"] if i not in self._in_flight and i not in peeked
-        ]
-        # Kept after this process exits: a restarted one reads it.  A new launch clears the
-        # trial's keys, and then the recover checkpoint says where to start.
-        await asyncio.to_thread(
-            name_resolve.add,
-            self._state_key,
-            json.dumps(state),
-            replace=True,
-            delete_on_exit=False,
-        )
+        """Write the data position as of now (or later); returns once it is written."""
+        self._pos_changes += 1
+        mine = self._pos_changes
+        if self._pos_lock is None:
+            self._pos_lock = asyncio.Lock()
+        async with self._pos_lock:
+            if self._pos_written >= mine:  # a later publish already wrote this change
+                return
+            covered = self._pos_changes
+            state = self.loader.state_dict()
+            peeked = {self._next_prompt[0].ids[0]} if self._next_prompt is not None else set()
+            state["used_ids"] = [
+                i for i in state["used_ids"] if i not in self._in_flight and i not in peeked
+            ]
+            # Kept after this process exits: a restarted one reads it.  A new launch clears
+            # the trial's keys, and then the recover checkpoint says where to start.
+            await asyncio.to_thread(
+                name_resolve.add,
+                self._state_key,
+                json.dumps(state),
+                replace=True,
+                delete_on_exit=False,
+            )
+            self._pos_written = covered
 
-    async def _rollout_once(self, rollout_id: str, prompt, epoch: int) -> None:
+    async def _rollout_once(self, rollout_id: str, prompt, epoch: int) -> bool:
+        """Run one rollout; True when it pushed a trajectory (and so ended the prompt)."""
         try:
             samples = await self._run_agent(rollout_id, prompt)
         except RolloutNotRunning as e:
             self.counts["dropped"] += 1
             self.logger.warning(f"rollout {rollout_id} ({prompt.ids[0]!r}) dropped: {e}")
-            return
+            return False
         except BaseException:
             await self._release(rollout_id)
             raise
@@ -348,7 +374,7 @@ class RolloutWorker(AsyncWorker):
             if not samples:
                 await self.client.finish(rollout_id, accepted=False)
                 self.counts["filtered"] += 1
-                return
+                return False
             while True:
                 reply = await self.client.finish(
                     rollout_id, accepted=True, wait_s=self.config.finish_wait_s
@@ -361,13 +387,16 @@ class RolloutWorker(AsyncWorker):
             self.logger.warning(
                 f"rollout {rollout_id} ({prompt.ids[0]!r}) dropped at hand-off: {e}"
             )
-            return
+            return False
+        # Ended before it is pushed: see the module docstring (never twice, at worst lost).
+        await self._end(prompt)
         traj = Trajectory(reply.index, samples[0], rollout_id, self.worker_name, data_epoch=epoch)
         # One push at a time: each runs in a worker thread, and the pusher's ZMQ sockets
         # must not be used from two threads at once.
         async with self._push_lock:
             await asyncio.to_thread(self.pusher.push, traj, self.config.push_timeout_s)
         self.counts["pushed"] += 1
+        return True
 
     async def _run_agent(self, rollout_id: str, prompt):
         obs_queue: asyncio.Queue = asyncio.Queue()

@@ -162,6 +162,8 @@ def test_trajectories_reach_the_trainer_in_index_order_within_the_staleness_boun
     puller = PullerStream("exp", trial, "rollout", 0, message_types=[Trajectory])
     batcher: IndexOrderBatcher = IndexOrderBatcher(B)
     trained = []
+    state_key = names.rollout_worker_state("exp", trial, "rollout_worker/0")
+    checked = 0
     try:
         worker = _worker(trial, _config(max_rollouts=n, max_concurrent_rollouts=4))
         thread = _run_in_thread(worker)
@@ -174,6 +176,12 @@ def test_trajectories_reach_the_trainer_in_index_order_within_the_staleness_boun
                 continue
             if not isinstance(msg, Trajectory):
                 continue  # EndOfStream
+            # A restarted worker must not run this prompt again: the position saying it
+            # ended is written before the trajectory is pushed.
+            pos = json.loads(name_resolve.get(state_key))
+            if pos["epoch"] == msg.data_epoch:
+                assert msg.qid in pos["used_ids"], (msg.qid, pos)
+                checked += 1
             batcher.add(msg.index, msg)
             while (batch := batcher.pop_batch()) is not None:
                 step = progress.v  # this step trains at the current version...
@@ -186,6 +194,7 @@ def test_trajectories_reach_the_trainer_in_index_order_within_the_staleness_boun
         puller.close()
         service.stop()
     assert len(trained) == n and sorted(t.index for _, t in trained) == list(range(n))
+    assert checked >= 5  # the first epoch's 5 prompts at least
     for step, t in trained:
         s = t.sample
         assert s.keys == set(TRAJECTORY_KEYS) and s.seqlens["rewards"] == [[1, 1]]
