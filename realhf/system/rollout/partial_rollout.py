@@ -131,20 +131,25 @@ class PartialRolloutManager(UncappedSession):
         """Member ``member`` of the group alone (its own calls)."""
         return (await self.generate(rollout_id, req, [member]))[0]
 
-    def _sampling_params(
-        self, req: GenerateGroupRequest, member: int, done: int, max_new: int
-    ) -> dict:
-        g = req.gconfig
-        sp = g.to_sampling_params()
-        params = {
+    def _base_params(self, req: GenerateGroupRequest) -> dict:
+        """The sampling fields every chunk of ``req``'s members shares."""
+        sp = req.gconfig.to_sampling_params()
+        return {
             "n": 1,
-            "max_new_tokens": max_new,
-            "min_new_tokens": min(max_new, max(0, g.min_new_tokens - done)),
             "temperature": sp.temperature,
             "top_p": sp.top_p,
             "top_k": sp.top_k,
             "stop_token_ids": sorted(set(sp.stop_token_ids) | set(self.stop_token_ids)),
         }
+
+    def _sampling_params(
+        self, base: dict, req: GenerateGroupRequest, member: int, done: int, max_new: int
+    ) -> dict:
+        params = dict(
+            base,
+            max_new_tokens=max_new,
+            min_new_tokens=min(max_new, max(0, req.gconfig.min_new_tokens - done)),
+        )
         if self.seed is not None:
             params["sampling_seed"] = seeding.derive_seed(self.seed, f"{req.qid}/{member}/{done}")
         return params
@@ -162,6 +167,7 @@ class PartialRolloutManager(UncappedSession):
         get alone with the same chunking; a member that finishes leaves the next round.
         """
         budget = req.gconfig.max_new_tokens
+        base = self._base_params(req)
         done: Dict[int, MemberResult] = {}
         running = {j: MemberResult([], [], False, -1, 0) for j in members}
         order = list(running)
@@ -186,7 +192,7 @@ class PartialRolloutManager(UncappedSession):
             body = {
                 "input_ids": [list(req.prompt_ids) + m.output_ids for _, m in todo],
                 "sampling_params": [
-                    self._sampling_params(req, j, len(m.output_ids), min(self.chunk, left))
+                    self._sampling_params(base, req, j, len(m.output_ids), min(self.chunk, left))
                     for (j, m), left in zip(todo, remaining)
                 ],
                 "return_logprob": True,
