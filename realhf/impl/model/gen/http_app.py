@@ -162,7 +162,9 @@ class _Served:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def _served(request: fastapi.Request) -> _Served:
+async def _served(request: fastapi.Request) -> _Served:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a round trip
+    # through a worker thread and back into the event loop for every request.
     return request.app.state.served
 
 
