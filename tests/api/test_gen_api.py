@@ -9,6 +9,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
     SamplingParams,
     derive_seed,
+    new_rid,
     parse_generate_body,
     parse_sglang_output,
 )
@@ -69,6 +70,25 @@ def test_seeds_of_samples_are_distinct_and_stable():
     assert sp.for_sample(0).sampling_seed == 5 and sp.for_sample(0).n == 1
     assert sp.for_sample(2).sampling_seed == derive_seed(5, 2)
     assert SamplingParams(n=2).for_sample(1).sampling_seed is None
+    one = SamplingParams(temperature=0.5, sampling_seed=7)
+    assert one.for_sample(0) == one and one.for_sample(0).n == 1
+
+
+def test_request_ids_are_unique_also_across_a_fork():
+    import os
+
+    ids = [new_rid() for _ in range(1000)] + [GenerateRequest(input_ids=[1]).rid]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child's ids: what it would make after fork
+        os.write(w, " ".join(new_rid() for _ in range(3)).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    os.close(w)
+    child = os.read(r, 4096).decode().split()
+    os.close(r)
+    parent = [new_rid() for _ in range(3)]  # the same counter values as the child's
+    assert len(set(ids + child + parent)) == len(ids) + 6
 
 
 def test_parse_single_prompt_body():

@@ -11,10 +11,9 @@ extra sampling fields are accepted (``top_k``, ``min_tokens``,
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
-from realhf.api.core.gen_api import GenerateOutput, InvalidRequestError, SamplingParams
+from realhf.api.core.gen_api import GenerateOutput, InvalidRequestError, SamplingParams, new_rid
 
 _COMMON = {
     "model",
@@ -193,7 +192,7 @@ def completion_response(
             }
         )
     return {
-        "id": f"cmpl-{uuid.uuid4().hex}",
+        "id": f"cmpl-{new_rid()}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
@@ -227,7 +226,7 @@ def chat_response(
             }
         )
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "id": f"chatcmpl-{new_rid()}",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
