@@ -21,6 +21,7 @@ from typing import List, Optional
 
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
+from realhf.base.gcutil import freeze_startup_objects
 from realhf.base.http_server import listen_socket, make_server, serve_until_started
 from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.http_app import DEFAULT_MAX_CONCURRENT_REQUESTS, create_app
@@ -143,6 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         engine.generate(
             [GenerateRequest(input_ids=(0,), sampling=_WARMUP)], timeout=config.request_timeout_s
         )
+        freeze_startup_objects()
         asyncio.run(_serve(server, sock, args.host, port, _STARTUP_TIMEOUT_S))
     except KeyboardInterrupt:
         pass

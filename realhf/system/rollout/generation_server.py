@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
 from realhf.base import constants, faults, name_resolve, names, network
+from realhf.base.gcutil import freeze_startup_objects
 from realhf.base.http_server import ServerThread
 from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
 from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
@@ -122,6 +123,7 @@ class GenerationServer(Worker):
         self.http = ServerThread(app, host=host, port=config.port).start(
             timeout=config.health_timeout_s
         )
+        freeze_startup_objects()  # the collector walks only what serving makes
         return self.http.url
 
     def _start_sglang(self, config: GenerationServerConfig, host: str) -> str:
