@@ -125,7 +125,7 @@ class RolloutWorker(AsyncWorker):
         # would otherwise land out of order, an older position replacing a newer one).
         self._pos_changes = 0
         self._pos_written = 0
-        self._pos_lock: Optional[asyncio.Lock] = None
+        self._pos_lock = asyncio.Lock()
         self.logger.info(f"{len(self.loader)} prompts in shard {self.worker_index}/{n_workers}")
 
     # ---- lifecycle ------------------------------------------------------------
@@ -331,8 +331,6 @@ class RolloutWorker(AsyncWorker):
         """Write the data position as of now (or later); returns once it is written."""
         self._pos_changes += 1
         mine = self._pos_changes
-        if self._pos_lock is None:
-            self._pos_lock = asyncio.Lock()
         async with self._pos_lock:
             if self._pos_written >= mine:  # a later publish already wrote this change
                 return

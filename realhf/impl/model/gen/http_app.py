@@ -436,11 +436,13 @@ def create_app(
     return app
 
 
-#: Paths :class:`_HotRoutes` serves without FastAPI's routing (their POST only).
+#: Paths :class:`_HotRoutes` serves without FastAPI's routing (their POST only), taken
+#: from the routers so that a path is written in one place.
 _HOT_ROUTES = {
-    "/generate": generate,
-    "/v1/completions": completions,
-    "/v1/chat/completions": chat_completions,
+    r.path: r.endpoint
+    for router in (native_router, openai_router)
+    for r in router.routes
+    if r.endpoint in (generate, completions, chat_completions)
 }
 
 _GAUGES = (
