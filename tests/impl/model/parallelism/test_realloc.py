@@ -257,10 +257,11 @@ PAIRS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
 def _rank_main(args) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(args.store, args.world)
-    # nccl between GPU buffers where CUDA is present, gloo between host buffers here; the
-    # layouts' own collectives (the logits check) run on host tensors over gloo groups.
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda", args.rank % torch.cuda.device_count()) if cuda else "cpu"
+    # nccl between GPU buffers where there is one CUDA device per rank (nccl ranks cannot
+    # share a device), gloo between host buffers otherwise; the layouts' own collectives
+    # (the logits check) run on host tensors over gloo groups.
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.world
+    dev = torch.device("cuda", args.rank) if cuda else "cpu"
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         store=store,
@@ -330,7 +331,7 @@ def _rank_main(args) -> None:
 @pytest.mark.slow
 def test_reallocation_over_processes_gives_the_destination_layout(tmp_path, no_leftover_processes):
     """Four ranks carry out plans between every pair of layouts (over gloo here, nccl
-    where CUDA is present); the destination ranks end with exactly
+    where there are four CUDA devices); the destination ranks end with exactly
     their shards, and the destination layout's logits equal the single-device model's.  A
     compiled plan run twice gives the same shards in the same staging buffers, and counts
     what the plan says; one-to-many pairs run broadcasts, and the point-to-point-only plan
