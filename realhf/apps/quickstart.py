@@ -3,19 +3,26 @@
     python -m realhf.apps.quickstart ppo-math                  # embedded model + data, CPU
     python -m realhf.apps.quickstart sft --config my.yaml actor.optimizer.lr=1e-4
     python -m realhf.apps.quickstart ppo-math --help           # every option with its default
+    python -m realhf.apps.quickstart ppo-math --dry-run        # what would run; runs nothing
+    python -m realhf.apps.quickstart ppo-math --dry-run --format mermaid
 
 Options come from the experiment's config dataclass: a YAML file (``--config``) and
 ``key=value`` overrides (nested keys with dots). Unknown or invalid keys are errors that
 name the key. The resolved config is saved as ``config.yaml`` in the run directory.
+
+``--dry-run [--format text|mermaid]`` prints the compiled dataflow graph of model function
+calls (MFCs), each MFC's model, interface, type and layout, the worker processes with their
+GPUs, and the resolved config as YAML, then exits: nothing is launched or written.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from realhf.api.cli_parser import ConfigError, format_help, parse_config
+from realhf.apps import dry_run
 from realhf.experiments.registry import get_quickstart_exp, quickstart_experiments
 
 #: modules that register quickstart experiments
@@ -43,6 +50,37 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+DRY_RUN_HELP = """
+dry run (nothing is launched or written):
+  --dry-run
+      print the dataflow graph of MFCs, each MFC's model, interface, type and layout,
+      the worker processes and their GPUs, and the resolved config as YAML
+  --format {text,mermaid} (default: text)
+      the graph as text, or the whole report as a Mermaid flowchart"""
+
+
+def _take_dry_run(args: List[str]) -> Tuple[List[str], Optional[str]]:
+    """``args`` without ``--dry-run`` and ``--format F``, and the format (None: no dry run)."""
+    rest, dry, fmt = [], False, None
+    it = iter(args)
+    for a in it:
+        if a == "--dry-run":
+            dry = True
+        elif a == "--format":
+            fmt = next(it, None)
+            if fmt is None:
+                raise ConfigError(f"--format needs one of {', '.join(dry_run.FORMATS)}")
+        elif a.startswith("--format="):
+            fmt = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if fmt is not None and fmt not in dry_run.FORMATS:
+        raise ConfigError(f"--format {fmt!r}: use one of {', '.join(dry_run.FORMATS)}")
+    if fmt is not None and not dry:
+        raise ConfigError("--format only applies to --dry-run")
+    return rest, (fmt or "text") if dry else None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _load_experiments()
@@ -57,12 +95,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if "-h" in rest or "--help" in rest:
         print(format_help(qs.config_cls, prog=f"python -m realhf.apps.quickstart {name}"))
+        print(DRY_RUN_HELP)
         return 0
     try:
+        rest, fmt = _take_dry_run(rest)
         cfg = parse_config(qs.config_cls, rest)
     except (ConfigError, ValueError) as e:
         print(f"quickstart {name}: {e}", file=sys.stderr)
         return 2
+    if fmt is not None:
+        try:
+            experiment = qs.build(cfg)  # reads the model and data files; writes nothing
+        except (ValueError, FileNotFoundError) as e:
+            print(f"{name}: {e}", file=sys.stderr)
+            return 2
+        print(dry_run.describe(name, cfg, experiment, fmt))
+        return 0
     from realhf.apps import main as app_main
 
     return app_main.run(name, cfg)
