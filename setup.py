@@ -125,6 +125,8 @@ setup(
         "etcd": ["etcd-sdk-python"],
         # mode=ray (realhf.scheduler.ray) and name_resolve=ray://; core only (no dashboard)
         "ray": ["ray==2.60.0"],
+        # wandb.mode=offline|online: the master logs every step to Weights & Biases
+        "wandb": ["wandb==0.30.0"],
         "test": [
             "pytest",
             "pytest-timeout",
@@ -134,6 +136,8 @@ setup(
             "etcd-sdk-python",
             # the Ray launcher's tests start a real two-node Ray cluster
             "ray==2.60.0",
+            # tests write W&B runs offline (no account or network)
+            "wandb==0.30.0",
             # `make lint`; pinned because formatter output changes between releases
             "ruff==0.17.6",
         ],

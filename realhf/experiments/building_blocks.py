@@ -8,6 +8,7 @@ failure.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Optional, Sequence
 
@@ -223,6 +224,12 @@ def torch_threads(cfg, n_model_workers: int) -> int:
     if cfg.torch_threads is not None:
         return cfg.torch_threads
     return max(1, (os.cpu_count() or 1) // n_model_workers)
+
+
+def tracking(cfg: BaseExperimentConfig) -> dict:
+    """The ``MasterWorkerConfig`` fields of experiment tracking, the same for every
+    experiment: the W&B options and the resolved config (the W&B run's config)."""
+    return dict(wandb=cfg.wandb, run_config=dataclasses.asdict(cfg))
 
 
 def load_tokenizer(path: str):

@@ -95,6 +95,7 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
         max_recover_checkpoints=cfg.max_recover_checkpoints,
+        **blocks.tracking(cfg),
         log_stats_keys=("null/",),
     )
     return ExperimentConfig(

@@ -130,6 +130,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
         max_recover_checkpoints=cfg.max_recover_checkpoints,
+        **blocks.tracking(cfg),
         log_stats_keys=("loss", "ppl"),
         eval=eval_ds is not None,
     )

@@ -15,7 +15,7 @@ All configs are frozen dataclasses that check themselves on construction and rai
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from realhf.api.cli_args import DTYPES, RECOVER_MODES, ExperimentControlConfig, OptimizerConfig
 from realhf.api.core.allocation import ParallelismConfig
@@ -23,6 +23,7 @@ from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
+from realhf.api.wandb_args import WandbConfig
 
 __all__ = [
     "Placements",
@@ -504,6 +505,8 @@ class MasterWorkerConfig:
         eval: run ``evaluate`` on the model workers at the eval frequency.
         progress_interval: seconds between plain progress log lines when stdout is no TTY.
         plot_curves: draw ``curves.png`` (the selected stats and eval metrics) at the end.
+        wandb: log every step's numbers to Weights & Biases too (mode ``disabled``: not).
+        run_config: the resolved experiment config as plain data, the W&B run's config.
     """
 
     seed: int
@@ -522,6 +525,8 @@ class MasterWorkerConfig:
     plot_curves: bool = True
     layout: Optional[ParallelismConfig] = None
     placements: Placements = dataclasses.field(default_factory=Placements)
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    run_config: Optional[Dict[str, Any]] = None
 
     def __post_init__(self):
         c = "MasterWorkerConfig"
@@ -582,6 +587,10 @@ class MasterWorkerConfig:
                 raise _bad(c, f, getattr(self, f), "use true or false")
         if not isinstance(self.progress_interval, (int, float)) or self.progress_interval < 0:
             raise _bad(c, "progress_interval", self.progress_interval, "use seconds >= 0")
+        if not isinstance(self.wandb, WandbConfig):
+            raise _bad(c, "wandb", self.wandb, "use a WandbConfig")
+        if self.run_config is not None and not isinstance(self.run_config, dict):
+            raise _bad(c, "run_config", self.run_config, "use a dict or None")
 
     def check_call_sizes(self, dataset_size: int) -> None:
         """Raise if some MFC call would get fewer items than there are data-parallel replicas.

@@ -4,6 +4,8 @@
   first drops the lines of steps after its checkpoint, so every step appears once.
 * ``tensorboard/`` — the same numbers as scalars (``SummaryWriter``, purged past the
   checkpoint on resume).
+* ``wandb/`` — the same numbers in a Weights & Biases run when ``wandb.mode`` is
+  ``offline`` or ``online`` (:class:`WandbLog`).
 * ``trace.json`` — Chrome trace events (open in Perfetto or chrome://tracing): one
   complete ("X") event per MFC call per worker (:class:`TraceLog`).
 * progress — a rich progress bar on a terminal, plain log lines otherwise
@@ -14,9 +16,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
@@ -29,6 +33,7 @@ logger = logging.getLogger("master_worker", "system")
 __all__ = [
     "MetricsLog",
     "TensorBoardLog",
+    "WandbLog",
     "TraceLog",
     "ProgressDisplay",
     "plot_curves",
@@ -99,6 +104,106 @@ class TensorBoardLog:
     def close(self) -> None:
         """Flush and close."""
         self.writer.close()
+
+
+def wandb_run_id(experiment: str, trial: str) -> str:
+    """The W&B run id of a trial: the same on every attempt, so a resumed run continues it.
+
+    W&B ids allow letters, digits, ``-``, ``_`` and ``.``, at most 64 characters; other
+    characters become ``-`` and a longer id is cut and given a hash of the full name.
+    """
+    full = f"{experiment}_{trial}"
+    run_id = re.sub(r"[^A-Za-z0-9_.-]", "-", full)
+    if len(run_id) > 64:
+        run_id = run_id[:55] + "-" + hashlib.sha1(full.encode()).hexdigest()[:8]
+    return run_id
+
+
+class WandbLog:
+    """Every number of a step's record in a Weights & Biases run.
+
+    ``offline`` writes ``{run_dir}/wandb/offline-run-*/run-{id}.wandb`` without touching
+    the network (``wandb sync`` uploads it); ``online`` streams to the W&B server.  The run
+    id comes from experiment and trial (:func:`wandb_run_id`) and is resumed when it exists,
+    so a recovered run continues the same W&B run.  Records carry the global step as the
+    metric ``step``, the x axis of every chart: unlike W&B's own ``_step``, which must only
+    grow, it may repeat the steps a crashed attempt logged past its checkpoint.
+
+    Args:
+        cfg: the ``wandb.*`` options (:class:`~realhf.api.wandb_args.WandbConfig`);
+            ``mode=disabled`` makes this a no-op that does not import wandb.
+        run_dir: where the ``wandb/`` directory goes.
+        experiment, trial: the run's names (default project and display name, the id).
+        config_dict: the resolved experiment config, the W&B run's config.
+        resume_step: on resume, the checkpoint's step (None: a fresh run).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        run_dir: str,
+        experiment: str,
+        trial: str,
+        config_dict: Optional[Dict[str, Any]] = None,
+        resume_step: Optional[int] = None,
+    ):
+        self.run = None
+        if cfg.mode == "disabled":
+            return
+        # Never prompt for a login (a missing key is an error instead) and keep wandb's
+        # own chatter out of the master's log.
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(
+                f"wandb.mode={cfg.mode!r} needs the wandb package: pip install 'realhf[wandb]' "
+                "(or set wandb.mode=disabled)"
+            ) from None
+        os.makedirs(run_dir, exist_ok=True)
+        self.run = wandb.init(
+            mode=cfg.mode,
+            project=cfg.project or experiment,
+            entity=cfg.entity or None,
+            name=cfg.name or f"{experiment}/{trial}",
+            group=cfg.group or None,
+            job_type=cfg.job_type or None,
+            notes=cfg.notes or None,
+            tags=list(cfg.tags) or None,
+            dir=run_dir,
+            id=wandb_run_id(experiment, trial),
+            resume="allow",
+            config=config_dict,
+            # The master's stdout stays its own (rich progress bar, log lines).
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        if cfg.mode == "online":
+            where = self.run.url
+        else:  # the offline-run-* directory (run.dir is its files/)
+            where = f"{os.path.dirname(self.run.dir)}; upload it with `wandb sync DIR`"
+        resumed = "" if resume_step is None else f" (resumed at step {resume_step})"
+        logger.info(f"W&B {cfg.mode} run {self.run.id}{resumed}: {where}")
+
+    def write(self, step: int, record: Dict[str, Any]) -> None:
+        """Log every finite number of ``record`` at ``step``."""
+        if self.run is None:
+            return
+        data = {k: v for k, v in record.items() if k != "step" and _finite(v)}
+        self.run.log({**data, "step": step})
+
+    def close(self, exit_code: int = 1) -> None:
+        """Finish the run: ``exit_code`` 0 marks it finished, else failed (the default, for
+        shutdown paths that close a run which did not complete)."""
+        if self.run is not None:
+            import wandb
+
+            run, self.run = self.run, None
+            run.finish(exit_code=exit_code)
+            # finish() returns before wandb's service has written everything out (offline,
+            # the .wandb file may still be empty); teardown waits for it and stops it.
+            wandb.teardown()
 
 
 class TraceLog:
