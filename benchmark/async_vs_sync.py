@@ -166,6 +166,7 @@ def _run(name: str, fileroot: str, args, extra: List[str], label: str, steps: in
         f"ppo.group_size={args.group_size}",
         f"exp_ctrl.benchmark_steps={steps}",
         f"exp_ctrl.eval_freq_steps={steps}",
+        "exp_ctrl.eval_at_start=false",  # the SFT start is evaluated once, outside the runs
         f"seed={args.seed}",
     ]
     if args.model:

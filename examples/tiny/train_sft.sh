@@ -13,6 +13,6 @@ work=${1:-/tmp/realhf-tiny-sft}
 python examples/tiny/make_model.py --out "$work/init"
 python -m realhf.apps.quickstart sft model.path="$work/init" \
   exp_ctrl.total_train_epochs=40 exp_ctrl.benchmark_steps=2000 exp_ctrl.save_freq_steps=100 \
-  fileroot="$work" trial_name=scratch
+  fileroot="$work" trial_name=scratch overwrite=true
 python examples/tiny/pick_checkpoint.py "$work/sft/scratch/checkpoints/default" \
   --low 0.20 --high 0.60 --install realhf/assets/tiny

@@ -32,7 +32,7 @@ json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
 PY
 python -m realhf.apps.quickstart sft task=tiny_long model.path="$work/init" \
   exp_ctrl.total_train_epochs=40 exp_ctrl.benchmark_steps="$steps" exp_ctrl.save_freq_steps=100 \
-  fileroot="$work" trial_name=scratch
+  fileroot="$work" trial_name=scratch overwrite=true
 python examples/tiny/pick_checkpoint.py "$work/sft/scratch/checkpoints/default" \
   --task tiny_long --max-gen-tokens 256 --low 0.15 --high 0.45 --target 0.30 \
   --install realhf/assets/tiny_long

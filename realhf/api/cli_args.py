@@ -15,6 +15,7 @@ from typing import Optional
 
 from realhf.api.ray_args import RayConfig
 from realhf.api.slurm_args import SlurmConfig
+from realhf.api.wandb_args import WandbConfig
 
 
 class RecoverMode(str, enum.Enum):
@@ -170,6 +171,13 @@ class ExperimentControlConfig:
     eval_freq_secs: Optional[int] = field(
         default=None, metadata={"help": "evaluate every N seconds"}
     )
+    eval_at_start: bool = field(
+        default=False,
+        metadata={
+            "help": "also evaluate before the first step (a fresh run only), recorded as "
+            "step 0 of metrics.jsonl: the start of the run's summary"
+        },
+    )
 
     def __post_init__(self):
         # These checks see the merged config (cli_parser builds the dataclasses
@@ -209,6 +217,7 @@ class BaseExperimentConfig:
     mode: str = field(default="local", metadata={"help": f"launcher, one of {LAUNCH_MODES}"})
     ray: RayConfig = field(default_factory=RayConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     seed: int = field(default=1, metadata={"help": "random seed of the whole run"})
     allocation_mode: str = field(
         default="d1p1m1",
@@ -228,6 +237,13 @@ class BaseExperimentConfig:
     recover_mode: str = field(default="disabled", metadata={"help": f"one of {RECOVER_MODES}"})
     recover_retries: int = field(
         default=1, metadata={"help": "restarts after a failure when recover_mode=auto"}
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata={
+            "help": "replace the outputs of an earlier run in the same trial directory "
+            "(false: such a run is refused unless recover_mode resumes it)"
+        },
     )
     max_recover_checkpoints: int = field(
         default=1,

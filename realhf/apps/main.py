@@ -27,6 +27,7 @@ import argparse
 import getpass
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -34,8 +35,10 @@ from typing import List, Optional
 
 from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
+from realhf.apps.console import RunConsole, format_summary, summarize
 from realhf.apps.remote import STOPPED_EXIT_CODE
 from realhf.base import constants, logging, name_resolve, names
+from realhf.base.atomic_file import write_atomic
 from realhf.experiments.registry import get_quickstart_exp
 from realhf.scheduler import LaunchError, launcher
 from realhf.scheduler.local import JobFailure
@@ -133,6 +136,10 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         print(f"{name}: {e}", file=sys.stderr)
         return 2
     run_dir = os.path.join(fileroot, experiment, trial)
+    refused = _earlier_run(run_dir, cfg)
+    if refused:
+        print(f"{name}: {refused}", file=sys.stderr)
+        return 2
     os.makedirs(run_dir, exist_ok=True)
     # Written before anything runs, so a run that fails still records the
     # config it failed with; a recovered attempt reuses the same directory.
@@ -162,40 +169,91 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         try:
             launch = launcher(cfg.mode)
             extra = {} if cfg.mode == "local" else {"options": getattr(cfg, cfg.mode)}
-            launch(
-                experiment_cfg,
-                experiment,
-                trial,
-                run_dir=run_dir,
-                name_resolve_spec=spec,
-                experiment_type=name,
-                experiment_args={"cfg": cfg},
-                # The controller process gets the config, not the compiled
-                # workers: importing the builder's module registers the
-                # experiment there, and it rebuilds the run from `cfg`.
-                imports=[qs.build.__module__],
-                timeout=timeout,
-                fileroot=fileroot,
-                **extra,
-            )
+            with RunConsole(name, run_dir):
+                launch(
+                    experiment_cfg,
+                    experiment,
+                    trial,
+                    run_dir=run_dir,
+                    name_resolve_spec=spec,
+                    experiment_type=name,
+                    experiment_args={"cfg": cfg},
+                    # The controller process gets the config, not the compiled
+                    # workers: importing the builder's module registers the
+                    # experiment there, and it rebuilds the run from `cfg`.
+                    imports=[qs.build.__module__],
+                    timeout=timeout,
+                    fileroot=fileroot,
+                    **extra,
+                )
             break
         except LaunchError as e:  # the cluster cannot run it as configured: the user's to fix
             print(f"{name}: {e}", file=sys.stderr)
             return 2
         except (JobFailure, TimeoutError) as e:
             if _stopped_on_request(e, spec, experiment, trial):
+                _summary(name, run_dir, t0, cfg, "stopped")
                 print(f"{name}: stopped on request after {time.monotonic() - t0:.0f}s")
                 return STOPPED_EXIT_CODE
             if attempt + 1 < attempts:
                 logger.warning(f"{name}: run failed; recovering from the last checkpoint:\n{e}")
                 continue
+            _summary(name, run_dir, t0, cfg, "failed")
             print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
             return 1
-    print(
-        f"{name}: finished in {time.monotonic() - t0:.0f}s; "
-        f"outputs (metrics.jsonl, curves.png, checkpoints/) in {run_dir}"
-    )
+    print(_summary(name, run_dir, t0, cfg, "finished"))
+    print(f"{name}: finished in {time.monotonic() - t0:.0f}s")
     return 0
+
+
+def _summary(name: str, run_dir: str, t0: float, cfg, status: str) -> str:
+    """Write ``summary.json`` for the run that just ended; return its text block."""
+    s = summarize(name, run_dir, time.monotonic() - t0, cfg)
+    s["status"] = status
+    write_atomic(os.path.join(run_dir, "summary.json"), json.dumps(s, indent=1) + "\n")
+    return format_summary(s)
+
+
+def _has_files(path: str) -> bool:
+    """Whether ``path`` is a file, or a directory with a file somewhere below it."""
+    if os.path.isfile(path):
+        return True
+    return any(files for _, _, files in os.walk(path))
+
+
+#: what an earlier run leaves in its trial directory
+_RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "progress.json", "summary.json")
+
+
+def _earlier_run(run_dir: str, cfg) -> Optional[str]:
+    """Why the run must not start in ``run_dir`` (None: it may).
+
+    A directory holding an earlier run's outputs is resumed (``recover_mode=resume``, or
+    ``auto`` with a recover checkpoint there), replaced (``overwrite=true``), or refused:
+    a second run never silently writes over the first one's metrics and checkpoints.
+    """
+    found = [f for f in _RUN_OUTPUTS if _has_files(os.path.join(run_dir, f))]
+    if not found:
+        return None
+    mode = RecoverMode(cfg.recover_mode)
+    has_ckpt = os.path.isdir(os.path.join(run_dir, "checkpoints", "recover")) and any(
+        e.startswith("step") and not e.endswith((".tmp", ".invalid"))
+        for e in os.listdir(os.path.join(run_dir, "checkpoints", "recover"))
+    )
+    if mode is RecoverMode.RESUME or (mode is RecoverMode.AUTO and has_ckpt):
+        return None
+    if cfg.overwrite:
+        logger.warning(f"overwrite=true: removing the earlier run in {run_dir}")
+        shutil.rmtree(run_dir)
+        return None
+    choices = (
+        "trial_name=NEW for a new run beside it, recover_mode=auto to resume it from its "
+        "last recover checkpoint, or overwrite=true to replace it"
+        if has_ckpt
+        else "trial_name=NEW for a new run beside it or overwrite=true to replace it (it has "
+        "no recover checkpoint to resume from)"
+    )
+    return f"{run_dir} already holds a run ({', '.join(found)}). Choose {choices}."
 
 
 # ---- status / stop from another shell ------------------------------------------------

@@ -52,6 +52,7 @@ __all__ = [
     "tensorboard_dir",
     "trace_path",
     "metrics_path",
+    "progress_path",
     "cache_root",
     "weight_publication_dir",
     "name_resolve_root",
@@ -245,6 +246,12 @@ def trace_path(experiment: Optional[str] = None, trial: Optional[str] = None) ->
 def metrics_path(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
     """``{run_dir}/metrics.jsonl``: one JSON object of stats per step."""
     return os.path.join(run_dir(experiment, trial), "metrics.jsonl")
+
+
+def progress_path(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
+    """``{run_dir}/progress.json``: the run's plan (total steps, first step), which the
+    master writes when training starts and the launcher's console reads."""
+    return os.path.join(run_dir(experiment, trial), "progress.json")
 
 
 def cache_root() -> str:

@@ -163,7 +163,7 @@ class AsyncPPOMathConfig(PPOMathConfig):
     gen_server: GenServerOptions = field(default_factory=GenServerOptions)
     exp_ctrl: ExperimentControlConfig = field(
         default_factory=lambda: ExperimentControlConfig(
-            benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1
+            benchmark_steps=60, eval_freq_steps=10, eval_at_start=True, save_freq_epochs=1
         )
     )
 
@@ -322,6 +322,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
         max_recover_checkpoints=cfg.max_recover_checkpoints,
+        **blocks.tracking(cfg),
         log_stats_keys=("rollout/reward", "rollout/staleness_max", "greedy_acc"),
         eval=cfg.eval,
     )

@@ -125,7 +125,7 @@ class PPOMathConfig(BaseExperimentConfig):
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
     exp_ctrl: ExperimentControlConfig = field(
         default_factory=lambda: ExperimentControlConfig(
-            benchmark_steps=60, eval_freq_steps=10, save_freq_epochs=1
+            benchmark_steps=60, eval_freq_steps=10, eval_at_start=True, save_freq_epochs=1
         )
     )
     eval: bool = field(
@@ -373,6 +373,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         timeout=cfg.worker_timeout,
         recover_mode=cfg.recover_mode,
         max_recover_checkpoints=cfg.max_recover_checkpoints,
+        **blocks.tracking(cfg),
         log_stats_keys=("math_reward/reward", "math_reward/accuracy", "greedy_acc"),
         eval=cfg.eval,
     )

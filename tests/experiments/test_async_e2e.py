@@ -60,7 +60,9 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "async-ppo-math" / "run0"
-    rows = quickstart_runs.rows(run / "metrics.jsonl")
+    start, *rows = quickstart_runs.rows(run / "metrics.jsonl")
+    # Step 0: the evaluation before training (exp_ctrl.eval_at_start, on by default here).
+    assert start["step"] == 0 and "eval/greedy_acc" in start
     assert [x["step"] for x in rows] == [1, 2, 3, 4]
     assert all(x["rollout/staleness_max"] <= ETA for x in rows)
     assert "eval/greedy_acc" in rows[-1] and "actor_train/ppo_actor/behave_imp_weight" in rows[0]

@@ -81,7 +81,9 @@ def test_ppo_math_grpo_runs_and_evaluates(init_model, tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     run = tmp_path / "ppo-math" / "run0"
-    rows = _metrics(run)
+    start, *rows = _metrics(run)
+    # Step 0: the evaluation before training (exp_ctrl.eval_at_start, on by default here).
+    assert start["step"] == 0 and "eval/greedy_acc" in start and "n_items" not in start
     assert [x["step"] for x in rows] == [1, 2]
     assert "eval/greedy_acc" in rows[-1]
     assert "rew_inf/math_reward/reward" in rows[0] and "timing/actor_gen" in rows[0]

@@ -62,6 +62,7 @@ def test_ppo_math_every_mfc_on_tensor_parallel_matches_one_rank(tmp_path):
         "ppo.ppo_n_minibatches=2",  # actor_inf (proximal log-probs)
         "exp_ctrl.benchmark_steps=2",
         "exp_ctrl.eval_freq_steps=2",
+        "exp_ctrl.eval_at_start=false",
         "dataset.eval_max_new_tokens=4",
     ]
     runs = {
@@ -124,6 +125,7 @@ def test_async_ppo_math_trainer_on_tensor_parallel(tmp_path):
             "max_head_offpolicyness=1",
             "exp_ctrl.benchmark_steps=3",
             "exp_ctrl.eval_freq_steps=3",
+            "exp_ctrl.eval_at_start=false",
             "dataset.eval_max_new_tokens=4",
             "worker_timeout=120",
         ],

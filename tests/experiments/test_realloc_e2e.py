@@ -30,6 +30,7 @@ ARGS = [
     "ref.offload=true",
     "exp_ctrl.benchmark_steps=3",
     "exp_ctrl.eval_freq_steps=3",
+    "exp_ctrl.eval_at_start=false",
     "exp_ctrl.save_freq_steps=3",
     "dataset.eval_max_new_tokens=4",
 ]
@@ -151,6 +152,7 @@ def test_async_ppo_math_trainer_on_per_mfc_layouts(tmp_path):
             "max_head_offpolicyness=1",
             "exp_ctrl.benchmark_steps=3",
             "exp_ctrl.eval_freq_steps=3",
+            "exp_ctrl.eval_at_start=false",
             "dataset.eval_max_new_tokens=4",
             "worker_timeout=120",
             f"fileroot={tmp_path}",

@@ -63,9 +63,11 @@ def test_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
         "exp_ctrl.benchmark_steps=2",
         "exp_ctrl.eval_freq_steps=2",
     )
-    qs.finish(proc)
+    out = qs.finish(proc)
     run = tmp_path / "ppo-math" / "t"
-    assert qs.steps(run) == [1, 2]
+    assert qs.steps(run) == [0, 1, 2]  # step 0: the evaluation before training
+    # The launcher's console follows the run whatever the launcher.
+    assert "ppo-math: step 2/2 |" in out and "ppo-math: run summary" in out
     tags = _node_tags(run)
     assert tags["model_worker/0"] == tags["model_worker/1"] == "node2"
     assert tags["master_worker/0"] == "node1"
@@ -82,9 +84,10 @@ def test_async_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
         "exp_ctrl.benchmark_steps=3",
         "exp_ctrl.eval_freq_steps=3",
     )
-    qs.finish(proc)
+    out = qs.finish(proc)
     run = tmp_path / "async-ppo-math" / "t"
-    assert qs.steps(run) == [1, 2, 3]
+    assert qs.steps(run) == [0, 1, 2, 3]
+    assert "async-ppo-math: step 3/3 |" in out and "staleness        mean" in out
     assert set(_node_tags(run).values()) == {"node1", "node2"}
 
 

@@ -43,9 +43,11 @@ def test_ppo_math_spreads_over_both_nodes(slurm_cluster, tmp_path, no_leftover_p
         "exp_ctrl.benchmark_steps=2",
         "exp_ctrl.eval_freq_steps=2",
     )
-    qs.finish(proc)
+    out = qs.finish(proc)
     run = tmp_path / "ppo-math" / "t"
-    assert qs.steps(run) == [1, 2]
+    assert qs.steps(run) == [0, 1, 2]  # step 0: the evaluation before training
+    # The launcher's console follows the run whatever the launcher.
+    assert "ppo-math: step 2/2 |" in out and "ppo-math: run summary" in out
     assert sorted(_nodes(run, "model_worker").values()) == ["node1", "node2"]
     assert slurm_cluster.queue() == []
 
@@ -61,9 +63,10 @@ def test_async_ppo_math_over_slurm(slurm_cluster, tmp_path, no_leftover_processe
         "exp_ctrl.benchmark_steps=3",
         "exp_ctrl.eval_freq_steps=3",
     )
-    qs.finish(proc)
+    out = qs.finish(proc)
     run = tmp_path / "async-ppo-math" / "t"
-    assert qs.steps(run) == [1, 2, 3]
+    assert qs.steps(run) == [0, 1, 2, 3]
+    assert "async-ppo-math: step 3/3 |" in out and "staleness        mean" in out
     nodes = _nodes(run, "")
     assert set(nodes.values()) == {"node1", "node2"}, nodes
     assert slurm_cluster.queue() == []

@@ -41,6 +41,7 @@ from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
 from realhf.base import constants, faults, name_resolve, names, recover
+from realhf.base.atomic_file import write_atomic
 from realhf.base.timeutil import FrequencyControl
 from realhf.system.dag.messages import (
     REQUEST_STREAM,
@@ -56,6 +57,7 @@ from realhf.system.dag.outputs import (
     ProgressDisplay,
     TensorBoardLog,
     TraceLog,
+    WandbLog,
     plot_curves,
 )
 from realhf.system.dag.runner import DagRunner
@@ -87,6 +89,7 @@ class MasterWorker(AsyncWorker):
     client: Optional[RequestClient] = None
     metrics: Optional[MetricsLog] = None
     tb: Optional[TensorBoardLog] = None
+    wandb: Optional[WandbLog] = None
     trace: Optional[TraceLog] = None
     progress: Optional[ProgressDisplay] = None
 
@@ -161,6 +164,14 @@ class MasterWorker(AsyncWorker):
         resume = None if ckpt is None else self.step.global_step
         self.metrics = MetricsLog(constants.metrics_path(), resume_step=resume)
         self.tb = TensorBoardLog(constants.tensorboard_dir(), resume_step=resume)
+        self.wandb = WandbLog(
+            cfg.wandb,
+            constants.run_dir(),
+            self.experiment_name,
+            self.trial_name,
+            cfg.run_config,
+            resume_step=resume,
+        )
         self.trace = TraceLog(
             constants.trace_path(), ["master_worker/0"] + self.handlers, resume=ckpt is not None
         )
@@ -171,6 +182,19 @@ class MasterWorker(AsyncWorker):
             cfg.log_stats_keys,
             interval=cfg.progress_interval,
         )
+        # The launcher's console follows the run from this and metrics.jsonl.
+        plan = {
+            "total_steps": self.total_steps,
+            "start_step": self.step.global_step,
+            "steps_per_epoch": self.ft_spec.steps_per_epoch,
+            "dataset_size": size,
+            "resumed_from": ckpt,
+        }
+        write_atomic(constants.progress_path(), json.dumps(plan), fsync=False)
+        if ckpt is None and cfg.eval and cfg.exp_ctrl.eval_at_start:
+            record = {"step": 0, "epoch": 0, **await self._evaluate()}
+            self._write(record)
+            self.logger.info(f"evaluated before training: {record}")
         self.logger.info(
             f"{size} items over {self.layout.data} data-parallel replicas "
             f"(layout {self.layout}, {self.n} model workers), "
@@ -314,8 +338,7 @@ class MasterWorker(AsyncWorker):
         # Before the record is written, so eval metrics share the step's line.
         if self.config.eval and self.eval_ctl.check(epochs=int(epoch_done), steps=1):
             record.update(await self._evaluate())
-        self.metrics.write(record)
-        self.tb.write(self.step.global_step, record)
+        self._write(record)
         self.trace.flush()
         self.progress.update(record)
         saved = self.save_ctl.check(epochs=int(epoch_done), steps=1)
@@ -326,6 +349,12 @@ class MasterWorker(AsyncWorker):
         if self.ckpt_ctl.check(epochs=int(epoch_done), steps=1) and not done:
             await self._checkpoint()
         return len(res.ids)
+
+    def _write(self, record: Dict[str, Any]) -> None:
+        """One step's record to metrics.jsonl, tensorboard and W&B."""
+        self.metrics.write(record)
+        self.tb.write(record["step"], record)
+        self.wandb.write(record["step"], record)
 
     # ---- periodic actions -----------------------------------------------------
 
@@ -380,6 +409,7 @@ class MasterWorker(AsyncWorker):
         await self._call(Handle.EXIT, [None] * self.n)
         self.trace.close()
         self.tb.close()
+        self.wandb.close(exit_code=0)
         self.progress.close()
         png = None
         if self.config.plot_curves:
@@ -396,7 +426,7 @@ class MasterWorker(AsyncWorker):
 
     def _exit_hook(self) -> None:
         # Each resource is None until built (class attributes above).
-        for out in (self.trace, self.tb, self.progress):
+        for out in (self.trace, self.tb, self.wandb, self.progress):
             if out is not None:
                 try:
                     out.close()
