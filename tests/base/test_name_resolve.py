@@ -386,6 +386,46 @@ def test_file_entries_expire_for_readers_and_are_overwritable(tmp_path):
     b.close()
 
 
+def test_file_backend_a_hung_lock_holder_blocks_only_its_key(tmp_path, monkeypatch):
+    """A process stopped (SIGSTOP) while holding a key's lock: other keys' adds and
+    keepalives go on (a tree-wide lock froze every process's keepalives, so live workers
+    read as LOST); the held key fails after LOCK_WAIT naming the key, not forever."""
+    from realhf.base.name_resolve import file as file_backend
+
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import os, signal, sys
+                from realhf.base import name_resolve
+                repo = name_resolve.make_repository("file", root={str(tmp_path)!r})
+                with repo._locked("stuck/key"):
+                    print("holding", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        repo = name_resolve.make_repository("file", root=str(tmp_path))
+        t = time.monotonic()
+        repo.add("other/key", "v", keepalive_ttl=0.6)
+        time.sleep(1.5)  # refreshed every ttl/3 meanwhile
+        assert repo.get("other/key") == "v" and time.monotonic() - t < 5
+        monkeypatch.setattr(file_backend, "LOCK_WAIT", 0.3)
+        with pytest.raises(TimeoutError, match="'stuck/key'.*held its lock"):
+            repo.add("stuck/key", "v")
+        repo.close()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # ---- several processes --------------------------------------------------------
 
 

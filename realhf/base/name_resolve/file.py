@@ -7,10 +7,16 @@ This is the embedded default (see :mod:`realhf.base.name_resolve`).  Key
 
 * Readers never see a half-written entry: writers write a temp file in the same
   directory and ``os.replace`` it over ``.entry``.
-* Check-then-write sequences (``add`` without replace, keepalive refresh,
-  ``delete`` and pruning empty directories) hold an exclusive ``flock`` on
-  ``{root}/.lock``, so concurrent ``add`` of one key from many processes has
-  exactly one winner.  Plain reads take no lock.
+* Check-then-write sequences on a key (``add`` without replace, keepalive refresh,
+  ``delete``) hold an exclusive ``flock`` on that key's own lock file under
+  ``{root}/.locks/``, so concurrent ``add`` of one key from many processes has
+  exactly one winner.  One lock per key, not one for the tree: a process that hangs
+  while holding a lock (SIGSTOP, a debugger, a stalled disk) blocks only that key —
+  with one tree-wide lock it froze every process's keepalives, and the whole run with
+  them.  A lock held for over :data:`LOCK_WAIT` seconds fails the operation with a
+  ``TimeoutError`` naming the key.  Plain reads take no lock.
+* Empty directories are pruned after a delete without any lock: ``rmdir`` removes
+  only empty ones, and a writer whose directory vanished under it makes it again.
 * TTL: ``expires_at`` is wall-clock time (all users share this machine's
   clock); the owner rewrites it every ttl/3.  Readers treat an expired entry
   as absent, and writers overwrite or remove it.
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -37,7 +44,9 @@ from realhf.base.name_resolve._repository import (
 )
 
 ENTRY = ".entry"
-LOCK = ".lock"
+LOCKS = ".locks"
+#: seconds an operation waits for another process to release a key's lock
+LOCK_WAIT = 30.0
 
 
 class FileNameRecordRepository(NameRecordRepository):
@@ -52,7 +61,7 @@ class FileNameRecordRepository(NameRecordRepository):
             raise ValueError(f"file backend root must be a non-empty path, got {root!r}.")
         # Raises PermissionError naming the path when it cannot be used.
         self.root = constants.ensure_writable(os.path.abspath(os.path.expanduser(root)))
-        self._lock_path = os.path.join(self.root, LOCK)
+        self._locks = os.path.join(self.root, LOCKS)
 
     def __repr__(self) -> str:
         return f"FileNameRecordRepository(root={self.root!r})"
@@ -60,15 +69,29 @@ class FileNameRecordRepository(NameRecordRepository):
     # ---- helpers -----------------------------------------------------------
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, key: str) -> Iterator[None]:
         # A fresh descriptor per acquisition: flock belongs to the open file
         # description, so two threads sharing one fd would both "hold" it.
-        # One lock for the whole tree, not one per key: pruning a key's empty
-        # parent directories must not race with another process creating a
-        # sibling key inside them.
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        path = os.path.join(self._locks, hashlib.sha1(key.encode()).hexdigest())
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileNotFoundError:  # first use, or the tree was cleared
+            os.makedirs(self._locks, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            deadline, pause = time.monotonic() + LOCK_WAIT, 0.001
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"name-resolve key {key!r}: another process has held its lock "
+                            f"{path} for over {LOCK_WAIT:g}s (is it hung?)"
+                        ) from None
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
             yield
         finally:
             os.close(fd)  # closing releases the flock
@@ -94,12 +117,20 @@ class FileNameRecordRepository(NameRecordRepository):
 
     def _write(self, key: str, entry: dict) -> None:
         d = self._dir(key)
-        os.makedirs(d, exist_ok=True)
         # No fsync: entries describe live processes and expire with them, so a
         # machine crash makes them meaningless anyway, while keepalives rewrite
         # them often (an fsync each is costly, on NFS especially).  Atomicity
         # against concurrent readers is what matters here.
-        write_json_atomic(os.path.join(d, ENTRY), entry, fsync=False)
+        for attempt in range(10):
+            os.makedirs(d, exist_ok=True)
+            try:
+                write_json_atomic(os.path.join(d, ENTRY), entry, fsync=False)
+                return
+            except FileNotFoundError:
+                # Another process pruned the (then empty) directory between our makedirs
+                # and the temp file: make it again. Once the temp file is in, it stays.
+                if attempt == 9:
+                    raise
 
     def _prune(self, key: str) -> None:
         """Remove now-empty directories from key's up to (excluding) the root."""
@@ -120,7 +151,7 @@ class FileNameRecordRepository(NameRecordRepository):
             "expires_at": None if ttl is None else time.time() + ttl,
             "owner": token,
         }
-        with self._locked():
+        with self._locked(key):
             if not replace and self._load(self._entry_path(key)) is not None:
                 raise NameEntryExistsError(
                     f"name-resolve key {key!r} already exists (file backend at "
@@ -151,34 +182,35 @@ class FileNameRecordRepository(NameRecordRepository):
 
     def _remove(self, keys: Sequence[str]) -> int:
         n = 0
-        with self._locked():
-            for key in keys:
+        for key in keys:
+            with self._locked(key):
                 path = self._entry_path(key)
                 n += self._load(path) is not None
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     os.remove(path)
-                self._prune(key)
+            self._prune(key)
         return n
 
     def _clear(self, prefix: str) -> None:
-        # Removes expired entries and stray temp files too.
-        with self._locked():
-            shutil.rmtree(self._dir(prefix), ignore_errors=True)
-            # The parent may be empty now.  For a top-level prefix the parent is
-            # the root, which _prune never removes; pruning the (already gone)
-            # prefix itself is then a no-op.
-            self._prune(os.path.dirname(prefix) if "/" in prefix else prefix)
+        # Removes expired entries and stray temp files too; an entry written while this
+        # runs may stay (clearing is for a subtree nobody writes, e.g. a trial at launch).
+        shutil.rmtree(self._dir(prefix), ignore_errors=True)
+        # The parent may be empty now.  For a top-level prefix the parent is
+        # the root, which _prune never removes; pruning the (already gone)
+        # prefix itself is then a no-op.
+        self._prune(os.path.dirname(prefix) if "/" in prefix else prefix)
 
     def _remove_if_owned(self, key: str, token: object) -> None:
-        with self._locked():
+        with self._locked(key):
             path = self._entry_path(key)
             entry = self._load(path)
-            if entry is not None and entry.get("owner") == token:
-                os.remove(path)
-                self._prune(key)
+            if entry is None or entry.get("owner") != token:
+                return
+            os.remove(path)
+        self._prune(key)
 
     def _refresh(self, key: str, token: object, ttl: float) -> bool:
-        with self._locked():
+        with self._locked(key):
             entry = self._load(self._entry_path(key))
             if entry is None or entry.get("owner") != token:
                 return False
