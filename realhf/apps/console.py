@@ -12,13 +12,16 @@ launcher, as every process of a run shares its file root — and shows:
   step, and between them one line at most every ``interval`` seconds.
 
 :func:`summarize` reads the same files into the run's summary, which the launcher prints
-with :func:`format_summary` and saves as ``summary.json``.
+with :func:`format_summary` and saves as ``summary.json``; the warnings and errors the
+launcher logged meanwhile (a worker lost or restarted, a relaunch) are listed in it as
+incidents, so they stand out at the end too.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import re
@@ -26,12 +29,14 @@ import shlex
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 __all__ = ["RunConsole", "summarize", "format_summary", "read_records"]
 
 #: seconds between plain progress lines (evaluations and the last step always print)
 PLAIN_INTERVAL_S = 10.0
+#: incidents listed in the printed summary (summary.json has them all)
+MAX_INCIDENTS_SHOWN = 8
 
 
 def _finite(v) -> bool:
@@ -121,10 +126,15 @@ class RunConsole:
         self._accuracy: Optional[tuple] = None  # (step, value) of the last evaluation
         self._progress = None
         self._task = None
+        #: the first line of every warning or error the launcher logged meanwhile (a worker
+        #: lost or restarted, a relaunch): the summary lists them
+        self.incidents: List[str] = []
+        self._handler = _Incidents(self.incidents)
 
     # ---- thread -------------------------------------------------------------
 
     def __enter__(self) -> "RunConsole":
+        logging.getLogger("realhf").addHandler(self._handler)
         self._thread = threading.Thread(target=self._loop, name="run-console", daemon=True)
         self._thread.start()
         return self
@@ -137,6 +147,7 @@ class RunConsole:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+        logging.getLogger("realhf").removeHandler(self._handler)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -245,6 +256,18 @@ class RunConsole:
         self._progress.update(self._task, completed=step, description=text)
 
 
+class _Incidents(logging.Handler):
+    """Keeps the first line of each warning or error record (of the realhf loggers)."""
+
+    def __init__(self, out: List[str]):
+        super().__init__(logging.WARNING)
+        self.out = out
+
+    def emit(self, record: logging.LogRecord) -> None:
+        lines = record.getMessage().splitlines()
+        self.out.append(f"{record.name}: {lines[0] if lines else ''}"[:200])
+
+
 def _read_json(path: str) -> Optional[Dict[str, Any]]:
     try:
         with open(path) as f:
@@ -284,10 +307,13 @@ def _eval_command(cfg, checkpoint: str, run_dir: str) -> Optional[str]:
     return shlex.join(args)
 
 
-def summarize(name: str, run_dir: str, wall_s: float, cfg=None) -> Dict[str, Any]:
+def summarize(
+    name: str, run_dir: str, wall_s: float, cfg=None, incidents: Sequence[str] = ()
+) -> Dict[str, Any]:
     """The run's summary from the files in ``run_dir``: accuracy at the start and the end
     (and the loss or reward where there is no evaluation), trained samples, throughput,
-    staleness, the last checkpoint and the command that evaluates it."""
+    staleness, the last checkpoint and the command that evaluates it, and the launcher's
+    ``incidents`` (:attr:`RunConsole.incidents`)."""
     records = read_records(os.path.join(run_dir, "metrics.jsonl"))
     steps = [r for r in records if r["step"] >= 1]
     plan = _read_json(os.path.join(run_dir, "progress.json")) or {}
@@ -326,6 +352,7 @@ def summarize(name: str, run_dir: str, wall_s: float, cfg=None) -> Dict[str, Any
             "mean": round(sum(r["rollout/staleness_mean"] for r in stale) / len(stale), 3),
             "max": max(r.get("rollout/staleness_max", 0) for r in stale),
         }
+    out["incidents"] = list(incidents)
     ckpts = _checkpoints(run_dir)
     out["checkpoint"] = ckpts[-1] if ckpts else None
     if ckpts and cfg is not None:
@@ -356,6 +383,12 @@ def format_summary(s: Dict[str, Any]) -> str:
     if s.get("staleness"):
         st = s["staleness"]
         lines.append(f"  staleness        mean {st['mean']:.2f}, max {st['max']:.0f}")
+    incidents = s.get("incidents") or []
+    if incidents:
+        lines.append(f"  incidents        {len(incidents)} warnings/errors while it ran:")
+        lines += [f"    ! {line}" for line in incidents[:MAX_INCIDENTS_SHOWN]]
+        if len(incidents) > MAX_INCIDENTS_SHOWN:
+            lines.append(f"    ... all {len(incidents)} in summary.json")
     lines.append(f"  checkpoint       {s.get('checkpoint') or 'none saved'}")
     if s.get("evaluate"):
         lines.append(f"  evaluate it with {s['evaluate']}")

@@ -147,29 +147,33 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
         f.write(f"# quickstart {name}\n" + to_yaml(cfg))
     attempts = 1 + (cfg.recover_retries if RecoverMode(cfg.recover_mode) is RecoverMode.AUTO else 0)
     t0 = time.monotonic()
-    for attempt in range(attempts):
-        try:
-            experiment_cfg = qs.build(cfg)
-        except (
-            ValueError,
-            FileNotFoundError,
-        ) as e:  # bad paths, rows, allocation: the user's to fix
-            print(f"{name}: {e}", file=sys.stderr)
-            return 2
-        if attempt > 0 and spec.strip() != "ray":  # the store may be what failed: wait for it
+    status, code, error = "finished", 0, None
+    # One console for every attempt: a relaunch continues the same progress view.
+    with RunConsole(name, run_dir) as console:
+        for attempt in range(attempts):
             try:
-                _wait_for_store(spec, STORE_WAIT_S)
-            except ConnectionError as e:
-                print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
-                return 1
-        logger.info(
-            f"{name}: launching {len(experiment_cfg.worker_names()) + 1} processes "
-            f"(attempt {attempt + 1}/{attempts}); run dir {run_dir}"
-        )
-        try:
-            launch = launcher(cfg.mode)
-            extra = {} if cfg.mode == "local" else {"options": getattr(cfg, cfg.mode)}
-            with RunConsole(name, run_dir):
+                experiment_cfg = qs.build(cfg)
+            except (
+                ValueError,
+                FileNotFoundError,
+            ) as e:  # bad paths, rows, allocation: the user's to fix
+                print(f"{name}: {e}", file=sys.stderr)
+                return 2
+            if attempt > 0 and spec.strip() != "ray":  # the store may be what failed: wait for it
+                try:
+                    _wait_for_store(spec, STORE_WAIT_S)
+                except ConnectionError as e:
+                    print(
+                        f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr
+                    )
+                    return 1
+            logger.info(
+                f"{name}: launching {len(experiment_cfg.worker_names()) + 1} processes "
+                f"(attempt {attempt + 1}/{attempts}); run dir {run_dir}"
+            )
+            try:
+                launch = launcher(cfg.mode)
+                extra = {} if cfg.mode == "local" else {"options": getattr(cfg, cfg.mode)}
                 launch(
                     experiment_cfg,
                     experiment,
@@ -186,29 +190,32 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                     fileroot=fileroot,
                     **extra,
                 )
-            break
-        except LaunchError as e:  # the cluster cannot run it as configured: the user's to fix
-            print(f"{name}: {e}", file=sys.stderr)
-            return 2
-        except (JobFailure, TimeoutError) as e:
-            if _stopped_on_request(e, spec, experiment, trial):
-                _summary(name, run_dir, t0, cfg, "stopped")
-                print(f"{name}: stopped on request after {time.monotonic() - t0:.0f}s")
-                return STOPPED_EXIT_CODE
-            if attempt + 1 < attempts:
-                logger.warning(f"{name}: run failed; recovering from the last checkpoint:\n{e}")
-                continue
-            _summary(name, run_dir, t0, cfg, "failed")
-            print(f"{name}: FAILED after {time.monotonic() - t0:.0f}s\n{e}", file=sys.stderr)
-            return 1
-    print(_summary(name, run_dir, t0, cfg, "finished"))
-    print(f"{name}: finished in {time.monotonic() - t0:.0f}s")
-    return 0
+                break
+            except LaunchError as e:  # the cluster cannot run it as configured: the user's to fix
+                print(f"{name}: {e}", file=sys.stderr)
+                return 2
+            except (JobFailure, TimeoutError) as e:
+                if _stopped_on_request(e, spec, experiment, trial):
+                    status, code = "stopped", STOPPED_EXIT_CODE
+                    break
+                if attempt + 1 < attempts:
+                    logger.warning(f"{name}: run failed; recovering from the last checkpoint:\n{e}")
+                    continue
+                status, code, error = "failed", 1, e
+                break
+    # After the console has shown the last steps: the verdict, also of a failed run.
+    print(_summary(name, run_dir, t0, cfg, status, console))
+    took = f"{time.monotonic() - t0:.0f}s"
+    if status == "failed":
+        print(f"{name}: FAILED after {took}\n{error}", file=sys.stderr)
+    else:
+        print(f"{name}: " + ("stopped on request after" if code else "finished in") + f" {took}")
+    return code
 
 
-def _summary(name: str, run_dir: str, t0: float, cfg, status: str) -> str:
+def _summary(name: str, run_dir: str, t0: float, cfg, status: str, console: RunConsole) -> str:
     """Write ``summary.json`` for the run that just ended; return its text block."""
-    s = summarize(name, run_dir, time.monotonic() - t0, cfg)
+    s = summarize(name, run_dir, time.monotonic() - t0, cfg, console.incidents)
     s["status"] = status
     write_atomic(os.path.join(run_dir, "summary.json"), json.dumps(s, indent=1) + "\n")
     return format_summary(s)

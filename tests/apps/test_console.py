@@ -116,6 +116,27 @@ def test_summary_of_an_async_run(tmp_path):
     assert "staleness        mean 0.50, max 2" in text
 
 
+def test_warnings_logged_during_the_run_are_the_summary_s_incidents(tmp_path):
+    from realhf.base import logging
+
+    log = logging.getLogger("jobs")
+    with RunConsole("x", str(tmp_path), stream=io.StringIO(), tty=False) as con:
+        log.info("started")  # not an incident
+        log.warning("generation_server/0 killed by SIGKILL: restarting it (1/3)\ndetails")
+        log.error("rollout_worker/0: LOST")
+    log.warning("after the run: not collected")
+    assert con.incidents == [
+        "jobs: generation_server/0 killed by SIGKILL: restarting it (1/3)",
+        "jobs: rollout_worker/0: LOST",
+    ]
+    s = summarize("x", str(tmp_path), 1.0, incidents=con.incidents)
+    text = format_summary(s)
+    assert "incidents        2 warnings/errors while it ran:" in text
+    assert "    ! jobs: rollout_worker/0: LOST" in text
+    many = format_summary(summarize("x", str(tmp_path), 1.0, incidents=["w"] * 20))
+    assert many.count("    ! w") == 8 and "all 20 in summary.json" in many
+
+
 def test_summary_without_evaluations_shows_the_loss(tmp_path):
     _write(tmp_path, None, [{"step": s, "train/sft/loss": 3.0 / s} for s in (1, 2, 3)])
     s = summarize("sft", str(tmp_path), 5.0)

@@ -16,6 +16,7 @@ prompt twice.
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -67,3 +68,8 @@ def test_lost_server_and_hung_rollout_worker_are_replaced_while_the_trainer_runs
     assert manager.count("joined at version") >= 2  # the replacement server joined
     rollout_log = (run / "logs" / "rollout_worker_0.log").read_text()
     assert "restarted: continuing epoch" in rollout_log
+    # The launcher's summary lists both restarts, so they stand out at the end of the run.
+    incidents = json.loads((run / "summary.json").read_text())["incidents"]
+    for w in ("generation_server/0", "rollout_worker/0"):
+        assert any(w in i and "restarting it (1/" in i for i in incidents), incidents
+    assert "warnings/errors while it ran:" in out
