@@ -50,6 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from evaluation.eval_and_aggregate import evaluate  # noqa: E402
+from realhf.base import constants  # noqa: E402
 from realhf.experiments.building_blocks import task_data, task_model  # noqa: E402
 from realhf.impl.model.gen.engine import OCCUPANCY_DIR_ENV  # noqa: E402
 
@@ -194,10 +195,7 @@ def _run(name: str, fileroot: str, args, extra: List[str], label: str, steps: in
         rows = [json.loads(line) for line in f]
     samples = sum(r_["n_items"] for r_ in rows)
     seconds = rows[-1]["elapsed"]
-    ckpt_root = os.path.join(run_dir, "checkpoints", "actor")
-    ckpt = os.path.join(
-        ckpt_root, sorted(os.listdir(ckpt_root), key=lambda d: int(d.split("globalstep")[1]))[-1]
-    )
+    ckpt = constants.hf_checkpoints(run_dir, "actor")[-1][2]
     marks = [e for e in _trace_events(run_dir) if str(e.get("name", "")).startswith("step ")]
     span = (
         (min(e["ts"] for e in marks) / 1e6, max(e["ts"] + e["dur"] for e in marks) / 1e6)

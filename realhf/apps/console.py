@@ -19,17 +19,18 @@ incidents, so they stand out at the end too.
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import math
 import os
-import re
 import shlex
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, TextIO
+
+from realhf.base import constants
+from realhf.system.dag.outputs import accuracy_key
 
 __all__ = ["RunConsole", "summarize", "format_summary", "read_records"]
 
@@ -69,15 +70,6 @@ def _pick(record: Dict[str, Any], *suffixes: str) -> Optional[str]:
             if k.endswith(suffix) and _finite(record[k]):
                 return k
     return None
-
-
-def accuracy_key(record: Dict[str, Any]) -> Optional[str]:
-    """The eval accuracy of a record: ``eval/greedy_acc`` or another ``eval/`` key with
-    ``acc`` in it."""
-    if _finite(record.get("eval/greedy_acc")):
-        return "eval/greedy_acc"
-    keys = [k for k in sorted(record) if k.startswith("eval/") and "acc" in k]
-    return next((k for k in keys if _finite(record[k])), None)
 
 
 def _duration(seconds: float) -> str:
@@ -182,10 +174,11 @@ class RunConsole:
         if _finite(r.get("n_items")) and _finite(r.get("time")) and r["time"] > 0:
             parts.append(f"{r['n_items'] / r['time']:.1f} samples/s")
         key = _pick(r, "/task_reward", "/reward")
+        loss = None if key else _pick(r, "/loss")
         if key:
             parts.append(f"reward {r[key]:.3g}")
-        elif _pick(r, "/loss"):
-            parts.append(f"loss {r[_pick(r, '/loss')]:.4g}")
+        elif loss:
+            parts.append(f"loss {r[loss]:.4g}")
         acc = accuracy_key(r)
         if acc:
             self._accuracy = (r["step"], r[acc])
@@ -279,16 +272,6 @@ def _read_json(path: str) -> Optional[Dict[str, Any]]:
 # ---- the verdict ------------------------------------------------------------------
 
 
-def _checkpoints(run_dir: str) -> List[str]:
-    """HF checkpoint directories under ``checkpoints/<role>/``, oldest step first."""
-    found = []
-    for d in glob.glob(os.path.join(run_dir, "checkpoints", "*", "*globalstep*")):
-        m = re.search(r"globalstep(\d+)$", d)
-        if m and os.path.isfile(os.path.join(d, "config.json")):
-            found.append((int(m.group(1)), os.path.basename(os.path.dirname(d)) != "actor", d))
-    return [d for _, _, d in sorted(found, key=lambda x: (x[0], not x[1]))]
-
-
 def _eval_command(cfg, checkpoint: str, run_dir: str) -> Optional[str]:
     """The command that evaluates ``checkpoint`` on the run's held-out problems, for the
     math experiments (their config has ``dataset.eval_max_new_tokens``)."""
@@ -353,10 +336,12 @@ def summarize(
             "max": max(r.get("rollout/staleness_max", 0) for r in stale),
         }
     out["incidents"] = list(incidents)
-    ckpts = _checkpoints(run_dir)
-    out["checkpoint"] = ckpts[-1] if ckpts else None
+    # The newest checkpoint of the policy (of another role when no actor is trained).
+    ckpts = constants.hf_checkpoints(run_dir)
+    ckpts = [c for c in ckpts if c[1] == "actor"] or ckpts
+    out["checkpoint"] = ckpts[-1][2] if ckpts else None
     if ckpts and cfg is not None:
-        out["evaluate"] = _eval_command(cfg, ckpts[-1], run_dir)
+        out["evaluate"] = _eval_command(cfg, ckpts[-1][2], run_dir)
     return out
 
 

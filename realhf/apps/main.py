@@ -37,7 +37,7 @@ from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
 from realhf.apps.console import RunConsole, format_summary, summarize
 from realhf.apps.remote import STOPPED_EXIT_CODE
-from realhf.base import constants, logging, name_resolve, names
+from realhf.base import constants, logging, name_resolve, names, recover
 from realhf.base.atomic_file import write_atomic
 from realhf.experiments.registry import get_quickstart_exp
 from realhf.scheduler import LaunchError, launcher
@@ -243,10 +243,7 @@ def _earlier_run(run_dir: str, cfg) -> Optional[str]:
     if not found:
         return None
     mode = RecoverMode(cfg.recover_mode)
-    has_ckpt = os.path.isdir(os.path.join(run_dir, "checkpoints", "recover")) and any(
-        e.startswith("step") and not e.endswith((".tmp", ".invalid"))
-        for e in os.listdir(os.path.join(run_dir, "checkpoints", "recover"))
-    )
+    has_ckpt = recover.has_checkpoint(os.path.join(run_dir, "checkpoints", "recover"))
     if mode is RecoverMode.RESUME or (mode is RecoverMode.AUTO and has_ckpt):
         return None
     if cfg.overwrite:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import getpass
 import os
 import pathlib
-from typing import Optional
+import re
+from typing import List, Optional, Tuple
 
 __all__ = [
     "set_experiment_trial_names",
@@ -231,6 +232,34 @@ def worker_log_path(
 def checkpoint_dir(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
     """``{run_dir}/checkpoints``."""
     return os.path.join(run_dir(experiment, trial), "checkpoints")
+
+
+def hf_checkpoint_name(epoch: int, epoch_step: int, global_step: int) -> str:
+    """The directory name of a role's HF checkpoint under ``checkpoints/<role>/``, e.g.
+    ``epoch1epochstep3globalstep3``."""
+    return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+
+def hf_checkpoints(run_dir_: str, role: Optional[str] = None) -> List[Tuple[int, str, str]]:
+    """``(global_step, role, path)`` of the complete HF checkpoints (with a
+    ``config.json``) under ``{run_dir_}/checkpoints/<role>/``, by step then role; only
+    ``role``'s when given."""
+    found = []
+    root = os.path.join(run_dir_, "checkpoints")
+    roles = [role] if role is not None else sorted(os.listdir(root)) if os.path.isdir(root) else []
+    for r in roles:
+        rdir = os.path.join(root, r)
+        if not os.path.isdir(rdir):
+            continue
+        for name in os.listdir(rdir):
+            m = _HF_CKPT.fullmatch(name)
+            path = os.path.join(rdir, name)
+            if m and os.path.isfile(os.path.join(path, "config.json")):
+                found.append((int(m.group(1)), r, path))
+    return sorted(found)
+
+
+_HF_CKPT = re.compile(r"epoch\d+epochstep\d+globalstep(\d+)")
 
 
 def tensorboard_dir(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:

@@ -189,6 +189,12 @@ def check_checkpoint(path: str) -> List[str]:
     return problems
 
 
+def has_checkpoint(root: str) -> bool:
+    """Whether ``root`` holds a committed ``step{N}`` directory (read only: nothing is
+    checked or moved; :func:`find_latest` decides whether it is usable)."""
+    return os.path.isdir(root) and any(_STEP_DIR.match(name) for name in os.listdir(root))
+
+
 def find_latest(root: str) -> Optional[str]:
     """The newest usable recover checkpoint under ``root``, or None when there is none.
 

@@ -76,3 +76,24 @@ def test_ensure_writable(tmp_path):
     with pytest.raises(PermissionError, match=str(blocker)) as e:
         constants.ensure_writable(str(blocker / "root"))
     assert "REALHF_FILEROOT" in str(e.value)
+
+
+def test_hf_checkpoints_lists_complete_ones_by_step(tmp_path):
+    run = tmp_path / "run"
+    for role, step, complete in [
+        ("actor", 10, True),
+        ("actor", 2, True),
+        ("critic", 10, True),
+        ("actor", 12, False),  # being written: no config.json yet
+    ]:
+        d = run / "checkpoints" / role / constants.hf_checkpoint_name(1, step, step)
+        d.mkdir(parents=True)
+        if complete:
+            (d / "config.json").write_text("{}")
+    (run / "checkpoints" / "recover" / "step3").mkdir(parents=True)  # not an HF checkpoint
+    found = [(s, r) for s, r, _ in constants.hf_checkpoints(str(run))]
+    assert found == [(2, "actor"), (10, "actor"), (10, "critic")]
+    assert [p for _, _, p in constants.hf_checkpoints(str(run), "critic")] == [
+        str(run / "checkpoints" / "critic" / "epoch1epochstep10globalstep10")
+    ]
+    assert constants.hf_checkpoints(str(tmp_path / "none")) == []

@@ -234,3 +234,13 @@ def test_a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint(tmp_path)
         recover.discard_tmp_dir(tmp)  # what the master does with the error
         assert sorted(os.listdir(root)) == ["latest", "step2"]
         assert recover.find_latest(str(root)) == str(root / "step2")
+
+
+def test_has_checkpoint_sees_committed_steps_only(tmp_path):
+    root = tmp_path / "recover"
+    assert not recover.has_checkpoint(str(root))  # no directory at all
+    for name in ("step3.tmp", "step2.invalid", "step1.replaced", "latest"):
+        (root / name).mkdir(parents=True)
+    assert not recover.has_checkpoint(str(root))
+    (root / "step4").mkdir()
+    assert recover.has_checkpoint(str(root))

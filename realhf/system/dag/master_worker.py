@@ -373,7 +373,7 @@ class MasterWorker(AsyncWorker):
 
     async def _save(self, record: Dict[str, Any]) -> None:
         """HF directories of the trained roles, named like ``epoch1epochstep3globalstep3``."""
-        tag = f"epoch{record['epoch']}epochstep{record['epoch_step']}globalstep{record['step']}"
+        tag = constants.hf_checkpoint_name(record["epoch"], record["epoch_step"], record["step"])
         roles = sorted({m.role for m in self.mfcs.values() if m.is_train})
         dirs = {r: os.path.join(constants.checkpoint_dir(), r, tag) for r in roles}
         await self._call(Handle.SAVE, [SaveRequest(dirs)] * self.n)
@@ -410,7 +410,6 @@ class MasterWorker(AsyncWorker):
         self.trace.close()
         self.tb.close()
         self.wandb.close(exit_code=0)
-        self.progress.close()
         png = None
         if self.config.plot_curves:
             png = plot_curves(
@@ -426,7 +425,7 @@ class MasterWorker(AsyncWorker):
 
     def _exit_hook(self) -> None:
         # Each resource is None until built (class attributes above).
-        for out in (self.trace, self.tb, self.wandb, self.progress):
+        for out in (self.trace, self.tb, self.wandb):
             if out is not None:
                 try:
                     out.close()

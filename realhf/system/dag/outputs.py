@@ -8,8 +8,7 @@
   ``offline`` or ``online`` (:class:`WandbLog`).
 * ``trace.json`` — Chrome trace events (open in Perfetto or chrome://tracing): one
   complete ("X") event per MFC call per worker (:class:`TraceLog`).
-* progress — a rich progress bar on a terminal, plain log lines otherwise
-  (:class:`ProgressDisplay`).
+* progress — a log line per step in the master's log (:class:`ProgressDisplay`).
 * ``curves.png`` — the selected statistics against the step, drawn at the end
   (:func:`plot_curves`).
 """
@@ -21,7 +20,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -36,6 +34,7 @@ __all__ = [
     "WandbLog",
     "TraceLog",
     "ProgressDisplay",
+    "accuracy_key",
     "plot_curves",
     "select_keys",
 ]
@@ -282,48 +281,34 @@ class TraceLog:
         self._f.close()
 
 
-class ProgressDisplay:
-    """Step progress: a rich bar when stdout is a terminal, else a log line per step.
+def accuracy_key(record: Dict[str, Any]) -> Optional[str]:
+    """The eval accuracy of a step record: ``eval/greedy_acc``, else another finite
+    ``eval/`` key with ``acc`` in it (None: the step ran no evaluation)."""
+    if _finite(record.get("eval/greedy_acc")):
+        return "eval/greedy_acc"
+    keys = [k for k in sorted(record) if k.startswith("eval/") and "acc" in k]
+    return next((k for k in keys if _finite(record[k])), None)
 
-    Shows the step, epoch, the selected statistics (``reward``/``loss`` by default), the
-    last eval accuracy (an ``eval/`` key containing ``acc``), tokens/s and the time left.
+
+class ProgressDisplay:
+    """Step progress in the master's log: one line per step (at most one per ``interval``
+    seconds, and always the last), with the epoch, the selected statistics (``reward`` /
+    ``loss`` by default), the last eval accuracy, tokens/s and the time left.
+
+    The master's stdout is a log file under every launcher; the live bar a person watches
+    is the launcher's (:class:`realhf.apps.console.RunConsole`, from ``metrics.jsonl``).
     """
 
     def __init__(
-        self,
-        total_steps: int,
-        start_step: int,
-        patterns: Sequence[str],
-        tty: Optional[bool] = None,
-        interval: float = 0.0,
+        self, total_steps: int, start_step: int, patterns: Sequence[str], interval: float = 0.0
     ):
         self.total = total_steps
         self.start_step = start_step
         self.patterns = tuple(patterns)
-        self.tty = sys.stdout.isatty() if tty is None else tty
         self.interval = interval
         self.t0 = time.monotonic()
         self._last_line = 0.0
         self.accuracy: Optional[float] = None
-        self._progress = None
-        if self.tty:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self._progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.description}"),
-                TimeRemainingColumn(),
-            )
-            self._task = self._progress.add_task("", total=total_steps, completed=start_step)
-            self._progress.start()
 
     def summary(self, record: Dict[str, Any]) -> str:
         """The text shown for one step's record."""
@@ -331,9 +316,9 @@ class ProgressDisplay:
         for k in select_keys(record, self.patterns):
             if _finite(record[k]):
                 parts.append(f"{k}={record[k]:.4g}")
-        for k, v in record.items():
-            if k.startswith("eval/") and "acc" in k and _finite(v):
-                self.accuracy = v
+        key = accuracy_key(record)
+        if key is not None:
+            self.accuracy = record[key]
         if self.accuracy is not None:
             parts.append(f"accuracy={self.accuracy:.3f}")
         if _finite(record.get("tokens_per_s")):
@@ -341,12 +326,9 @@ class ProgressDisplay:
         return " | ".join(parts)
 
     def update(self, record: Dict[str, Any]) -> None:
-        """Show step ``record['step']``."""
+        """Log step ``record['step']``."""
         step = record["step"]
         text = self.summary(record)
-        if self._progress is not None:
-            self._progress.update(self._task, completed=step, description=text)
-            return
         now = time.monotonic()
         if now - self._last_line < self.interval and step < self.total:
             return
@@ -355,12 +337,6 @@ class ProgressDisplay:
         eta = (now - self.t0) / done * (self.total - step) if done > 0 else float("nan")
         eta_s = time.strftime("%H:%M:%S", time.gmtime(eta)) if math.isfinite(eta) else "?"
         logger.info(f"step {step}/{self.total} | {text} | ETA {eta_s}")
-
-    def close(self) -> None:
-        """Stop the bar."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
 
 
 def plot_curves(metrics_path: str, out_path: str, patterns: Sequence[str]) -> Optional[str]:

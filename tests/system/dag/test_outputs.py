@@ -65,7 +65,7 @@ def test_trace_is_valid_json_and_continues_after_a_crash(tmp_path):
 
 
 def test_progress_lines_show_selected_stats_and_accuracy(capsys):
-    p = ProgressDisplay(total_steps=4, start_step=0, patterns=("reward",), tty=False)
+    p = ProgressDisplay(total_steps=4, start_step=0, patterns=("reward",))
     p.update({"step": 1, "epoch": 1, "rew/reward": 0.5, "train/loss": 2.0, "tokens_per_s": 99.4})
     p.update({"step": 2, "epoch": 1, "rew/reward": 0.75, "eval/eval/greedy_acc": 0.25})
     p.update({"step": 3, "epoch": 1, "rew/reward": 1.0})
@@ -76,15 +76,6 @@ def test_progress_lines_show_selected_stats_and_accuracy(capsys):
     assert "train/loss" not in lines[0]
     assert "accuracy=0.250" in lines[1] and "accuracy=0.250" in lines[2]  # kept until the next eval
     assert select_keys(["a/loss", "b/reward", "c"], ()) == ["a/loss", "b/reward"]
-
-
-def test_progress_bar_on_a_terminal(capsys):
-    p = ProgressDisplay(total_steps=2, start_step=0, patterns=("loss",), tty=True)
-    p.update({"step": 1, "epoch": 1, "t/loss": 0.5})
-    p.update({"step": 2, "epoch": 1, "t/loss": 0.25})
-    p.close()
-    out = capsys.readouterr().out
-    assert "2/2" in out and "t/loss=0.25" in out
 
 
 def test_tensorboard_and_curves(tmp_path):
