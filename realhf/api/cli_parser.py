@@ -138,30 +138,44 @@ def parse_config(cls, argv: list[str]):
         except Exception as e:  # yaml syntax errors
             raise ConfigError(f"cannot read config file '{yaml_path}': {e}") from None
     conf = _merge_sources(cls, [], loaded, yaml_path, overrides)
-    # An embedded task (``task=tiny_long``) brings its own defaults (e.g. longer answers):
-    # merge again with them just above the dataclass defaults, so that the YAML file and
-    # the command line still win over them.
-    presets = _task_presets(cls, conf)
+    # An embedded task (``task=tiny_long``) brings its own defaults (e.g. longer answers),
+    # an algorithm preset (``algo=dapo``) its options: merge again with them just above the
+    # dataclass defaults, so that the YAML file and the command line still win over them.
+    presets = _presets(cls, conf)
     if presets:
         conf = _merge_sources(cls, presets, loaded, yaml_path, overrides)
     return _to_object(conf)
 
 
-def _task_presets(cls, conf) -> list[str]:
-    task = conf.get("task") if "task" in conf else None
-    hook = getattr(cls, "task_overrides", None)
-    return list(hook(task)) if task is not None and hook is not None else []
+#: preset hooks, lowest priority first: (config key, classmethod of the config class that
+#: maps the key's value to ``key=value`` defaults)
+PRESET_HOOKS = (("task", "task_overrides"), ("algo", "algo_overrides"))
 
 
-def _merge_sources(cls, presets: list[str], loaded, yaml_path, overrides: list[str]):
-    # Merge order, later wins: dataclass defaults < task presets < YAML file < each
-    # override in command-line order.  Merging one source at a time lets an error name
-    # the source it came from.  Nothing is validated beyond types until _to_object()
-    # builds the dataclasses, so a YAML value that is invalid alone may still be fixed
-    # by a later override.
+def _presets(cls, conf) -> list[tuple[str, str]]:
+    """``(source, key=value)`` of every preset the chosen values bring, in merge order."""
+    out = []
+    for key, hook_name in PRESET_HOOKS:
+        value = conf.get(key) if key in conf else None
+        hook = getattr(cls, hook_name, None)
+        if value is None or hook is None:
+            continue
+        try:
+            out += [(f"{key} preset '{ov}'", ov) for ov in hook(value)]
+        except ValueError as e:  # an unknown preset name: the hook says which exist
+            raise ConfigError(str(e)) from None
+    return out
+
+
+def _merge_sources(cls, presets: list[tuple[str, str]], loaded, yaml_path, overrides: list[str]):
+    # Merge order, later wins: dataclass defaults < task presets < algorithm presets <
+    # YAML file < each override in command-line order.  Merging one source at a time lets
+    # an error name the source it came from.  Nothing is validated beyond types until
+    # _to_object() builds the dataclasses, so a YAML value that is invalid alone may still
+    # be fixed by a later override.
     conf = OmegaConf.structured(cls)
-    for ov in presets:
-        conf = _merge_one(conf, OmegaConf.from_dotlist([ov]), cls, f"task preset '{ov}'")
+    for source, ov in presets:
+        conf = _merge_one(conf, OmegaConf.from_dotlist([ov]), cls, source)
     if loaded is not None:
         conf = _merge_one(conf, loaded, cls, f"config file '{yaml_path}'")
     for ov in overrides:

@@ -2,11 +2,12 @@
 
     python -m realhf.apps.quickstart ppo-math                    # embedded tiny model + data
     python -m realhf.apps.quickstart ppo-math ppo.kl_ctl=0.05 ppo.disable_value=false
+    python -m realhf.apps.quickstart ppo-math algo=dapo          # an algorithm preset
 
 The dataflow graph (MFCs), pruned by the options:
 
     actor_gen ─┬─ rew_inf ────┐
-               ├─ ref_inf ────┤   (kl_ctl > 0)
+               ├─ ref_inf ────┤   (kl_ctl > 0 or kl_loss_coef > 0)
                ├─ critic_inf ─┤   (unless disable_value)
                ├─ actor_inf ──┤   (proximal log-probs: recompute_logprob, or the
                │              │    decoupled loss with several optimizer steps per batch)
@@ -92,6 +93,41 @@ class MathDatasetConfig:
 #: answer budget of the embedded long-reasoning task (its longest worked answer is ~240 tokens)
 LONG_MAX_NEW_TOKENS = 256
 
+_NO_CRITIC = ("ppo.disable_value=true", "ppo.kl_ctl=0.0")
+#: ``algo=NAME``: the ``ppo.*`` options each algorithm sets (README, "Algorithms"), merged
+#: above the task's defaults and below the YAML file and the command line.  They keep the
+#: run's group size, batch, learning rate and answer budget, which the embedded task tunes.
+#: DAPO's overlong zone (4 of the tiny task's 16 answer tokens; its correct answers take ~6)
+#: and penalty (5 = the ±5 score scale) fit the tiny task; scale them with the budget.
+ALGO_PRESETS: dict[str, tuple[str, ...]] = {
+    "": (),
+    "grpo": ("ppo.adv_estimator=grpo", *_NO_CRITIC, "ppo.loss_agg_mode=seq-mean-token-mean"),
+    "drgrpo": ("ppo.adv_estimator=drgrpo", *_NO_CRITIC, "ppo.loss_agg_mode=constant"),
+    "dapo": (
+        "ppo.adv_estimator=grpo",
+        *_NO_CRITIC,
+        "ppo.eps_clip=0.2",
+        "ppo.eps_clip_high=0.28",
+        "ppo.loss_agg_mode=token-mean",
+        "ppo.overlong_penalty_len=4",
+        "ppo.overlong_penalty_factor=5.0",
+        # dynamic sampling's filter (0 < accuracy < 1); the dropped groups are not backfilled
+        "ppo.success_rate_lb=0.001",
+        "ppo.success_rate_ub=0.999",
+    ),
+    "gspo": (
+        "ppo.adv_estimator=grpo",
+        *_NO_CRITIC,
+        "ppo.importance_level=sequence",
+        "ppo.loss_agg_mode=seq-mean-token-mean",
+        "ppo.eps_clip=3e-4",
+        "ppo.eps_clip_high=4e-4",
+    ),
+    "rloo": ("ppo.adv_estimator=rloo", *_NO_CRITIC),
+    "reinforce++": ("ppo.adv_estimator=reinforce++", *_NO_CRITIC),
+    "reinforce++-baseline": ("ppo.adv_estimator=reinforce++-baseline", *_NO_CRITIC),
+}
+
 
 def _tiny_ppo() -> PPOHyperparameters:
     return PPOHyperparameters(
@@ -132,6 +168,21 @@ class PPOMathConfig(BaseExperimentConfig):
         default=True,
         metadata={"help": "measure greedy accuracy on the eval split at exp_ctrl.eval_freq_*"},
     )
+    algo: str = field(
+        default="",
+        metadata={
+            "help": f"algorithm preset, one of {sorted(a for a in ALGO_PRESETS if a)} (empty: "
+            "none): sets the ppo.* options of that algorithm (README, 'Algorithms'); the YAML "
+            "file and the command line still override them"
+        },
+    )
+
+    @classmethod
+    def algo_overrides(cls, algo: str) -> list[str]:
+        """``key=value`` options of algorithm preset ``algo`` (above the task's, below the
+        user's own)."""
+        _check_algo(algo)
+        return list(ALGO_PRESETS[algo])
 
     @classmethod
     def task_overrides(cls, task: str) -> list[str]:
@@ -149,8 +200,15 @@ class PPOMathConfig(BaseExperimentConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        _check_algo(self.algo)
         if self.train_batch_size < 1:
             raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
+
+
+def _check_algo(algo: str) -> None:
+    if algo not in ALGO_PRESETS:
+        valid = sorted(a for a in ALGO_PRESETS if a)
+        raise ValueError(f"algo={algo!r}: use one of {valid}, or empty for no preset")
 
 
 # Long on purpose: one block per MFC of the graph, each pruned by the options that need it,
@@ -200,7 +258,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 mb_spec=mb_spec,
             )
         )
-    if hp.kl_ctl > 0:
+    if hp.needs_ref:
         mfcs.append(
             MFCDef(
                 name="ref_inf",
@@ -273,7 +331,8 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
 
 
 def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = False) -> list:
-    """Model roles of PPO: actor (trained), ref (kl_ctl > 0), critic (unless disable_value)."""
+    """Model roles of PPO: actor (trained), ref (ppo.needs_ref: a KL in the reward or the
+    loss), critic (unless disable_value)."""
     specs = [
         blocks.model_spec(
             "actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights
@@ -282,7 +341,7 @@ def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = Fal
     # ref and critic start from the actor's weights unless given their own:
     # the KL reference is the initial policy, and a critic gets a fresh value
     # head on the actor's body (is_critic).
-    if cfg.ppo.kl_ctl > 0:
+    if cfg.ppo.needs_ref:
         specs.append(
             blocks.model_spec(
                 "ref",

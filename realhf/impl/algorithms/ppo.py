@@ -10,9 +10,13 @@ Pieces, in the order a PPO step uses them:
 1. :func:`get_packed_rewards` — per-token KL penalty plus the clipped task score at the last step.
 2. :func:`compute_gae` — generalised advantage estimation (the packed C++ kernel).
 3. :func:`normalize_advantages` / :func:`group_normalize_advantages` — global or per-group (GRPO).
+   Outcome estimators (GRPO, Dr. GRPO, RLOO, REINFORCE++) and reward shaping live in
+   :mod:`realhf.impl.algorithms.advantages`.
 4. :func:`actor_loss_terms` → :func:`actor_loss_from_terms` (or both at once,
-   :func:`actor_loss_fn`) — clipped / dual-clipped / decoupled PPO policy loss, built from
-   :func:`clipped_surrogate` and :func:`behaviour_weight`.
+   :func:`actor_loss_fn`) — clipped / dual-clipped / decoupled PPO policy loss and its
+   variants (clip-higher, GSPO, truncated importance sampling, KL and entropy terms, loss
+   aggregation), built from :func:`clipped_surrogate` and :func:`behaviour_weight`; defined
+   in :mod:`realhf.impl.algorithms.policy_loss` and re-exported here.
 5. :func:`critic_loss_fn` and :class:`ExponentialRunningMeanStd` — value loss and value scaling.
 6. :class:`FixedKLController` / :class:`AdaptiveKLController` — the KL coefficient beta.
 
@@ -24,10 +28,18 @@ function takes or returns plain sums and the interface all-reduces them in betwe
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
+from realhf.impl.algorithms.policy_loss import (
+    PolicyLossTerms,
+    actor_loss_fn,
+    actor_loss_from_terms,
+    actor_loss_terms,
+    behaviour_weight,
+    clipped_surrogate,
+)
 from realhf.impl.model.utils.functional import (
     check_cu_seqlens,
     masked_mean,
@@ -200,240 +212,6 @@ def group_normalize_advantages(
     std = (sq / cnt - mean * mean).clamp(min=0.0).sqrt()
     out = (advantages.double() - mean[gid]) / (std[gid] + eps)
     return torch.where(mask, out, torch.zeros_like(out)).to(advantages.dtype)
-
-
-class PolicyLossTerms(NamedTuple):
-    """Local sums of the PPO policy loss over one micro-batch on one rank (nothing reduced).
-
-    ``loss_sum`` [] (with grad) and ``n_valid`` [] int64 give the micro-batch's token-mean loss;
-    ``ratio_sum`` [] (detached, float32) with ``n_valid`` gives the mean importance ratio, which
-    the early stop takes over all data-parallel ranks (see :meth:`ratio_totals`). ``stats`` are
-    this micro-batch's detached scalars: ``approx_kl``, ``clip_ratio``, ``dual_clip_ratio``,
-    ``behave_imp_weight`` (means over valid tokens) and ``behave_mask_dropped`` (a count).
-    """
-
-    loss_sum: torch.Tensor
-    n_valid: torch.Tensor
-    ratio_sum: torch.Tensor
-    stats: Dict[str, torch.Tensor]
-
-    def ratio_totals(self) -> torch.Tensor:
-        """``[sum of rho, n_valid]`` float64 [2]: sum it over ranks for the global mean ratio."""
-        return torch.stack([self.ratio_sum, self.n_valid.float()]).double()
-
-
-def clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, c_clip: Optional[float]
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped (and optionally dual-clipped) PPO objective, as a loss to minimise.
-
-    Args:
-        ratio: [T'] ``rho = exp(pi - pi_prox)`` (with grad).
-        advantages: [T'] A (float32, detached).
-        eps_clip: rho is clipped to [1 - eps, 1 + eps].
-        c_clip: dual clip (> 1) or None: for A < 0 the loss is at most ``c_clip * |A|``.
-
-    Returns:
-        ``(pg, clipped, dual_clipped)``, all [T']: ``pg = max(-A rho, -A clip(rho))`` (then
-        ``min(pg, c |A|)`` where A < 0), and bool masks of the tokens where the clipped
-        term, respectively the dual clip, took over (those carry no gradient).
-    """
-    pg1 = -advantages * ratio
-    pg2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_clip)
-    pg = torch.maximum(pg1, pg2)
-    clipped = (pg1 < pg2).detach()
-    dual_clipped = torch.zeros_like(clipped)
-    if c_clip is not None:
-        # With A < 0 a huge ratio makes -A rho unbounded: the plain clip only bounds rho
-        # from above for A > 0. Dual clip (Ye et al., 2020) caps that side too.
-        bound = c_clip * advantages.abs()
-        dual_clipped = (advantages < 0) & (bound < pg).detach()
-        pg = torch.where(advantages < 0, torch.minimum(pg, bound), pg)
-    return pg, clipped, dual_clipped
-
-
-def behaviour_weight(
-    proximal_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    cap: Optional[float],
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Decoupled PPO's behaviour importance weight ``w = exp(pi_prox - mu_b)``.
-
-    Args:
-        proximal_logprobs: [T'] pi_prox (float32, detached).
-        old_logprobs: [T'] mu_b, the log-probs the tokens were sampled with.
-        mask: [T'] bool, valid tokens (others get w = 1: their log-probs may be garbage).
-        cap: tokens with ``w > cap`` are dropped (None keeps every token).
-
-    Returns:
-        ``(w, dropped)``, both [T']: the weights and a bool mask of the dropped tokens.
-    """
-    log_w = proximal_logprobs - old_logprobs.detach().float()
-    w = torch.exp(torch.where(mask, log_w, torch.zeros_like(log_w)))
-    dropped = torch.zeros_like(mask)
-    if cap is not None:
-        dropped = mask & (w > cap)
-    return w, dropped
-
-
-def _check_actor_loss_args(
-    logprobs, old_logprobs, advantages, mask, eps_clip, c_clip, proximal_logprobs, cap
-) -> None:
-    if not eps_clip > 0:
-        raise ValueError(f"eps_clip must be > 0, got {eps_clip}")
-    if c_clip is not None and not c_clip > 1.0:
-        raise ValueError(
-            f"c_clip must be > 1 (dual clip bounds the loss by c_clip*|A|), got {c_clip}"
-        )
-    if cap is not None and proximal_logprobs is None:
-        raise ValueError(
-            "behav_imp_weight_cap needs proximal_logprobs (it is a decoupled-loss option)"
-        )
-    if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
-        raise ValueError(
-            f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)}, "
-            f"advantages {tuple(advantages.shape)} and loss_mask {tuple(mask.shape)} must have one "
-            "shape [T']"
-        )
-
-
-def actor_loss_terms(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_clip: float,
-    loss_mask: torch.Tensor,
-    c_clip: Optional[float] = None,
-    proximal_logprobs: Optional[torch.Tensor] = None,
-    behav_imp_weight_cap: Optional[float] = None,
-) -> PolicyLossTerms:
-    """PPO policy loss of one micro-batch as local sums (no collective; see
-    :class:`PolicyLossTerms`). Finish it with :func:`actor_loss_from_terms`.
-
-    Args:
-        logprobs: [T'] current policy log-probs pi (with grad).
-        old_logprobs: [T'] behaviour log-probs mu_b (those the tokens were sampled with).
-        advantages: [T'] A.
-        eps_clip: the ratio is clipped to [1 - eps, 1 + eps].
-        loss_mask: [T'] bool, tokens that count.
-        c_clip: dual clip (> 1): for A < 0 the loss is at most ``c_clip * |A|``.
-        proximal_logprobs: [T'] pi_prox for the decoupled loss (recomputed by the trainer before
-            the update).  None: classic PPO, pi_prox = mu_b.
-        behav_imp_weight_cap: decoupled only: tokens whose behaviour weight
-            ``exp(pi_prox - mu_b)`` exceeds the cap are left out.
-
-    Per token: ``rho = exp(pi - pi_prox)``, ``l = max(-A rho, -A clip(rho, 1 +- eps))``,
-    dual clip ``l = min(l, c |A|)`` for A < 0, decoupled ``l *= exp(pi_prox - mu_b)``;
-    ``loss_sum`` sums ``l`` over the valid tokens.
-    """
-    mask = loss_mask.bool()
-    _check_actor_loss_args(
-        logprobs,
-        old_logprobs,
-        advantages,
-        mask,
-        eps_clip,
-        c_clip,
-        proximal_logprobs,
-        behav_imp_weight_cap,
-    )
-    # Ratios and losses in float32 whatever the inputs' dtype: a difference of two bf16
-    # log-probs near -5 is resolved to ~0.03, i.e. ratios off by ~3%.
-    adv = advantages.detach().float()
-    prox = (old_logprobs if proximal_logprobs is None else proximal_logprobs).detach().float()
-    # Masked tokens may hold garbage (e.g. prompt positions): keep them out of exp().
-    log_ratio = torch.where(mask, logprobs.float() - prox, torch.zeros_like(prox))
-    ratio = torch.exp(log_ratio)
-    pg, clipped, dual_clipped = clipped_surrogate(ratio, adv, eps_clip, c_clip)
-
-    behav_w = torch.ones_like(prox)
-    dropped = torch.zeros_like(mask)
-    if proximal_logprobs is not None:
-        behav_w, dropped = behaviour_weight(prox, old_logprobs, mask, behav_imp_weight_cap)
-        mask = mask & ~dropped
-        pg = pg * behav_w
-
-    n_valid = mask.sum()
-    with torch.no_grad():
-        ratio_sum = torch.where(mask, ratio, torch.zeros_like(ratio)).sum()
-    stats = {
-        "approx_kl": masked_mean(log_ratio.detach(), mask),
-        "clip_ratio": masked_mean(clipped.float(), mask),
-        "dual_clip_ratio": masked_mean(dual_clipped.float(), mask),
-        "behave_imp_weight": masked_mean(behav_w.detach(), mask),
-        "behave_mask_dropped": dropped.sum(),
-    }
-    loss_sum = torch.where(mask, pg, torch.zeros_like(pg)).sum()
-    return PolicyLossTerms(loss_sum, n_valid, ratio_sum, stats)
-
-
-def actor_loss_from_terms(
-    terms: PolicyLossTerms,
-    ratio_totals: torch.Tensor,
-    early_stop_imp_ratio: Optional[float] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The micro-batch's mean policy loss and its statistics.
-
-    Args:
-        terms: :func:`actor_loss_terms` of the micro-batch.
-        ratio_totals: [2] ``terms.ratio_totals()``, summed over the data-parallel ranks by the
-            caller (or as is, in a single process).
-        early_stop_imp_ratio: when the mean ratio ``ratio_totals[0] / ratio_totals[1]``
-            exceeds it, the loss is multiplied by 0 (the batch drifted too far; gradients
-            would be harmful).
-
-    Returns:
-        ``(loss, stats)``: ``loss_sum / n_valid`` (a scalar) and detached scalar tensors
-        ``importance_weight`` (the mean ratio of ``ratio_totals``), ``approx_kl``,
-        ``clip_ratio``, ``dual_clip_ratio``, ``behave_imp_weight``, ``behave_mask_dropped``,
-        ``n_valid_tokens``, ``early_stopped``.
-    """
-    loss = terms.loss_sum / terms.n_valid.clamp(min=1)
-    mean_ratio = (ratio_totals[0] / ratio_totals[1].clamp(min=1)).float()
-    early_stopped = early_stop_imp_ratio is not None and bool(mean_ratio > early_stop_imp_ratio)
-    if early_stopped:
-        # Multiply rather than return a constant: the graph (and every rank's backward) stays
-        # intact.
-        loss = loss * 0.0
-    stats = {
-        "importance_weight": mean_ratio,
-        **terms.stats,
-        "n_valid_tokens": terms.n_valid,
-        "early_stopped": torch.tensor(float(early_stopped), device=loss.device),
-    }
-    return loss, stats
-
-
-def actor_loss_fn(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    eps_clip: float,
-    loss_mask: torch.Tensor,
-    c_clip: Optional[float] = None,
-    proximal_logprobs: Optional[torch.Tensor] = None,
-    behav_imp_weight_cap: Optional[float] = None,
-    early_stop_imp_ratio: Optional[float] = None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """PPO policy loss of a batch held by one process: :func:`actor_loss_terms` finished by
-    :func:`actor_loss_from_terms` with this batch's own mean ratio.
-
-    Arguments as :func:`actor_loss_terms`, plus ``early_stop_imp_ratio`` (see
-    :func:`actor_loss_from_terms`); returns ``(loss, stats)`` as the latter. Data-parallel
-    callers sum ``terms.ratio_totals()`` over ranks and call the two pieces themselves.
-    """
-    terms = actor_loss_terms(
-        logprobs,
-        old_logprobs,
-        advantages,
-        eps_clip,
-        loss_mask,
-        c_clip=c_clip,
-        proximal_logprobs=proximal_logprobs,
-        behav_imp_weight_cap=behav_imp_weight_cap,
-    )
-    return actor_loss_from_terms(terms, terms.ratio_totals(), early_stop_imp_ratio)
 
 
 def critic_loss_fn(

@@ -3,7 +3,10 @@
 Defaults follow the original system's PPO defaults (``ppo_n_minibatches=4``,
 ``eps_clip=0.2``, ``kl_ctl=0.1``, ``adv_norm``, ``value_norm``, ...). Typical variants:
 
-- GRPO-style math RL: ``group_size=G, group_adv_norm=True, disable_value=True, kl_ctl=0``;
+- GRPO-style math RL: ``group_size=G, group_adv_norm=True, disable_value=True, kl_ctl=0``
+  (token-level group normalisation), or ``adv_estimator=grpo`` (per answer, as the paper);
+  other estimators (Dr. GRPO, RLOO, REINFORCE++) and loss shapes (clip-higher, GSPO, TIS,
+  KL and entropy terms, loss aggregation) are options below (README, "Algorithms");
 - async PPO (decoupled loss): ``recompute_logprob=True, use_decoupled_loss=True``
   (the trainer's recomputed ``proximal_logprobs`` anchor the clip, the behaviour
   ``packed_logprobs`` from the generation servers weight the loss).
@@ -20,6 +23,18 @@ from dataclasses import field
 from typing import Any, Dict, Optional, Union
 
 from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.impl.algorithms.advantages import (
+    ADV_ESTIMATORS,
+    GROUP_ESTIMATORS,
+    OUTCOME_ESTIMATORS,
+)
+from realhf.impl.algorithms.policy_loss import (
+    BEHAV_IMP_WEIGHT_MODES,
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    LossShape,
+)
 
 __all__ = ["PPOHyperparameters"]
 
@@ -45,7 +60,65 @@ class PPOHyperparameters:
     )
     # ---- actor loss
     eps_clip: float = field(
-        default=0.2, metadata=_h("PPO ratio clip: ratio is clipped to [1-eps, 1+eps]")
+        default=0.2,
+        metadata=_h("PPO ratio clip: ratio is clipped to [1-eps_clip, 1+eps_clip_high]"),
+    )
+    eps_clip_high: Optional[float] = field(
+        default=None,
+        metadata=_h(
+            "upper ratio clip (DAPO's clip-higher, e.g. 0.28 with eps_clip=0.2): ratio <= "
+            "1+eps_clip_high; None = eps_clip"
+        ),
+    )
+    importance_level: str = field(
+        default="token",
+        metadata=_h(
+            "'token': one ratio pi/pi_old per token (PPO); 'sequence' (GSPO): one ratio per "
+            "answer, s_i = exp(mean over its valid tokens of log(pi/pi_old)), clipped per answer, "
+            "loss -min(s_i A_i, clip(s_i) A_i) with A_i the mean advantage of its tokens (= the "
+            "answer's advantage for outcome estimators); use small clips, e.g. eps_clip=3e-4, "
+            "eps_clip_high=4e-4, and loss_agg_mode=seq-mean-token-mean"
+        ),
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata=_h(
+            "how token losses make the batch loss: 'token-mean' (every valid token of the global "
+            "batch weighs the same), 'seq-mean-token-mean' (mean over answers of each answer's "
+            "token mean), 'seq-mean-token-sum' (mean over answers of each answer's token sum), "
+            "'constant' (token sum / (loss_agg_constant x answers), Dr. GRPO); answers count when "
+            "they have a valid token; exact over micro-batches and data-parallel ranks"
+        ),
+    )
+    loss_agg_constant: Optional[float] = field(
+        default=None,
+        metadata=_h(
+            "the constant of loss_agg_mode='constant' (a length in tokens); None = "
+            "gen.max_new_tokens"
+        ),
+    )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata=_h(
+            "entropy bonus c: loss -= c * entropy of the policy (softmax at the log-prob "
+            "temperature) on answer tokens, aggregated like the loss; logged as "
+            "ppo_actor/entropy when > 0"
+        ),
+    )
+    kl_loss_coef: float = field(
+        default=0.0,
+        metadata=_h(
+            "KL to the reference model as a loss term: loss += coef * k(pi, pi_ref), aggregated "
+            "like the loss (GRPO's way; kl_ctl puts it in the reward instead); > 0 runs the "
+            "reference model; logged as ppo_actor/kl_loss"
+        ),
+    )
+    kl_estimator: str = field(
+        default="k3",
+        metadata=_h(
+            "estimator of the kl_loss_coef term, with d = log pi_ref - log pi: 'k1' = -d, "
+            "'k2' = d^2/2, 'k3' = exp(d) - d - 1"
+        ),
     )
     c_clip: Optional[float] = field(
         default=None,
@@ -71,8 +144,23 @@ class PPOHyperparameters:
     behav_imp_weight_cap: Optional[float] = field(
         default=None,
         metadata=_h(
-            "decoupled loss only: tokens whose behaviour weight exp(prox - behaviour) exceeds it "
-            "are masked"
+            "decoupled loss only: cap C of the behaviour weight w = exp(prox - behaviour); see "
+            "behav_imp_weight_mode"
+        ),
+    )
+    behav_imp_weight_mode: str = field(
+        default="mask",
+        metadata=_h(
+            "decoupled loss: 'mask' drops tokens with w > behav_imp_weight_cap (or w < "
+            "behav_imp_weight_floor); 'truncate' keeps them with w = min(w, cap) (truncated "
+            "importance sampling, TIS; needs a cap; logged as ppo_actor/behave_truncated_ratio)"
+        ),
+    )
+    behav_imp_weight_floor: Optional[float] = field(
+        default=None,
+        metadata=_h(
+            "decoupled loss, mode 'mask': tokens with w below it (in (0, 1)) are dropped too, so "
+            "w must lie in [floor, cap]; None: no floor"
         ),
     )
     recompute_logprob: bool = field(
@@ -102,7 +190,26 @@ class PPOHyperparameters:
         default=False, metadata=_h("sequences cut before EOS get score 0 instead of their reward")
     )
     mask_too_long: bool = field(
-        default=False, metadata=_h("sequences cut before EOS are left out of the loss entirely")
+        default=False,
+        metadata=_h(
+            "answers cut before EOS (truncated at gen.max_new_tokens, seq_no_eos_mask) are left "
+            "out of the loss entirely (DAPO's overlong filtering); their scores still count in "
+            "their group's statistics"
+        ),
+    )
+    overlong_penalty_len: int = field(
+        default=0,
+        metadata=_h(
+            "DAPO's soft overlong penalty zone L_c in tokens (0 = off): an answer of |o| "
+            "generated tokens gets score += min(0, -(|o| - (L_max - L_c)) / L_c) * "
+            "overlong_penalty_factor, L_max = gen.max_new_tokens"
+        ),
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0,
+        metadata=_h(
+            "the overlong penalty at |o| = L_max (in score units: after reward_output_scaling)"
+        ),
     )
     kl_ctl: float = field(
         default=0.1,
@@ -134,19 +241,37 @@ class PPOHyperparameters:
         ),
     )
     # ---- advantages
-    discount: float = field(default=1.0, metadata=_h("GAE discount gamma"))
+    adv_estimator: str = field(
+        default="gae",
+        metadata=_h(
+            "'gae': GAE (critic values, or 0 with disable_value), then adv_norm / "
+            "group_adv_norm. Outcome estimators (need disable_value=true; score r_i per answer, "
+            "groups of group_size answers, same advantage on every token of an answer): 'grpo' "
+            "(r_i - mean_G r) / (std_G r + 1e-6) with the sample std over answers; 'drgrpo' r_i - "
+            "mean_G r; 'rloo' r_i - mean of the other answers' r; these three need group_size "
+            ">= 2 and kl_ctl=0 (put the KL in the loss: kl_loss_coef). 'reinforce++': "
+            "reward-to-go (discount) of the per-token rewards (kl_ctl penalty + score at the "
+            "end), normalised over the whole batch; 'reinforce++-baseline': the same with r_i - "
+            "mean_G r as the score"
+        ),
+    )
+    discount: float = field(
+        default=1.0, metadata=_h("discount gamma of GAE and of REINFORCE++'s reward-to-go")
+    )
     gae_lambda: float = field(default=1.0, metadata=_h("GAE lambda"))
     adv_norm: bool = field(
         default=True,
         metadata=_h(
-            "normalise advantages to zero mean / unit std over valid tokens (global over "
-            "data-parallel ranks)"
+            "adv_estimator=gae: normalise advantages to zero mean / unit std over valid tokens "
+            "(global over data-parallel ranks); outcome estimators normalise as their formula "
+            "says and ignore it"
         ),
     )
     group_adv_norm: bool = field(
         default=False,
         metadata=_h(
-            "with adv_norm: normalise per group of group_size answers to one prompt (GRPO), locally"
+            "adv_estimator=gae, with adv_norm: normalise per group of group_size answers to one "
+            "prompt, over their tokens, locally"
         ),
     )
     group_size: int = field(
@@ -245,11 +370,74 @@ class PPOHyperparameters:
             self._bad(
                 "group_adv_norm", "needs adv_norm=True (it selects how advantages are normalised)"
             )
+        self._check_algorithm_options()
         if self.gen.n not in (1, self.group_size):
             self._bad(
                 "gen",
                 f"gen.n={self.gen.n} differs from group_size={self.group_size}; set group_size "
                 "only",
+            )
+
+    # One check per option, in the order of the fields; long but flat.
+    def _check_algorithm_options(self):
+        for name, allowed in (
+            ("adv_estimator", ADV_ESTIMATORS),
+            ("importance_level", IMPORTANCE_LEVELS),
+            ("loss_agg_mode", LOSS_AGG_MODES),
+            ("behav_imp_weight_mode", BEHAV_IMP_WEIGHT_MODES),
+            ("kl_estimator", KL_ESTIMATORS),
+        ):
+            if getattr(self, name) not in allowed:
+                self._bad(name, f"use one of {list(allowed)}")
+        if self.adv_estimator in OUTCOME_ESTIMATORS and not self.disable_value:
+            self._bad(
+                "adv_estimator",
+                "outcome estimators use no critic; set disable_value=true (or use "
+                "adv_estimator=gae)",
+            )
+        if self.adv_estimator in GROUP_ESTIMATORS + ("reinforce++-baseline",):
+            if self.group_size < 2:
+                self._bad(
+                    "adv_estimator",
+                    f"it compares the answers of a group; set group_size >= 2 (got "
+                    f"{self.group_size})",
+                )
+        if self.adv_estimator in GROUP_ESTIMATORS and self.kl_ctl > 0:
+            self._bad(
+                "adv_estimator",
+                f"it uses the answers' scores only, so kl_ctl={self.kl_ctl} (KL in the reward) "
+                "would be ignored; set kl_ctl=0 and use kl_loss_coef for a KL loss term, or "
+                "adv_estimator=reinforce++ for KL in the reward",
+            )
+        if self.eps_clip_high is not None and not (
+            self._finite("eps_clip_high") and self.eps_clip_high > 0
+        ):
+            self._bad("eps_clip_high", "use a number > 0 or None (None: eps_clip)")
+        if self.loss_agg_constant is not None:
+            if not (self._finite("loss_agg_constant") and self.loss_agg_constant > 0):
+                self._bad("loss_agg_constant", "use a number > 0 or None (gen.max_new_tokens)")
+            if self.loss_agg_mode != "constant":
+                self._bad(
+                    "loss_agg_constant", "it only acts with loss_agg_mode='constant'; use None"
+                )
+        for name in ("entropy_coef", "kl_loss_coef", "overlong_penalty_factor"):
+            if not self._finite(name) or getattr(self, name) < 0:
+                self._bad(name, "use a finite number >= 0 (0 disables it)")
+        if self.behav_imp_weight_mode == "truncate" and self.behav_imp_weight_cap is None:
+            self._bad("behav_imp_weight_mode", "'truncate' needs behav_imp_weight_cap (the C)")
+        if self.behav_imp_weight_floor is not None:
+            if not (self._finite("behav_imp_weight_floor") and 0 < self.behav_imp_weight_floor < 1):
+                self._bad("behav_imp_weight_floor", "use a number in (0, 1) or None")
+            if not self.use_decoupled_loss or self.behav_imp_weight_mode != "mask":
+                self._bad(
+                    "behav_imp_weight_floor",
+                    "it only acts with use_decoupled_loss=True and behav_imp_weight_mode='mask'",
+                )
+        n = self.overlong_penalty_len
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.gen.max_new_tokens:
+            self._bad(
+                "overlong_penalty_len",
+                f"use an integer in [0, gen.max_new_tokens={self.gen.max_new_tokens}] (0 = off)",
             )
 
     def _finite(self, name: str) -> bool:
@@ -287,6 +475,34 @@ class PPOHyperparameters:
         if self.temperature is not None:
             return float(self.temperature)
         return 1.0 if self.gen.is_greedy else float(self.gen.temperature)
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether training needs the reference model's log-probs (a KL in the reward or in
+        the loss)."""
+        return self.kl_ctl > 0 or self.kl_loss_coef > 0
+
+    @property
+    def loss_agg_denominator(self) -> float:
+        """The constant of ``loss_agg_mode='constant'`` (``gen.max_new_tokens`` by default)."""
+        if self.loss_agg_constant is not None:
+            return float(self.loss_agg_constant)
+        return float(self.gen.max_new_tokens)
+
+    @property
+    def loss_shape(self) -> LossShape:
+        """The policy-loss options as the loss function takes them."""
+        return LossShape(
+            eps_clip_high=self.eps_clip_high,
+            importance_level=self.importance_level,
+            loss_agg_mode=self.loss_agg_mode,
+            loss_agg_constant=self.loss_agg_denominator,
+            behav_imp_weight_mode=self.behav_imp_weight_mode,
+            behav_imp_weight_floor=self.behav_imp_weight_floor,
+            kl_loss_coef=self.kl_loss_coef,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+        )
 
     @property
     def filters_by_success_rate(self) -> bool:

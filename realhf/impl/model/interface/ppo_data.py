@@ -11,19 +11,22 @@ prompt_mask            L               True on prompt tokens
 packed_logprobs        L - 1           behaviour log-probs (0 over the prompt)
 rewards                1               task reward (from the reward interface)
 seq_no_eos_mask        1               True when the answer was cut before EOS
-packed_ref_logprobs    L - 1           reference log-probs (needed when kl_ctl > 0)
+packed_ref_logprobs    L - 1           reference log-probs (kl_ctl > 0 or kl_loss_coef > 0)
 values                 L               critic values, denormalised (unless disable_value)
 proximal_logprobs      L - 1           trainer recompute (recompute_logprob / decoupled loss)
 =====================  ==============  ==================================================
 
 :func:`prepare_ppo_batch` computes the loss mask (answer tokens, minus truncated
-sequences with ``mask_too_long``, minus prompts filtered by success rate), the rewards
-(KL penalty per token + clipped score at the last step), GAE advantages and returns, and
-normalised advantages. Success-rate filtering lives here (the step that has every
-group's rewards): a group whose share of answers with reward > 0 lies outside
-``[success_rate_lb, success_rate_ub]`` is masked out of the loss rather than dropped, so
-every data-parallel rank keeps its batch shape and collectives stay in step.  A reward of
-NaN means "no verdict" (the reward interface could not grade the row: a bad dataset row,
+sequences with ``mask_too_long``, minus prompts filtered by success rate), the score of
+each answer (``(reward - bias) * scaling``, plus the overlong penalty, clipped; 0 for
+truncated answers with ``mask_no_eos_with_zero``), the rewards (KL penalty per token + the
+score at the last step), GAE advantages and returns, and the advantages of
+``adv_estimator`` (GAE normalised as ``adv_norm`` / ``group_adv_norm`` say, or an outcome
+estimator of :mod:`realhf.impl.algorithms.advantages`). Success-rate filtering lives here
+(the step that has every group's rewards): a group whose share of answers with reward > 0
+lies outside ``[success_rate_lb, success_rate_ub]`` is masked out of the loss rather than
+dropped, so every data-parallel rank keeps its batch shape and collectives stay in step.
+A reward of NaN means "no verdict" (the reward interface could not grade the row: a bad dataset row,
 skipped with a warning there): its sequences are masked out the same way, their reward
 read as 0, and counted (``ppo/n_unscored_seqs``).
 """
@@ -37,6 +40,7 @@ import torch
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.base import stats_tracker
+from realhf.impl.algorithms import advantages as A
 from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import (
     all_reduce_sum,
@@ -71,6 +75,7 @@ class PPOBatch:
         old_logp: [T'] the PPO anchor (behaviour, or recomputed without the decoupled loss).
         proximal_logp: [T'] or None (decoupled loss only).
         values: [T] float32 (zeros with disable_value).
+        ref_logp: [T'] reference log-probs, or None (only kept for the KL loss term).
         kl_rewards, rewards, advantages, returns: [T'] float32 (advantages normalised).
         mean_kl: global mean of ``old_logp - ref_logp`` over valid tokens.
         n_seqs_global: sequences over all data-parallel ranks.
@@ -85,6 +90,7 @@ class PPOBatch:
     old_logp: torch.Tensor
     proximal_logp: Optional[torch.Tensor]
     values: torch.Tensor
+    ref_logp: Optional[torch.Tensor]
     kl_rewards: torch.Tensor
     rewards: torch.Tensor
     advantages: torch.Tensor
@@ -95,7 +101,8 @@ class PPOBatch:
     def to_sample(self, **extra: torch.Tensor) -> SequenceSample:
         """One item per sequence with the keys the actor loss needs (``packed_input_ids``,
         ``prompt_mask``, ``ppo_loss_mask``, ``old_logp``, ``advantages``, ``proximal_logprobs`` when
-        decoupled) plus ``extra`` keys (standard names, e.g. ``values``, ``returns``)."""
+        decoupled, ``ref_logp`` for the KL loss term) plus ``extra`` keys (standard names, e.g.
+        ``values``, ``returns``)."""
         data: Dict[str, torch.Tensor] = {
             "packed_input_ids": self.input_ids,
             "prompt_mask": self.prompt_mask,
@@ -105,6 +112,8 @@ class PPOBatch:
         }
         if self.proximal_logp is not None:
             data["proximal_logprobs"] = self.proximal_logp
+        if self.ref_logp is not None:
+            data["ref_logp"] = self.ref_logp
         data.update(extra)
         return SequenceSample.from_default(ids=self.seq_ids, seqlens=self.seqlens, data=data)
 
@@ -172,8 +181,9 @@ def prepare_ppo_batch(
         prox = tensors["proximal_logprobs"].float()
     ref = tensors.get("packed_ref_logprobs")
     # Without a KL term the reference model is not run; zeros make the KL reward 0.
-    ref = torch.zeros_like(old_logp) if kl_coef == 0 or ref is None else ref.float()
-    score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
+    use_ref = (kl_coef > 0 or hp.kl_loss_coef > 0) and ref is not None
+    ref = ref.float() if use_ref else torch.zeros_like(old_logp)
+    score = _answer_scores(hp, raw_reward, tensors["prompt_mask"], cu, no_eos)
     kl_rewards, rewards = F.get_packed_rewards(
         kl_coef,
         hp.max_reward_clip,
@@ -192,14 +202,16 @@ def prepare_ppo_batch(
         values = tensors["values"].float()
     advantages, returns = F.compute_gae(rewards, values, short1, no_eos, hp.discount, hp.gae_lambda)
     raw_adv = advantages
-    if hp.adv_norm:
-        if hp.group_adv_norm:
+    if hp.adv_estimator == "gae":
+        if hp.adv_norm and hp.group_adv_norm:
             _check_groups(hp, data)
             advantages = F.group_normalize_advantages(advantages, loss_mask, short1, hp.group_size)
-        else:
-            # Mean and std over every rank's valid tokens: sum the moments, then normalise.
-            moments = all_reduce_sum(masked_moments(advantages, loss_mask), dp_group)
-            advantages = F.normalize_advantages(advantages, loss_mask, moments=moments)
+        elif hp.adv_norm:
+            advantages = _global_normalize(advantages, loss_mask, dp_group)
+    else:
+        raw_adv, advantages = _outcome_advantages(
+            hp, data, score, kl_rewards, short1, no_eos, loss_mask, dp_group
+        )
 
     kl = torch.where(loss_mask, old_logp - ref, torch.zeros_like(old_logp))
     # Sums, not means, are reduced: ranks hold different token and sequence counts.
@@ -230,6 +242,7 @@ def prepare_ppo_batch(
         old_logp=old_logp,
         proximal_logp=prox,
         values=values,
+        ref_logp=ref if hp.kl_loss_coef > 0 else None,
         kl_rewards=kl_rewards,
         rewards=rewards,
         advantages=advantages.float(),
@@ -250,11 +263,63 @@ def required_keys(hp: PPOHyperparameters, kl_coef: float) -> List[str]:
     ]
     if hp.use_decoupled_loss and not hp.proximal_from_train_forward:
         needed.append("proximal_logprobs")
-    if kl_coef > 0:
+    if kl_coef > 0 or hp.kl_loss_coef > 0:
         needed.append("packed_ref_logprobs")
     if not hp.disable_value:
         needed.append("values")
     return needed
+
+
+def _answer_scores(hp, raw_reward, prompt_mask, cu, no_eos) -> torch.Tensor:
+    """[B] the score r_i of each answer as every estimator sees it: scaled, shaped by
+    length, clipped, and 0 for truncated answers with ``mask_no_eos_with_zero``."""
+    score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
+    if hp.overlong_penalty_len > 0:
+        per_seq = torch.tensor(
+            [int(m.logical_not().sum()) for m in prompt_mask.bool().split(_lens(cu))],
+            device=score.device,
+        )
+        score = score + A.overlong_penalty(
+            per_seq,
+            hp.gen.max_new_tokens,
+            hp.overlong_penalty_len,
+            hp.overlong_penalty_factor,
+        )
+    score = score.clamp(-hp.max_reward_clip, hp.max_reward_clip)
+    if hp.mask_no_eos_with_zero:
+        score = torch.where(no_eos, torch.zeros_like(score), score)
+    return score
+
+
+def _lens(cu: torch.Tensor) -> List[int]:
+    return (cu[1:] - cu[:-1]).tolist()
+
+
+def _global_normalize(x: torch.Tensor, loss_mask: torch.Tensor, dp_group) -> torch.Tensor:
+    # Mean and std over every rank's valid tokens: sum the moments, then normalise.
+    moments = all_reduce_sum(masked_moments(x, loss_mask), dp_group)
+    return F.normalize_advantages(x, loss_mask, moments=moments)
+
+
+def _outcome_advantages(hp, data, score, kl_rewards, short1, no_eos, loss_mask, dp_group):
+    """``(before normalisation, advantages)``, both [T'], of an outcome estimator."""
+    if hp.adv_estimator != "reinforce++":
+        _check_groups(hp, data)
+    if hp.adv_estimator in A.GROUP_ESTIMATORS:
+        adv = A.per_token(
+            A.group_outcome_advantages(score, hp.group_size, hp.adv_estimator), short1
+        )
+        adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
+        return adv, adv
+    if hp.adv_estimator == "reinforce++-baseline":
+        score = score - score.view(-1, hp.group_size).mean(dim=1).repeat_interleave(hp.group_size)
+    # REINFORCE++: the critic-free return of every token, the discounted reward-to-go of
+    # the KL penalty and the score (GAE with V = 0 and lambda = 1), normalised over the batch.
+    rewards = kl_rewards.clone()
+    rewards.index_add_(0, short1[1:].long() - 1, score.float())
+    zeros = torch.zeros(rewards.shape[0] + score.numel(), device=rewards.device)
+    returns, _ = F.compute_gae(rewards, zeros, short1, no_eos, hp.discount, 1.0)
+    return returns, _global_normalize(returns, loss_mask, dp_group)
 
 
 def _record_stats(
@@ -286,10 +351,16 @@ def _check_groups(hp: PPOHyperparameters, data: SequenceSample) -> None:
     bad = [(i, c) for i, c in zip(data.ids, counts) if c != hp.group_size]
     if bad:
         raise ValueError(
-            f"group_adv_norm normalises over the group_size={hp.group_size} answers of each "
+            f"{_group_user(hp)} compares the group_size={hp.group_size} answers of each "
             f"prompt, but item {bad[0][0]!r} holds {bad[0][1]} sequences; generate group_size "
             "answers per prompt"
         )
+
+
+def _group_user(hp: PPOHyperparameters) -> str:
+    if hp.adv_estimator == "gae":
+        return "group_adv_norm"
+    return f"adv_estimator={hp.adv_estimator}"
 
 
 def _filter_groups(

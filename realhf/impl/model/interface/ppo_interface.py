@@ -30,6 +30,7 @@ from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
 from realhf.impl.algorithms import ppo as F
+from realhf.impl.algorithms.policy_loss import loss_agg_count
 from realhf.impl.model.interface.helpers import (
     all_reduce_min,
     all_reduce_sum,
@@ -42,7 +43,12 @@ from realhf.impl.model.interface.helpers import (
 from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
-from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
+from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
+from realhf.impl.model.utils.functional import (
+    gather_packed_shifted_log_probs,
+    shift_one_indices,
+    short1cu_seqlens,
+)
 
 logger = logging.getLogger("ppo_actor")
 
@@ -50,6 +56,8 @@ __all__ = [
     "PPOActorInterface",
     "make_kl_controller",
     "policy_loss",
+    "loss_weight_fn",
+    "shifted_entropy",
     "run_minibatches",
     "INFERENCE_KEY",
 ]
@@ -119,14 +127,22 @@ def policy_loss(
     loss_mask: torch.Tensor,
     proximal_logprobs: Optional[torch.Tensor],
     group,
+    *,
+    short1cu_seqlens: Optional[torch.Tensor] = None,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    entropy: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """The PPO loss of one micro-batch, ``(mean loss, stats)``, as
-    :func:`~realhf.impl.algorithms.ppo.actor_loss_fn` but with the importance ratio averaged
-    over the micro-batches of every data-parallel rank (``group``; None: this process only).
+    """The PPO loss of one micro-batch, ``(loss, stats)``, as
+    :func:`~realhf.impl.algorithms.ppo.actor_loss_fn` with ``hp``'s loss shape, but with the
+    importance ratio averaged over the micro-batches of every data-parallel rank (``group``;
+    None: this process only).
 
-    All tensors are [T'] (shifted). Every rank runs the same number of micro-batches (the
-    engine syncs the split), so the k-th calls of all ranks meet in the all-reduce and take
-    the same early-stop decision.
+    All tensors are [T'] (shifted); ``short1cu_seqlens`` [B+1] (sequence-level ratios and
+    per-sequence aggregation), ``ref_logprobs`` (``kl_loss_coef``) and ``entropy``
+    (``entropy_coef``) when those options need them. Every rank runs the same number of
+    micro-batches (the engine syncs the split), so the k-th calls of all ranks meet in the
+    all-reduce and take the same early-stop decision. Weight the micro-batches with
+    :func:`loss_weight_fn`.
     """
     terms = F.actor_loss_terms(
         logprobs,
@@ -137,6 +153,10 @@ def policy_loss(
         c_clip=hp.c_clip,
         proximal_logprobs=proximal_logprobs,
         behav_imp_weight_cap=hp.behav_imp_weight_cap,
+        shape=hp.loss_shape,
+        short1cu_seqlens=short1cu_seqlens,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
     )
     totals = all_reduce_sum(terms.ratio_totals(), group)
     return F.actor_loss_from_terms(terms, totals, hp.early_stop_imp_ratio)
@@ -144,6 +164,36 @@ def policy_loss(
 
 def _loss_weight(mb: SequenceSample) -> int:
     return int(mb.data["ppo_loss_mask"].count_nonzero())
+
+
+def loss_weight_fn(hp: PPOHyperparameters):
+    """The engine's micro-batch weight for ``hp.loss_agg_mode``: the denominator of the
+    micro-batch's loss without its constant (valid tokens for ``token-mean``, answers with
+    a valid token otherwise), so that weighting by it gives the global batch's loss."""
+    if hp.loss_agg_mode == "token-mean":
+        return _loss_weight
+
+    def n_answers(mb: SequenceSample) -> float:
+        s1 = short1cu_seqlens(mb.cu_seqlens("packed_input_ids"))
+        return float(loss_agg_count(mb.data["ppo_loss_mask"], s1, hp.loss_agg_mode))
+
+    return n_answers
+
+
+def shifted_entropy(
+    logits: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    temperature: float = 1.0,
+    tp: Optional[LocalHooks] = None,
+) -> torch.Tensor:
+    """[T - B] float32 entropy of the next-token distribution ``softmax(logits / temperature)``
+    at every position that predicts a token of its sequence (the shifted layout of
+    :func:`~realhf.impl.model.utils.functional.gather_packed_shifted_log_probs`, ``tp``
+    likewise: vocabulary-sharded logits are reduced over the tensor-parallel group)."""
+    lg = logits[shift_one_indices(cu_seqlens)].float()
+    if temperature != 1.0:
+        lg = lg / temperature
+    return (tp or LOCAL).token_entropy(lg)
 
 
 class PPOActorInterface(ModelInterface):
@@ -207,23 +257,33 @@ class PPOActorInterface(ModelInterface):
         def loss_fn(logits: torch.Tensor, mb: SequenceSample):
             dev = logits.device
             d = {k: v.to(dev) for k, v in mb.data.items()}
+            cu = mb.cu_seqlens("packed_input_ids").to(dev)
             logp = gather_packed_shifted_log_probs(
-                logits,
-                mb.cu_seqlens("packed_input_ids").to(dev),
-                d["packed_input_ids"],
-                temperature,
-                tp=engine.tp,
+                logits, cu, d["packed_input_ids"], temperature, tp=engine.tp
             )
+            entropy = None
+            if hp.entropy_coef > 0:
+                entropy = shifted_entropy(logits, cu, temperature, tp=engine.tp)
             # With one optimizer step per batch, the policy before the step is the one this
             # forward runs, so its own (detached) log-probs serve as pi_prox.
             prox = logp.detach() if hp.proximal_from_train_forward else d.get("proximal_logprobs")
             loss, st = policy_loss(
-                hp, logp, d["old_logp"], d["advantages"], d["ppo_loss_mask"], prox, group
+                hp,
+                logp,
+                d["old_logp"],
+                d["advantages"],
+                d["ppo_loss_mask"],
+                prox,
+                group,
+                short1cu_seqlens=short1cu_seqlens(cu),
+                ref_logprobs=d.get("ref_logp"),
+                entropy=entropy,
             )
             st.pop("n_valid_tokens")  # the engine reports n_tokens, weighted over ranks already
             return loss, st
 
-        run_minibatches(hp, model, batch.to_sample(), mb_spec, loss_fn, _loss_weight, "ppo_actor")
+        weight_fn = loss_weight_fn(hp)
+        run_minibatches(hp, model, batch.to_sample(), mb_spec, loss_fn, weight_fn, "ppo_actor")
         model.inc_version()
         return export_stats(group)
 

@@ -16,7 +16,9 @@ collectives over the tensor-parallel group.  The places (Megatron-style):
 - :meth:`~LocalHooks.head_weight`: replicated weights applied to this rank's heads only
   (qwen3's per-head q/k norms) get their gradients summed over ranks;
 - :meth:`~LocalHooks.token_log_probs`: log-softmax of vocabulary-sharded logits at given
-  labels, without gathering the ``[T, vocab]`` logits.
+  labels, without gathering the ``[T, vocab]`` logits;
+- :meth:`~LocalHooks.token_entropy`: entropy of the softmax of vocabulary-sharded logits,
+  likewise.
 
 The layers are built from :meth:`~LocalHooks.local_config`: the same architecture with this
 rank's share of heads, MLP width and vocabulary, so their parameter declarations give the
@@ -75,6 +77,13 @@ class LocalHooks:
         """``log_softmax(logits)[i, labels[i]]`` for float ``logits [N, V_local]``."""
         # gather - logsumexp avoids materialising a second [N, V] log-softmax tensor.
         return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy ``[N]`` of ``softmax(logits)`` for float ``logits [N, V_local]``."""
+        # H = logsumexp(z) - sum_v p_v z_v, without a second [N, V] log-softmax tensor.
+        lse = torch.logsumexp(logits, dim=-1)
+        p = torch.exp(logits - lse.unsqueeze(-1))
+        return lse - (p * logits).sum(-1)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[N, V]`` from this rank's ``[N, V_local]`` (for

@@ -54,6 +54,7 @@ __all__ = [
     "unshard_tensor",
     "shard_model",
     "vocab_parallel_log_probs",
+    "vocab_parallel_entropy",
 ]
 
 
@@ -275,6 +276,39 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         return grad * g.unsqueeze(-1), None, None, None
 
 
+class _VocabParallelEntropy(torch.autograd.Function):
+    """Entropy of softmax(z) over logits z split by vocabulary over ``group``.
+
+    With the global max m, S = sum_v e^(z_v - m) and W = sum_v e^(z_v - m)(z_v - m) (both
+    all-reduced), H = log S - W / S. Its gradient is local: dH/dz_v = -p_v (z_v - E_p[z]),
+    and z_v - E_p[z] = (z_v - m) - W / S, so backward needs no collective.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        lmax = logits.max(dim=-1).values
+        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - lmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+        _all_reduce(sums, group)
+        sum_exp, mean_shifted = sums[0], sums[1] / sums[0]
+        ctx.save_for_backward(exp, shifted, sum_exp, mean_shifted)
+        return sum_exp.log() - mean_shifted
+
+    @staticmethod
+    def backward(ctx, g):
+        exp, shifted, sum_exp, mean_shifted = ctx.saved_tensors
+        p = exp / sum_exp.unsqueeze(-1)
+        return -p * (shifted - mean_shifted.unsqueeze(-1)) * g.unsqueeze(-1), None
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group) -> torch.Tensor:
+    """Entropy ``[N]`` of the softmax of logits ``[N, V/m]`` sharded by vocabulary over the
+    tensor-parallel ``group``."""
+    return _VocabParallelEntropy.apply(logits, group)
+
+
 def vocab_parallel_log_probs(
     logits: torch.Tensor, labels: torch.Tensor, start: int, group
 ) -> torch.Tensor:
@@ -364,6 +398,11 @@ class TensorParallel(LocalHooks):
             return super().token_log_probs(logits, labels)
         start = self.rank * logits.shape[-1]
         return vocab_parallel_log_probs(logits, labels, start, self.group)
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return super().token_entropy(logits)
+        return vocab_parallel_entropy(logits, self.group)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

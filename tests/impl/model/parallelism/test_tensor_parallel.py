@@ -83,3 +83,54 @@ class _FakeTP(TensorParallel):
 
     def __init__(self, m, r):
         super().__init__(object() if m > 1 else None, m, r)
+
+
+_ENTROPY_CHILD = """
+import json, sys, torch, torch.distributed as dist
+from realhf.impl.model.parallelism.tensor_parallel import TensorParallel
+rank, init_file = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+full = torch.randn(5, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+local = full[:, rank * 6 : (rank + 1) * 6].clone().requires_grad_(True)
+h = TensorParallel(dist.group.WORLD, 2, rank).token_entropy(local)
+(h * torch.arange(1.0, 6.0, dtype=torch.float64)).sum().backward()
+print(json.dumps({"h": h.tolist(), "grad": local.grad.tolist()}))
+dist.destroy_process_group()
+from realhf.base import shutdown
+shutdown.hard_exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_vocab_parallel_entropy_equals_the_unsharded_one(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from realhf.impl.model.nn.parallel_hooks import LOCAL
+
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _ENTROPY_CHILD, str(r), str(tmp_path / "init")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    full = torch.randn(5, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+    full.requires_grad_(True)
+    h = LOCAL.token_entropy(full)
+    p = torch.softmax(full.detach(), -1)
+    torch.testing.assert_close(h.detach(), -(p * p.log()).sum(-1))
+    (h * torch.arange(1.0, 6.0, dtype=torch.float64)).sum().backward()
+    for r, o in enumerate(outs):
+        torch.testing.assert_close(torch.tensor(o["h"], dtype=torch.float64), h.detach())
+        torch.testing.assert_close(
+            torch.tensor(o["grad"], dtype=torch.float64), full.grad[:, r * 6 : (r + 1) * 6]
+        )

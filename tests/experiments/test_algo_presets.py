@@ -1,0 +1,91 @@
+"""``algo=NAME`` presets: each sets exactly the options it names, the user still wins, and a
+KL loss term brings the reference model into the graph."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from realhf.api.cli_parser import ConfigError, parse_config
+from realhf.api.core.data_api import MicroBatchSpec
+from realhf.experiments.async_ppo_math import AsyncPPOMathConfig
+from realhf.experiments.ppo_math import ALGO_PRESETS, PPOMathConfig, model_specs, ppo_mfcs
+
+
+def _flat(cfg) -> dict:
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                yield from walk(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", v
+
+    return dict(walk(OmegaConf.to_container(OmegaConf.structured(cfg)), ""))
+
+
+@pytest.mark.parametrize("cls", [PPOMathConfig, AsyncPPOMathConfig])
+@pytest.mark.parametrize("algo", sorted(a for a in ALGO_PRESETS if a))
+def test_each_preset_sets_exactly_what_it_names(cls, algo):
+    base = _flat(parse_config(cls, []))
+    got = _flat(parse_config(cls, [f"algo={algo}"]))
+    declared = _flat_dotlist(ALGO_PRESETS[algo])
+    changed = {k for k in got if got[k] != base[k]} - {"algo"}
+    assert changed <= set(declared), sorted(changed - set(declared))
+    for key, value in declared.items():
+        assert got[key] == value, key
+    # the tiny task's tuned settings stay
+    for key in (
+        "ppo.group_size",
+        "actor.optimizer.lr",
+        "train_batch_size",
+        "ppo.gen.max_new_tokens",
+    ):
+        assert got[key] == base[key], key
+
+
+def _flat_dotlist(overrides) -> dict:
+    conf = OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)))
+    out = {}
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+
+    walk(conf, "")
+    return out
+
+
+def test_yaml_and_command_line_win_over_a_preset_and_a_preset_over_the_task(tmp_path):
+    cfg = parse_config(PPOMathConfig, ["algo=dapo", "ppo.eps_clip_high=0.3"])
+    assert cfg.ppo.eps_clip_high == 0.3 and cfg.ppo.adv_estimator == "grpo"
+    y = tmp_path / "c.yaml"
+    y.write_text("algo: gspo\nppo:\n  eps_clip: 0.001\n")
+    cfg = parse_config(PPOMathConfig, ["--config", str(y)])
+    assert cfg.ppo.importance_level == "sequence" and cfg.ppo.eps_clip == 0.001
+    assert cfg.ppo.eps_clip_high == 4e-4
+    cfg = parse_config(PPOMathConfig, ["algo=dapo", "task=tiny_long"])
+    assert cfg.ppo.gen.max_new_tokens == 256 and cfg.ppo.eps_clip_high == 0.28
+
+
+def test_unknown_algo_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match=r"algo='ppo2': use one of \['dapo', 'drgrpo'"):
+        parse_config(PPOMathConfig, ["algo=ppo2"])
+    with pytest.raises(ValueError, match="disable_value=true"):
+        parse_config(PPOMathConfig, ["algo=rloo", "ppo.disable_value=false"])
+
+
+def test_kl_loss_coef_runs_the_reference_model():
+    mb = MicroBatchSpec()
+    for args, has_ref in (
+        ([], False),
+        (["ppo.kl_loss_coef=0.01"], True),
+        (["ppo.kl_ctl=0.1"], True),
+        (["algo=grpo", "ppo.kl_loss_coef=0.04"], True),
+    ):
+        cfg = parse_config(PPOMathConfig, args)
+        mfcs = {m.name: m for m in ppo_mfcs(cfg, mb)}
+        assert ("ref_inf" in mfcs) is has_ref, args
+        assert ("packed_ref_logprobs" in mfcs["actor_train"].input_keys) is has_ref
+        roles = [s.role for s in model_specs(cfg, "/nonexistent")]
+        assert ("ref" in roles) is has_ref
