@@ -183,9 +183,15 @@ class PPOHyperparameters:
         default=20.0, metadata=_h("task scores are clipped to [-clip, clip]")
     )
     reward_output_scaling: float = field(
-        default=1.0, metadata=_h("score = (reward - bias) * scaling")
+        default=1.0,
+        metadata=_h(
+            "score = (verdict - bias) * scaling, applied once where the verdict is made (the "
+            "math_reward interface, or the rollout agent in async runs)"
+        ),
     )
-    reward_output_bias: float = field(default=0.0, metadata=_h("score = (reward - bias) * scaling"))
+    reward_output_bias: float = field(
+        default=0.0, metadata=_h("score = (verdict - bias) * scaling (see reward_output_scaling)")
+    )
     mask_no_eos_with_zero: bool = field(
         default=False, metadata=_h("sequences cut before EOS get score 0 instead of their reward")
     )

@@ -271,9 +271,11 @@ def required_keys(hp: PPOHyperparameters, kl_coef: float) -> List[str]:
 
 
 def _answer_scores(hp, raw_reward, prompt_mask, cu, no_eos) -> torch.Tensor:
-    """[B] the score r_i of each answer as every estimator sees it: scaled, shaped by
-    length, clipped, and 0 for truncated answers with ``mask_no_eos_with_zero``."""
-    score = (raw_reward - hp.reward_output_bias) * hp.reward_output_scaling
+    """[B] the score r_i of each answer as every estimator sees it: the ``rewards`` key
+    (already ``(verdict - reward_output_bias) * reward_output_scaling``: the reward
+    interface or rollout agent applies them), shaped by length, clipped, and 0 for
+    truncated answers with ``mask_no_eos_with_zero``."""
+    score = raw_reward
     if hp.overlong_penalty_len > 0:
         per_seq = torch.tensor(
             [int(m.logical_not().sum()) for m in prompt_mask.bool().split(_lens(cu))],

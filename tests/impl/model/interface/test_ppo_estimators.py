@@ -41,7 +41,7 @@ def _batch(seed=0):
 
 
 def _hp(**kw):
-    base = dict(group_size=G, disable_value=True, kl_ctl=0.0, reward_output_scaling=2.0)
+    base = dict(group_size=G, disable_value=True, kl_ctl=0.0)
     base.update(kw)
     return PPOHyperparameters(**base)
 
@@ -57,7 +57,7 @@ def _per_answer(x, data):
 
 
 def _scores(hp):
-    s = [(r - hp.reward_output_bias) * hp.reward_output_scaling for r in REWARDS]
+    s = list(REWARDS)  # the reward interface scaled them already
     if hp.overlong_penalty_len:
         lmax, lc = hp.gen.max_new_tokens, hp.overlong_penalty_len
         s = [
@@ -92,6 +92,21 @@ def test_group_estimators_broadcast_one_advantage_per_answer(est):
         assert got == pytest.approx([want] * len(got), rel=1e-6, abs=1e-6)
     # prompt positions carry nothing
     assert batch.advantages[~batch.loss_mask].abs().max().item() == 0.0
+
+
+def test_rewards_are_scaled_once_by_the_reward_interface_not_again_here():
+    # reward_output_scaling is handed to the math_reward interface (sync) and the rollout
+    # agent (async), which write scaled rewards; the batch must take them as they are.
+    data = _batch()
+    plain = prepare_ppo_batch(_hp(adv_estimator="drgrpo"), data, 0.0, record_stats=False)
+    scaled = prepare_ppo_batch(
+        _hp(adv_estimator="drgrpo", reward_output_scaling=5.0, reward_output_bias=0.5),
+        data,
+        0.0,
+        record_stats=False,
+    )
+    assert torch.equal(plain.advantages, scaled.advantages)
+    assert plain.advantages.abs().max().item() == pytest.approx(1.0 + 1.0 / 3, rel=1e-6)
 
 
 @pytest.mark.parametrize("est", ["reinforce++", "reinforce++-baseline"])
@@ -176,7 +191,7 @@ def test_kl_loss_needs_the_reference_and_keeps_it():
     ],
 )
 def test_bad_combinations_name_the_field_and_the_fix(kw, needle):
-    base = dict(group_size=G, disable_value=True, kl_ctl=0.0, reward_output_scaling=2.0)
+    base = dict(group_size=G, disable_value=True, kl_ctl=0.0)
     base.update(kw)
     with pytest.raises(ValueError, match=needle):
         PPOHyperparameters(**base)
