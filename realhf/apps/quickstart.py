@@ -31,6 +31,8 @@ EXPERIMENT_MODULES = (
     "realhf.experiments.ppo_math",
     "realhf.experiments.async_ppo_math",
     "realhf.experiments.null",
+    "realhf.experiments.rw",
+    "realhf.experiments.dpo",
 )
 
 
