@@ -31,7 +31,7 @@ import shutil
 import socket
 import sys
 import time
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
@@ -127,9 +127,16 @@ def _stopped_on_request(e: Exception, spec: str, experiment: str, trial: str) ->
     return _get(spec, names.experiment_status(experiment, trial)) == "STOPPED"
 
 
-def run(name: str, cfg, timeout: Optional[float] = None) -> int:
-    """Run quickstart experiment `name` with config `cfg`; return a process exit code."""
+def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] = ()) -> int:
+    """Run quickstart experiment `name` with config `cfg`; return a process exit code.
+
+    ``imports`` are plugin modules (:mod:`realhf.apps.plugins`) that the controller and
+    every worker import before anything else."""
     qs = get_quickstart_exp(name)
+    refused = _defined_in_script(qs)
+    if refused:
+        print(f"{name}: {refused}", file=sys.stderr)
+        return 2
     try:
         experiment, trial, fileroot, spec = resolve_names(name, cfg)
     except ValueError as e:
@@ -185,7 +192,7 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
                     # The controller process gets the config, not the compiled
                     # workers: importing the builder's module registers the
                     # experiment there, and it rebuilds the run from `cfg`.
-                    imports=[qs.build.__module__],
+                    imports=list(dict.fromkeys([qs.build.__module__, *imports])),
                     timeout=timeout,
                     fileroot=fileroot,
                     **extra,
@@ -211,6 +218,23 @@ def run(name: str, cfg, timeout: Optional[float] = None) -> int:
     else:
         print(f"{name}: " + ("stopped on request after" if code else "finished in") + f" {took}")
     return code
+
+
+def _defined_in_script(qs) -> Optional[str]:
+    """Why experiment ``qs`` cannot be launched from here (None: it can): a config class
+    or build function defined in the script being run (``__main__``) cannot be unpickled or
+    imported by the launched processes, whose ``__main__`` is realhf.apps.remote."""
+    for what, obj in (("build function", qs.build), ("config class", qs.config_cls)):
+        if getattr(obj, "__module__", None) == "__main__":
+            return (
+                f"the {what} {obj.__qualname__} of experiment {qs.name!r} is defined in the "
+                "script being run (__main__); the launched processes cannot import it (they "
+                f"would fail with \"Can't get attribute '{obj.__qualname__}' on <module "
+                "'realhf.apps.remote'>\"). Move it into a module, e.g. my_exp.py, and run "
+                f"`python -m realhf.apps.quickstart {qs.name} --import my_exp` from the "
+                "directory that holds it (or with it on PYTHONPATH)"
+            )
+    return None
 
 
 def _summary(name: str, run_dir: str, t0: float, cfg, status: str, console: RunConsole) -> str:

@@ -5,10 +5,16 @@
     python -m realhf.apps.quickstart ppo-math --help           # every option with its default
     python -m realhf.apps.quickstart ppo-math --dry-run        # what would run; runs nothing
     python -m realhf.apps.quickstart ppo-math --dry-run --format mermaid
+    python -m realhf.apps.quickstart ppo-math --import my_algo actor.train_interface=my_algo
 
 Options come from the experiment's config dataclass: a YAML file (``--config``) and
 ``key=value`` overrides (nested keys with dots). Unknown or invalid keys are errors that
 name the key. The resolved config is saved as ``config.yaml`` in the run directory.
+
+``--import MODULE`` (repeatable; also ``$REALHF_PLUGINS`` and the ``realhf.plugins``
+entry-point group, see :mod:`realhf.apps.plugins`) imports a module of your own first,
+here and in every launched process: an algorithm interface, dataset, agent or experiment
+that it registers can then be named in the options (README, "Writing an algorithm").
 
 ``--dry-run [--format text|mermaid]`` prints the compiled dataflow graph of model function
 calls (MFCs), each MFC's model, interface, type and layout, the worker processes with their
@@ -22,7 +28,8 @@ import sys
 from typing import List, Optional, Tuple
 
 from realhf.api.cli_parser import ConfigError, format_help, parse_config
-from realhf.apps import dry_run
+from realhf.api.core.registry import INTERFACES
+from realhf.apps import dry_run, plugins
 from realhf.experiments.registry import get_quickstart_exp, quickstart_experiments
 
 #: modules that register quickstart experiments
@@ -61,6 +68,32 @@ dry run (nothing is launched or written):
       the graph as text, or the whole report as a Mermaid flowchart"""
 
 
+IMPORT_HELP = f"""
+plugins (modules of your own, imported here and in every launched process):
+  --import MODULE (repeatable)
+      import MODULE first: the interfaces, datasets, agents or experiments it registers
+      can be named in the options, e.g. actor.train_interface=NAME; also
+      ${plugins.ENV_VAR}=MODULE[,MODULE] and the '{plugins.ENTRY_POINT_GROUP}' entry-point group.
+      MODULE must be importable from the launch directory or PYTHONPATH"""
+
+
+def _take_imports(args: List[str]) -> Tuple[List[str], List[str]]:
+    """``args`` without ``--import MODULE`` / ``--import=MODULE``, and the modules."""
+    rest, modules = [], []
+    it = iter(args)
+    for a in it:
+        if a == "--import":
+            m = next(it, None)
+            if m is None or m.startswith("-") or "=" in m:
+                raise ConfigError("--import needs a module name, e.g. --import my_algo")
+            modules.append(m)
+        elif a.startswith("--import="):
+            modules.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    return rest, modules
+
+
 def _take_dry_run(args: List[str]) -> Tuple[List[str], Optional[str]]:
     """``args`` without ``--dry-run`` and ``--format F``, and the format (None: no dry run)."""
     rest, dry, fmt = [], False, None
@@ -86,6 +119,12 @@ def _take_dry_run(args: List[str]) -> Tuple[List[str], Optional[str]]:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _load_experiments()
+    try:
+        argv, imports = _take_imports(argv)
+        imports = plugins.load(imports)  # before parsing: options may name what they register
+    except (ConfigError, plugins.PluginError) as e:
+        print(f"quickstart: {e}", file=sys.stderr)
+        return 2
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2  # no arguments at all is a usage error
@@ -98,6 +137,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if "-h" in rest or "--help" in rest:
         print(format_help(qs.config_cls, prog=f"python -m realhf.apps.quickstart {name}"))
         print(DRY_RUN_HELP)
+        print(IMPORT_HELP)
+        print(f"      registered interfaces: {', '.join(INTERFACES.names())}")
         return 0
     try:
         rest, fmt = _take_dry_run(rest)
@@ -115,7 +156,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
     from realhf.apps import main as app_main
 
-    return app_main.run(name, cfg)
+    return app_main.run(name, cfg, imports=imports)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
-import importlib
 import os
 import pickle
 import signal
@@ -36,6 +35,7 @@ import sys
 from typing import List, Optional
 
 from realhf.api.core import system_api
+from realhf.apps import plugins
 from realhf.base import constants, logging, name_resolve, shutdown
 from realhf.base.atomic_file import write_json_atomic
 from realhf.system.transport.errors import ExperimentFailed, StopRequested
@@ -149,8 +149,8 @@ def _setup(args) -> None:
         raise SystemExit(f"realhf.apps.remote: {e}") from e
     for module in args.imports:
         try:
-            importlib.import_module(module)
-        except ImportError as e:
+            plugins.import_plugin(module)
+        except plugins.PluginError as e:
             raise SystemExit(f"realhf.apps.remote: --import {module}: {e}") from e
 
 

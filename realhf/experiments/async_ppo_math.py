@@ -104,7 +104,12 @@ class GenServerOptions:
 
 @dataclasses.dataclass
 class AsyncPPOMathConfig(PPOMathConfig):
-    """Asynchronous PPO / GRPO on math prompts (generation servers + trainer at the same time)."""
+    """Asynchronous PPO / GRPO on math prompts (generation servers + trainer at the same time).
+
+    As in ppo-math, ppo.* configures the built-in ppo_actor and actor.train_interface /
+    actor.inf_interface may name an algorithm of your own (--import MODULE); generation
+    runs in the generation servers, so actor.gen_interface must stay ppo_actor.
+    """
 
     allocation_mode: str = field(
         default="gen.d1p1m1+d1p1m1",
@@ -175,6 +180,13 @@ class AsyncPPOMathConfig(PPOMathConfig):
                 raise ValueError(f"group_size must be an integer >= 1, got {self.group_size!r}")
             self.ppo = dataclasses.replace(self.ppo, group_size=self.group_size)
         super().__post_init__()
+        if self.actor.custom("gen") or self.actor.gen_interface_args:
+            raise ValueError(
+                f"actor.gen_interface={self.actor.gen_interface!r}: async-ppo-math generates in "
+                "its generation servers (sampling set by ppo.gen.*, rollouts by the "
+                "math-single-step agent), never through the actor's generate interface; leave "
+                "actor.gen_interface at 'ppo_actor' (ppo-math runs a custom one)"
+            )
         for name, lo in (
             ("max_head_offpolicyness", 0),
             ("new_tokens_per_chunk", 1),

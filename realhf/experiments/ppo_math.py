@@ -38,6 +38,7 @@ from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
 from realhf.experiments import building_blocks as blocks
+from realhf.experiments.actor_interfaces import ActorConfig
 from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION
 from realhf.impl.dataset.jsonl import DatasetError
@@ -144,10 +145,17 @@ def _tiny_ppo() -> PPOHyperparameters:
 
 @dataclasses.dataclass
 class PPOMathConfig(BaseExperimentConfig):
-    """PPO / GRPO on math prompts, rewarded by the math verifier (sync generate → train)."""
+    """PPO / GRPO on math prompts, rewarded by the math verifier (sync generate → train).
 
-    actor: ModelConfig = field(
-        default_factory=lambda: ModelConfig(optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0))
+    The ppo.* options configure the built-in ppo_actor interface (its loss, advantages and
+    generation) and which MFCs run (ref for a KL, critic unless disable_value, actor_inf);
+    an algorithm of your own (actor.train_interface=NAME, registered by a module given to
+    --import) ignores the ppo_actor loss options and takes actor.train_interface_args.*.
+    Sampling (ppo.gen.*), group_size and the reward scaling still shape its input.
+    """
+
+    actor: ActorConfig = field(
+        default_factory=lambda: ActorConfig(optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0))
     )
     critic: ModelConfig = field(
         default_factory=lambda: ModelConfig(optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0))
@@ -217,7 +225,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
     """The MFCs of PPO for `cfg` (without actor_gen for async PPO)."""
     hp = dataclasses.replace(cfg.ppo, seed=cfg.seed)  # one seed for the whole run
     n = cfg.train_batch_size
-    actor = InterfaceAbstraction("ppo_actor", {"hparams": hp})
+    actor = cfg.actor.interfaces(hp)  # ppo_actor unless actor.*_interface say otherwise
     train_keys = [
         "packed_input_ids",
         "prompt_mask",
@@ -232,7 +240,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 name="actor_gen",
                 model_name="actor",
                 interface_type="generate",
-                interface_impl=actor,
+                interface_impl=actor.gen,
                 n_seqs=n,
                 input_keys=("packed_prompts",),
                 output_keys=GEN_KEYS,
@@ -264,7 +272,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 name="ref_inf",
                 model_name="ref",
                 interface_type="inference",
-                interface_impl=actor,
+                interface_impl=actor.inf,
                 n_seqs=n,
                 input_keys=("packed_input_ids", "prompt_mask"),  # prompt_mask: shared prompts
                 output_keys=("packed_ref_logprobs",),
@@ -279,7 +287,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 name="actor_inf",
                 model_name="actor",
                 interface_type="inference",
-                interface_impl=actor,
+                interface_impl=actor.inf,
                 n_seqs=n,
                 input_keys=("packed_input_ids", "prompt_mask"),  # prompt_mask: shared prompts
                 output_keys=("proximal_logprobs",),
@@ -320,7 +328,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
             name="actor_train",
             model_name="actor",
             interface_type="train_step",
-            interface_impl=actor,
+            interface_impl=actor.train,
             n_seqs=n,
             input_keys=tuple(train_keys),
             mb_spec=mb_spec,

@@ -37,7 +37,7 @@ def test_value_reaches_the_config_through_the_entry_script(
 ):
     seen = {}
 
-    def fake_run(name, cfg):
+    def fake_run(name, cfg, **kwargs):
         seen["cfg"] = cfg
         return 0
 

@@ -153,12 +153,10 @@ class Registry(Generic[T]):
             f"(an implementation registers itself when its module is imported)"
         )
 
-    def make(self, cfg: Union[_Abstraction, str], *args, **kwargs) -> T:
-        """Build ``cfg``: ``factory(*args, **kwargs, **cfg.args)``.
-
-        ``args``/``kwargs`` are what the calling system supplies (e.g. a tokenizer); ``cfg.args``
-        are the user's options.  A key given by both is an error.
-        """
+    def check(self, cfg: Union[_Abstraction, str], *args, **kwargs) -> Callable[..., T]:
+        """The factory :meth:`make` would call for ``cfg``, after the checks it would run
+        (a registered name, arguments the factory accepts); nothing is built.  Lets a
+        launcher reject a config before any process starts."""
         if isinstance(cfg, str):
             cfg = self.abstraction(cfg)
         if not isinstance(cfg, _Abstraction):
@@ -172,9 +170,19 @@ class Registry(Generic[T]):
                 f"{self.kind} {cfg.type_!r}: arguments {both} are set by the system; "
                 "remove them from args"
             )
-        merged = {**kwargs, **cfg.args}
-        _check_accepts(self.kind, cfg.type_, factory, args, merged)
-        return factory(*args, **merged)
+        _check_accepts(self.kind, cfg.type_, factory, args, {**kwargs, **cfg.args})
+        return factory
+
+    def make(self, cfg: Union[_Abstraction, str], *args, **kwargs) -> T:
+        """Build ``cfg``: ``factory(*args, **kwargs, **cfg.args)``.
+
+        ``args``/``kwargs`` are what the calling system supplies (e.g. a tokenizer); ``cfg.args``
+        are the user's options.  A key given by both is an error.
+        """
+        if isinstance(cfg, str):
+            cfg = self.abstraction(cfg)
+        factory = self.check(cfg, *args, **kwargs)
+        return factory(*args, **kwargs, **cfg.args)
 
 
 def _qualname(obj: Any) -> str:

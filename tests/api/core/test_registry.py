@@ -94,3 +94,14 @@ def test_global_registries_round_trip(register, make, abstraction):
     assert make(abstraction("tests.api.core.other", {"scale": 3})).scale == 3
     with pytest.raises(RegistryError, match="did you mean 'tests.api.core.other'"):
         make("tests.api.core.othr")
+
+
+def test_check_runs_the_checks_of_make_without_building(reg):
+    built = []
+    reg.register("counted", lambda scale=1.0: built.append(scale))
+    assert reg.check(DatasetAbstraction("counted", {"scale": 2.0})) is not None
+    assert built == []
+    with pytest.raises(RegistryError, match="did you mean 'math_prompt'"):
+        reg.check("math_promt")
+    with pytest.raises(RegistryError, match="rejects the arguments"):
+        reg.check(DatasetAbstraction("code_prompt", {"nope": 1}))

@@ -15,6 +15,8 @@ method gets a :class:`~realhf.api.core.model_api.Model` whose ``module`` is a ba
 (:mod:`realhf.impl.model.backend`: ``TrainEngine`` for trained roles, ``InferenceEngine``
 otherwise) wrapping a ReaLModel; ``train_step`` advances ``model.version`` itself and returns
 the process stats tracker's export reduced over the engine's data-parallel group.
+:mod:`~realhf.impl.model.interface.toolkit` holds the public helpers for writing an
+interface of your own (README, "Writing your own algorithm").
 """
 
 from realhf.impl.model.interface.critic_interface import PPOCriticInterface

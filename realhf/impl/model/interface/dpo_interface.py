@@ -32,8 +32,8 @@ from realhf.impl.algorithms.preference import (
     split_pairs,
 )
 from realhf.impl.model.interface.helpers import engine_of, export_stats, require_keys
-from realhf.impl.model.interface.ppo_interface import logprobs_sample
 from realhf.impl.model.interface.rw_interface import check_pairs
+from realhf.impl.model.interface.toolkit import sample_logprobs
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
 __all__ = ["DPOInterface"]
@@ -65,7 +65,7 @@ class DPOInterface(ModelInterface):
     ) -> SequenceSample:
         """Next-token log-probs (key ``logprobs``) of every sequence of ``data``."""
         require_keys(data, ["packed_input_ids"], "dpo inference")
-        return logprobs_sample(model, data, mb_spec, temperature=1.0)
+        return sample_logprobs(model, data, mb_spec, temperature=1.0)
 
     def train_step(
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec

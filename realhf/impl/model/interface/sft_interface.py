@@ -30,18 +30,17 @@ from realhf.impl.model.interface.helpers import (
     export_stats,
     require_keys,
 )
-from realhf.impl.model.utils.functional import sft_loss, shift_one_indices
+from realhf.impl.model.interface.toolkit import answer_token_count
+from realhf.impl.model.utils.functional import sft_loss
 
 __all__ = ["SFTInterface"]
 
 _KEYS = ("packed_input_ids", "prompt_mask")
 
 
-def _answer_tokens(mb: SequenceSample) -> int:
-    # The tokens the loss averages over (the engine's micro-batch weight): positions whose
-    # next token is an answer token, as in sft_loss.
-    shift = shift_one_indices(mb.cu_seqlens("packed_input_ids"))
-    return int(mb.data["prompt_mask"].bool()[shift + 1].logical_not().sum())
+# The tokens the loss averages over (the engine's micro-batch weight): positions whose
+# next token is an answer token, as in sft_loss.
+_answer_tokens = answer_token_count
 
 
 def _loss_fn(tp):
