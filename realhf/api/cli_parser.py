@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import pathlib
 import typing
 from typing import Any, Iterator
@@ -68,7 +69,7 @@ def format_help(cls, prog: str = "") -> str:
     lines = []
     if prog:
         lines.append(f"usage: {prog} [--config FILE.yaml] [key=value ...]\n")
-    doc = (cls.__doc__ or "").strip()
+    doc = inspect.cleandoc(cls.__doc__ or "")
     if doc and not doc.startswith(cls.__name__ + "("):
         lines.append(doc + "\n")
     lines.append("options (key=value; nested keys with dots):")

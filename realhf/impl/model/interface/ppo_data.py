@@ -42,14 +42,15 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.base import stats_tracker
 from realhf.impl.algorithms import advantages as A
 from realhf.impl.algorithms import ppo as F
-from realhf.impl.model.interface.helpers import (
-    all_reduce_sum,
-    require_keys,
-    seqs_per_item,
-    sequence_ids,
-)
+from realhf.impl.model.interface.helpers import seqs_per_item, sequence_ids
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.utils.functional import masked_moments, shift_one_indices, short1cu_seqlens
+from realhf.impl.model.interface.toolkit import (
+    all_reduce_sum,
+    answer_mask,
+    require_keys,
+    short1cu_seqlens,
+)
+from realhf.impl.model.utils.functional import masked_moments
 
 __all__ = ["PPOBatch", "prepare_ppo_batch", "anchor_logprobs_key", "required_keys"]
 
@@ -151,7 +152,6 @@ def prepare_ppo_batch(
             f"PPO needs sequences of at least 2 tokens (prompt + answer), got lengths {seqlens}"
         )
     short1 = short1cu_seqlens(cu)
-    shift = shift_one_indices(cu)
     n_seq = len(seqlens)
     shifted_lens = torch.tensor([l - 1 for l in seqlens], device=device)
 
@@ -166,7 +166,7 @@ def prepare_ppo_batch(
     unscored = torch.isnan(raw_reward)
     raw_reward = torch.where(unscored, torch.zeros_like(raw_reward), raw_reward)
     # Shifted entry t predicts token t+1: it trains when that token is part of the answer.
-    loss_mask = tensors["prompt_mask"].bool()[shift + 1].logical_not()
+    loss_mask = answer_mask(tensors["prompt_mask"], cu)
     keep_seq = ~unscored
     if hp.mask_too_long:
         keep_seq &= ~no_eos

@@ -25,30 +25,18 @@ from typing import Any, Dict, Optional, Tuple, Union
 import numpy as np
 import torch
 
+import realhf.impl.model.interface.toolkit as tk
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
 from realhf.impl.algorithms import ppo as F
 from realhf.impl.algorithms.policy_loss import loss_agg_count
-from realhf.impl.model.interface.helpers import (
-    all_reduce_min,
-    all_reduce_sum,
-    engine_of,
-    export_stats,
-    network_of,
-    require_keys,
-    stable_seed,
-)
+from realhf.impl.model.interface.helpers import all_reduce_min, network_of, stable_seed
 from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
-from realhf.impl.model.utils.functional import (
-    gather_packed_shifted_log_probs,
-    shift_one_indices,
-    short1cu_seqlens,
-)
 
 logger = logging.getLogger("ppo_actor")
 
@@ -88,7 +76,7 @@ def run_minibatches(
     them round-robin into the minibatches. Engine statistics go to the stats tracker
     under ``scope``. Every data-parallel rank must call it.
     """
-    engine = engine_of(model, train=True)
+    engine = tk.engine_of(model, train=True)
     n = len(sample)
     fewest = all_reduce_min(n, engine.dp_group)
     if fewest < hp.ppo_n_minibatches:
@@ -158,7 +146,7 @@ def policy_loss(
         ref_logprobs=ref_logprobs,
         entropy=entropy,
     )
-    totals = all_reduce_sum(terms.ratio_totals(), group)
+    totals = tk.all_reduce_sum(terms.ratio_totals(), group)
     return F.actor_loss_from_terms(terms, totals, hp.early_stop_imp_ratio)
 
 
@@ -174,7 +162,7 @@ def loss_weight_fn(hp: PPOHyperparameters):
         return _loss_weight
 
     def n_answers(mb: SequenceSample) -> float:
-        s1 = short1cu_seqlens(mb.cu_seqlens("packed_input_ids"))
+        s1 = tk.short1cu_seqlens(mb.cu_seqlens("packed_input_ids"))
         return float(loss_agg_count(mb.data["ppo_loss_mask"], s1, hp.loss_agg_mode))
 
     return n_answers
@@ -190,7 +178,7 @@ def shifted_entropy(
     at every position that predicts a token of its sequence (the shifted layout of
     :func:`~realhf.impl.model.utils.functional.gather_packed_shifted_log_probs`, ``tp``
     likewise: vocabulary-sharded logits are reduced over the tensor-parallel group)."""
-    lg = logits[shift_one_indices(cu_seqlens)].float()
+    lg = logits[tk.shift_one_indices(cu_seqlens)].float()
     if temperature != 1.0:
         lg = lg / temperature
     return (tp or LOCAL).token_entropy(lg)
@@ -239,8 +227,8 @@ class PPOActorInterface(ModelInterface):
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
     ) -> SequenceSample:
         """Log-probs of every next token (key ``logprobs``, L - 1 per sequence, float32)."""
-        require_keys(data, ["packed_input_ids"], "ppo_actor inference")
-        return logprobs_sample(model, data, mb_spec, self.hp.logprob_temperature)
+        tk.require_keys(data, ["packed_input_ids"], "ppo_actor inference")
+        return tk.sample_logprobs(model, data, mb_spec, self.hp.logprob_temperature, INFERENCE_KEY)
 
     # ------------------------------------------------------------------ train
     def train_step(
@@ -248,7 +236,7 @@ class PPOActorInterface(ModelInterface):
     ) -> Dict[str, float]:
         """PPO update on ``data`` (see the module docstring); returns reduced statistics."""
         hp = self.hp
-        engine = engine_of(model, train=True)
+        engine = tk.engine_of(model, train=True)
         group = engine.dp_group
         batch = prepare_ppo_batch(hp, data, self.kl_ctl.value, group, device=engine.device)
         self.kl_ctl.update(batch.mean_kl, batch.n_seqs_global)
@@ -258,7 +246,7 @@ class PPOActorInterface(ModelInterface):
             dev = logits.device
             d = {k: v.to(dev) for k, v in mb.data.items()}
             cu = mb.cu_seqlens("packed_input_ids").to(dev)
-            logp = gather_packed_shifted_log_probs(
+            logp = tk.gather_packed_shifted_log_probs(
                 logits, cu, d["packed_input_ids"], temperature, tp=engine.tp
             )
             entropy = None
@@ -275,7 +263,7 @@ class PPOActorInterface(ModelInterface):
                 d["ppo_loss_mask"],
                 prox,
                 group,
-                short1cu_seqlens=short1cu_seqlens(cu),
+                short1cu_seqlens=tk.short1cu_seqlens(cu),
                 ref_logprobs=d.get("ref_logp"),
                 entropy=entropy,
             )
@@ -285,7 +273,7 @@ class PPOActorInterface(ModelInterface):
         weight_fn = loss_weight_fn(hp)
         run_minibatches(hp, model, batch.to_sample(), mb_spec, loss_fn, weight_fn, "ppo_actor")
         model.inc_version()
-        return export_stats(group)
+        return tk.export_stats(group)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> Dict[str, Any]:
@@ -295,33 +283,6 @@ class PPOActorInterface(ModelInterface):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         self.kl_ctl.value = float(state["kl_coef"])
-
-
-def logprobs_sample(
-    model: Model,
-    data: SequenceSample,
-    mb_spec: MicroBatchSpec,
-    temperature: float,
-    key: str = INFERENCE_KEY,
-) -> SequenceSample:
-    """A sample with ``key`` = next-token log-probs (L - 1 per sequence) of ``data``."""
-    engine = engine_of(model)
-
-    def hook(logits: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
-        ids = mb.data["packed_input_ids"].to(logits.device)
-        cu = mb.cu_seqlens("packed_input_ids").to(logits.device)
-        return gather_packed_shifted_log_probs(logits, cu, ids, temperature, tp=engine.tp)
-
-    lens = [[l - 1 for l in item] for item in data.seqlens["packed_input_ids"]]
-    logp = engine.forward(data.select(["packed_input_ids"]), mb_spec, hook, lens).float().cpu()
-    return SequenceSample(
-        keys={key},
-        trailing_shapes={key: ()},
-        dtypes={key: torch.float32},
-        ids=list(data.ids),
-        seqlens={key: lens},
-        data={key: logp},
-    )
 
 
 register_interface("ppo_actor", PPOActorInterface)
