@@ -49,8 +49,6 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import (
-    MasterWorkerConfig,
-    ModelWorkerConfig,
     TrajectoryStreamSpec,
 )
 from realhf.experiments import building_blocks as blocks
@@ -297,13 +295,18 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         push_timeout_s=cfg.worker_timeout,
     )
     models = model_specs(cfg, actor_path, publish_weights=True)
-    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
-    worker = ModelWorkerConfig(
-        seed=cfg.seed,
-        models=models,
-        layout=layout,
-        placements=places,
+    worker, master = blocks.trainer_workers(
+        cfg,
+        alloc,
         mfcs=mfcs,
+        models=models,
+        ft_spec=ft_spec,
+        batch_size=B,
+        tokenizer_path=actor_path,
+        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
+        log_stats_keys=("rollout/reward", "rollout/staleness_max", "greedy_acc"),
+        eval=cfg.eval,
+        torch_num_threads=cfg.torch_threads or _threads(n_train),
         dataset=None,
         stream=TrajectoryStreamSpec(
             epoch_size=epoch_size,
@@ -315,28 +318,6 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             wait_timeout_s=0.9 * cfg.worker_timeout,
         ),
         **math_eval(cfg, eval_, data_args),
-        tokenizer_path=actor_path,
-        dataset_batch_size=B,
-        timeout=cfg.worker_timeout,
-        ft_spec=ft_spec,
-        torch_num_threads=cfg.torch_threads or _threads(n_train),
-        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
-    )
-    master = MasterWorkerConfig(
-        seed=cfg.seed,
-        mfcs=mfcs,
-        exp_ctrl=cfg.exp_ctrl,
-        n_model_workers=n_train,
-        layout=layout,
-        placements=places,
-        train_batch_size=B,
-        ft_spec=ft_spec,
-        timeout=cfg.worker_timeout,
-        recover_mode=cfg.recover_mode,
-        max_recover_checkpoints=cfg.max_recover_checkpoints,
-        **blocks.tracking(cfg),
-        log_stats_keys=("rollout/reward", "rollout/staleness_max", "greedy_acc"),
-        eval=cfg.eval,
     )
     return ExperimentConfig(
         workers={

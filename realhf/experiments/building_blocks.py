@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from realhf.api.cli_args import BaseExperimentConfig, ModelConfig
 from realhf.api.core.allocation import (
@@ -20,8 +20,13 @@ from realhf.api.core.allocation import (
     parse_allocation_mode,
     uses_weights,
 )
-from realhf.api.core.system_api import Scheduling
-from realhf.api.core.worker_api import ModelSpec, Placements
+from realhf.api.core.system_api import ExperimentConfig, Scheduling
+from realhf.api.core.worker_api import (
+    MasterWorkerConfig,
+    ModelSpec,
+    ModelWorkerConfig,
+    Placements,
+)
 
 ASSETS_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 #: asset directory of each embedded task (cli_args.EMBEDDED_TASKS): a complete HF model
@@ -260,4 +265,72 @@ def model_spec(
         gradient_checkpointing=cfg.gradient_checkpointing,
         publish_weights=publish_weights,
         offload=cfg.offload,
+    )
+
+
+def trainer_workers(
+    cfg: BaseExperimentConfig,
+    alloc: AllocationMode,
+    *,
+    mfcs: list,
+    models: list,
+    ft_spec,
+    batch_size: int,
+    tokenizer_path: str,
+    imports: Sequence[str],
+    log_stats_keys: Sequence[str],
+    eval: bool = False,
+    torch_num_threads: Optional[int] = None,
+    **worker_fields,
+) -> Tuple[ModelWorkerConfig, MasterWorkerConfig]:
+    """The model worker config (one for every rank of the trainer layout: a worker learns
+    its rank from its WorkerInformation) and the master's, for a run of ``mfcs`` over
+    ``models`` with ``batch_size`` items per step.  ``worker_fields`` are the remaining
+    :class:`ModelWorkerConfig` fields (dataset, evaluation, stream, ...)."""
+    layout = alloc.train
+    places = placements(alloc, mfcs, models, cfg.keep_replicas)
+    if torch_num_threads is None:
+        torch_num_threads = torch_threads(cfg, layout.world_size)
+    worker = ModelWorkerConfig(
+        seed=cfg.seed,
+        models=models,
+        layout=layout,
+        placements=places,
+        mfcs=mfcs,
+        tokenizer_path=tokenizer_path,
+        dataset_batch_size=batch_size,
+        timeout=cfg.worker_timeout,
+        ft_spec=ft_spec,
+        torch_num_threads=torch_num_threads,
+        imports=tuple(imports),
+        **worker_fields,
+    )
+    master = MasterWorkerConfig(
+        seed=cfg.seed,
+        mfcs=mfcs,
+        exp_ctrl=cfg.exp_ctrl,
+        n_model_workers=layout.world_size,
+        layout=layout,
+        placements=places,
+        train_batch_size=batch_size,
+        ft_spec=ft_spec,
+        timeout=cfg.worker_timeout,
+        recover_mode=cfg.recover_mode,
+        max_recover_checkpoints=cfg.max_recover_checkpoints,
+        **tracking(cfg),
+        log_stats_keys=tuple(log_stats_keys),
+        eval=eval,
+    )
+    return worker, master
+
+
+def trainer_experiment(cfg: BaseExperimentConfig, alloc: AllocationMode, **kw) -> ExperimentConfig:
+    """One master and the d·p·m model workers of the trainer layout (see
+    :func:`trainer_workers` for the arguments).  Model workers serve until told to stop,
+    so the master alone decides when the run is done."""
+    worker, master = trainer_workers(cfg, alloc, **kw)
+    return ExperimentConfig(
+        workers={"model_worker": [worker] * alloc.train.world_size, "master_worker": [master]},
+        completion_types=("master_worker",),
+        scheduling=scheduling(alloc),
     )

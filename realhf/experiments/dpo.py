@@ -32,7 +32,6 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.api.core.worker_api import MasterWorkerConfig, ModelWorkerConfig
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.ppo_math import math_eval
 from realhf.experiments.registry import register_quickstart_exp
@@ -150,8 +149,6 @@ def dpo_mfcs(cfg: DPOConfig, mb_spec: MicroBatchSpec) -> list:
 def build_dpo(cfg: DPOConfig) -> ExperimentConfig:
     """Compile a DPOConfig into one master and d·p·m model workers (the trainer layout)."""
     alloc = blocks.allocation(cfg, decoupled=False)
-    layout = alloc.train
-    n_workers = layout.world_size
     actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     ref_path = blocks.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path
     tok = blocks.load_tokenizer(actor_path)
@@ -172,44 +169,21 @@ def build_dpo(cfg: DPOConfig) -> ExperimentConfig:
         blocks.model_spec("actor", cfg.actor, actor_path, trainable=True),
         blocks.model_spec("ref", cfg.ref, ref_path, trainable=False),
     ]
-    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
-    worker = ModelWorkerConfig(
-        seed=cfg.seed,
-        models=models,
-        layout=layout,
-        placements=places,
+    return blocks.trainer_experiment(
+        cfg,
+        alloc,
         mfcs=mfcs,
+        models=models,
+        ft_spec=ft_spec,
+        batch_size=cfg.train_batch_size,
+        tokenizer_path=actor_path,
+        imports=PAIRED_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
+        log_stats_keys=("dpo/loss", "dpo/reward_acc", "greedy_acc"),
+        eval=cfg.eval,
         dataset=DatasetAbstraction(
             "paired", dict(dataset_path=train, max_length=cfg.dataset.max_length)
         ),
         **math_eval(cfg, eval_path, data_args),
-        tokenizer_path=actor_path,
-        dataset_batch_size=cfg.train_batch_size,
-        timeout=cfg.worker_timeout,
-        ft_spec=ft_spec,
-        torch_num_threads=blocks.torch_threads(cfg, n_workers),
-        imports=PAIRED_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
-    )
-    master = MasterWorkerConfig(
-        seed=cfg.seed,
-        mfcs=mfcs,
-        exp_ctrl=cfg.exp_ctrl,
-        n_model_workers=n_workers,
-        layout=layout,
-        placements=places,
-        train_batch_size=cfg.train_batch_size,
-        ft_spec=ft_spec,
-        timeout=cfg.worker_timeout,
-        recover_mode=cfg.recover_mode,
-        max_recover_checkpoints=cfg.max_recover_checkpoints,
-        **blocks.tracking(cfg),
-        log_stats_keys=("dpo/loss", "dpo/reward_acc", "greedy_acc"),
-        eval=cfg.eval,
-    )
-    return ExperimentConfig(
-        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
-        completion_types=("master_worker",),
-        scheduling=blocks.scheduling(alloc),
     )
 
 

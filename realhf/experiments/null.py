@@ -17,7 +17,6 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.api.core.worker_api import MasterWorkerConfig, ModelWorkerConfig
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.registry import register_quickstart_exp
 from realhf.experiments.sft import SFTDatasetConfig
@@ -37,8 +36,6 @@ class NullConfig(BaseExperimentConfig):
 
 def build_null(cfg: NullConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=False)
-    layout = alloc.train
-    n_workers = layout.world_size
     path = blocks.model_path(cfg.model, "model", cfg.task)
     data = blocks.data_path(cfg.dataset.path, blocks.task_data(cfg.task, "sft"), "dataset.path")
     with open(data) as f:
@@ -66,42 +63,19 @@ def build_null(cfg: NullConfig) -> ExperimentConfig:
         ),
     ]
     models = [blocks.model_spec("default", cfg.model, path, trainable=True)]
-    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
-    worker = ModelWorkerConfig(
-        seed=cfg.seed,
-        models=models,
-        layout=layout,
-        placements=places,
+    return blocks.trainer_experiment(
+        cfg,
+        alloc,
         mfcs=mfcs,
+        models=models,
+        ft_spec=ft_spec,
+        batch_size=n,
+        tokenizer_path=path,
+        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.null_interface",),
+        log_stats_keys=("null/",),
         dataset=DatasetAbstraction(
             "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
         ),
-        tokenizer_path=path,
-        dataset_batch_size=n,
-        timeout=cfg.worker_timeout,
-        ft_spec=ft_spec,
-        torch_num_threads=blocks.torch_threads(cfg, n_workers),
-        imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.null_interface",),
-    )
-    master = MasterWorkerConfig(
-        seed=cfg.seed,
-        mfcs=mfcs,
-        exp_ctrl=cfg.exp_ctrl,
-        n_model_workers=n_workers,
-        layout=layout,
-        placements=places,
-        train_batch_size=n,
-        ft_spec=ft_spec,
-        timeout=cfg.worker_timeout,
-        recover_mode=cfg.recover_mode,
-        max_recover_checkpoints=cfg.max_recover_checkpoints,
-        **blocks.tracking(cfg),
-        log_stats_keys=("null/",),
-    )
-    return ExperimentConfig(
-        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
-        completion_types=("master_worker",),
-        scheduling=blocks.scheduling(alloc),
     )
 
 

@@ -36,7 +36,7 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, GenerationHyperparameters
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
+from realhf.api.core.worker_api import EvalSpec
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.actor_interfaces import ActorConfig
 from realhf.experiments.registry import register_quickstart_exp
@@ -402,8 +402,6 @@ def math_eval(cfg: PPOMathConfig, eval_path: str, data_args: dict) -> dict:
 def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     """Compile a PPOMathConfig into one master and d·p·m model workers (the trainer layout)."""
     alloc = blocks.allocation(cfg, decoupled=False)
-    layout = alloc.train
-    n_workers = layout.world_size
     actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
@@ -412,42 +410,19 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     mfcs = ppo_mfcs(cfg, mb_spec)
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
     models = model_specs(cfg, actor_path)
-    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
-    worker = ModelWorkerConfig(
-        seed=cfg.seed,
+    return blocks.trainer_experiment(
+        cfg,
+        alloc,
+        mfcs=mfcs,
         models=models,
-        layout=layout,
-        placements=places,
-        mfcs=mfcs,
-        dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
-        **math_eval(cfg, eval_, data_args),
+        ft_spec=ft_spec,
+        batch_size=cfg.train_batch_size,
         tokenizer_path=actor_path,
-        dataset_batch_size=cfg.train_batch_size,
-        timeout=cfg.worker_timeout,
-        ft_spec=ft_spec,
-        torch_num_threads=blocks.torch_threads(cfg, n_workers),
         imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
-    )
-    master = MasterWorkerConfig(
-        seed=cfg.seed,
-        mfcs=mfcs,
-        exp_ctrl=cfg.exp_ctrl,
-        n_model_workers=n_workers,
-        layout=layout,
-        placements=places,
-        train_batch_size=cfg.train_batch_size,
-        ft_spec=ft_spec,
-        timeout=cfg.worker_timeout,
-        recover_mode=cfg.recover_mode,
-        max_recover_checkpoints=cfg.max_recover_checkpoints,
-        **blocks.tracking(cfg),
         log_stats_keys=("math_reward/reward", "math_reward/accuracy", "greedy_acc"),
         eval=cfg.eval,
-    )
-    return ExperimentConfig(
-        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
-        completion_types=("master_worker",),
-        scheduling=blocks.scheduling(alloc),
+        dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
+        **math_eval(cfg, eval_, data_args),
     )
 
 

@@ -29,7 +29,7 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
+from realhf.api.core.worker_api import EvalSpec
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.dataset.jsonl import DatasetError
@@ -111,8 +111,6 @@ class RWConfig(BaseExperimentConfig):
 def build_rw(cfg: RWConfig) -> ExperimentConfig:
     """Compile an RWConfig into one master and d·p·m model workers (the trainer layout)."""
     alloc = blocks.allocation(cfg, decoupled=False)
-    layout = alloc.train
-    n_workers = layout.world_size
     path = blocks.model_path(cfg.model, "model", cfg.task)
     tok = blocks.load_tokenizer(path)
     train, eval_, size = checked_pairs(cfg, tok)
@@ -131,44 +129,21 @@ def build_rw(cfg: RWConfig) -> ExperimentConfig:
         )
     ]
     models = [blocks.model_spec("reward", cfg.model, path, trainable=True, is_critic=True)]
-    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
     data_args = dict(max_length=cfg.dataset.max_length)
-    worker = ModelWorkerConfig(
-        seed=cfg.seed,
-        models=models,
-        layout=layout,
-        placements=places,
+    return blocks.trainer_experiment(
+        cfg,
+        alloc,
         mfcs=mfcs,
+        models=models,
+        ft_spec=ft_spec,
+        batch_size=cfg.train_batch_size,
+        tokenizer_path=path,
+        imports=PAIRED_IMPORTS,
+        log_stats_keys=("rw/loss", "rw/pair_acc", "pair_acc"),
+        eval=True,
         dataset=DatasetAbstraction("paired", dict(dataset_path=train, **data_args)),
         eval_dataset=DatasetAbstraction("paired", dict(dataset_path=eval_, **data_args)),
         evaluation=EvalSpec(role="reward", interface_impl="rw", mb_spec=mb_spec),
-        tokenizer_path=path,
-        dataset_batch_size=cfg.train_batch_size,
-        timeout=cfg.worker_timeout,
-        ft_spec=ft_spec,
-        torch_num_threads=blocks.torch_threads(cfg, n_workers),
-        imports=PAIRED_IMPORTS,
-    )
-    master = MasterWorkerConfig(
-        seed=cfg.seed,
-        mfcs=mfcs,
-        exp_ctrl=cfg.exp_ctrl,
-        n_model_workers=n_workers,
-        layout=layout,
-        placements=places,
-        train_batch_size=cfg.train_batch_size,
-        ft_spec=ft_spec,
-        timeout=cfg.worker_timeout,
-        recover_mode=cfg.recover_mode,
-        max_recover_checkpoints=cfg.max_recover_checkpoints,
-        **blocks.tracking(cfg),
-        log_stats_keys=("rw/loss", "rw/pair_acc", "pair_acc"),
-        eval=True,
-    )
-    return ExperimentConfig(
-        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
-        completion_types=("master_worker",),
-        scheduling=blocks.scheduling(alloc),
     )
 
 

@@ -24,7 +24,7 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.api.core.worker_api import EvalSpec, MasterWorkerConfig, ModelWorkerConfig
+from realhf.api.core.worker_api import EvalSpec
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.dataset.jsonl import DatasetError
@@ -67,8 +67,6 @@ class SFTConfig(BaseExperimentConfig):
 def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     """Compile an SFTConfig into one master and d·p·m model workers (the trainer layout)."""
     alloc = blocks.allocation(cfg, decoupled=False)
-    layout = alloc.train
-    n_workers = layout.world_size
     path = blocks.model_path(cfg.model, "model", cfg.task)
     data = blocks.data_path(cfg.dataset.path, blocks.task_data(cfg.task, "sft"), "dataset.path")
     tok = blocks.load_tokenizer(path)
@@ -97,13 +95,17 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         )
     ]
     models = [blocks.model_spec("default", cfg.model, path, trainable=True)]
-    places = blocks.placements(alloc, mfcs, models, cfg.keep_replicas)
-    worker = ModelWorkerConfig(
-        seed=cfg.seed,
-        models=models,
-        layout=layout,
-        placements=places,
+    return blocks.trainer_experiment(
+        cfg,
+        alloc,
         mfcs=mfcs,
+        models=models,
+        ft_spec=ft_spec,
+        batch_size=cfg.train_batch_size,
+        tokenizer_path=path,
+        imports=blocks.WORKER_IMPORTS,
+        log_stats_keys=("loss", "ppl"),
+        eval=eval_ds is not None,
         dataset=DatasetAbstraction(
             "prompt_answer", dict(dataset_path=data, max_length=cfg.dataset.max_length)
         ),
@@ -111,36 +113,6 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
         evaluation=EvalSpec(role="default", interface_impl="sft", mb_spec=mb_spec)
         if eval_ds
         else None,
-        tokenizer_path=path,
-        dataset_batch_size=cfg.train_batch_size,
-        timeout=cfg.worker_timeout,
-        ft_spec=ft_spec,
-        torch_num_threads=blocks.torch_threads(cfg, n_workers),
-        imports=blocks.WORKER_IMPORTS,
-    )
-    master = MasterWorkerConfig(
-        seed=cfg.seed,
-        mfcs=mfcs,
-        exp_ctrl=cfg.exp_ctrl,
-        n_model_workers=n_workers,
-        layout=layout,
-        placements=places,
-        train_batch_size=cfg.train_batch_size,
-        ft_spec=ft_spec,
-        timeout=cfg.worker_timeout,
-        recover_mode=cfg.recover_mode,
-        max_recover_checkpoints=cfg.max_recover_checkpoints,
-        **blocks.tracking(cfg),
-        log_stats_keys=("loss", "ppl"),
-        eval=eval_ds is not None,
-    )
-    # One config object for every model worker: a worker learns its rank in
-    # the layout from its WorkerInformation.  Model workers serve
-    # until told to stop, so the master alone decides when the run is done.
-    return ExperimentConfig(
-        workers={"model_worker": [worker] * n_workers, "master_worker": [master]},
-        completion_types=("master_worker",),
-        scheduling=blocks.scheduling(alloc),
     )
 
 
