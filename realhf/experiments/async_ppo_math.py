@@ -206,6 +206,22 @@ class AsyncPPOMathConfig(PPOMathConfig):
                 "need 0 <= success_rate_lb <= success_rate_ub <= 1, "
                 f"got {self.success_rate_lb}, {self.success_rate_ub}"
             )
+        own = (self.success_rate_lb, self.success_rate_ub)
+        ppo = (self.ppo.success_rate_lb, self.ppo.success_rate_ub)
+        if self.dynamic_sampling and own not in ((0.0, 1.0), ppo):
+            raise ValueError(
+                f"dynamic_sampling=true filters rollouts by [ppo.success_rate_lb, "
+                f"ppo.success_rate_ub] = {list(ppo)}, but success_rate_lb/ub = {list(own)} "
+                "ask for another range: set one of the two"
+            )
+
+    @property
+    def rollout_success_range(self) -> tuple:
+        """The success-rate range of the groups the rollout workers keep: dynamic sampling's
+        (the ppo.* range) or success_rate_lb/ub."""
+        if self.dynamic_sampling:
+            return (self.ppo.success_rate_lb, self.ppo.success_rate_ub)
+        return (self.success_rate_lb, self.success_rate_ub)
 
 
 def _threads(n: int) -> int:
@@ -278,8 +294,8 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
                 group_size=hp.group_size,
                 reward_scaling=hp.reward_output_scaling,
                 reward_bias=hp.reward_output_bias,
-                success_rate_lb=cfg.success_rate_lb,
-                success_rate_ub=cfg.success_rate_ub,
+                success_rate_lb=cfg.rollout_success_range[0],
+                success_rate_ub=cfg.rollout_success_range[1],
                 max_bad_row_fraction=cfg.dataset.max_bad_row_fraction,
             ),
         ),

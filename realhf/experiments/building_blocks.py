@@ -281,6 +281,7 @@ def trainer_workers(
     log_stats_keys: Sequence[str],
     eval: bool = False,
     torch_num_threads: Optional[int] = None,
+    max_fill_rounds: int = 1,
     **worker_fields,
 ) -> Tuple[ModelWorkerConfig, MasterWorkerConfig]:
     """The model worker config (one for every rank of the trainer layout: a worker learns
@@ -320,6 +321,7 @@ def trainer_workers(
         **tracking(cfg),
         log_stats_keys=tuple(log_stats_keys),
         eval=eval,
+        max_fill_rounds=max_fill_rounds,
     )
     return worker, master
 

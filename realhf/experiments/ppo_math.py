@@ -112,9 +112,10 @@ ALGO_PRESETS: dict[str, tuple[str, ...]] = {
         "ppo.loss_agg_mode=token-mean",
         "ppo.overlong_penalty_len=4",
         "ppo.overlong_penalty_factor=5.0",
-        # dynamic sampling's filter (0 < accuracy < 1); the dropped groups are not backfilled
+        # dynamic sampling: keep the groups with 0 < accuracy < 1, generate more to fill
         "ppo.success_rate_lb=0.001",
         "ppo.success_rate_ub=0.999",
+        "dynamic_sampling=true",
     ),
     "gspo": (
         "ppo.adv_estimator=grpo",
@@ -176,6 +177,23 @@ class PPOMathConfig(BaseExperimentConfig):
         default=True,
         metadata={"help": "measure greedy accuracy on the eval split at exp_ctrl.eval_freq_*"},
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's dynamic sampling: drop the prompts whose share of correct answers "
+            "lies outside [ppo.success_rate_lb, ppo.success_rate_ub] right after the reward "
+            "and generate more prompts until the batch is full (false: such prompts stay "
+            "in the batch, masked out of the loss); async-ppo-math: the rollout workers drop "
+            "them and roll out the next prompts in their place"
+        },
+    )
+    dynamic_sampling_max_rounds: int = field(
+        default=4,
+        metadata={
+            "help": "most generate-and-filter rounds per step with dynamic_sampling; after "
+            "them the step trains on the prompts it kept"
+        },
+    )
     algo: str = field(
         default="",
         metadata={
@@ -211,6 +229,17 @@ class PPOMathConfig(BaseExperimentConfig):
         _check_algo(self.algo)
         if self.train_batch_size < 1:
             raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
+        if self.dynamic_sampling_max_rounds < 1:
+            raise ValueError(
+                f"dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}"
+            )
+        if self.dynamic_sampling and not self.ppo.filters_by_success_rate:
+            raise ValueError(
+                "dynamic_sampling=true drops the prompts whose success rate lies outside "
+                "[ppo.success_rate_lb, ppo.success_rate_ub] = [0, 1], which is none: narrow it, "
+                "e.g. ppo.success_rate_lb=0.001 ppo.success_rate_ub=0.999 (drop the groups "
+                "whose answers all agree), or use algo=dapo"
+            )
 
 
 def _check_algo(algo: str) -> None:
@@ -258,12 +287,18 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                         "output_scaling": hp.reward_output_scaling,
                         "output_bias": hp.reward_output_bias,
                         "max_bad_row_fraction": cfg.dataset.max_bad_row_fraction,
+                        **(
+                            {"keep_success_rate": [hp.success_rate_lb, hp.success_rate_ub]}
+                            if cfg.dynamic_sampling
+                            else {}
+                        ),
                     },
                 ),
                 n_seqs=n,
                 input_keys=("packed_input_ids", "prompt_mask"),
                 output_keys=("rewards",),
                 mb_spec=mb_spec,
+                drops_items=cfg.dynamic_sampling,
             )
         )
     if hp.needs_ref:
@@ -419,8 +454,10 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
         batch_size=cfg.train_batch_size,
         tokenizer_path=actor_path,
         imports=blocks.WORKER_IMPORTS + ("realhf.impl.model.interface.math_eval_interface",),
-        log_stats_keys=("math_reward/reward", "math_reward/accuracy", "greedy_acc"),
+        log_stats_keys=("math_reward/reward", "math_reward/accuracy", "greedy_acc")
+        + (("dynamic_sampling/rounds", "dynamic_sampling/kept") if cfg.dynamic_sampling else ()),
         eval=cfg.eval,
+        max_fill_rounds=cfg.dynamic_sampling_max_rounds if cfg.dynamic_sampling else 1,
         dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
         **math_eval(cfg, eval_, data_args),
     )

@@ -89,3 +89,32 @@ def test_kl_loss_coef_runs_the_reference_model():
         assert ("packed_ref_logprobs" in mfcs["actor_train"].input_keys) is has_ref
         roles = [s.role for s in model_specs(cfg, "/nonexistent")]
         assert ("ref" in roles) is has_ref
+
+
+def test_dapo_samples_dynamically_in_both_front_doors():
+    from realhf.experiments.async_ppo_math import build_async_ppo_math
+    from realhf.experiments.ppo_math import build_ppo_math
+
+    cfg = parse_config(PPOMathConfig, ["algo=dapo"])
+    exp = build_ppo_math(cfg)
+    master = exp.workers["master_worker"][0]
+    rew = {m.name: m for m in master.mfcs}["rew_inf"]
+    assert rew.drops_items and master.max_fill_rounds == cfg.dynamic_sampling_max_rounds == 4
+    assert rew.interface_impl.args["keep_success_rate"] == [0.001, 0.999]
+    plain = build_ppo_math(parse_config(PPOMathConfig, []))
+    plain_rew = {m.name: m for m in plain.workers["master_worker"][0].mfcs}["rew_inf"]
+    assert not plain_rew.drops_items and "keep_success_rate" not in plain_rew.interface_impl.args
+    assert plain.workers["master_worker"][0].max_fill_rounds == 1
+    # async: the rollout workers drop the groups and roll out other prompts in their place
+    acfg = parse_config(AsyncPPOMathConfig, ["algo=dapo"])
+    agent = build_async_ppo_math(acfg).workers["rollout_worker"][0].agent
+    assert (agent.args["success_rate_lb"], agent.args["success_rate_ub"]) == (0.001, 0.999)
+    with pytest.raises(ValueError, match="set one of the two"):
+        parse_config(AsyncPPOMathConfig, ["algo=dapo", "success_rate_ub=0.5"])
+
+
+def test_dynamic_sampling_needs_a_success_rate_range():
+    with pytest.raises(ValueError, match=r"\[0, 1\], which is none: narrow it"):
+        parse_config(PPOMathConfig, ["dynamic_sampling=true"])
+    with pytest.raises(ValueError, match="dynamic_sampling_max_rounds must be >= 1"):
+        parse_config(PPOMathConfig, ["algo=dapo", "dynamic_sampling_max_rounds=0"])

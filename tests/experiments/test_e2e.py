@@ -109,3 +109,29 @@ def test_bad_input_exits_nonzero_without_workers(tmp_path):
     assert not (tmp_path / "ppo-math" / "run0" / "logs").exists()  # nothing was launched
     r = _quickstart(["ppo-math", "ppo.kl_ctrl=0.1"], tmp_path, timeout=120)
     assert r.returncode == 2 and "did you mean 'ppo.kl_ctl'" in r.stderr
+
+
+def test_ppo_math_dapo_drops_agreeing_groups_and_refills_the_batch(tmp_path):
+    # The embedded SFT model solves about a third of the problems: many groups of 4 answers
+    # agree (all wrong, sometimes all right) and are replaced by new prompts.
+    r = _quickstart(
+        [
+            "ppo-math",
+            "algo=dapo",
+            "train_batch_size=8",
+            "ppo.group_size=4",
+            "exp_ctrl.benchmark_steps=3",
+            "eval=false",
+        ],
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _metrics(tmp_path / "ppo-math" / "run0")
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert sum(x["rew_inf/math_reward/dropped_groups"] for x in rows) > 0
+    assert max(x["dynamic_sampling/rounds"] for x in rows) >= 2
+    for x in rows:
+        assert x["n_items"] == x["dynamic_sampling/kept"]
+        assert x["n_items"] == 8 or x["dynamic_sampling/rounds"] == 4
+        # every trained group has answers that disagree: none is filtered again in the loss
+        assert x["actor_train/ppo/n_filtered_groups"] == 0

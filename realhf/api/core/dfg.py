@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from realhf.api.core.registry import InterfaceAbstraction
 
@@ -109,6 +109,11 @@ class MFCDef:
         mb_spec: how to cut the call's data into micro-batches (``MicroBatchSpec``; default one
             micro-batch with no token cap).
         log_return_value: log what the interface returns (train statistics).
+        drops_items: the call may return only some of its items (an inference call that
+            filters, e.g. dynamic sampling's reward call dropping groups whose answers all
+            agree); the others leave the step, and the master fetches new items through
+            this MFC and its predecessors until the step is full again.  At most one MFC
+            of a graph drops items.
     """
 
     name: str
@@ -122,6 +127,7 @@ class MFCDef:
     output_key_remap: Dict[str, str] = dataclasses.field(default_factory=dict)
     mb_spec: Any = None
     log_return_value: bool = False
+    drops_items: bool = False
 
     def __post_init__(self):
         # MFC names become path segments (recover's interfaces/{mfc}/), hence
@@ -196,6 +202,11 @@ class MFCDef:
             raise DFGError(
                 f"MFC {n!r}: log_return_value must be true or false, got {self.log_return_value!r}"
             )
+        if self.drops_items and self.interface_type == ModelInterfaceType.TRAIN_STEP:
+            raise DFGError(
+                f"MFC {n!r}: a train_step call cannot drop items (drops_items); "
+                "let the inference call that filters drop them"
+            )
 
     def _check_remap(self, field: str, remap: Dict[str, str], keys_in: Tuple[str, ...], side: str):
         if not isinstance(remap, dict) or not all(
@@ -263,6 +274,22 @@ class DataFlowGraph:
         )
         self._check_replica_ids()
         self._topo = self._toposort()
+        droppers = [m.name for m in mfcs if m.drops_items]
+        if len(droppers) > 1:
+            raise DFGError(
+                f"MFCs {droppers} all drop items (drops_items); at most one MFC of a graph may"
+            )
+        #: the MFC that may drop items (None: every item of a step goes through every MFC)
+        self.dropper: Optional[str] = droppers[0] if droppers else None
+
+    @property
+    def fill_phase(self) -> List[str]:
+        """The MFCs a step runs again on new items to replace dropped ones: the dropper
+        and its predecessors, in topological order (empty without a dropper)."""
+        if self.dropper is None:
+            return []
+        names = set(self.predecessors(self.dropper)) | {self.dropper}
+        return [n for n in self.topological_order() if n in names]
 
     # ------------------------------------------------------------- structure
     def _sorted(self, names) -> List[str]:

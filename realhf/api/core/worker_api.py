@@ -507,6 +507,9 @@ class MasterWorkerConfig:
         plot_curves: draw ``curves.png`` (the selected stats and eval metrics) at the end.
         wandb: log every step's numbers to Weights & Biases too (mode ``disabled``: not).
         run_config: the resolved experiment config as plain data, the W&B run's config.
+        max_fill_rounds: with an MFC that drops items (dynamic sampling), the most rounds
+            of fetch → generate → filter one step runs to fill its batch; after them the
+            step trains on the items it kept.
     """
 
     seed: int
@@ -527,6 +530,7 @@ class MasterWorkerConfig:
     placements: Placements = dataclasses.field(default_factory=Placements)
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     run_config: Optional[Dict[str, Any]] = None
+    max_fill_rounds: int = 1
 
     def __post_init__(self):
         c = "MasterWorkerConfig"
@@ -536,7 +540,12 @@ class MasterWorkerConfig:
         object.__setattr__(self, "mfcs", mfcs)
         if not isinstance(self.exp_ctrl, ExperimentControlConfig):
             raise _bad(c, "exp_ctrl", self.exp_ctrl, "use an ExperimentControlConfig")
-        for f in ("n_model_workers", "train_batch_size", "max_recover_checkpoints"):
+        for f in (
+            "n_model_workers",
+            "train_batch_size",
+            "max_recover_checkpoints",
+            "max_fill_rounds",
+        ):
             v = getattr(self, f)
             if not _is_int(v) or v < 1:
                 raise _bad(c, f, v, "use an integer >= 1")

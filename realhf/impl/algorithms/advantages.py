@@ -25,6 +25,8 @@ to :func:`~realhf.impl.algorithms.ppo.normalize_advantages` (nothing here runs a
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "overlong_penalty",
     "group_outcome_advantages",
     "per_token",
+    "group_success_rates",
 ]
 
 #: every value of ``PPOHyperparameters.adv_estimator``
@@ -114,3 +117,13 @@ def per_token(per_seq: torch.Tensor, short1cu_seqlens: torch.Tensor) -> torch.Te
             f"need one value per sequence ({lens.numel()}), got shape {tuple(per_seq.shape)}"
         )
     return torch.repeat_interleave(per_seq, lens)
+
+
+def group_success_rates(scores: torch.Tensor, counts: Sequence[int]) -> torch.Tensor:
+    """[G] float32: the share of each group's answers with a positive score (NaN counts as
+    not positive); group g is the next ``counts[g]`` consecutive answers.  The success rate
+    that dynamic sampling and the ``success_rate_lb/ub`` filter compare with their range."""
+    if sum(counts) != scores.numel():
+        raise ValueError(f"groups of {list(counts)} answers, but {scores.numel()} scores")
+    ok = (scores > 0).float()
+    return torch.stack([g.mean() for g in ok.split(list(counts))]) if counts else ok[:0]

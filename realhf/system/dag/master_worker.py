@@ -114,6 +114,7 @@ class MasterWorker(AsyncWorker):
             config.timeout,
             layout=self.layout,
             placements=config.placements,
+            max_fill_rounds=config.max_fill_rounds,
         )
         #: the allocation a recover checkpoint must match (optimizer states are per rank)
         self.allocation = config.placements.describe(self.layout)

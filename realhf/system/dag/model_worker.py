@@ -626,14 +626,22 @@ class ModelWorker(Worker):
             return stats_tracker.export(reduce=False)
         return stats_tracker.export(reduce_group=grid.groups["data"])
 
-    def _store_output(self, mfc: MFCDef, data: SequenceSample, out) -> SequenceSample:
+    def _store_output(self, mfc: MFCDef, data: SequenceSample, out) -> Optional[SequenceSample]:
+        if out is None and mfc.drops_items:
+            return None  # every item dropped
         if not isinstance(out, SequenceSample) or out.data is None:
             method = f"{type(self.interfaces[mfc.name]).__name__}.{mfc.interface_type.value}"
             raise TypeError(
                 f"MFC {mfc.name!r}: {method} must return a SequenceSample with data for its "
                 f"{len(data)} items, got {out!r}"
             )
-        if sorted(out.ids) != sorted(data.ids):
+        if mfc.drops_items:  # a subset: the master replaces the others
+            if not set(out.ids) <= set(data.ids):
+                raise ValueError(
+                    f"MFC {mfc.name!r} returned items {sorted(set(out.ids) - set(data.ids))[:4]} "
+                    "that were not among its inputs; an MFC that drops items returns a subset"
+                )
+        elif sorted(out.ids) != sorted(data.ids):
             raise ValueError(
                 f"MFC {mfc.name!r} returned items {sorted(out.ids)[:4]}... for input items "
                 f"{sorted(data.ids)[:4]}...; return one output item per input item, same ids"

@@ -13,6 +13,15 @@ request client and the shards' positions.  A step is::
            stats averaged over the replicas
     clear  every MFC consumed the step's items: clear_data_cache on every worker
 
+Dynamic sampling (an MFC with ``drops_items``, e.g. a reward call that drops prompt groups
+whose answers all agree): the step first runs the *fill phase* (the dropper and its
+predecessors) in rounds — fetch, run, keep what the dropper kept — until ``batch_size``
+items are kept, ``max_fill_rounds`` rounds ran, or the epoch's data ran out; each later
+round fetches the missing count divided by the step's keep rate so far (at most a batch).
+The step then trains on the first ``batch_size`` kept items (oldest first; kept items
+beyond them are the ``surplus``) and runs the other MFCs over them only.  Every fetched
+item is cleared at the end of the step.
+
 Ordering rule (deadlock freedom): requests of one MFC go to all ranks in one
 synchronous burst (``_dispatch`` never awaits, and runs under the dispatch lock to say
 so), so every worker receives MFC requests in the same order.  Workers serve requests
@@ -31,6 +40,7 @@ is traced per rank with its bytes.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -116,6 +126,8 @@ class DagRunner:
         layout: the trainer layout of the model workers (None: each one is a data-parallel
             replica); ranks are laid out like the workers' grid, row-major over (data,
             pipe, tensor).
+        max_fill_rounds: with an MFC that drops items, the most fetch-and-filter rounds of
+            one step (see the module docstring).
     """
 
     def __init__(
@@ -126,8 +138,12 @@ class DagRunner:
         trace=None,
         layout: Optional[ParallelismConfig] = None,
         placements: Optional[Placements] = None,
+        max_fill_rounds: int = 1,
     ):
+        if max_fill_rounds < 1:
+            raise ValueError(f"max_fill_rounds must be >= 1, got {max_fill_rounds}")
         self.graph = graph
+        self.max_fill_rounds = max_fill_rounds
         self.client = client
         self.handlers = list(client.handlers)
         self.n = len(self.handlers)
@@ -161,6 +177,8 @@ class DagRunner:
         self.remaining: List[int] = []
         self._stats: Dict[str, List[float]] = {}
         self._done: Dict[str, bool] = {}
+        #: items the dropper dropped in the current round
+        self._dropped: set = set()
 
     @property
     def heads(self) -> List[int]:
@@ -185,23 +203,90 @@ class DagRunner:
     async def run_step(self, step: StepInfo, batch_size: int) -> StepResult:
         """Load, run every MFC over, and clear one step of up to ``batch_size`` items."""
         self._stats = {}
-        ids = await self._load(step.epoch, min(batch_size, sum(self.remaining)))
-        self._done = {name: False for name in self.graph.mfcs}
+        order = self.graph.topological_order()
+        if self.graph.dropper is None:
+            ids = fetched = await self._load(step.epoch, min(batch_size, sum(self.remaining)))
+        else:
+            ids, fetched = await self._fill(step, batch_size)
+            order = [n for n in order if n not in self.graph.fill_phase]
+        await self._run_mfcs(order, ids, step)
+        # Tokens of the step (every fetched item: dropped ones were generated too): per
+        # item, its longest key.
+        tokens = sum(
+            max((k.n_tokens for k in self.buffer.entry(i).keys.values()), default=0)
+            for i in fetched
+        )
+        await self.call(Handle.CLEAR_DATA_CACHE, [tuple(fetched)] * self.n)
+        self.buffer.remove(fetched)
+        return StepResult(ids, tokens, {k: sum(v) / len(v) for k, v in sorted(self._stats.items())})
+
+    async def _run_mfcs(self, names: List[str], ids: List[str], step: StepInfo) -> None:
+        """Run the MFCs ``names`` over ``ids`` (the others count as done)."""
+        self._done = {name: name not in names for name in self.graph.mfcs}
         # One task per MFC: each dispatches a call as soon as its inputs are ready, so with
         # n_seqs below the batch size a consumer starts on the first outputs of its producer.
         try:
             async with asyncio.TaskGroup() as tg:
-                for name in self.graph.topological_order():
+                for name in names:
                     tg.create_task(self._run_mfc(self.graph.mfcs[name], ids, step))
         except ExceptionGroup as eg:  # the first failure names the MFC and the worker
             raise eg.exceptions[0] from None
-        # Tokens of the step: per item, its longest key.
-        tokens = sum(
-            max((k.n_tokens for k in self.buffer.entry(i).keys.values()), default=0) for i in ids
+
+    async def _fill(self, step: StepInfo, batch_size: int) -> Tuple[List[str], List[str]]:
+        """Run the fill phase in rounds until ``batch_size`` items are kept (module
+        docstring); return (the kept items the step trains on, every fetched item)."""
+        phase = self.graph.fill_phase
+        kept: List[str] = []
+        fetched: List[str] = []
+        rounds = skipped = 0
+        need = batch_size
+        while True:
+            left = sum(self.remaining)
+            # Every data-parallel replica of a call needs an item: the size nearest to
+            # `need` that all the fill phase's calls can split, within the epoch's rest.
+            start = min(need, left)
+            sizes = [*range(start, left + 1), *range(start - 1, 0, -1)]
+            n = next((k for k in sizes if self._splittable(phase, k)), 0)
+            if n == 0:
+                if left:  # a rest no call can split: skipped, so that the epoch ends
+                    fetched += await self._load(step.epoch, left)
+                    skipped = left
+                break
+            ids = await self._load(step.epoch, n)
+            rounds += 1
+            self._dropped = set()
+            await self._run_mfcs(phase, ids, step)
+            fetched += ids
+            kept += [i for i in ids if i not in self._dropped]
+            missing = batch_size - len(kept)
+            if missing <= 0 or rounds >= self.max_fill_rounds:
+                break
+            rate = len(kept) / (len(fetched) - skipped)
+            need = batch_size if rate == 0 else min(batch_size, math.ceil(missing / rate))
+        train = min(len(kept), batch_size)
+        later = [n for n in self.graph.mfcs if n not in phase]
+        while train > 0 and not self._splittable(later, train):
+            train -= 1  # too few kept items to give every replica of a later call one
+        for key, v in (
+            ("rounds", rounds),
+            ("fetched", len(fetched)),
+            ("dropped", len(fetched) - skipped - len(kept)),
+            ("kept", train),
+            ("surplus", len(kept) - train),
+            ("skipped", skipped),
+            ("keep_rate", len(kept) / max(1, len(fetched) - skipped)),
+        ):
+            self._stats[f"dynamic_sampling/{key}"] = [float(v)]
+        return kept[:train], fetched
+
+    def _splittable(self, names: List[str], n_items: int) -> bool:
+        """Whether every call of the MFCs ``names`` over ``n_items`` items gives each
+        data-parallel replica of the MFC's layout at least one item."""
+        return all(
+            size >= self.ranks_of[name].layout.data
+            for name in names
+            for size in call_sizes(n_items, self.graph.mfcs[name].n_seqs)
         )
-        await self.call(Handle.CLEAR_DATA_CACHE, [tuple(ids)] * self.n)
-        self.buffer.remove(ids)
-        return StepResult(ids, tokens, {k: sum(v) / len(v) for k, v in sorted(self._stats.items())})
 
     async def _load(self, epoch: int, need: int) -> List[str]:
         """Fetch ``need`` items from the replica heads (metadata into the buffer; tensors
@@ -364,9 +449,19 @@ class DagRunner:
         for rank, rep in enumerate(replies):
             k = where.replica_of[rank]
             part, head = parts[k], where.heads[k]
-            if rep.output is not None:
+            if rep.output is None and mfc.drops_items:
+                if rank == head:
+                    self._dropped.update(part)
+            elif rep.output is not None:
                 out = rep.output
-                if sorted(out.ids) != sorted(part) or not set(mfc.output_keys) <= out.keys:
+                if mfc.drops_items and rank == head:
+                    self._dropped.update(set(part) - set(out.ids))
+                same = (
+                    set(out.ids) <= set(part)
+                    if mfc.drops_items
+                    else sorted(out.ids) == sorted(part)
+                )
+                if not same or not set(mfc.output_keys) <= out.keys:
                     raise RuntimeError(
                         f"MFC {mfc.name!r}: {rep.worker} replied items {sorted(out.ids)[:3]}... "
                         f"with keys {sorted(out.keys)} for its {len(part)} items; expected "

@@ -307,3 +307,22 @@ def test_exports_mention_every_node_and_edge():
     mer = g.to_mermaid()
     assert mer.startswith("flowchart TD") and 'rew_inf -- "rewards" --> actor_train' in mer
     assert sum(" --> " in line for line in mer.splitlines()) == len(g.edges) + 3
+
+
+def test_dynamic_sampling_fill_phase_is_the_dropper_and_its_predecessors():
+    mfcs = sync_ppo_mfcs()
+    assert build_graph(mfcs).dropper is None and build_graph(mfcs).fill_phase == []
+    mfcs[2].drops_items = True  # rew_inf
+    g = build_graph(mfcs)
+    assert g.dropper == "rew_inf"
+    # ref_inf and critic_inf also follow actor_gen but run only on the kept items
+    assert g.fill_phase == ["actor_gen", "rew_inf"]
+
+
+def test_only_one_inference_mfc_may_drop_items():
+    with pytest.raises(DFGError, match="train_step call cannot drop items"):
+        MFCDef("t", "actor", "train_step", "x", 4, ("a",), drops_items=True)
+    mfcs = sync_ppo_mfcs()
+    mfcs[1].drops_items = mfcs[2].drops_items = True
+    with pytest.raises(DFGError, match=r"\['ref_inf', 'rew_inf'\] all drop items"):
+        build_graph(mfcs)

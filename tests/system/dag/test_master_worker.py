@@ -156,8 +156,11 @@ class StandIn(threading.Thread):
         self.calls.append((mfc.name, self.rank, req.step.global_step, tuple(ids)))
         self.call_indices.append((mfc.name, req.step.global_step, req.call))
         out = None
-        if mfc.output_keys:
-            lens = req.meta.seqlens[mfc.input_keys[0]]
+        lens = req.meta.seqlens[mfc.input_keys[0]]
+        if mfc.drops_items:  # keeps the items q<i> with i % 3 != 0
+            lens = [n for i, n in zip(ids, lens) if int(i[1:]) % 3]
+            ids = [i for i in ids if int(i[1:]) % 3]
+        if mfc.output_keys and ids:
             out = SequenceSample(
                 keys=set(mfc.output_keys),
                 trailing_shapes={k: () for k in mfc.output_keys},
@@ -201,6 +204,8 @@ def _mfcs(bs_a: int, bs_b: int):
 
 def _master_config(world, n_items, bs, epochs, **kw):
     mfcs = _mfcs(bs, kw.pop("n_seqs_b", bs))
+    if kw.pop("score_drops", False):
+        mfcs[1].drops_items = True
     return MasterWorkerConfig(
         seed=1,
         mfcs=mfcs,
@@ -304,6 +309,45 @@ def test_every_item_goes_through_every_mfc_once_per_epoch(tmp_path, run_env):
     assert len(xs) == 6 * 2 and {e["pid"] for e in xs} == {1, 2}
     assert name_resolve.get(names.training_samples(EXP, trial)) == "28"
     assert os.listdir(tmp_path / EXP / trial / "tensorboard")
+
+
+def test_dynamic_sampling_refills_the_batch_with_new_items(tmp_path, run_env):
+    trial = run_env
+    # "score" drops q<i> with i % 3 == 0 (a third of the items); steps of 6 items over 2
+    # replicas; 30 items per epoch.
+    cfg = _master_config(2, 30, 6, 2, score_drops=True, max_fill_rounds=4, ctl={})
+    master, calls, workers = _run_master(trial, cfg, 30)
+    assert master.status == WorkerStatus.COMPLETED, master.status
+    assert all(w.error is None for w in workers), [w.error for w in workers]
+    records = _metrics(tmp_path, trial)
+    gen = [(s, i) for (n, _, s, c) in calls if n == "gen" for i in c]
+    score = [(s, i) for (n, _, s, c) in calls if n == "score" for i in c]
+    train = [(s, i) for (n, _, s, c) in calls if n == "train" for i in c]
+    assert sorted(gen) == sorted(score)  # the fill phase ran on every fetched item
+    assert all(int(i[1:]) % 3 for _, i in train)  # no dropped item is trained
+    for r in records:
+        step = r["step"] - 1
+        trained = [i for s, i in train if s == step]
+        fetched = [i for s, i in gen if s == step]
+        kept = [i for i in fetched if int(i[1:]) % 3]
+        assert len(set(trained)) == len(trained) == r["n_items"] == r["dynamic_sampling/kept"]
+        assert set(trained) <= set(kept)
+        # an epoch's last item cannot be split over the 2 replicas: fetched and skipped
+        assert r["dynamic_sampling/skipped"] in (0, 1)
+        assert r["dynamic_sampling/fetched"] == len(fetched) + r["dynamic_sampling/skipped"]
+        assert r["dynamic_sampling/surplus"] == len(kept) - len(trained)
+        last_of_epoch = r is records[-1] or records[step + 1]["epoch"] != r["epoch"]
+        if r["dynamic_sampling/rounds"] < 4 and not last_of_epoch:
+            assert len(trained) == 6  # refilled: a full batch whenever rounds and data allow
+    assert max(r["dynamic_sampling/rounds"] for r in records) >= 2
+    assert [r["epoch"] for r in records] == [1] * 4 + [2] * 3 + [3] * 3
+    # Per epoch (the steps until the 30 items ran out) every item was fetched at most once,
+    # and everything fetched was cleared.
+    epochs = {r["step"] - 1: r["epoch"] for r in records}
+    for e in (1, 2):
+        ids = [i for s, i in gen if epochs[s] == e]
+        assert len(ids) == len(set(ids))
+    assert len(master.runner.buffer) == 0
 
 
 def test_resume_continues_from_the_checkpoint_exactly(tmp_path, run_env):

@@ -15,13 +15,19 @@ reward NaN, which PPO reads as "no verdict" and masks out of the loss, the row i
 a warning and counted (``math_reward/bad_rows``), and the run fails once more than
 ``max_bad_row_fraction`` of the rows were bad (:mod:`realhf.impl.dataset.bad_rows`).
 
+Dynamic sampling (``keep_success_rate=[lb, ub]``, on an MFC with ``drops_items``): the
+call returns only the items whose share of correct answers lies in ``[lb, ub]`` (e.g.
+``[0.001, 0.999]``: drop the groups whose answers all agree, which carry no group-relative
+signal); the master fetches new prompts to replace the others. The statistics count every
+answer graded, dropped or not (``math_reward/dropped_groups`` counts the dropped items).
+
 The "model" has no weights: only ``model.tokenizer`` is used (``module`` may be None).
 """
 
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -29,6 +35,7 @@ from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
+from realhf.impl.algorithms.advantages import group_success_rates
 from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION, BadRowBudget
 from realhf.impl.model.interface.helpers import require_keys
 from realhf.impl.reward.math_reward import UngradableRow, reference_answers, verify_batch
@@ -58,6 +65,8 @@ class MathRewardInterface(ModelInterface):
         output_bias: subtracted from the ±1 verdict.
         timeout_s: seconds each answer may spend in the symbolic checks (then it is wrong).
         max_bad_row_fraction: share of rows that may be ungradable before the run fails.
+        keep_success_rate: ``[lb, ub]``: return only the items whose success rate (share
+            of answers with a positive reward) lies in the range; None: every item.
     """
 
     uses_weights = False  # the verdict comes from the decoded tokens alone
@@ -68,6 +77,7 @@ class MathRewardInterface(ModelInterface):
         output_bias: float = 0.0,
         timeout_s: float = 15.0,
         max_bad_row_fraction: float = DEFAULT_MAX_FRACTION,
+        keep_success_rate: Optional[Sequence[float]] = None,
     ):
         for name, v in (
             ("output_scaling", output_scaling),
@@ -84,6 +94,10 @@ class MathRewardInterface(ModelInterface):
         self.output_bias = float(output_bias)
         self.timeout_s = float(timeout_s)
         self.bad_rows = BadRowBudget("math_reward", max_bad_row_fraction)
+        if keep_success_rate is not None:
+            lb, ub = _success_range(keep_success_rate)
+            keep_success_rate = (lb, ub)
+        self.keep_success_rate = keep_success_rate
 
     def inference(
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
@@ -130,12 +144,19 @@ class MathRewardInterface(ModelInterface):
                 denominator="n_seqs", accuracy=correct.float(), reward=rewards[graded]
             )
             stats_tracker.scalar(reduce_type="sum", bad_rows=bad)
+        kept = list(range(len(data)))
+        if self.keep_success_rate is not None:
+            lb, ub = self.keep_success_rate
+            rates = group_success_rates(rewards, [len(x) for x in data.seqlens["packed_input_ids"]])
+            kept = [i for i, r in enumerate(rates.tolist()) if lb <= r <= ub]
+            with stats_tracker.scope("math_reward"):
+                stats_tracker.scalar(reduce_type="sum", dropped_groups=len(data) - len(kept))
         logger.info(
             f"math_reward: {int(correct.sum())}/{len(correct)} answers correct"
             + (f", {bad} ungradable rows skipped" if bad else "")
         )
         lens = [[1] * len(item) for item in data.seqlens["packed_input_ids"]]
-        return SequenceSample(
+        out = SequenceSample(
             keys={"rewards"},
             trailing_shapes={"rewards": ()},
             dtypes={"rewards": torch.float32},
@@ -143,6 +164,21 @@ class MathRewardInterface(ModelInterface):
             seqlens={"rewards": lens},
             data={"rewards": rewards},
         )
+        if len(kept) == len(data):
+            return out
+        return out.select_items(kept) if kept else None
+
+
+def _success_range(value) -> tuple:
+    try:
+        lb, ub = (float(v) for v in value)
+    except (TypeError, ValueError):
+        lb = ub = float("nan")
+    if not 0.0 <= lb <= ub <= 1.0:
+        raise ValueError(
+            f"math_reward keep_success_rate={value!r}: use [lb, ub] with 0 <= lb <= ub <= 1"
+        )
+    return lb, ub
 
 
 register_interface("math_reward", MathRewardInterface)

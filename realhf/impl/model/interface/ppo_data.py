@@ -370,12 +370,7 @@ def _filter_groups(
 ):
     """Mask every sequence of the items whose success rate is outside [lb, ub]."""
     counts = seqs_per_item(data)
-    keep = keep.clone()
-    n_filtered, start = 0, 0
-    for c in counts:
-        rate = float((reward[start : start + c] > 0).float().mean())
-        if not hp.success_rate_lb <= rate <= hp.success_rate_ub:
-            keep[start : start + c] = False
-            n_filtered += 1
-        start += c
-    return keep, n_filtered
+    rates = A.group_success_rates(reward, counts)
+    out = (rates < hp.success_rate_lb) | (rates > hp.success_rate_ub)
+    keep = keep & ~torch.repeat_interleave(out, torch.tensor(counts))
+    return keep, int(out.sum())

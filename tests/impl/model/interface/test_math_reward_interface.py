@@ -91,3 +91,25 @@ def test_too_many_bad_rows_fail_naming_them(tokenizer, pa_sample):
     with pytest.raises(BadRowsError, match=r"row 'q0': solution 42 \(int\) is not a string"):
         iface.inference(_reward_model(tokenizer), data, MicroBatchSpec())
     stats_tracker.reset()
+
+
+def test_dynamic_sampling_returns_only_the_groups_in_range(tokenizer, pa_sample):
+    pairs = PAIRS + [("Compute 1+1.", "\\boxed{2}"), ("Compute 1+1.", "\\boxed{2}")]
+    pairs += [("Compute 3+3.", "\\boxed{5}"), ("Compute 3+3.", "\\boxed{7}")]
+    sols = SOLUTIONS + [["2"], ["6"]]  # success rates 0.5, 0.5, 1, 0
+    data = pa_sample(pairs, group=2, solutions=sols)
+    stats_tracker.reset()
+    rw = MathRewardInterface(keep_success_rate=[0.001, 0.999])
+    out = rw.inference(_reward_model(tokenizer), data, MicroBatchSpec())
+    assert out.ids == data.ids[:2] and out.data["rewards"].tolist() == [5.0, -5.0, 5.0, -5.0]
+    stats = stats_tracker.export()
+    assert stats["math_reward/dropped_groups"] == 2 and stats["math_reward/n_seqs"] == 8
+    keep_all_solved = MathRewardInterface(keep_success_rate=[1.0, 1.0])
+    assert keep_all_solved.inference(_reward_model(tokenizer), data, MicroBatchSpec()).ids == [
+        data.ids[2]
+    ]
+    nothing = MathRewardInterface(keep_success_rate=[0.6, 0.9])
+    assert nothing.inference(_reward_model(tokenizer), data, MicroBatchSpec()) is None
+    stats_tracker.reset()
+    with pytest.raises(ValueError, match=r"keep_success_rate=\[0.5, 0.1\]: use \[lb, ub\]"):
+        MathRewardInterface(keep_success_rate=[0.5, 0.1])
