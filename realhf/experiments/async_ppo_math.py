@@ -206,6 +206,11 @@ class AsyncPPOMathConfig(PPOMathConfig):
                 "need 0 <= success_rate_lb <= success_rate_ub <= 1, "
                 f"got {self.success_rate_lb}, {self.success_rate_ub}"
             )
+        if not self.verifier:
+            raise ValueError(
+                "verifier=false: async-ppo-math's rollout workers always grade with the "
+                "verifier; a reward model (reward_model.path) adds its score to theirs"
+            )
         own = (self.success_rate_lb, self.success_rate_ub)
         ppo = (self.ppo.success_rate_lb, self.ppo.success_rate_ub)
         if self.dynamic_sampling and own not in ((0.0, 1.0), ppo):

@@ -162,6 +162,27 @@ class PPOMathConfig(BaseExperimentConfig):
         default_factory=lambda: ModelConfig(optimizer=OptimizerConfig(lr=2e-4, weight_decay=0.0))
     )
     ref: ModelConfig = field(default_factory=ModelConfig)
+    reward_model: ModelConfig = field(
+        default_factory=ModelConfig,
+        metadata={
+            "help": "a trained reward model (a checkpoint of `quickstart rw`) that scores every "
+            "answer beside the verifier (MFC rm_inf); empty path = none"
+        },
+    )
+    reward_model_scaling: float = field(
+        default=1.0,
+        metadata={
+            "help": "the reward model's score times this is added to each answer's reward "
+            "(its scores are logged as rm_inf/rw/score)"
+        },
+    )
+    verifier: bool = field(
+        default=True,
+        metadata={
+            "help": "grade answers with the math verifier (MFC rew_inf); false: the reward "
+            "model's score is the whole reward (needs reward_model.path)"
+        },
+    )
     dataset: MathDatasetConfig = field(default_factory=MathDatasetConfig)
     train_batch_size: int = field(
         default=32, metadata={"help": "prompts per step (each with group_size answers)"}
@@ -233,6 +254,15 @@ class PPOMathConfig(BaseExperimentConfig):
             raise ValueError(
                 f"dynamic_sampling_max_rounds must be >= 1, got {self.dynamic_sampling_max_rounds}"
             )
+        if not self.verifier and not self.reward_model.path:
+            raise ValueError(
+                "verifier=false leaves no reward: give a trained reward model "
+                "(reward_model.path=DIR, e.g. a checkpoint of `quickstart rw`) or keep the verifier"
+            )
+        if self.dynamic_sampling and not self.verifier:
+            raise ValueError(
+                "dynamic_sampling judges groups by the verifier's verdicts; it needs verifier=true"
+            )
         if self.dynamic_sampling and not self.ppo.filters_by_success_rate:
             raise ValueError(
                 "dynamic_sampling=true drops the prompts whose success rate lies outside "
@@ -276,31 +306,53 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 mb_spec=mb_spec,
             )
         )
+        if cfg.verifier:
+            mfcs.append(
+                MFCDef(
+                    name="rew_inf",
+                    model_name="actor",
+                    interface_type="inference",
+                    interface_impl=InterfaceAbstraction(
+                        "math_reward",
+                        {
+                            "output_scaling": hp.reward_output_scaling,
+                            "output_bias": hp.reward_output_bias,
+                            "max_bad_row_fraction": cfg.dataset.max_bad_row_fraction,
+                            **(
+                                {"keep_success_rate": [hp.success_rate_lb, hp.success_rate_ub]}
+                                if cfg.dynamic_sampling
+                                else {}
+                            ),
+                        },
+                    ),
+                    n_seqs=n,
+                    input_keys=("packed_input_ids", "prompt_mask"),
+                    output_keys=("rewards",),
+                    mb_spec=mb_spec,
+                    drops_items=cfg.dynamic_sampling,
+                )
+            )
+    if cfg.reward_model.path:
+        # With the verifier, its rewards and the model's scores (rm_rewards) are summed in
+        # the PPO batch; without, the model's scores are the rewards.
+        key = "rm_rewards" if cfg.verifier else "rewards"
         mfcs.append(
             MFCDef(
-                name="rew_inf",
-                model_name="actor",
+                name="rm_inf",
+                model_name="reward",
                 interface_type="inference",
                 interface_impl=InterfaceAbstraction(
-                    "math_reward",
-                    {
-                        "output_scaling": hp.reward_output_scaling,
-                        "output_bias": hp.reward_output_bias,
-                        "max_bad_row_fraction": cfg.dataset.max_bad_row_fraction,
-                        **(
-                            {"keep_success_rate": [hp.success_rate_lb, hp.success_rate_ub]}
-                            if cfg.dynamic_sampling
-                            else {}
-                        ),
-                    },
+                    "rw", {"output_scaling": cfg.reward_model_scaling}
                 ),
                 n_seqs=n,
                 input_keys=("packed_input_ids", "prompt_mask"),
-                output_keys=("rewards",),
+                output_keys=(key,),
+                output_key_remap={"rewards": key} if cfg.verifier else {},
                 mb_spec=mb_spec,
-                drops_items=cfg.dynamic_sampling,
             )
         )
+        if cfg.verifier:
+            train_keys.append("rm_rewards")
     if hp.needs_ref:
         mfcs.append(
             MFCDef(
@@ -375,7 +427,8 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
 
 def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = False) -> list:
     """Model roles of PPO: actor (trained), ref (ppo.needs_ref: a KL in the reward or the
-    loss), critic (unless disable_value)."""
+    loss), reward (reward_model.path: a scalar-head model that scores answers), critic
+    (unless disable_value)."""
     specs = [
         blocks.model_spec(
             "actor", cfg.actor, actor_path, trainable=True, publish_weights=publish_weights
@@ -392,6 +445,11 @@ def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = Fal
                 blocks.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
                 trainable=False,
             )
+        )
+    if cfg.reward_model.path:
+        path = blocks.model_path(cfg.reward_model, "reward_model")
+        specs.append(
+            blocks.model_spec("reward", cfg.reward_model, path, trainable=False, is_critic=True)
         )
     if not cfg.ppo.disable_value:
         critic_path = blocks.model_path(cfg.critic, "critic") if cfg.critic.path else actor_path

@@ -118,3 +118,35 @@ def test_dynamic_sampling_needs_a_success_rate_range():
         parse_config(PPOMathConfig, ["dynamic_sampling=true"])
     with pytest.raises(ValueError, match="dynamic_sampling_max_rounds must be >= 1"):
         parse_config(PPOMathConfig, ["algo=dapo", "dynamic_sampling_max_rounds=0"])
+
+
+def test_a_trained_reward_model_scores_answers_beside_or_instead_of_the_verifier(tmp_path):
+    from realhf.experiments.building_blocks import TINY_MODEL
+
+    mb = MicroBatchSpec()
+    cfg = parse_config(PPOMathConfig, [f"reward_model.path={TINY_MODEL}"])
+    mfcs = {m.name: m for m in ppo_mfcs(cfg, mb)}
+    assert mfcs["rm_inf"].role == "reward" and mfcs["rm_inf"].output_keys == ("rm_rewards",)
+    assert mfcs["rm_inf"].interface_impl.type_ == "rw" and "rew_inf" in mfcs
+    assert {"rewards", "rm_rewards"} <= set(mfcs["actor_train"].input_keys)
+    (rm,) = [s for s in model_specs(cfg, TINY_MODEL) if s.role == "reward"]
+    assert rm.is_critic and not rm.trainable
+    only = parse_config(
+        PPOMathConfig,
+        [f"reward_model.path={TINY_MODEL}", "verifier=false", "reward_model_scaling=2.0"],
+    )
+    mfcs = {m.name: m for m in ppo_mfcs(only, mb)}
+    assert "rew_inf" not in mfcs and mfcs["rm_inf"].output_keys == ("rewards",)
+    assert mfcs["rm_inf"].interface_impl.args == {"output_scaling": 2.0}
+    assert "rm_rewards" not in mfcs["actor_train"].input_keys
+    with pytest.raises(ValueError, match="verifier=false leaves no reward"):
+        parse_config(PPOMathConfig, ["verifier=false"])
+    from realhf.experiments.async_ppo_math import build_async_ppo_math
+
+    acfg = parse_config(AsyncPPOMathConfig, [f"reward_model.path={TINY_MODEL}"])
+    master = build_async_ppo_math(acfg).workers["master_worker"][0]
+    amfcs = {m.name: m for m in master.mfcs}
+    assert amfcs["rm_inf"].input_keys == ("packed_input_ids", "prompt_mask")  # from the stream
+    assert "rm_rewards" in amfcs["actor_train"].input_keys
+    with pytest.raises(ValueError, match="rollout workers always grade with the verifier"):
+        parse_config(AsyncPPOMathConfig, [f"reward_model.path={TINY_MODEL}", "verifier=false"])

@@ -59,6 +59,25 @@ def test_rw_trains_evaluates_pair_accuracy_and_saves_a_critic(tmp_path):
 
     net = ReaLModel.from_hf(str(ckpt), is_critic=True)  # loads back as a scalar-head model
     assert net.config.is_critic
+    # The trained reward model then scores the answers inside ppo-math (MFC rm_inf), beside
+    # the verifier: each answer's reward is the verdict plus the model's score.
+    r = _quickstart(
+        [
+            "ppo-math",
+            f"reward_model.path={ckpt}",
+            "train_batch_size=4",
+            "ppo.group_size=2",
+            "exp_ctrl.benchmark_steps=2",
+            "eval=false",
+        ],
+        tmp_path,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = _metrics(tmp_path / "ppo-math" / "run0")
+    assert [x["step"] for x in rows] == [1, 2]
+    for x in rows:
+        assert "rm_inf/rw/score" in x and x["rm_inf/rw/n_scored"] == 8
+        assert "rew_inf/math_reward/accuracy" in x and "timing/rm_inf" in x
 
 
 def test_dpo_trains_against_the_reference_and_reports_greedy_accuracy(tmp_path):

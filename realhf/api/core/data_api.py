@@ -29,7 +29,15 @@ RL_TASKS = ["math", "code", "rlhf", "stem"]
 # Default per-sequence lengths of the standard keys, as a function of the sequence
 # length L of `packed_input_ids`. Shifted keys (one entry per predicted token) have L-1.
 _ONE_PER_SEQUENCE_KEYS = frozenset(
-    {"rewards", "seq_no_eos_mask", "task_ids", "version_start", "version_end", "birth_time"}
+    {
+        "rewards",
+        "rm_rewards",
+        "seq_no_eos_mask",
+        "task_ids",
+        "version_start",
+        "version_end",
+        "birth_time",
+    }
 )
 _FULL_LENGTH_KEYS = frozenset({"packed_input_ids", "prompt_mask", "values", "packed_prompts"})
 _SHIFTED_KEYS = frozenset(
@@ -52,7 +60,8 @@ DEFAULT_KEYS = _ONE_PER_SEQUENCE_KEYS | _FULL_LENGTH_KEYS | _SHIFTED_KEYS
 def default_seqlens(key: str, base_seqlens: list[list[int]]) -> list[list[int]]:
     """Per-item sequence lengths of a standard key, given the lengths L of the sequences.
 
-    `rewards`, `seq_no_eos_mask`, `task_ids`, versions and `birth_time`: 1 per sequence.
+    `rewards`, `rm_rewards`, `seq_no_eos_mask`, `task_ids`, versions and `birth_time`: 1 per
+    sequence.
     `packed_input_ids`, `prompt_mask`, `values`, `packed_prompts`: L.
     Logprob-like keys (`packed_logprobs`, `advantages`, `returns`, ...): L - 1.
     """

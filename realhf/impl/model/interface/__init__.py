@@ -8,6 +8,8 @@ name            class                                            methods
 ``ppo_critic``  :class:`~.critic_interface.PPOCriticInterface`   inference, train_step
 ``math_reward`` :class:`~.math_reward_interface.MathRewardInterface` (alias ``rw-math``)  inference
 ``math_eval``   :class:`~.math_eval_interface.MathEvalInterface`  evaluate
+``rw``          :class:`~.rw_interface.RewardModelInterface`     train_step, evaluate, inference
+``dpo``         :class:`~.dpo_interface.DPOInterface`            train_step, inference
 ==============  ===============================================  =============================
 
 The reference model uses ``ppo_actor``'s ``inference``. Contract with the model worker: each
@@ -20,10 +22,12 @@ interface of your own (README, "Writing your own algorithm").
 """
 
 from realhf.impl.model.interface.critic_interface import PPOCriticInterface
+from realhf.impl.model.interface.dpo_interface import DPOInterface
 from realhf.impl.model.interface.math_eval_interface import MathEvalInterface
 from realhf.impl.model.interface.math_reward_interface import MathRewardInterface
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.ppo_interface import PPOActorInterface
+from realhf.impl.model.interface.rw_interface import RewardModelInterface
 from realhf.impl.model.interface.sft_interface import SFTInterface
 
 __all__ = [
@@ -33,4 +37,6 @@ __all__ = [
     "SFTInterface",
     "MathRewardInterface",
     "MathEvalInterface",
+    "RewardModelInterface",
+    "DPOInterface",
 ]

@@ -10,6 +10,7 @@ packed_input_ids       L               prompt + answer tokens
 prompt_mask            L               True on prompt tokens
 packed_logprobs        L - 1           behaviour log-probs (0 over the prompt)
 rewards                1               task reward (from the reward interface)
+rm_rewards             1               optional: a reward model's score, added to rewards
 seq_no_eos_mask        1               True when the answer was cut before EOS
 packed_ref_logprobs    L - 1           reference log-probs (kl_ctl > 0 or kl_loss_coef > 0)
 values                 L               critic values, denormalised (unless disable_value)
@@ -18,7 +19,7 @@ proximal_logprobs      L - 1           trainer recompute (recompute_logprob / de
 
 :func:`prepare_ppo_batch` computes the loss mask (answer tokens, minus truncated
 sequences with ``mask_too_long``, minus prompts filtered by success rate), the score of
-each answer (``(reward - bias) * scaling``, plus the overlong penalty, clipped; 0 for
+each answer (``rewards`` [+ ``rm_rewards``], plus the overlong penalty, clipped; 0 for
 truncated answers with ``mask_no_eos_with_zero``), the rewards (KL penalty per token + the
 score at the last step), GAE advantages and returns, and the advantages of
 ``adv_estimator`` (GAE normalised as ``adv_norm`` / ``group_adv_norm`` say, or an outcome
@@ -157,6 +158,8 @@ def prepare_ppo_batch(
 
     no_eos = tensors["seq_no_eos_mask"].bool().view(-1)
     raw_reward = tensors["rewards"].float().view(-1)
+    if "rm_rewards" in tensors:  # a reward model scored the answers beside the verifier
+        raw_reward = raw_reward + tensors["rm_rewards"].float().view(-1)
     if no_eos.numel() != n_seq or raw_reward.numel() != n_seq:
         raise ValueError(
             f"rewards ({raw_reward.numel()}) and seq_no_eos_mask ({no_eos.numel()}) need one entry "

@@ -14,11 +14,15 @@ Input: items of two sequences each, chosen first (``paired_dataset``), keys
   ``rw/grad_norm``, ``rw/lr``, ``rw/n_pairs``. Advances ``model.version``.
 - ``evaluate``: the same loss and pair accuracy without gradients on held-out pairs:
   ``rw_eval/loss``, ``rw_eval/pair_acc``, ``rw_eval/margin`` (means over items).
-- ``inference``: ``rewards`` (one per sequence) of any sample with ``packed_input_ids``.
+- ``inference``: ``rewards`` (one per sequence) of any sample with ``packed_input_ids``:
+  ``(score - output_bias) * output_scaling``; stats ``rw/score`` (the raw scores' mean).
+  In ``ppo-math`` with ``reward_model.path`` this is the ``rm_inf`` MFC, which scores every
+  generated answer beside the verifier.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Dict
 
 import torch
@@ -68,7 +72,19 @@ def _rewards(out: torch.Tensor, mb: SequenceSample) -> torch.Tensor:
 
 
 class RewardModelInterface(ModelInterface):
-    """Bradley–Terry reward model (see the module docstring). No options."""
+    """Bradley–Terry reward model (see the module docstring).
+
+    Args:
+        output_scaling, output_bias: ``inference`` returns ``(score - output_bias) *
+            output_scaling`` (as ``math_reward`` does with its ±1 verdict).
+    """
+
+    def __init__(self, output_scaling: float = 1.0, output_bias: float = 0.0):
+        for name, v in (("output_scaling", output_scaling), ("output_bias", output_bias)):
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"rw {name}={v!r}: use a finite number")
+        self.output_scaling = float(output_scaling)
+        self.output_bias = float(output_bias)
 
     def train_step(
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
@@ -124,7 +140,11 @@ class RewardModelInterface(ModelInterface):
         engine = engine_of(model)
         keys = [k for k in _KEYS if k in data.keys]
         lens = [[1] * n for n in seqs_per_item(data)]
-        rewards = engine.forward(data.select(keys), mb_spec, _rewards, lens).float().cpu()
+        scores = engine.forward(data.select(keys), mb_spec, _rewards, lens).float().cpu()
+        with stats_tracker.scope("rw"):
+            stats_tracker.denominator(n_scored=torch.ones_like(scores, dtype=torch.bool))
+            stats_tracker.stat(denominator="n_scored", score=scores)
+        rewards = (scores - self.output_bias) * self.output_scaling
         return SequenceSample(
             keys={"rewards"},
             trailing_shapes={"rewards": ()},

@@ -195,3 +195,22 @@ def test_bad_combinations_name_the_field_and_the_fix(kw, needle):
     base.update(kw)
     with pytest.raises(ValueError, match=needle):
         PPOHyperparameters(**base)
+
+
+def test_a_reward_models_scores_add_to_the_verifiers_rewards():
+    rm = torch.tensor([0.5, -2.0, 0.25, 1.5, 0.0, -0.75])
+    with_rm = _batch()
+    with_rm.update_(
+        SequenceSample.from_default(
+            ids=["q0", "q1"], seqlens=[[1] * G, [1] * G], data={"rm_rewards": rm}
+        )
+    )
+    summed = _batch()
+    summed.data["rewards"] = torch.tensor(REWARDS) + rm
+    hp = _hp(adv_estimator="drgrpo")
+    got = prepare_ppo_batch(hp, with_rm, 0.0, record_stats=False).advantages
+    want = prepare_ppo_batch(hp, summed, 0.0, record_stats=False).advantages
+    assert torch.equal(got, want)
+    expect = _group_ref([r + float(x) for r, x in zip(REWARDS, rm)], "drgrpo")
+    for adv, e in zip(_per_answer(got, with_rm), expect):
+        assert adv == pytest.approx([e] * len(adv), rel=1e-6, abs=1e-6)
