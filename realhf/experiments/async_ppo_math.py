@@ -163,6 +163,19 @@ class AsyncPPOMathConfig(PPOMathConfig):
             "(e.g. 0.99 drops all-solved groups)"
         },
     )
+    max_turns: int = field(
+        default=1,
+        metadata={
+            "help": "answers per member: above 1 the math-multi-turn agent tells a member its "
+            "answer was wrong and lets it try again, up to this many turns"
+        },
+    )
+    turn_discount: float = field(
+        default=0.9,
+        metadata={
+            "help": "with max_turns > 1: a member solved at turn k gets its reward x this^(k-1)"
+        },
+    )
     gen_server: GenServerOptions = field(default_factory=GenServerOptions)
     exp_ctrl: ExperimentControlConfig = field(
         default_factory=lambda: ExperimentControlConfig(
@@ -185,7 +198,10 @@ class AsyncPPOMathConfig(PPOMathConfig):
                 "math-single-step agent), never through the actor's generate interface; leave "
                 "actor.gen_interface at 'ppo_actor' (ppo-math runs a custom one)"
             )
+        if not 0.0 < self.turn_discount <= 1.0:
+            raise ValueError(f"turn_discount must be in (0, 1], got {self.turn_discount!r}")
         for name, lo in (
+            ("max_turns", 1),
             ("max_head_offpolicyness", 0),
             ("new_tokens_per_chunk", 1),
             ("n_rollout_workers", 1),
@@ -293,7 +309,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     gconfig = dataclasses.replace(hp.gen, n=hp.group_size)
     rollout = RolloutWorkerConfig(
         agent=AgentAbstraction(
-            "math-single-step",
+            "math-single-step" if cfg.max_turns == 1 else "math-multi-turn",
             dict(
                 gconfig=gconfig,
                 group_size=hp.group_size,
@@ -302,6 +318,11 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
                 success_rate_lb=cfg.rollout_success_range[0],
                 success_rate_ub=cfg.rollout_success_range[1],
                 max_bad_row_fraction=cfg.dataset.max_bad_row_fraction,
+                **(
+                    dict(max_turns=cfg.max_turns, turn_discount=cfg.turn_discount)
+                    if cfg.max_turns > 1
+                    else {}
+                ),
             ),
         ),
         env=EnvAbstraction("math-code-single-step"),

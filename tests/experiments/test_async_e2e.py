@@ -88,6 +88,34 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     assert pushed == sorted(set(pushed)) and {2, 3} & set(pushed), pushed
 
 
+def test_multi_turn_agent_trains_on_whole_conversations(tmp_path):
+    # 16-token answers: the embedded SFT model gets some right at once, and the others get
+    # the feedback and another turn.
+    r = subprocess.run(
+        _cmd(
+            tmp_path,
+            "max_turns=3",
+            "ppo.gen.max_new_tokens=16",
+            "exp_ctrl.benchmark_steps=3",
+            "eval=false",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "async-ppo-math" / "run0"
+    rows = quickstart_runs.rows(run / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert all(x["rollout/staleness_max"] <= ETA for x in rows)
+    assert all(1.0 <= x["rollout/turns_mean"] <= 3.0 for x in rows)
+    assert max(x["rollout/turns_mean"] for x in rows) > 1.0  # some members tried again
+    batches = _check_trained(run, 3)
+    turns = [n for b in batches for group in b["n_turns"] for n in group]
+    assert len(turns) == 3 * B * 2 and set(turns) <= {1, 2, 3}
+
+
 def _wait_for_step(run, step, proc, timeout=300):
     deadline = time.monotonic() + timeout
     path = run / "metrics.jsonl"

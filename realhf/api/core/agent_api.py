@@ -4,10 +4,12 @@ A rollout worker runs one coroutine per prompt::
 
     trajectories = await agent.collect_trajectory(prompt, env, obs_queue, act_queue)
 
-The agent puts observations (token ids to continue from, with sampling settings) on
-``obs_queue``; the rollout worker answers each with the generation server's output on
-``act_queue``.  Keeping the model behind two queues lets one agent be tested without any
-server and lets the worker batch, pause and route requests freely.
+The agent puts observations (token ids to continue from, with sampling settings: a
+:class:`~realhf.api.core.rollout_api.GenerateGroupRequest`, or a list of them to generate
+together) on ``obs_queue``; the rollout worker answers each with the generation server's
+output (a ``GroupGeneration``, or a list in the same order) on ``act_queue``.  Keeping the
+model behind two queues lets one agent be tested without any server and lets the worker
+batch, pause and route requests freely.
 
 Implementations subclass :class:`Agent` and register a name with
 :func:`realhf.api.core.registry.register_agent`.

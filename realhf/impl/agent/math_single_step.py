@@ -106,6 +106,9 @@ def build_trajectory(
 class MathSingleStepAgent(Agent):
     """See the module docstring.
 
+    Attributes:
+        name: the registered name (in messages and the bad-row budget).
+
     Args:
         tokenizer: decodes answers for grading (supplied by the rollout worker).
         gconfig: sampling settings (a GenerationHyperparameters or its fields as a dict).
@@ -114,6 +117,8 @@ class MathSingleStepAgent(Agent):
         success_rate_lb, success_rate_ub: keep groups whose success rate lies in this range.
         max_bad_row_fraction: share of rows that may fail grading before the worker does.
     """
+
+    name = "math-single-step"
 
     def __init__(
         self,
@@ -132,74 +137,99 @@ class MathSingleStepAgent(Agent):
             gconfig = GenerationHyperparameters(**gconfig)
         elif not isinstance(gconfig, GenerationHyperparameters):
             raise TypeError(
-                "math-single-step: gconfig must be a GenerationHyperparameters or a dict, got "
+                f"{self.name}: gconfig must be a GenerationHyperparameters or a dict, got "
                 f"{gconfig!r}"
             )
         if group_size is not None:
             if not isinstance(group_size, int) or group_size < 1:
-                raise ValueError(
-                    f"math-single-step: group_size={group_size!r} must be an integer >= 1"
-                )
+                raise ValueError(f"{self.name}: group_size={group_size!r} must be an integer >= 1")
             if gconfig.n not in (1, group_size):
                 raise ValueError(
-                    f"math-single-step: group_size={group_size} contradicts gconfig.n={gconfig.n}; "
+                    f"{self.name}: group_size={group_size} contradicts gconfig.n={gconfig.n}; "
                     "set one of them"
                 )
             gconfig = gconfig.new(n=group_size)
         if not (0.0 <= success_rate_lb <= success_rate_ub <= 1.0):
             raise ValueError(
-                f"math-single-step: need 0 <= success_rate_lb <= success_rate_ub <= 1, got "
+                f"{self.name}: need 0 <= success_rate_lb <= success_rate_ub <= 1, got "
                 f"[{success_rate_lb}, {success_rate_ub}]"
             )
         if tokenizer is None:
-            raise ValueError("math-single-step needs a tokenizer to decode answers for grading")
+            raise ValueError(f"{self.name} needs a tokenizer to decode answers for grading")
         self.tokenizer = tokenizer
         self.gconfig = gconfig
         self.reward_scaling = float(reward_scaling)
         self.reward_bias = float(reward_bias)
         self.success_rate_lb = float(success_rate_lb)
         self.success_rate_ub = float(success_rate_ub)
-        self.bad_rows = BadRowBudget("math-single-step", max_bad_row_fraction)
+        self.bad_rows = BadRowBudget(self.name, max_bad_row_fraction)
 
     async def collect_trajectory(
         self, prompt, env, obs_queue: asyncio.Queue, act_queue: asyncio.Queue
     ) -> List[SequenceSample]:
         """One prompt -> [trajectory], or [] when the group is filtered out."""
+        self._check_prompt(prompt)
+        qid = prompt.ids[0]
+        meta = {k: v[0] for k, v in prompt.metadata.items()}
+        if not self._gradable(qid, meta):
+            return []
+        await obs_queue.put(
+            GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig)
+        )
+        gen = self._expect(await act_queue.get(), GroupGeneration)
+        verdicts = await self._grade(qid, meta, gen.output_ids, env)
+        if verdicts is None:
+            return []
+        self.bad_rows.good()
+        success = sum(v > 0 for v in verdicts) / len(verdicts)
+        # Dropped here rather than masked as in the sync pipeline (ppo_data): an async
+        # rollout can just not send a trajectory, while sync ranks must keep batch shapes.
+        if not self.success_rate_lb <= success <= self.success_rate_ub:
+            return []
+        rewards = [(v - self.reward_bias) * self.reward_scaling for v in verdicts]
+        return [build_trajectory(prompt, gen, rewards)]
+
+    # ---- shared with math-multi-turn ------------------------------------------------
+
+    def _check_prompt(self, prompt) -> None:
         if (
             not isinstance(prompt, SequenceSample)
             or len(prompt) != 1
             or "packed_prompts" not in prompt.keys
         ):
             raise ValueError(
-                "math-single-step: the prompt must be a one-item SequenceSample with key "
+                f"{self.name}: the prompt must be a one-item SequenceSample with key "
                 "'packed_prompts'"
             )
-        qid = prompt.ids[0]
-        meta = {k: v[0] for k, v in prompt.metadata.items()}
-        task = meta.get("task") or "math"
-        if task != "code":  # checked before generating: a row that cannot be graded costs nothing
-            try:
-                reference_answers(meta.get("solutions") or ())
-            except UngradableRow as e:
-                self.bad_rows.bad_row(qid, str(e))
-                return []
-        await obs_queue.put(
-            GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig)
-        )
-        gen = await act_queue.get()
-        if not isinstance(gen, GroupGeneration):
+
+    def _gradable(self, qid: str, meta: dict) -> bool:
+        """Whether the row can be graded (checked before generating: a row that cannot be
+        graded costs nothing); an ungradable one is counted."""
+        if (meta.get("task") or "math") == "code":
+            return True
+        try:
+            reference_answers(meta.get("solutions") or ())
+        except UngradableRow as e:
+            self.bad_rows.bad_row(qid, str(e))
+            return False
+        return True
+
+    def _expect(self, x, cls):
+        if not isinstance(x, cls):
             raise TypeError(
-                "math-single-step: expected a GroupGeneration on act_queue, got "
-                f"{type(gen).__name__}"
+                f"{self.name}: expected a {cls.__name__} on act_queue, got {type(x).__name__}"
             )
-        texts = [
-            self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in gen.output_ids
-        ]
+        return x
+
+    async def _grade(self, qid: str, meta: dict, outputs, env) -> Optional[List[float]]:
+        """+1 / −1 per answer (token ids), or None when the row's grading failed (counted
+        against the bad-row budget)."""
+        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in outputs]
         try:
             actions = [
                 MathCodeAction(
                     t,
-                    task=task,
+                    task=meta.get("task") or "math",
                     solutions=tuple(meta.get("solutions") or ()),
                     input_output=meta.get("input_output"),
                 )
@@ -208,16 +238,8 @@ class MathSingleStepAgent(Agent):
             results = await asyncio.gather(*(env.step(a) for a in actions))
         except Exception as e:  # noqa: BLE001 — the row's grading failed; the budget decides
             self.bad_rows.bad_row(qid, f"grading it raised {type(e).__name__}: {e}")
-            return []
-        self.bad_rows.good()
-        verdicts = [float(r.reward) for r in results]
-        success = sum(v > 0 for v in verdicts) / len(verdicts)
-        # Dropped here rather than masked as in the sync pipeline (ppo_data): an async
-        # rollout can just not send a trajectory, while sync ranks must keep batch shapes.
-        if not self.success_rate_lb <= success <= self.success_rate_ub:
-            return []
-        rewards = [(v - self.reward_bias) * self.reward_scaling for v in verdicts]
-        return [build_trajectory(prompt, gen, rewards)]
+            return None
+        return [float(r.reward) for r in results]
 
 
 register_agent("math-single-step", MathSingleStepAgent)

@@ -232,6 +232,8 @@ class TrajectoryStreamLoader:
             "version_start": [t.sample.data["version_start"].tolist() for t in batch],
             "version_end": [t.sample.data["version_end"].tolist() for t in batch],
         }
+        if all("n_turns" in t.sample.metadata for t in batch):  # multi-turn agents
+            rec["n_turns"] = [t.sample.metadata["n_turns"][0] for t in batch]
         with open(self.log_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -241,7 +243,12 @@ class TrajectoryStreamLoader:
         per_seq = [version - int(v) for t in batch for v in t.sample.data["version_start"].tolist()]
         rewards = [r for t in batch for r in t.sample.data["rewards"].tolist()]
         now = time.time()
+        turns = {}
+        if all("n_turns" in t.sample.metadata for t in batch):  # multi-turn agents
+            n = [x for t in batch for x in t.sample.metadata["n_turns"][0]]
+            turns = {"rollout/turns_mean": sum(n) / len(n)}
         return {
+            **turns,
             "rollout/reward": sum(rewards) / len(rewards),
             "rollout/reward_positive_frac": sum(r > 0 for r in rewards) / len(rewards),
             "rollout/staleness_mean": sum(per_seq) / len(per_seq),

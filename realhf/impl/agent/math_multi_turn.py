@@ -1,0 +1,203 @@
+"""``math-multi-turn``: answer, hear whether it was right, try again — up to ``max_turns``.
+
+One episode for a prompt and its ``group_size`` answers::
+
+    turn 1   obs_queue <- GenerateGroupRequest(qid, prompt, n = group_size)
+    grade    env.step(MathCodeAction(answer)) for every answer still trying
+    turn k   every member whose last answer was wrong and that has turns left continues
+             from its own context + its answer + the feedback message:
+             obs_queue <- [GenerateGroupRequest(qid/m<j>/t<k>, context_j, n = 1), ...]
+             (one list per turn: the rollout worker generates them together)
+
+Member j's trajectory sequence is the whole conversation, ``prompt a_1 f_1 a_2 f_2 ... a_T``
+(``a`` generated answers, each ending with the EOS the model emitted, ``f`` the feedback
+tokens).  ``prompt_mask`` is True on every token the model did not generate (the prompt and
+each feedback), so the loss trains on the answers only; ``packed_logprobs`` holds the
+server's logprob of each generated token and 0 elsewhere.  The reward of a member solved at
+turn k is ``(1 − reward_bias) · reward_scaling · turn_discount^(k−1)``; a member never solved
+gets ``(−1 − reward_bias) · reward_scaling``.  Per-turn verdicts (+1 / −1) are kept in the
+item metadata ``turn_verdicts`` (one list per member) and the turn counts in ``n_turns``.
+
+Groups are filtered by success within the turns (``success_rate_lb/ub``) as in
+``math-single-step``, and ungradable rows are skipped the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import GenerationHyperparameters
+from realhf.api.core.registry import register_agent
+from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
+from realhf.impl.agent.math_single_step import MathSingleStepAgent
+
+__all__ = ["MathMultiTurnAgent", "Conversation", "build_multi_turn_trajectory"]
+
+#: what the environment says after a wrong answer (a user turn of the chat template)
+DEFAULT_FEEDBACK = "Wrong. Try again: "
+
+
+class Conversation:
+    """One member's conversation: its tokens, which of them the model generated, their
+    logprobs, and the versions / verdicts of its turns."""
+
+    def __init__(self, prompt_ids: Sequence[int]):
+        self.ids: List[int] = list(prompt_ids)
+        self.generated: List[bool] = [False] * len(self.ids)
+        self.logprobs: List[float] = [0.0] * len(self.ids)
+        self.verdicts: List[float] = []
+        self.versions: List[int] = []
+        self.no_eos = False
+
+    def answer(self, ids, logprobs, version_start: int, version_end: int, no_eos: bool):
+        self.ids += list(ids)
+        self.generated += [True] * len(ids)
+        self.logprobs += list(logprobs)
+        self.versions += [version_start, version_end]
+        self.no_eos = no_eos
+
+    def feedback(self, ids: Sequence[int]):
+        self.ids += list(ids)
+        self.generated += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    @property
+    def solved_at(self) -> Optional[int]:
+        """The turn (1-based) whose answer was right, or None."""
+        return next((k + 1 for k, v in enumerate(self.verdicts) if v > 0), None)
+
+
+def build_multi_turn_trajectory(
+    prompt: SequenceSample, qid: str, convs: List[Conversation], rewards: Sequence[float]
+) -> SequenceSample:
+    """Pack a group's conversations into a one-item SequenceSample (the keys of
+    :func:`~realhf.impl.agent.math_single_step.build_trajectory`)."""
+    lens = [len(c.ids) for c in convs]
+    one = [[1] * len(convs)]
+    data = {
+        "packed_input_ids": torch.tensor([t for c in convs for t in c.ids], dtype=torch.long),
+        "prompt_mask": torch.tensor([not g for c in convs for g in c.generated]),
+        # shifted: entry t is the logprob of token t+1
+        "packed_logprobs": torch.tensor(
+            [x for c in convs for x in c.logprobs[1:]], dtype=torch.float32
+        ),
+        "seq_no_eos_mask": torch.tensor([c.no_eos for c in convs], dtype=torch.bool),
+        "version_start": torch.tensor([min(c.versions) for c in convs], dtype=torch.long),
+        "version_end": torch.tensor([max(c.versions) for c in convs], dtype=torch.long),
+        "rewards": torch.tensor(list(rewards), dtype=torch.float32),
+        "packed_prompts": prompt.data["packed_prompts"].clone(),
+    }
+    seqlens = {
+        "packed_input_ids": [lens],
+        "prompt_mask": [lens],
+        "packed_logprobs": [[n - 1 for n in lens]],
+        "seq_no_eos_mask": one,
+        "version_start": one,
+        "version_end": one,
+        "rewards": one,
+        "packed_prompts": [[len(prompt.data["packed_prompts"])]],
+    }
+    metadata = {k: list(v) for k, v in prompt.metadata.items()}
+    metadata["turn_verdicts"] = [[list(c.verdicts) for c in convs]]
+    metadata["n_turns"] = [[len(c.verdicts) for c in convs]]
+    return SequenceSample(
+        keys=set(data),
+        trailing_shapes={k: () for k in data},
+        dtypes={k: v.dtype for k, v in data.items()},
+        ids=[qid],
+        seqlens=seqlens,
+        data=data,
+        metadata=metadata,
+    )
+
+
+class MathMultiTurnAgent(MathSingleStepAgent):
+    """See the module docstring.  Arguments as :class:`MathSingleStepAgent`, plus:
+
+    Args:
+        max_turns: most answers per member (1 = single-step).
+        turn_discount: a member solved at turn k gets the correct reward times this^(k−1).
+        feedback: the text appended after a wrong answer (tokenized once).
+    """
+
+    name = "math-multi-turn"
+
+    def __init__(
+        self,
+        tokenizer,
+        gconfig: Union[GenerationHyperparameters, dict, None] = None,
+        group_size: Optional[int] = None,
+        max_turns: int = 3,
+        turn_discount: float = 0.9,
+        feedback: str = DEFAULT_FEEDBACK,
+        **kw,
+    ):
+        super().__init__(tokenizer, gconfig, group_size, **kw)
+        if not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"{self.name}: max_turns={max_turns!r} must be an integer >= 1")
+        if not 0.0 < turn_discount <= 1.0:
+            raise ValueError(f"{self.name}: turn_discount={turn_discount!r} must be in (0, 1]")
+        self.max_turns = max_turns
+        self.turn_discount = float(turn_discount)
+        self.feedback_ids = list(tokenizer(feedback, add_special_tokens=False)["input_ids"])
+        if not self.feedback_ids:
+            raise ValueError(f"{self.name}: the feedback text tokenizes to nothing")
+
+    async def collect_trajectory(
+        self, prompt, env, obs_queue: asyncio.Queue, act_queue: asyncio.Queue
+    ) -> List[SequenceSample]:
+        """One prompt -> [trajectory], or [] when the group is filtered out."""
+        self._check_prompt(prompt)
+        qid = prompt.ids[0]
+        meta = {k: v[0] for k, v in prompt.metadata.items()}
+        if not self._gradable(qid, meta):
+            return []
+        prompt_ids = tuple(prompt.data["packed_prompts"].tolist())
+        convs = [Conversation(prompt_ids) for _ in range(self.gconfig.n)]
+        await obs_queue.put(GenerateGroupRequest(qid, prompt_ids, self.gconfig))
+        gen = self._expect(await act_queue.get(), GroupGeneration)
+        active = list(range(len(convs)))
+        outputs = [(j, gen, j) for j in active]  # (member, generation, index in it)
+        one = self.gconfig.new(n=1)
+        for turn in range(1, self.max_turns + 1):
+            for j, g, m in outputs:
+                convs[j].answer(
+                    g.output_ids[m],
+                    g.output_logprobs[m],
+                    g.version_start[m],
+                    g.version_end[m],
+                    g.no_eos[m],
+                )
+            verdicts = await self._grade(qid, meta, [g.output_ids[m] for _, g, m in outputs], env)
+            if verdicts is None:
+                return []
+            for (j, _, _), v in zip(outputs, verdicts):
+                convs[j].verdicts.append(v)
+            active = [j for j, _, _ in outputs if convs[j].verdicts[-1] <= 0]
+            if turn == self.max_turns or not active:
+                break
+            reqs = []
+            for j in active:
+                convs[j].feedback(self.feedback_ids)
+                reqs.append(GenerateGroupRequest(f"{qid}/m{j}/t{turn + 1}", convs[j].ids, one))
+            await obs_queue.put(reqs)
+            gens = self._expect(await act_queue.get(), list)
+            outputs = [(j, self._expect(g, GroupGeneration), 0) for j, g in zip(active, gens)]
+        self.bad_rows.good()
+        rewards = []
+        for c in convs:
+            k = c.solved_at
+            verdict = 1.0 if k else -1.0
+            r = (verdict - self.reward_bias) * self.reward_scaling
+            rewards.append(r * self.turn_discount ** (k - 1) if k else r)
+        success = sum(c.solved_at is not None for c in convs) / len(convs)
+        if not self.success_rate_lb <= success <= self.success_rate_ub:
+            return []
+        return [build_multi_turn_trajectory(prompt, qid, convs, rewards)]
+
+
+register_agent("math-multi-turn", MathMultiTurnAgent)
