@@ -170,6 +170,14 @@ class AsyncPPOMathConfig(PPOMathConfig):
             "answer was wrong and lets it try again, up to this many turns"
         },
     )
+    python_tool: bool = field(
+        default=False,
+        metadata={
+            "help": "let answers call a python tool (<python>CODE</python>) run in the code "
+            "sandbox, its output appended to the context (math-tool-use agent); max_turns "
+            "bounds the answers per member (calls included)"
+        },
+    )
     turn_discount: float = field(
         default=0.9,
         metadata={
@@ -197,6 +205,10 @@ class AsyncPPOMathConfig(PPOMathConfig):
                 "its generation servers (sampling set by ppo.gen.*, rollouts by the "
                 "math-single-step agent), never through the actor's generate interface; leave "
                 "actor.gen_interface at 'ppo_actor' (ppo-math runs a custom one)"
+            )
+        if self.python_tool and self.max_turns < 2:
+            raise ValueError(
+                "python_tool=true needs max_turns >= 2 (a tool call and the answer after it)"
             )
         if not 0.0 < self.turn_discount <= 1.0:
             raise ValueError(f"turn_discount must be in (0, 1], got {self.turn_discount!r}")
@@ -243,6 +255,12 @@ class AsyncPPOMathConfig(PPOMathConfig):
         if self.dynamic_sampling:
             return (self.ppo.success_rate_lb, self.ppo.success_rate_ub)
         return (self.success_rate_lb, self.success_rate_ub)
+
+
+def _agent_name(cfg: AsyncPPOMathConfig) -> str:
+    if cfg.python_tool:
+        return "math-tool-use"
+    return "math-single-step" if cfg.max_turns == 1 else "math-multi-turn"
 
 
 def _threads(n: int) -> int:
@@ -309,7 +327,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     gconfig = dataclasses.replace(hp.gen, n=hp.group_size)
     rollout = RolloutWorkerConfig(
         agent=AgentAbstraction(
-            "math-single-step" if cfg.max_turns == 1 else "math-multi-turn",
+            _agent_name(cfg),
             dict(
                 gconfig=gconfig,
                 group_size=hp.group_size,
@@ -320,12 +338,12 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
                 max_bad_row_fraction=cfg.dataset.max_bad_row_fraction,
                 **(
                     dict(max_turns=cfg.max_turns, turn_discount=cfg.turn_discount)
-                    if cfg.max_turns > 1
+                    if _agent_name(cfg) != "math-single-step"
                     else {}
                 ),
             ),
         ),
-        env=EnvAbstraction("math-code-single-step"),
+        env=EnvAbstraction("math-python-tool" if cfg.python_tool else "math-code-single-step"),
         dataset=DatasetAbstraction("math_prompt", dict(dataset_path=train, **data_args)),
         tokenizer_path=actor_path,
         n_pullers=1,  # model worker 0 owns the stream (index order needs one consumer)

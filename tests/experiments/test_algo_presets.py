@@ -150,3 +150,21 @@ def test_a_trained_reward_model_scores_answers_beside_or_instead_of_the_verifier
     assert "rm_rewards" in amfcs["actor_train"].input_keys
     with pytest.raises(ValueError, match="rollout workers always grade with the verifier"):
         parse_config(AsyncPPOMathConfig, [f"reward_model.path={TINY_MODEL}", "verifier=false"])
+
+
+def test_async_agents_follow_max_turns_and_python_tool():
+    from realhf.experiments.async_ppo_math import build_async_ppo_math
+
+    def rollout(args):
+        return build_async_ppo_math(parse_config(AsyncPPOMathConfig, args)).workers[
+            "rollout_worker"
+        ][0]
+
+    assert rollout([]).agent.type_ == "math-single-step"
+    multi = rollout(["max_turns=3", "turn_discount=0.5"])
+    assert multi.agent.type_ == "math-multi-turn" and multi.env.type_ == "math-code-single-step"
+    assert (multi.agent.args["max_turns"], multi.agent.args["turn_discount"]) == (3, 0.5)
+    tool = rollout(["max_turns=2", "python_tool=true"])
+    assert tool.agent.type_ == "math-tool-use" and tool.env.type_ == "math-python-tool"
+    with pytest.raises(ValueError, match="python_tool=true needs max_turns >= 2"):
+        parse_config(AsyncPPOMathConfig, ["python_tool=true"])

@@ -20,12 +20,15 @@ item metadata ``turn_verdicts`` (one list per member) and the turn counts in ``n
 
 Groups are filtered by success within the turns (``success_rate_lb/ub``) as in
 ``math-single-step``, and ungradable rows are skipped the same way.
+
+``math-tool-use`` (:class:`MathToolAgent`) runs the same loop with another rule for what
+follows an answer: a python tool call is run in the code sandbox and its output appended.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import List, Optional, Sequence, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -34,8 +37,14 @@ from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 from realhf.impl.agent.math_single_step import MathSingleStepAgent
+from realhf.impl.environment.python_tool import PythonToolCall, extract_tool_call
 
-__all__ = ["MathMultiTurnAgent", "Conversation", "build_multi_turn_trajectory"]
+__all__ = [
+    "MathMultiTurnAgent",
+    "MathToolAgent",
+    "Conversation",
+    "build_multi_turn_trajectory",
+]
 
 #: what the environment says after a wrong answer (a user turn of the chat template)
 DEFAULT_FEEDBACK = "Wrong. Try again: "
@@ -172,18 +181,21 @@ class MathMultiTurnAgent(MathSingleStepAgent):
                     g.version_end[m],
                     g.no_eos[m],
                 )
-            verdicts = await self._grade(qid, meta, [g.output_ids[m] for _, g, m in outputs], env)
-            if verdicts is None:
+            last = turn == self.max_turns
+            res = await self._turn(qid, meta, [g.output_ids[m] for _, g, m in outputs], env, last)
+            if res is None:
                 return []
-            for (j, _, _), v in zip(outputs, verdicts):
+            active = []
+            for (j, _, _), (v, obs) in zip(outputs, res):
                 convs[j].verdicts.append(v)
-            active = [j for j, _, _ in outputs if convs[j].verdicts[-1] <= 0]
-            if turn == self.max_turns or not active:
+                if obs is not None and not last:
+                    convs[j].feedback(obs)
+                    active.append(j)
+            if not active:
                 break
-            reqs = []
-            for j in active:
-                convs[j].feedback(self.feedback_ids)
-                reqs.append(GenerateGroupRequest(f"{qid}/m{j}/t{turn + 1}", convs[j].ids, one))
+            reqs = [
+                GenerateGroupRequest(f"{qid}/m{j}/t{turn + 1}", convs[j].ids, one) for j in active
+            ]
             await obs_queue.put(reqs)
             gens = self._expect(await act_queue.get(), list)
             outputs = [(j, self._expect(g, GroupGeneration), 0) for j, g in zip(active, gens)]
@@ -199,5 +211,58 @@ class MathMultiTurnAgent(MathSingleStepAgent):
             return []
         return [build_multi_turn_trajectory(prompt, qid, convs, rewards)]
 
+    async def _turn(
+        self, qid: str, meta: dict, outputs, env, last: bool
+    ) -> Optional[List[Tuple[float, Optional[List[int]]]]]:
+        """Per answer of this turn: its verdict (+1 / −1; 0 = not graded) and the tokens to
+        append before the member's next answer (None: the member is done); None when the
+        row's grading failed."""
+        verdicts = await self._grade(qid, meta, outputs, env)
+        if verdicts is None:
+            return None
+        return [(v, None if v > 0 else self.feedback_ids) for v in verdicts]
+
 
 register_agent("math-multi-turn", MathMultiTurnAgent)
+
+
+class MathToolAgent(MathMultiTurnAgent):
+    """``math-tool-use``: an answer may call a python tool (``<python>CODE</python>``, e.g.
+    ``print(66+26)``) instead of answering; the environment (``math-python-tool``) runs it in
+    the code sandbox and its ``<output>...</output>`` is appended to the member's context,
+    from which it answers again.  An answer without a call (or one at the last turn) is
+    graded.  Arguments as :class:`MathMultiTurnAgent`; ``max_turns`` bounds the answers
+    (calls + the final one) and ``turn_discount`` (default 1: no cost per call) discounts
+    each extra one.  Per-turn verdicts are 0 for the tool calls."""
+
+    name = "math-tool-use"
+
+    def __init__(self, tokenizer, *args, turn_discount: float = 1.0, **kw):
+        super().__init__(tokenizer, *args, turn_discount=turn_discount, **kw)
+
+    async def _turn(self, qid, meta, outputs, env, last):
+        texts = [self.tokenizer.decode(list(ids), skip_special_tokens=True) for ids in outputs]
+        calls = [None if last else extract_tool_call(t) for t in texts]
+        graded = [ids for ids, c in zip(outputs, calls) if c is None]
+        verdicts = await self._grade(qid, meta, graded, env) if graded else []
+        if verdicts is None:
+            return None
+        try:
+            results = await asyncio.gather(
+                *(env.step(PythonToolCall(c)) for c in calls if c is not None)
+            )
+        except Exception as e:  # noqa: BLE001 — the tool could not run; the budget decides
+            self.bad_rows.bad_row(qid, f"its tool call raised {type(e).__name__}: {e}")
+            return None
+        v_iter, r_iter = iter(verdicts), iter(results)
+        out = []
+        for c in calls:
+            if c is None:
+                out.append((next(v_iter), None))
+            else:
+                obs = next(r_iter).obs
+                out.append((0.0, self.tokenizer(obs, add_special_tokens=False)["input_ids"]))
+        return out
+
+
+register_agent("math-tool-use", MathToolAgent)

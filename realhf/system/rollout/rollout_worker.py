@@ -69,6 +69,7 @@ _DEFAULT_IMPORTS = (
     "realhf.impl.agent.math_single_step",
     "realhf.impl.agent.math_multi_turn",
     "realhf.impl.environment.math_code_single_step",
+    "realhf.impl.environment.python_tool",
     "realhf.impl.dataset.math_dataset",
 )
 _STATUS_CHECK_INTERVAL_S = 1.0

@@ -154,3 +154,41 @@ def test_bad_options_are_refused(tokenizer):
         make_agent(AgentAbstraction("math-multi-turn", {"max_turns": 0}), tokenizer=tokenizer)
     with pytest.raises(ValueError, match=r"turn_discount=1.5 must be in \(0, 1\]"):
         make_agent(AgentAbstraction("math-multi-turn", {"turn_discount": 1.5}), tokenizer=tokenizer)
+
+
+def test_tool_calls_run_in_the_sandbox_and_their_output_joins_the_context(tokenizer):
+    from realhf.impl.environment.python_tool import MathPythonToolEnv
+
+    agent = make_agent(
+        AgentAbstraction(
+            "math-tool-use", {"gconfig": {"max_new_tokens": 16}, "group_size": 2, "max_turns": 3}
+        ),
+        tokenizer=tokenizer,
+    )
+
+    async def run():
+        obs_q, act_q = asyncio.Queue(), asyncio.Queue()
+        env = MathPythonToolEnv()
+        task = asyncio.create_task(agent.collect_trajectory(_prompt(tokenizer), env, obs_q, act_q))
+        first = await asyncio.wait_for(obs_q.get(), 10)
+        # member 0 calls the tool, member 1 answers (wrong) at once
+        await act_q.put(_gen(tokenizer, first, ["<python>print(66+26)</python>", "\\boxed{9}"], 0))
+        (req,) = await asyncio.wait_for(obs_q.get(), 60)
+        assert req.qid == "add-66-26/m0/t2"
+        # the sandbox's output is the member's context now
+        assert tokenizer.decode(list(req.prompt_ids)).endswith(
+            "<python>print(66+26)</python><|endoftext|><output>92</output>"
+        )
+        await act_q.put([_gen(tokenizer, req, ["\\boxed{92}"], 1)])
+        return await asyncio.wait_for(task, 60)
+
+    (traj,) = asyncio.run(run())
+    assert traj.metadata["turn_verdicts"] == [[[0.0, 1.0], [-1.0]]]
+    assert traj.data["rewards"].tolist() == [5.0, -5.0]  # no cost per call by default
+    # the tool's output is not trained on
+    out_ids = tokenizer.encode("<output>92</output>", add_special_tokens=False)
+    ids = traj.data["packed_input_ids"].tolist()
+    mask = traj.data["prompt_mask"].tolist()
+    n = traj.seqlens["packed_input_ids"][0][0]
+    k = next(i for i in range(n) if ids[i : i + len(out_ids)] == out_ids)
+    assert all(mask[k : k + len(out_ids)]) and not mask[k + len(out_ids)]
