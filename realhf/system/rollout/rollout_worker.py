@@ -68,6 +68,7 @@ __all__ = ["RolloutWorker"]
 _DEFAULT_IMPORTS = (
     "realhf.impl.agent.math_single_step",
     "realhf.impl.agent.math_multi_turn",
+    "realhf.impl.agent.openai_agent",
     "realhf.impl.environment.math_code_single_step",
     "realhf.impl.environment.python_tool",
     "realhf.impl.dataset.math_dataset",
