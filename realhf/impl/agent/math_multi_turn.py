@@ -28,100 +28,20 @@ follows an answer: a python tool call is run in the code sandbox and its output 
 from __future__ import annotations
 
 import asyncio
-from typing import List, Optional, Sequence, Tuple, Union
-
-import torch
+from typing import List, Optional, Tuple, Union
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 from realhf.impl.agent.math_single_step import MathSingleStepAgent
+from realhf.impl.agent.trajectory import Conversation, build_conversation_trajectory
 from realhf.impl.environment.python_tool import PythonToolCall, extract_tool_call
 
-__all__ = [
-    "MathMultiTurnAgent",
-    "MathToolAgent",
-    "Conversation",
-    "build_multi_turn_trajectory",
-]
+__all__ = ["MathMultiTurnAgent", "MathToolAgent"]
 
 #: what the environment says after a wrong answer (a user turn of the chat template)
 DEFAULT_FEEDBACK = "Wrong. Try again: "
-
-
-class Conversation:
-    """One member's conversation: its tokens, which of them the model generated, their
-    logprobs, and the versions / verdicts of its turns."""
-
-    def __init__(self, prompt_ids: Sequence[int]):
-        self.ids: List[int] = list(prompt_ids)
-        self.generated: List[bool] = [False] * len(self.ids)
-        self.logprobs: List[float] = [0.0] * len(self.ids)
-        self.verdicts: List[float] = []
-        self.versions: List[int] = []
-        self.no_eos = False
-
-    def answer(self, ids, logprobs, version_start: int, version_end: int, no_eos: bool):
-        self.ids += list(ids)
-        self.generated += [True] * len(ids)
-        self.logprobs += list(logprobs)
-        self.versions += [version_start, version_end]
-        self.no_eos = no_eos
-
-    def feedback(self, ids: Sequence[int]):
-        self.ids += list(ids)
-        self.generated += [False] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-
-    @property
-    def solved_at(self) -> Optional[int]:
-        """The turn (1-based) whose answer was right, or None."""
-        return next((k + 1 for k, v in enumerate(self.verdicts) if v > 0), None)
-
-
-def build_multi_turn_trajectory(
-    prompt: SequenceSample, qid: str, convs: List[Conversation], rewards: Sequence[float]
-) -> SequenceSample:
-    """Pack a group's conversations into a one-item SequenceSample (the keys of
-    :func:`~realhf.impl.agent.math_single_step.build_trajectory`)."""
-    lens = [len(c.ids) for c in convs]
-    one = [[1] * len(convs)]
-    data = {
-        "packed_input_ids": torch.tensor([t for c in convs for t in c.ids], dtype=torch.long),
-        "prompt_mask": torch.tensor([not g for c in convs for g in c.generated]),
-        # shifted: entry t is the logprob of token t+1
-        "packed_logprobs": torch.tensor(
-            [x for c in convs for x in c.logprobs[1:]], dtype=torch.float32
-        ),
-        "seq_no_eos_mask": torch.tensor([c.no_eos for c in convs], dtype=torch.bool),
-        "version_start": torch.tensor([min(c.versions) for c in convs], dtype=torch.long),
-        "version_end": torch.tensor([max(c.versions) for c in convs], dtype=torch.long),
-        "rewards": torch.tensor(list(rewards), dtype=torch.float32),
-        "packed_prompts": prompt.data["packed_prompts"].clone(),
-    }
-    seqlens = {
-        "packed_input_ids": [lens],
-        "prompt_mask": [lens],
-        "packed_logprobs": [[n - 1 for n in lens]],
-        "seq_no_eos_mask": one,
-        "version_start": one,
-        "version_end": one,
-        "rewards": one,
-        "packed_prompts": [[len(prompt.data["packed_prompts"])]],
-    }
-    metadata = {k: list(v) for k, v in prompt.metadata.items()}
-    metadata["turn_verdicts"] = [[list(c.verdicts) for c in convs]]
-    metadata["n_turns"] = [[len(c.verdicts) for c in convs]]
-    return SequenceSample(
-        keys=set(data),
-        trailing_shapes={k: () for k in data},
-        dtypes={k: v.dtype for k, v in data.items()},
-        ids=[qid],
-        seqlens=seqlens,
-        data=data,
-        metadata=metadata,
-    )
 
 
 class MathMultiTurnAgent(MathSingleStepAgent):
@@ -209,7 +129,7 @@ class MathMultiTurnAgent(MathSingleStepAgent):
         success = sum(c.solved_at is not None for c in convs) / len(convs)
         if not self.success_rate_lb <= success <= self.success_rate_ub:
             return []
-        return [build_multi_turn_trajectory(prompt, qid, convs, rewards)]
+        return [build_conversation_trajectory(prompt, qid, convs, rewards)]
 
     async def _turn(
         self, qid: str, meta: dict, outputs, env, last: bool

@@ -27,13 +27,12 @@ from __future__ import annotations
 import asyncio
 from typing import List, Optional, Sequence, Union
 
-import torch
-
 from realhf.api.core.agent_api import Agent
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
+from realhf.impl.agent.trajectory import Conversation, build_conversation_trajectory
 from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION, BadRowBudget
 from realhf.impl.environment.math_code_single_step import MathCodeAction
 from realhf.impl.reward.math_reward import UngradableRow, reference_answers
@@ -47,59 +46,16 @@ def build_trajectory(
     rewards: Sequence[float],
     extra_metadata: Optional[dict] = None,
 ) -> SequenceSample:
-    """Pack one prompt's group of answers into a one-item SequenceSample.
-
-    Keys (per sequence j of length ``L_j`` = prompt + answer):
-    ``packed_input_ids`` [L_j] int64, ``prompt_mask`` [L_j] bool (True on the prompt),
-    ``packed_logprobs`` [L_j − 1] float32 (the server's logprob of each answer token, zero
-    over the prompt), ``seq_no_eos_mask`` [1] bool (True when the answer hit the token
-    budget), ``version_start`` / ``version_end`` [1] int64, ``rewards`` [1] float32; and
-    ``packed_prompts`` [prompt_len] once per item.  Metadata: the prompt's, plus
-    ``extra_metadata``.
-    """
-    plen = len(gen.prompt_ids)
-    n = gen.group_size
-    if len(rewards) != n:
-        raise ValueError(f"build_trajectory {gen.qid!r}: {len(rewards)} rewards for {n} answers")
-    ids, pmask, lps, lens = [], [], [], []
-    for out, lp in zip(gen.output_ids, gen.output_logprobs):
-        ids += list(gen.prompt_ids) + list(out)
-        pmask += [True] * plen + [False] * len(out)
-        # Shifted: entry t belongs to token t+1, so the prompt contributes plen - 1 zeros.
-        lps += [0.0] * (plen - 1) + list(lp)
-        lens.append(plen + len(out))
-    one = [[1] * n]
-    seqlens = {
-        "packed_input_ids": [lens],
-        "prompt_mask": [lens],
-        "packed_logprobs": [[L - 1 for L in lens]],
-        "seq_no_eos_mask": one,
-        "version_start": one,
-        "version_end": one,
-        "rewards": one,
-        "packed_prompts": [[plen]],
-    }
-    data = {
-        "packed_input_ids": torch.tensor(ids, dtype=torch.long),
-        "prompt_mask": torch.tensor(pmask, dtype=torch.bool),
-        "packed_logprobs": torch.tensor(lps, dtype=torch.float32),
-        "seq_no_eos_mask": torch.tensor(gen.no_eos, dtype=torch.bool),
-        "version_start": torch.tensor(gen.version_start, dtype=torch.long),
-        "version_end": torch.tensor(gen.version_end, dtype=torch.long),
-        "rewards": torch.tensor(list(rewards), dtype=torch.float32),
-        "packed_prompts": torch.tensor(gen.prompt_ids, dtype=torch.long),
-    }
-    metadata = {k: list(v) for k, v in prompt.metadata.items()}
-    for k, v in (extra_metadata or {}).items():
-        metadata[k] = [v]
-    return SequenceSample(
-        keys=set(data),
-        trailing_shapes={k: () for k in data},
-        dtypes={k: v.dtype for k, v in data.items()},
-        ids=[gen.qid],
-        seqlens=seqlens,
-        data=data,
-        metadata=metadata,
+    """Pack one prompt's group of answers into a one-item SequenceSample: one single-answer
+    conversation per member (keys: :mod:`realhf.impl.agent.trajectory`).  Metadata: the
+    prompt's, plus ``extra_metadata``."""
+    convs = []
+    for j, (out, lp) in enumerate(zip(gen.output_ids, gen.output_logprobs)):
+        c = Conversation(gen.prompt_ids)
+        c.answer(out, lp, gen.version_start[j], gen.version_end[j], gen.no_eos[j])
+        convs.append(c)
+    return build_conversation_trajectory(
+        prompt, gen.qid, convs, rewards, extra_metadata, turns=False
     )
 
 

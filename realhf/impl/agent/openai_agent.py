@@ -46,7 +46,7 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
-from realhf.impl.agent.math_multi_turn import Conversation, build_multi_turn_trajectory
+from realhf.impl.agent.trajectory import Conversation, build_conversation_trajectory
 
 __all__ = ["OpenAIAgent", "Completion", "load_episode"]
 
@@ -310,11 +310,9 @@ class OpenAIAgent(Agent):
             conv, n_bad = _conversation(s.completions)
             convs.append(conv)
             unmatched.append(n_bad)
-        traj = build_multi_turn_trajectory(
-            prompt, qid, convs, [r * self.reward_scaling for r in rewards]
-        )
-        traj.metadata["unmatched_completions"] = [unmatched]
-        return [traj]
+        rewards = [r * self.reward_scaling for r in rewards]
+        extra = {"unmatched_completions": unmatched}
+        return [build_conversation_trajectory(prompt, qid, convs, rewards, extra)]
 
 
 def _conversation(completions: List[Completion]):
