@@ -6,9 +6,9 @@ sequence j of length ``L_j``): ``packed_input_ids`` [L_j] int64, ``prompt_mask``
 (True on every token the model did not generate: the prompt and what the environment
 added), ``packed_logprobs`` [L_j − 1] float32 (shifted: entry t is the server's logprob of
 token t+1, 0 where token t+1 was not generated), ``seq_no_eos_mask`` [1] bool (the last
-answer hit the token budget), ``version_start`` / ``version_end`` [1] int64 (the version of the first
-answer's first chunk and of the last answer's last chunk), ``rewards`` [1] float32;
-and ``packed_prompts`` [prompt_len] once per item.
+answer hit the token budget), ``version_start`` / ``version_end`` [1] int64 (the version
+of the first answer's first chunk and of the last answer's last chunk), ``rewards`` [1]
+float32; and ``packed_prompts`` [prompt_len] once per item.
 """
 
 from __future__ import annotations
