@@ -1,4 +1,4 @@
-"""Install realhf and its sibling packages functioncall/, evaluation/ and training/.
+"""Install realhf and its sibling packages areal/, functioncall/, evaluation/ and training/.
 
 Build without isolation so the C++ extension compiles against the torch that is
 already installed (`make install` puts the CPU wheel of torch 2.13.0 there first):
@@ -74,7 +74,9 @@ setup(
     version="0.1.0",
     description="Reinforcement learning for language models: PPO, GRPO, SFT and "
     "fully asynchronous PPO, runnable on CPU and GPU.",
-    packages=find_packages(include=["realhf*", "functioncall*", "evaluation*", "training*"]),
+    packages=find_packages(
+        include=["realhf*", "areal*", "functioncall*", "evaluation*", "training*"]
+    ),
     package_data={
         "realhf": ["assets/**/*"],
         "training": ["configs/*.yaml"],

@@ -156,3 +156,36 @@ def test_checker_catches_an_upward_import(tmp_path, monkeypatch):
         assert "base imports realhf.system" in str(e)
     else:
         raise AssertionError("upward import was not detected")
+
+
+AREAL = ROOT.parent / "areal"
+
+
+def _imported_modules(path: pathlib.Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield node.lineno, node.module or ""
+
+
+def test_areal_sits_above_realhf_and_realhf_never_imports_it():
+    # areal/ (the light API) may use any realhf layer; nothing in realhf may import areal,
+    # and areal imports no realhf entry points (apps, scheduler): it is launched by torchrun.
+    up = [
+        f"{p}:{n}: {m}"
+        for p in sorted(ROOT.rglob("*.py"))
+        for n, m in _imported_modules(p)
+        if m == "areal" or m.startswith("areal.")
+    ]
+    assert not up, "realhf imports areal:\n" + "\n".join(up)
+    assert sorted(AREAL.rglob("*.py")), "areal/ is missing"
+    side = [
+        f"{p}:{n}: {m}"
+        for p in sorted(AREAL.rglob("*.py"))
+        for n, m in _imported_modules(p)
+        if _layer_of(m) in ("apps", "scheduler")
+    ]
+    assert not side, "areal imports realhf's launch layers:\n" + "\n".join(side)

@@ -18,13 +18,14 @@ Implementations subclass :class:`Agent` and register a name with
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Awaitable, Callable, List
 
 if TYPE_CHECKING:
     from realhf.api.core.data_api import SequenceSample
     from realhf.api.core.env_api import EnvironmentService
+    from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "run_agent"]
 
 
 class Agent:
@@ -45,3 +46,39 @@ class Agent:
         raise NotImplementedError(
             f"agent {type(self).__name__} does not implement collect_trajectory()"
         )
+
+
+async def run_agent(
+    agent: Agent,
+    prompt: "SequenceSample",
+    env: "EnvironmentService",
+    generate: Callable[["GenerateGroupRequest"], Awaitable["GroupGeneration"]],
+) -> List["SequenceSample"]:
+    """Run one ``collect_trajectory`` of ``agent``, answering every request it puts on its
+    ``obs_queue`` with ``generate`` (a list of requests concurrently, answered as a list in
+    order).  Both front doors drive agents with this: the rollout worker and the light API's
+    workflow."""
+    from realhf.api.core.rollout_api import GenerateGroupRequest
+
+    obs_queue: asyncio.Queue = asyncio.Queue()
+    act_queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.create_task(agent.collect_trajectory(prompt, env, obs_queue, act_queue))
+    try:
+        while True:
+            get = asyncio.create_task(obs_queue.get())
+            await asyncio.wait({task, get}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return task.result()
+            req = get.result()
+            reqs = req if isinstance(req, list) else [req]
+            if not reqs or not all(isinstance(r, GenerateGroupRequest) for r in reqs):
+                raise TypeError(
+                    f"agent {type(agent).__name__} put {req!r:.200} on obs_queue; put a "
+                    "GenerateGroupRequest or a non-empty list of them"
+                )
+            gens = await asyncio.gather(*(generate(r) for r in reqs))
+            await act_queue.put(list(gens) if isinstance(req, list) else gens[0])
+    finally:
+        if not task.done():
+            task.cancel()

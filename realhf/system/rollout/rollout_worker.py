@@ -47,9 +47,9 @@ import uuid
 from typing import Dict, Optional
 
 from realhf.api.core import registry
+from realhf.api.core.agent_api import run_agent
 from realhf.api.core.rollout_api import (
     FinishStatus,
-    GenerateGroupRequest,
     RolloutWorkerConfig,
     Trajectory,
 )
@@ -401,34 +401,9 @@ class RolloutWorker(AsyncWorker):
         return True
 
     async def _run_agent(self, rollout_id: str, prompt):
-        obs_queue: asyncio.Queue = asyncio.Queue()
-        act_queue: asyncio.Queue = asyncio.Queue()
-        agent = asyncio.create_task(
-            self.agent.collect_trajectory(prompt, self.env, obs_queue, act_queue)
+        return await run_agent(
+            self.agent, prompt, self.env, lambda r: self.partial.generate_group(rollout_id, r)
         )
-        try:
-            while True:
-                get = asyncio.create_task(obs_queue.get())
-                await asyncio.wait({agent, get}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    return agent.result()
-                req = get.result()
-                reqs = req if isinstance(req, list) else [req]
-                if not reqs or not all(isinstance(r, GenerateGroupRequest) for r in reqs):
-                    raise TypeError(
-                        f"agent {self.config.agent.type_!r} put {req!r:.200} on obs_queue; "
-                        "put a GenerateGroupRequest or a non-empty list of them"
-                    )
-                # A list (e.g. every member of a multi-turn group continuing its own
-                # conversation) is generated concurrently and answered as a list, in order.
-                gens = await asyncio.gather(
-                    *(self.partial.generate_group(rollout_id, r) for r in reqs)
-                )
-                await act_queue.put(gens if isinstance(req, list) else gens[0])
-        finally:
-            if not agent.done():
-                agent.cancel()
 
     async def _release(self, rollout_id: str) -> None:
         """Best effort: free the slot of a rollout that failed or was cancelled."""

@@ -1,0 +1,1 @@
+"""Interfaces of the light API: engines, workflows and their configs."""

@@ -1,0 +1,94 @@
+"""Engines: what trains the model and what generates with it.
+
+:class:`TrainEngine` is the trained model of an SPMD script: a ReaLModel in realhf's
+training backend, data-parallel over ``torch.distributed``'s default group when the script
+runs under ``torchrun`` with more than one process.  Algorithms are realhf's interfaces,
+called on :attr:`TrainEngine.model` (e.g. ``PPOActorInterface.train_step(engine.model,
+batch, mb_spec)``), so nothing of the PPO maths lives here.
+
+:class:`InferenceEngine` is what a workflow generates with: ``agenerate`` answers a
+:class:`~realhf.api.core.rollout_api.GenerateGroupRequest` with a ``GroupGeneration``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from realhf.api.cli_args import OptimizerConfig
+from realhf.api.core.model_api import FinetuneSpec, Model
+from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
+from realhf.impl.model import ReaLModel
+from realhf.impl.model.backend import TrainEngine as _Backend
+
+__all__ = ["TrainEngine", "InferenceEngine"]
+
+
+class TrainEngine:
+    """A trained model (see the module docstring).
+
+    Args:
+        path: HuggingFace model directory (with its tokenizer).
+        optimizer: AdamW settings and LR schedule.
+        total_steps: optimizer steps of the run (the LR schedule's length).
+        role: the model's name in logs.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        optimizer: Optional[OptimizerConfig] = None,
+        total_steps: int = 1,
+        role: str = "actor",
+    ):
+        from transformers import AutoTokenizer
+
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"TrainEngine: '{path}' is not a HuggingFace model directory")
+        self.path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.module = ReaLModel.from_hf(path)
+        backend = _Backend(
+            self.module,
+            optimizer or OptimizerConfig(),
+            FinetuneSpec(total_train_epochs=1, dataset_size=total_steps, train_batch_size=1),
+        )
+        #: the handle realhf's interfaces take (``interface.train_step(engine.model, ...)``)
+        self.model = Model(role, backend, self.tokenizer, device="cpu")
+
+    @property
+    def version(self) -> int:
+        """Optimizer steps taken (interfaces advance it)."""
+        return self.model.version.global_step
+
+    def save(self, path: str) -> None:
+        """A HuggingFace directory of the current weights (with the tokenizer), written
+        complete before it is renamed into place (data-parallel ranks hold the same weights:
+        rank 0 writes)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        tmp = path + ".tmp"
+        self.module.save_hf(tmp, tokenizer=self.path)
+        if os.path.isdir(path):
+            import shutil
+
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+
+
+class InferenceEngine:
+    """What a workflow generates with (see the module docstring)."""
+
+    async def agenerate(self, req: GenerateGroupRequest) -> GroupGeneration:
+        raise NotImplementedError
+
+    def update_weights(self, path: str, version: int) -> None:
+        """Load the weights of ``path`` (a HF directory), which are version ``version``."""
+        raise NotImplementedError
+
+    @property
+    def version(self) -> int:
+        """The weight version the engine generates with."""
+        raise NotImplementedError

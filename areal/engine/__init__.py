@@ -1,0 +1,1 @@
+"""Engines of the light API: the remote inference engine and a local generation server."""

@@ -1,0 +1,1 @@
+"""Rollout workflows: the worker system's agents, run by the light API's executor."""
