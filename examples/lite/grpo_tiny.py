@@ -108,6 +108,7 @@ def main():
                 "elapsed": time.monotonic() - t0,
                 "staleness_max": stale,
                 "reward": float(mine.data["rewards"].mean()),
+                "solved": float((mine.data["rewards"] > 0).float().mean()),  # within max_turns
                 "loss": stats.get("ppo_actor/loss"),
             }
             if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
