@@ -60,6 +60,10 @@ class GRPOConfig:
     steps: int = field(default=60, metadata={"help": "training steps"})
     group_size: int = field(default=8, metadata={"help": "answers per prompt"})
     max_turns: int = field(default=1, metadata={"help": "answers per member (multi-turn: > 1)"})
+    python_tool: bool = field(
+        default=False,
+        metadata={"help": "answers may call a python tool run in the sandbox (max_turns >= 2)"},
+    )
     eval_every: int = field(default=20, metadata={"help": "greedy eval every N steps (0: never)"})
     n_eval: int = field(default=500, metadata={"help": "held-out problems per evaluation"})
     out_dir: str = field(default="/tmp/areal-lite", metadata={"help": "weights and metrics"})

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=1 examples/lite/grpo_tiny.py
     torchrun --nproc_per_node=2 examples/lite/grpo_tiny.py steps=20 max_turns=3
+    torchrun --nproc_per_node=1 examples/lite/grpo_tiny.py max_turns=3 python_tool=true
 
 Rank 0 starts a generation server (the built-in engine, its own process) and a background
 rollout executor; every step it takes the next B trajectories (index order, each at most
@@ -25,7 +26,7 @@ from areal.api.engine_api import TrainEngine
 from areal.api.workflow_api import WorkflowExecutor
 from areal.engine.local_server import LocalGenerationServer
 from areal.engine.remote import RemoteInferenceEngine
-from areal.workflow.agent import math_rows, multi_turn_workflow, rlvr_workflow
+from areal.workflow.agent import math_rows, multi_turn_workflow, rlvr_workflow, tool_workflow
 from realhf.api.cli_parser import parse_config
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.experiments.async_ppo_math import AsyncPPOMathConfig
@@ -71,7 +72,8 @@ def main():
         url = server.__enter__()
         engine = RemoteInferenceEngine([url], cfg.rollout.new_tokens_per_chunk, seed=cfg.seed)
         make = rlvr_workflow if cfg.max_turns == 1 else multi_turn_workflow
-        kw = {} if cfg.max_turns == 1 else {"max_turns": cfg.max_turns}
+        make = tool_workflow if cfg.python_tool else make
+        kw = {} if make is rlvr_workflow else {"max_turns": cfg.max_turns}
         workflow = make(actor.tokenizer, hp.gen, group_size=cfg.group_size, **kw)
         executor = WorkflowExecutor(engine, workflow, cfg.rollout)
         rows = math_rows(TINY_TRAIN, actor.tokenizer)
