@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
+
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
@@ -47,14 +49,19 @@ class TrainEngine:
             raise FileNotFoundError(f"TrainEngine: '{path}' is not a HuggingFace model directory")
         self.path = path
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.module = ReaLModel.from_hf(path)
+        # CPU here; with CUDA, this process's GPU (torchrun's LOCAL_RANK).
+        self.device = "cpu"
+        if torch.cuda.is_available():
+            self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(self.device)
+        self.module = ReaLModel.from_hf(path, device=self.device)
         backend = _Backend(
             self.module,
             optimizer or OptimizerConfig(),
             FinetuneSpec(total_train_epochs=1, dataset_size=total_steps, train_batch_size=1),
         )
         #: the handle realhf's interfaces take (``interface.train_step(engine.model, ...)``)
-        self.model = Model(role, backend, self.tokenizer, device="cpu")
+        self.model = Model(role, backend, self.tokenizer, device=self.device)
 
     @property
     def version(self) -> int:

@@ -46,7 +46,7 @@ def evaluate(actor, rows, n):
 
 def main():
     cfg = load_config(GRPOConfig, sys.argv[1:])
-    dist.init_process_group("gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * world)))
