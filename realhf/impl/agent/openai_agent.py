@@ -46,6 +46,7 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
+from realhf.base import network
 from realhf.impl.agent.trajectory import Conversation, build_conversation_trajectory
 
 __all__ = ["OpenAIAgent", "Completion", "load_episode"]
@@ -144,9 +145,8 @@ class OpenAIAgent(Agent):
                 app.router.add_post("/s/{sid}/v1/completions", self._text)
                 self._runner = web.AppRunner(app, access_log=None)
                 await self._runner.setup()
-                site = web.TCPSite(self._runner, "127.0.0.1", 0)
-                await site.start()
-                port = site._server.sockets[0].getsockname()[1]
+                port = network.find_free_port()
+                await web.TCPSite(self._runner, "127.0.0.1", port).start()
                 self._url = f"http://127.0.0.1:{port}"
         return self._url
 
