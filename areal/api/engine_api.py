@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from realhf.api.cli_args import OptimizerConfig
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 from realhf.impl.model import ReaLModel
@@ -67,6 +68,36 @@ class TrainEngine:
     def version(self) -> int:
         """Optimizer steps taken (interfaces advance it)."""
         return self.model.version.global_step
+
+    def forward(self, batch: SequenceSample, mb_spec: MicroBatchSpec, post_hook=None):
+        """The model's outputs over a packed batch, micro-batch by micro-batch (no grad;
+        ``post_hook(out, mb)`` maps each micro-batch's logits, e.g. to log-probs)."""
+        return self.model.module.forward(batch, mb_spec, post_hook)
+
+    def train_batch(self, batch: SequenceSample, mb_spec: MicroBatchSpec, loss_fn, weight_fn):
+        """One optimizer step: ``loss_fn(out, mb) -> (loss, stats)`` per micro-batch, the
+        micro-batch losses weighted by ``weight_fn(mb)`` over all data-parallel ranks (a
+        collective: every rank calls it).  Returns the step's statistics."""
+        stats = self.model.module.train_batch(
+            batch, mb_spec, loss_fn, weight_fn, version_steps=self.version
+        )
+        self.model.inc_version()
+        return stats
+
+    def load(self, path: str) -> None:
+        """Load the weights of the HuggingFace directory ``path`` into the model."""
+        self.module.load_hf_weights(path)
+
+    def upload_weights(self, engine: "InferenceEngine", path: str) -> None:
+        """Save the weights to ``path`` and make ``engine`` generate with them, as version
+        :attr:`version` (rank 0 saves; every rank waits until it is written)."""
+        import torch.distributed as dist
+
+        self.save(path)
+        if dist.is_initialized():
+            dist.barrier()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            engine.update_weights(path, self.version)
 
     def save(self, path: str) -> None:
         """A HuggingFace directory of the current weights (with the tokenizer), written

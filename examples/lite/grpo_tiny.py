@@ -97,12 +97,12 @@ def main():
             if stale > eta:
                 raise RuntimeError(f"step {step}: a trajectory is {stale} versions old (eta={eta})")
             stats = algo.train_step(actor.model, mine, MicroBatchSpec())
+            weights = os.path.join(cfg.out_dir, "weights", f"v{step + 1}")
+            os.makedirs(os.path.dirname(weights), exist_ok=True)
             if rank == 0:
-                weights = os.path.join(cfg.out_dir, "weights", f"v{step + 1}")
-                os.makedirs(os.path.dirname(weights), exist_ok=True)
-                actor.save(weights)
-                executor.pause()
-                engine.update_weights(weights, step + 1)
+                executor.pause()  # no new episode until the servers run version step + 1
+            actor.upload_weights(engine, weights)  # rank 0 saves, the servers load
+            if rank == 0:
                 executor.set_version(step + 1)
                 executor.resume()
             record = {
