@@ -286,7 +286,7 @@ class OpenAIAgent(Agent):
         # so that each generation request is answered to the episode that made it.
         sessions, rewards = [], []
         for j in range(self.group_size):
-            sid = f"{qid}~{j}~{next(self._ids)}"
+            sid = f"e{next(self._ids)}"  # a URL path segment, whatever the qid holds
             s = self.sessions[sid] = _Session(f"{qid}/e{j}", obs_queue, act_queue)
             client = openai.AsyncOpenAI(
                 base_url=f"{url}/s/{sid}/v1", api_key="realhf", max_retries=0
