@@ -61,6 +61,7 @@ from realhf.system.dag.outputs import (
     plot_curves,
 )
 from realhf.system.dag.runner import DagRunner
+from realhf.system.transport.errors import RemoteError
 from realhf.system.transport.request_reply import RequestClient
 from realhf.system.worker.base import AsyncWorker, PollResult, register_worker
 
@@ -387,7 +388,17 @@ class MasterWorker(AsyncWorker):
         # worker has replied, turns into a checkpoint: a crash mid-write leaves none.
         tmp = recover.prepare_tmp_dir(root, self.step.global_step)
         try:
-            await self._call(Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n)
+            # Every worker's reply is awaited, errors included, before the directory can be
+            # discarded below: a worker still writing would recreate it after the discard.
+            rids = self.client.request(
+                self.handlers, Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n
+            )
+            replies = await self.client.gather_async(
+                rids, timeout=self.config.timeout, raise_remote=False
+            )
+            failed = [r for r in replies if r.error is not None]
+            if failed:
+                raise RemoteError(failed[0].error)
             hold = faults.faults_of(self.worker_name).get("slow_checkpoint")
             if hold:  # reliability tests strike while a checkpoint is being written
                 await asyncio.sleep(hold)
