@@ -15,9 +15,12 @@ to c, a times, one addition per line, each line numbered, then boxing the result
 Every step is local (increment the line number, add one digit to the previous total,
 stop when the line number reaches a), so the tiny model can learn it, and the answer
 length is set by the problem: about 8 tokens per line.  ``a`` is drawn with weight
-``1/a``, which gives a long tail of lengths under the SFT policy: 10 to ~240 answer
-tokens, median ~32, 90th percentile ~140 (p90/median > 4) -- the regime where a
-synchronous step waits for its longest answers (issue "where asynchrony wins").
+``a**-TAIL`` (TAIL = 1.3), which gives a long tail of lengths: 10 to ~240 answer tokens,
+median ~26, 90th percentile ~110 in the reference answers; sampled at temperature 1 from
+the SFT policy (which ends some chains early and runs others on past their last line):
+median 21, p90 153 -- the regime where a synchronous step waits for its longest answers
+(issue "where asynchrony wins").  With weight ``1/a`` the reference ratio was 4.3 but the
+policy sampled only 3.85.
 
 Files and formats are those of the short task (examples/tiny/make_data.py):
 ``train.jsonl`` / ``eval.jsonl`` (math jsonl), ``sft.jsonl`` ({id, prompt, answer})
@@ -41,6 +44,7 @@ DEFAULT_EVAL_COPY = os.path.join(REPO_ROOT, "evaluation", "data", "tiny_long", "
 START = range(1, 1000)  # c
 COUNT = range(1, 31)  # a: number of lines
 STEP = range(2, 10)  # b
+TAIL = 1.3  # a is drawn with weight a**-TAIL
 
 Problem = Tuple[int, int, int]  # (c, a, b)
 
@@ -72,9 +76,9 @@ def sft_record(c: int, a: int, b: int) -> Dict:
 
 
 def sample_problems(seed: int, n: int) -> List[Problem]:
-    """``n`` distinct problems, ``a`` drawn with weight 1/a (the long tail of lengths)."""
+    """``n`` distinct problems, ``a`` drawn with weight ``a**-TAIL`` (the long tail of lengths)."""
     rng = random.Random(seed)
-    weights = [1.0 / a for a in COUNT]
+    weights = [a**-TAIL for a in COUNT]
     seen, out = set(), []
     while len(out) < n:
         p = (rng.choice(START), rng.choices(COUNT, weights)[0], rng.choice(STEP))

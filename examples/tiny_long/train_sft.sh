@@ -6,8 +6,11 @@
 #
 #     bash examples/tiny_long/train_sft.sh [WORKDIR] [STEPS]
 #
-# About 12 minutes on 2 CPU cores (1.2 s/step, 64 sequences of ~68 tokens per step); the
-# schedule is that of 40 epochs (warm-up 250 steps), so stopping at 500 changes nothing before.
+# About 8 minutes on 2 CPU cores (4 min of training at ~0.5 s/step, 64 sequences per step,
+# then a greedy evaluation of each of the 20 saved checkpoints); the schedule is that of 40
+# epochs (warm-up 250 steps), so stopping at 400 changes nothing before.  Accuracy jumps
+# between steps 300 (6 %) and 400 (45 %), hence a checkpoint every 20 steps; the committed
+# model is step 380 (34.4 %).
 # The start model is the short task's checkpoint with its position budget raised from 256 to
 # 512 (RoPE has no learned positions, so the weights are unchanged): long answers plus a
 # sampled overrun must fit.  The tokenizer is the short task's (digits, ':', newline are
@@ -15,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 work=${1:-/tmp/realhf-tiny-long-sft}
-steps=${2:-500}
+steps=${2:-400}
 mkdir -p "$work/init" realhf/assets/tiny_long
 python - "$work/init" <<'PY'
 import json, os, shutil, sys
@@ -31,7 +34,7 @@ cfg["max_position_embeddings"] = 512
 json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=2)
 PY
 python -m realhf.apps.quickstart sft task=tiny_long model.path="$work/init" \
-  exp_ctrl.total_train_epochs=40 exp_ctrl.benchmark_steps="$steps" exp_ctrl.save_freq_steps=100 \
+  exp_ctrl.total_train_epochs=40 exp_ctrl.benchmark_steps="$steps" exp_ctrl.save_freq_steps=20 \
   fileroot="$work" trial_name=scratch overwrite=true
 python examples/tiny/pick_checkpoint.py "$work/sft/scratch/checkpoints/default" \
   --task tiny_long --max-gen-tokens 256 --low 0.15 --high 0.45 --target 0.30 \

@@ -236,7 +236,8 @@ class PPOMathConfig(BaseExperimentConfig):
         # tiny_long's answers run to ~240 tokens (examples/tiny_long/make_data.py).  Its
         # chains fail on one wrong line, so most sampled answers are wrong and the negative
         # advantages cover long runs of correct lines: at lr 2e-4 greedy accuracy fell from
-        # 34.8% to 9.6% in 20 steps; 1e-4 rose to 40.2% in 40 (2026-11-26).
+        # 34.8% to 9.6% in 20 steps; 1e-4 rose to 40.2% in 40 (2026-11-26, an earlier version
+        # of the task with a drawn with weight 1/a).
         if task == "tiny_long":
             return [
                 f"ppo.gen.max_new_tokens={LONG_MAX_NEW_TOKENS}",

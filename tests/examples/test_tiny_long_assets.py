@@ -119,10 +119,9 @@ def test_sft_policy_answer_lengths_span_the_tail():
         engine.close()
     lengths = [len(o.output_ids) for o in outs]
     lo, med, p90, hi = _tail(lengths)
-    # The reference answers have p90/median 4.4 on these prompts; sampled at temperature 1
-    # the SFT policy ends some long chains early (2026-11-26, 512 prompts: median 27, p90
-    # 104, i.e. 3.85): the tail is there but a little short of 4.
-    assert lo <= 12 and hi >= 150 and p90 / med >= 3.5, (lo, med, p90, hi)
+    # Sampled at temperature 1 the SFT policy ends some chains early and runs others past
+    # their last line (2026-11-27, 2048 prompts: 6-256 tokens, median 21, p90 153).
+    assert lo <= 12 and hi >= 150 and p90 / med >= 4, (lo, med, p90, hi)
     stopped = sum(o.finish_reason.type == "stop" for o in outs)
     assert stopped >= 0.95 * len(outs)
 
