@@ -50,7 +50,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from evaluation.eval_and_aggregate import evaluate  # noqa: E402
+from realhf.api.core.rollout_api import RolloutWorkerConfig  # noqa: E402
 from realhf.base import constants  # noqa: E402
+from realhf.experiments.async_ppo_math import WEIGHT_POLL_INTERVAL_S  # noqa: E402
 from realhf.experiments.building_blocks import task_data, task_model  # noqa: E402
 from realhf.impl.model.gen.engine import OCCUPANCY_DIR_ENV  # noqa: E402
 
@@ -77,41 +79,86 @@ def trainer_idle_share(run_dir: str) -> float:
     return max(0.0, 1.0 - busy / span) if span > 0 else float("nan")
 
 
-def occupancy(occ_dir: str, t0: float, t1: float, buckets: int = 10) -> dict:
-    """Time-weighted occupancy (running / slots) of every engine step in [t0, t1].
+def _engine_steps(occ_dir: str, t0: float, t1: float):
+    """``(end time, running, slots, seconds)`` of every engine step ending in [t0, t1].
 
     Each engine step's row holds its end time and the sequences it advanced; a step lasts
     from the previous row of the same engine.  A gap of more than ten median steps (at
     least 0.2 s) is idle time, not a step: the engine waited for work (sync: while the
-    model trained), so the row after it counts as one median step.
+    model trained); such a row has ``seconds`` None and counts as one median step where
+    time is summed.  Yields ``(t, running, slots, seconds, median)``.
     """
-    total = [0.0, 0.0]  # occupied slot-seconds, busy seconds
-    per = [[0.0, 0.0] for _ in range(buckets)]
-    width = (t1 - t0) / buckets
     for path in glob.glob(os.path.join(occ_dir, "occupancy-*.tsv")):
         with open(path) as f:
             rows = [line.split("\t") for line in f if line.strip()]
         times = [float(r[0]) for r in rows]
-        fracs = [int(r[1]) / int(r[2]) for r in rows]
         gaps = sorted(b - a for a, b in zip(times, times[1:]))
         if not gaps:
             continue
         median = gaps[len(gaps) // 2]
         idle = max(0.2, 10 * median)
-        for prev, t, frac in zip(times, times[1:], fracs[1:]):
-            if not t0 <= t <= t1:
-                continue
-            dt = t - prev if t - prev <= idle else median
-            total[0] += frac * dt
-            total[1] += dt
-            b = min(buckets - 1, int((t - t0) / width))
-            per[b][0] += frac * dt
-            per[b][1] += dt
+        for prev, t, r in zip(times, times[1:], rows[1:]):
+            if t0 <= t <= t1:
+                yield t, int(r[1]), int(r[2]), (t - prev if t - prev <= idle else None), median
+
+
+def occupancy(occ_dir: str, t0: float, t1: float, buckets: int = 10) -> dict:
+    """Time-weighted occupancy (running / slots) of every engine step in [t0, t1], overall
+    and per ``buckets``-th of the span, and the share of the span with a step going."""
+    total = [0.0, 0.0]  # occupied slot-seconds, busy seconds
+    per = [[0.0, 0.0] for _ in range(buckets)]
+    width = (t1 - t0) / buckets
+    for t, running, slots, dt, median in _engine_steps(occ_dir, t0, t1):
+        dt, frac = median if dt is None else dt, running / slots
+        total[0] += frac * dt
+        total[1] += dt
+        b = min(buckets - 1, int((t - t0) / width))
+        per[b][0] += frac * dt
+        per[b][1] += dt
     return {
         "mean": total[0] / total[1] if total[1] else float("nan"),
         "busy_share": total[1] / (t1 - t0) if t1 > t0 else float("nan"),
         "series": [round(o / s, 3) if s else 0.0 for o, s in per],
     }
+
+
+#: Upper edges (exclusive) of the running-sequence bins of :func:`decode_table`.
+DECODE_BINS = (4, 16, 64, 128, 192, 1 << 20)
+
+
+def decode_table(occ_dir: str, t0: float, t1: float) -> List[List[float]]:
+    """The engine's step cost inside the run: ``[b, seconds]`` per bin of running sequences
+    (``DECODE_BINS``), ``b`` the bin's median running count and ``seconds`` its median step
+    (idle gaps left out) -- what ``benchmark/simulate.py --validate --costs in-run`` uses
+    in place of the isolated profile's decode cost."""
+    bins: List[List[Tuple[int, float]]] = [[] for _ in DECODE_BINS]
+    for _, running, _, dt, _ in _engine_steps(occ_dir, t0, t1):
+        if dt is not None and running > 0:
+            bins[next(i for i, e in enumerate(DECODE_BINS) if running < e)].append((running, dt))
+    table = []
+    for rows in bins:
+        if len(rows) >= 5:
+            bs, ss = sorted(r for r, _ in rows), sorted(s for _, s in rows)
+            table.append([bs[len(bs) // 2], round(ss[len(ss) // 2], 6)])
+    return table
+
+
+def train_s_per_token(rows: List[dict]) -> float:
+    """Seconds of ``actor_train`` per trained token inside the run (the master's per-step
+    ``timing/actor_train`` over its ``tokens``), the first step (warm-up) left out."""
+    rows = rows[1:] or rows
+    tokens = sum(r.get("tokens", 0) for r in rows)
+    return sum(r.get("timing/actor_train", 0.0) for r in rows) / tokens if tokens else float("nan")
+
+
+def step_other_s(rows: List[dict]) -> float:
+    """Median seconds of a sync step outside ``actor_gen`` and ``actor_train`` (rewards,
+    data movement, the master), the first step left out."""
+    rest = sorted(
+        r["time"] - r.get("timing/actor_gen", 0.0) - r.get("timing/actor_train", 0.0)
+        for r in rows[1:] or rows
+    )
+    return max(0.0, rest[len(rest) // 2])
 
 
 class CpuSampler(threading.Thread):
@@ -210,14 +257,22 @@ def _run(name: str, fileroot: str, args, extra: List[str], label: str, steps: in
         "train_s": round(seconds, 1),
         "samples": samples,
         "samples_per_s": samples / seconds,
+        # the same without the first step (each system's warm-up): what the simulator models
+        "samples_per_s_after_first": (samples - rows[0]["n_items"]) / (seconds - rows[0]["time"]),
         "step_s_median": sorted(r_["time"] for r_ in rows)[len(rows) // 2],
         "occupancy_mean": round(occ["mean"], 3),
         "gen_busy_share": round(occ["busy_share"], 3),
         "occupancy_series": occ["series"],
         "trainer_idle_share": round(trainer_idle_share(run_dir), 3),
+        "decode_table": decode_table(occ_dir, *span),
+        "train_s_per_token": train_s_per_token(rows),
+        # trained sequence length (prompt + answer), mean over steps: the run's workload
+        "seq_len_mean": round(sum(r_["actor_train/ppo/seq_len"] for r_ in rows) / len(rows), 2),
         "cpu_s": cpu,
         "checkpoint": ckpt,
     }
+    if name == "ppo-math":
+        out["step_other_s"] = round(step_other_s(rows), 4)
     if name == "async-ppo-math":
         out["staleness_max"] = max(r_["rollout/staleness_max"] for r_ in rows)
         out["staleness_mean"] = round(
@@ -270,9 +325,13 @@ def simulator_rows(args, runs: List[dict], lengths_file: str, prompt_len: float)
             "group_size": args.group_size,
             "steps": r["steps"],
             "samples_per_s": round(r["samples_per_s"], 3),
+            "samples_per_s_after_first": round(r["samples_per_s_after_first"], 3),
             "max_new_tokens": EVAL_TOKENS[args.task],
             "prompt_len": round(prompt_len),
             "lengths_file": os.path.basename(lengths_file),
+            "decode_table": r["decode_table"],
+            "train_s_per_token": r["train_s_per_token"],
+            "seq_len_mean": r["seq_len_mean"],
         }
         other = sum(
             v for k, v in r["cpu_s"].items() if k not in ("model_worker", "generation_server")
@@ -283,10 +342,17 @@ def simulator_rows(args, runs: List[dict], lengths_file: str, prompt_len: float)
             cpu_s=r["cpu_s"],
         )
         if r["label"] == "sync":
-            row.update(mode="sync", threads=os.cpu_count())
+            row.update(mode="sync", threads=os.cpu_count(), step_other_s=r["step_other_s"])
         else:
             g, t = r["threads"]
-            row.update(mode="async", eta=r["eta"], gen_threads=g, train_threads=t)
+            row.update(
+                mode="async",
+                eta=r["eta"],
+                gen_threads=g,
+                train_threads=t,
+                weight_poll_interval_s=WEIGHT_POLL_INTERVAL_S,
+                allocate_retry_interval_s=RolloutWorkerConfig.allocate_retry_interval_s,
+            )
         rows.append(row)
     return rows
 

@@ -55,6 +55,7 @@ import collections
 import dataclasses
 import datetime
 import heapq
+import itertools
 import json
 import math
 import os
@@ -165,7 +166,11 @@ class Setup:
     """How a run is laid out.  ``n_gen``: engines (sync: data-parallel ranks; async:
     generation servers), ``max_running`` / ``max_prefill_tokens`` each; async only: ``eta``,
     ``max_concurrent_rollouts`` (None = B), ``publish_s`` (trainer), ``load_s`` (servers);
-    ``step_overhead_s``: per train step (rewards, master)."""
+    ``step_overhead_s``: per train step (rewards, master).  Async latencies:
+    ``version_poll_s``: the servers see a published version at the manager's next poll
+    (ticks every ``version_poll_s``); ``admit_retry_s``: a rollout worker whose admission
+    was refused tries again after this long, so an idle pool waits half of it (the
+    expected phase) after a version switch before new rollouts arrive."""
 
     n_gen: int = 1
     max_running: int = 256
@@ -175,13 +180,16 @@ class Setup:
     publish_s: float = 0.0
     load_s: float = 0.0
     step_overhead_s: float = 0.0
+    version_poll_s: float = 0.0
+    admit_retry_s: float = 0.0
     n_steps: int = 20
     seed: int = 0
 
     def __post_init__(self):
         for name, lo in (("n_gen", 1), ("max_running", 1), ("max_prefill_tokens", 1),
                          ("n_steps", 1), ("eta", 0), ("publish_s", 0), ("load_s", 0),
-                         ("step_overhead_s", 0)):  # fmt: skip
+                         ("step_overhead_s", 0), ("version_poll_s", 0),
+                         ("admit_retry_s", 0)):  # fmt: skip
             if not getattr(self, name) >= lo:
                 raise ValueError(f"Setup.{name}={getattr(self, name)!r}: use a value >= {lo}")
 
@@ -203,6 +211,15 @@ class SimResult:
     slowdown: float = 1.0  # CPU contention applied to every cost (predict_run)
 
     @property
+    def after_first_samples_per_s(self) -> float:
+        """Trained prompts / time over the steps after the first (as measured runs report
+        it with their warm-up step left out)."""
+        ends = list(itertools.accumulate(self.step_s))
+        if len(ends) < 2:
+            return self.samples_per_s
+        return self.samples_per_s * ends[-1] / len(ends) * (len(ends) - 1) / (ends[-1] - ends[0])
+
+    @property
     def gen_busy_share(self) -> float:
         """Share of the run's time with at least one sequence running."""
         occ, end = self.occupancy, self.step_s and sum(self.step_s)
@@ -214,6 +231,7 @@ class SimResult:
     def summary(self) -> dict:
         return {
             "samples_per_s": round(self.samples_per_s, 4),
+            "after_first_samples_per_s": round(self.after_first_samples_per_s, 4),
             "steady_samples_per_s": round(self.steady_samples_per_s, 4),
             "step_s_median": round(sorted(self.step_s)[len(self.step_s) // 2], 4),
             "trainer_idle_share": round(self.trainer_idle_share, 3),
@@ -413,7 +431,10 @@ def simulate_async(gen: GenCost, train: TrainCost, work: Workload, setup: Setup)
             ends.append(trainer_free)
             staleness.extend(s - g[0].version for _, g in batch)
             answers.extend(n for _, g in batch for n in g[2])
-            publishes.append((trainer_free, s + 1))
+            seen = trainer_free  # the manager's next poll after the publish
+            if setup.version_poll_s > 0:
+                seen = math.ceil(trainer_free / setup.version_poll_s) * setup.version_poll_s
+            publishes.append((seen, s + 1))
 
     admit()
     while len(ends) < n_steps:
@@ -421,6 +442,8 @@ def simulate_async(gen: GenCost, train: TrainCost, work: Workload, setup: Setup)
             while publishes and publishes[0][0] <= pool.t:  # the manager loads the newest
                 version = publishes.popleft()[1]
             interrupted += pool.interrupt(setup.load_s)
+            if pool.idle and setup.admit_retry_s > 0:  # refused workers retry on a timer
+                pool.wait_until(pool.t + setup.admit_retry_s / 2)
         elif pool.idle:
             if not publishes:
                 raise RuntimeError(
@@ -624,13 +647,26 @@ def measure_profile(threads: int, model_dir: str = TINY, quick: bool = False) ->
 # ---- --validate: predicted vs measured runs ---------------------------------------------
 
 
-def predict_run(row: dict, profiles: Dict[int, Profile], lengths: Sequence[int]) -> SimResult:
+def predict_run(
+    row: dict,
+    profiles: Dict[int, Profile],
+    lengths: Sequence[int],
+    in_run: Optional[dict] = None,
+) -> SimResult:
     """Simulate one measured run.  ``row``: ``mode`` (sync/async), ``batch``, ``group_size``,
     ``steps``, ``threads`` (sync) or ``gen_threads`` / ``train_threads`` (async), ``eta``;
     optional ``prompt_len`` (8), ``max_new_tokens``, ``n_gen`` (1), ``max_running`` (256),
-    ``max_concurrent_rollouts``, ``step_overhead_s`` (master, 0), ``cpu_count`` and
+    ``max_concurrent_rollouts``, ``step_overhead_s`` (master, 0), the async latencies
+    ``weight_poll_interval_s`` and ``allocate_retry_interval_s`` (0), ``cpu_count`` and
     ``overhead_cpu_s_per_answer`` (CPU contention, see :func:`_contended`).  ``lengths``:
-    the run's answer lengths, drawn with replacement."""
+    the run's answer lengths, drawn with replacement.
+
+    ``in_run``: costs measured inside runs (``decode_table`` rows ``[b, seconds]`` and
+    ``train_s_per_token``, see benchmark/async_vs_sync.py) that replace the profile's decode
+    and train costs, and for sync ``step_other_s`` (rewards and the master, in place of the
+    profile's reward cost); they already carry the run's CPU contention, so none is added.
+    With ``in_run``, a row's ``seq_len_mean`` (trained prompt + answer tokens, mean over the
+    run) rescales ``lengths`` to the run's mean answer length."""
 
     def at(threads: int) -> Profile:
         if threads not in profiles:
@@ -640,32 +676,97 @@ def predict_run(row: dict, profiles: Dict[int, Profile], lengths: Sequence[int])
             )
         return profiles[threads]
 
+    def costs(gen_p: Profile, train_p: Profile) -> Tuple[GenCost, TrainCost]:
+        if in_run is None:
+            return gen_p.gen, train_p.train
+        table = _flat_table(in_run["decode_table"])
+        gen = dataclasses.replace(gen_p.gen, step_s=0.0, seq_s=0.0, ctx_token_s=0.0, table=table)
+        return gen, TrainCost(0.0, float(in_run["train_s_per_token"]))
+
     B, G, mode = int(row["batch"]), int(row["group_size"]), row["mode"]
-    cap = int(row.get("max_new_tokens", 1 << 30))
+    cap, prompt_len = int(row.get("max_new_tokens", 1 << 30)), int(row.get("prompt_len", 8))
+    if in_run is not None and row.get("seq_len_mean"):
+        # The policy's answers grow or shrink as it trains: scale the start model's lengths
+        # to the run's mean trained length (its workload, not a cost).
+        f = (float(row["seq_len_mean"]) - prompt_len) / (sum(lengths) / len(lengths))
+        lengths = [max(1, round(n * f)) for n in lengths]
     lens = Lengths(tuple(int(n) for n in lengths), cap=cap)
-    work = Workload(B, G, lens, int(row.get("prompt_len", 8)))
+    work = Workload(B, G, lens, prompt_len)
     setup = Setup(
         n_gen=int(row.get("n_gen", 1)),
         max_running=int(row.get("max_running", 256)),
         eta=int(row.get("eta", 0)),
         max_concurrent_rollouts=row.get("max_concurrent_rollouts"),
         step_overhead_s=float(row.get("step_overhead_s", 0.0)),
+        version_poll_s=float(row.get("weight_poll_interval_s", 0.0)),
+        admit_retry_s=float(row.get("allocate_retry_interval_s", 0.0)),
         n_steps=int(row["steps"]),
     )
     if mode not in ("sync", "async"):
         raise ValueError(f"run row mode={mode!r}: use 'sync' or 'async'")
     if mode == "sync":
         p = at(int(row["threads"]))
+        gen, train = costs(p, p)
         over = setup.step_overhead_s + p.reward_s_per_answer * B * G
+        if in_run is not None and "step_other_s" in in_run:  # rewards + master, measured
+            over = setup.step_overhead_s + float(in_run["step_other_s"])
         setup = dataclasses.replace(setup, max_running=min(256, B * G), step_overhead_s=over)
         threads = {"all": int(row["threads"])}  # one process, busy throughout: gen, then train
-        sim = lambda f: simulate_sync(p.gen.scaled(f), p.train.scaled(f), work, setup)  # noqa: E731
+        sim = lambda f: simulate_sync(gen.scaled(f), train.scaled(f), work, setup)  # noqa: E731
     else:
         g, t = at(int(row["gen_threads"])), at(int(row["train_threads"]))
+        gen, train = costs(g, t)
         setup = dataclasses.replace(setup, publish_s=t.publish_s, load_s=g.load_s)
         threads = {"gen": int(row["gen_threads"]), "train": int(row["train_threads"])}
-        sim = lambda f: simulate_async(g.gen.scaled(f), t.train.scaled(f), work, setup)  # noqa: E731
+        sim = lambda f: simulate_async(gen.scaled(f), train.scaled(f), work, setup)  # noqa: E731
+    if in_run is not None:
+        return sim(1.0)
     return _contended(sim, row, threads, B * G)
+
+
+def _flat_table(rows: Sequence[Sequence[float]]) -> Tuple[Tuple[float, float, float], ...]:
+    """``[b, seconds]`` rows (an in-run decode table) as a :class:`GenCost` table with no
+    context term; one row is a flat cost."""
+    table = tuple((float(b), float(x), 0.0) for b, x in rows)
+    return ((0.0,) + table[0][1:], table[0]) if len(table) == 1 else table
+
+
+def _in_run_costs(rows: List[dict], i: int, others: bool = True) -> Tuple[dict, str]:
+    """Row ``i``'s in-run costs: its own (``others=False``), or taken from the *other* runs
+    of the same task and layout (decode: same mode and generation threads; train: same mode
+    and trainer threads), averaged; a run with no such sibling uses its own ("own").
+    Returns (costs, source)."""
+    row = rows[i]
+
+    def layout(r: dict, what: str):
+        if r["mode"] == "sync":
+            return (r.get("task"), "sync", r["threads"])
+        return (r.get("task"), "async", r["gen_threads" if what == "gen" else "train_threads"])
+
+    out, sources = {}, []
+    for what, key in (("gen", "decode_table"), ("train", "train_s_per_token")):
+        if key not in row:
+            raise KeyError(
+                f"run {row.get('label', i)!r} has no {key!r}: --costs in-run needs rows "
+                "written by benchmark/async_vs_sync.py --rows-out (2026-11-27 or later)"
+            )
+        sib = [
+            r
+            for j, r in enumerate(rows)
+            if others and j != i and layout(r, what) == layout(row, what)
+        ]
+        sources.append("others" if sib else "own")
+        sib = sib or [row]
+        if what == "train":
+            out[key] = sum(float(r[key]) for r in sib) / len(sib)
+            other = [float(r["step_other_s"]) for r in sib if "step_other_s" in r]
+            if other:  # sync: the step's time outside generation and training
+                out["step_other_s"] = sum(other) / len(other)
+        else:  # the mean of the siblings' piecewise-linear costs, at every b any of them has
+            fns = [GenCost(0.0, table=_flat_table(r[key])) for r in sib]
+            bs = sorted({float(b) for r in sib for b, _ in r[key]})
+            out[key] = [[b, sum(f.step(b, 0) for f in fns) / len(fns)] for b in bs]
+    return out, "/".join(sources)
 
 
 def _contended(sim, row: dict, threads: Dict[str, int], answers_per_step: int) -> SimResult:
@@ -703,10 +804,20 @@ def _lengths_of(row: dict, base: str) -> List[int]:
     return [int(n) for n in (json.loads(text) if text.startswith("[") else text.split())]
 
 
-def validate(runs_path: str, profile_paths: Sequence[str]) -> dict:
+#: Where ``--validate`` takes the decode and train costs from (see :func:`validate`).
+COST_SOURCES = ("profile", "in-run", "in-run-others")
+
+
+def validate(runs_path: str, profile_paths: Sequence[str], costs: str = "profile") -> dict:
     """Print predicted vs measured samples/s for each run of ``runs_path`` (a JSON list of
     rows, or ``{"runs": [...]}``; each row as :func:`predict_run` plus ``task``,
-    ``samples_per_s`` and ``lengths`` or ``lengths_file``)."""
+    ``samples_per_s`` (and ``samples_per_s_after_first``, compared when present) and
+    ``lengths`` or ``lengths_file``).  ``costs`` (``COST_SOURCES``): ``profile`` (the
+    isolated profiles plus the CPU contention model), ``in-run`` (the decode and train
+    costs measured inside the run itself: checks the schedule model alone) or
+    ``in-run-others`` (those of the other runs of the same layout, :func:`_in_run_costs`)."""
+    if costs not in COST_SOURCES:
+        raise ValueError(f"costs={costs!r}: use one of {', '.join(COST_SOURCES)}")
     profiles = {}
     for path in profile_paths:
         with open(path) as f:
@@ -714,22 +825,37 @@ def validate(runs_path: str, profile_paths: Sequence[str]) -> dict:
         profiles[prof.threads] = prof
     with open(runs_path) as f:
         data = json.load(f)
+    runs = data["runs"] if isinstance(data, dict) else data
     out = []
-    print(f"{'task':<12} {'mode':<6} {'eta':>3} {'threads':>7} {'measured':>9} {'predicted':>9}")
-    for row in data["runs"] if isinstance(data, dict) else data:
-        res = predict_run(row, profiles, _lengths_of(row, os.path.dirname(runs_path)))
-        meas = float(row["samples_per_s"])
-        err = res.samples_per_s / meas - 1
+    print(
+        f"{'task':<12} {'run':<24} {'threads':>7} {'measured':>9} {'predicted':>9}"
+        f"  (costs: {costs})"
+    )
+    for i, row in enumerate(runs):
+        in_run, source = (None, "profile")
+        if costs != "profile":
+            in_run, source = _in_run_costs(runs, i, others=costs == "in-run-others")
+        res = predict_run(row, profiles, _lengths_of(row, os.path.dirname(runs_path)), in_run)
+        # Runs measured since 2026-11-27 also give their figure without the first step:
+        # its warm-up (allocations, kernel compilation) is not modelled.
+        if "samples_per_s_after_first" in row:
+            meas, pred = float(row["samples_per_s_after_first"]), res.after_first_samples_per_s
+        else:
+            meas, pred = float(row["samples_per_s"]), res.samples_per_s
+        err = pred / meas - 1
         sync = row["mode"] == "sync"
         thr = row["threads"] if sync else f"{row['gen_threads']}+{row['train_threads']}"
+        label = row.get("label") or (row["mode"] if sync else f"async_eta{row['eta']}")
         print(
-            f"{row.get('task', '?'):<12} {row['mode']:<6} {'-' if sync else row['eta']:>3} "
-            f"{thr:>7} {meas:>9.2f} {res.samples_per_s:>9.2f}  ({err:+.1%})"
+            f"{row.get('task', '?'):<12} {label:<24} {thr:>7} {meas:>9.2f} "
+            f"{pred:>9.2f}  ({err:+.1%}, {source})"
         )
         kept = {k: v for k, v in row.items() if k != "lengths"}
-        out.append({**kept, "predicted": res.summary(), "rel_err": round(err, 4)})
+        out.append(
+            {**kept, "predicted": res.summary(), "rel_err": round(err, 4), "cost_source": source}
+        )
     worst = max((abs(r["rel_err"]) for r in out), default=0.0)
-    return {"benchmark": "simulate_validate", "rows": out, "max_abs_rel_err": worst}
+    return {"benchmark": "simulate_validate", "costs": costs, "rows": out, "max_abs_rel_err": worst}
 
 
 # ---- --what-if: more cores and longer answers, from this machine's costs -----------------
@@ -953,6 +1079,14 @@ def main() -> None:
     p.add_argument("--model", default=TINY, help="--profile: HF model directory")
     p.add_argument("--quick", action="store_true", help="--profile: one repetition per point")
     p.add_argument("--profiles", nargs="+", default=[], help="--validate: profile JSON files")
+    p.add_argument(
+        "--costs",
+        choices=COST_SOURCES,
+        default="profile",
+        help="--validate: decode/train costs from the isolated profiles (plus the CPU "
+        "contention model), measured inside each run, or inside the other runs of the "
+        "same layout",
+    )
     p.add_argument("--steps", type=int, default=16, help="--project: train steps simulated")
     args = p.parse_args()
     if args.profile:
@@ -970,7 +1104,7 @@ def main() -> None:
     elif args.validate:
         if not args.profiles:
             p.error("--validate needs --profiles (one JSON per thread count)")
-        print(json.dumps(validate(args.validate, args.profiles)))
+        print(json.dumps(validate(args.validate, args.profiles, args.costs)))
     elif args.what_if:
         profs = [Profile.from_json(json.load(open(f))) for f in args.profiles]
         one = [pr for pr in profs if pr.threads == 1]

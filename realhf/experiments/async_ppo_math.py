@@ -63,6 +63,9 @@ from realhf.experiments.ppo_math import (
 from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.model.interface.ppo_config import PPOHyperparameters
 
+#: How often the gserver manager asks the trainer for a new version (seconds).
+WEIGHT_POLL_INTERVAL_S = 0.2
+
 
 def _tiny_async_ppo() -> PPOHyperparameters:
     # One optimizer step per batch: the proximal log-probs come from the train forward
@@ -320,7 +323,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         max_head_offpolicyness=cfg.max_head_offpolicyness,
         train_batch_size=B,
         max_concurrent_rollouts=cfg.max_concurrent_rollouts,
-        weight_poll_interval_s=0.2,
+        weight_poll_interval_s=WEIGHT_POLL_INTERVAL_S,
         weight_update_timeout_s=cfg.flush_request_timeout,
         server_wait_timeout_s=cfg.worker_timeout,
     )

@@ -39,3 +39,29 @@ def test_trainer_idle_share_from_the_trace(tmp_path):
     # the master appends events and leaves the array open while a run goes
     (tmp_path / "trace.json").write_text("[" + ",\n".join(map(json.dumps, ev)) + ",\n")
     assert avs.trainer_idle_share(str(tmp_path)) == pytest.approx(1 - 5 / 10)
+
+
+def test_decode_table_is_the_median_step_per_running_bin_without_idle_gaps(tmp_path):
+    # 10 steps of 0.01 s at 2 running, an idle gap of 5 s, 10 steps of 0.04 s at 200
+    # running (one of them slow: the median ignores it); fewer than 5 steps make no row.
+    t, r, now = [], [], 50.0
+    for dt, run in (
+        [(0.01, 2)] * 10 + [(5.0, 2)] + [(0.04, 200)] * 9 + [(0.4, 200)] + [(0.02, 30)] * 3
+    ):
+        now += dt
+        t.append(now)
+        r.append(run)
+    (tmp_path / "occupancy-7.tsv").write_text("".join(f"{a:.4f}\t{b}\t256\n" for a, b in zip(t, r)))
+    table = avs.decode_table(str(tmp_path), 0.0, 1e9)
+    assert [b for b, _ in table] == [2, 200]
+    assert table[0][1] == pytest.approx(0.01, abs=2e-4)
+    assert table[1][1] == pytest.approx(0.04, abs=2e-4)
+
+
+def test_train_s_per_token_leaves_out_the_warm_up_step():
+    rows = [
+        {"tokens": 100, "timing/actor_train": 9.0},  # warm-up
+        {"tokens": 1000, "timing/actor_train": 0.5},
+        {"tokens": 3000, "timing/actor_train": 1.5},
+    ]
+    assert avs.train_s_per_token(rows) == pytest.approx(2.0 / 4000)

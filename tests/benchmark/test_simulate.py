@@ -137,3 +137,50 @@ def test_predict_run_reads_profiles_by_thread_count(tmp_path):
     assert all(math.isfinite(r["rel_err"]) for r in out["rows"])
     with pytest.raises(KeyError, match="--threads 2"):
         sim.predict_run({**row, "mode": "sync", "threads": 2}, {}, lengths)
+
+
+def test_in_run_costs_come_from_the_other_runs_of_the_same_layout(tmp_path):
+    base = {"task": "toy", "batch": 4, "group_size": 2, "steps": 4, "lengths": [5, 9]}
+    a1 = {
+        **base,
+        "mode": "async",
+        "eta": 1,
+        "gen_threads": 1,
+        "train_threads": 1,
+        "decode_table": [[2, 0.01], [8, 0.02]],
+        "train_s_per_token": 1e-3,
+    }
+    a4 = {**a1, "eta": 4, "decode_table": [[2, 0.03], [8, 0.04]], "train_s_per_token": 3e-3}
+    sync = {**base, "mode": "sync", "threads": 2, "decode_table": [[4, 0.05]],
+            "train_s_per_token": 2e-3}  # fmt: skip
+    rows = [a1, a4, sync]
+    costs, source = sim._in_run_costs(rows, 0)  # η=1 is predicted from η=4's costs
+    assert source == "others/others"
+    assert costs == {"decode_table": [[2, 0.03], [8, 0.04]], "train_s_per_token": 3e-3}
+    # siblings with different bins: the mean of their interpolated costs at every b
+    a0 = {**a1, "eta": 0, "decode_table": [[2, 0.01], [4, 0.03], [8, 0.05]]}
+    costs, _ = sim._in_run_costs([a0, a1, a4], 0)
+    assert costs["decode_table"] == [
+        [2.0, pytest.approx(0.02)], [8.0, pytest.approx(0.03)]
+    ]  # fmt: skip
+    at4 = (0.03 + (0.03 + 0.01 / 3)) / 2  # a0's own row, a4 interpolated between 2 and 8
+    assert sim._in_run_costs([a0, a1, a4], 1)[0]["decode_table"] == [
+        [2.0, pytest.approx(0.02)], [4.0, pytest.approx(at4)], [8.0, pytest.approx(0.045)]
+    ]  # fmt: skip
+    assert sim._in_run_costs(rows, 0, others=False)[1] == "own/own"
+    assert sim._in_run_costs(rows, 2) == (
+        {"decode_table": [[4, 0.05]], "train_s_per_token": 2e-3},
+        "own/own",
+    )
+    # the costs replace the profile's: an async run of fixed lengths trains at the cost given
+    prof = tmp_path / "p.json"
+    prof.write_text(json.dumps({"threads": 1, "gen": {"step_s": 9.0}, "train": {"step_s": 9.0,
+                    "token_s": 9.0}, "publish_s": 0.0, "load_s": 0.0}))  # fmt: skip
+    res = sim.predict_run(
+        {**a1, "eta": 0}, {1: sim.Profile.from_json(json.loads(prof.read_text()))}, [10],
+        {"decode_table": [[1, 0.0], [8, 0.0]], "train_s_per_token": 1e-3},
+    )  # fmt: skip
+    # free generation: each step is the train step over 4 prompts x 2 answers x (8 + 10)
+    assert res.samples_per_s == pytest.approx(4 / (8 * 18 * 1e-3), rel=1e-6)
+    with pytest.raises(KeyError, match="--rows-out"):
+        sim._in_run_costs([{**base, "mode": "sync", "threads": 2}], 0)
