@@ -258,7 +258,11 @@ def _run(name: str, fileroot: str, args, extra: List[str], label: str, steps: in
         "samples": samples,
         "samples_per_s": samples / seconds,
         # the same without the first step (each system's warm-up): what the simulator models
-        "samples_per_s_after_first": (samples - rows[0]["n_items"]) / (seconds - rows[0]["time"]),
+        "samples_per_s_after_first": (
+            (samples - rows[0]["n_items"]) / (seconds - rows[0]["time"])
+            if len(rows) > 1
+            else samples / seconds
+        ),
         "step_s_median": sorted(r_["time"] for r_ in rows)[len(rows) // 2],
         "occupancy_mean": round(occ["mean"], 3),
         "gen_busy_share": round(occ["busy_share"], 3),
