@@ -30,6 +30,7 @@ from typing import (
     Any,
     Dict,
     Iterable,
+    List,
     Mapping,
     Optional,
     Tuple,
@@ -58,6 +59,8 @@ __all__ = [
     "describe_errors",
     "AllocateRequest",
     "AllocateReply",
+    "AllocatedSlot",
+    "MAX_ALLOCATE_COUNT",
     "ScheduleRequest",
     "ScheduleReply",
     "FinishRequest",
@@ -431,6 +434,8 @@ _message = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(extra="
 _Name = Annotated[StrictStr, Field(min_length=1)]
 #: a weight version or a step number
 _Count = Annotated[StrictInt, Field(ge=0)]
+#: the most slots one AllocateRequest may ask for
+MAX_ALLOCATE_COUNT = 4096
 
 M = TypeVar("M")
 
@@ -488,16 +493,28 @@ class _Message:
 
 @_message
 class AllocateRequest(_Message):
-    """Rollout worker -> manager: may I start a rollout for prompt ``qid``?
+    """Rollout worker -> manager: may I start ``count`` rollouts, the first for prompt ``qid``?
 
     ``worker`` names the rollout worker and ``incarnation`` its process (a fresh id per
     start): the slot is leased to that process and released if its heartbeats stop or a new
-    incarnation of the same worker shows up.
+    incarnation of the same worker shows up.  Asking for several slots at once saves a
+    round trip per rollout when a whole batch becomes admissible together (a new weight
+    version under a tight staleness bound).
     """
 
     worker: _Name
     incarnation: _Name
     qid: StrictStr = ""
+    count: Annotated[StrictInt, Field(ge=1, le=MAX_ALLOCATE_COUNT)] = 1
+
+
+@_message
+class AllocatedSlot(_Message):
+    """One admitted rollout of an :class:`AllocateReply`."""
+
+    rollout_id: _Name
+    version: _Count
+    deadline: _Count
 
 
 @_message
@@ -505,7 +522,9 @@ class AllocateReply(_Message):
     """``success``: a slot ``rollout_id`` started at ``version`` (train it by step ``deadline``).
 
     Otherwise ``reason`` is ``capacity`` (too many running) or ``staleness`` (wait for the
-    trainer).
+    trainer).  For a request of ``count`` > 1, ``more`` holds the slots after the first
+    (admitted in order until the first refusal, so ``1 + len(more) <= count``) and
+    ``reason`` says why fewer than ``count`` were granted.
     """
 
     success: StrictBool
@@ -513,6 +532,13 @@ class AllocateReply(_Message):
     version: _Count = 0
     deadline: _Count = 0
     reason: StrictStr = ""
+    more: Tuple[AllocatedSlot, ...] = ()
+
+    def slots(self) -> List[AllocatedSlot]:
+        """Every granted slot, the first one included (empty when refused)."""
+        if not self.success:
+            return []
+        return [AllocatedSlot(self.rollout_id, self.version, self.deadline), *self.more]
 
 
 @_message

@@ -32,6 +32,7 @@ import time
 from typing import Callable, Dict, List
 
 from realhf.api.core.rollout_api import (
+    AllocatedSlot,
     AllocateReply,
     AllocateRequest,
     FinishReply,
@@ -186,16 +187,29 @@ class GserverManager:
     # ---- rollout API ----------------------------------------------------------
 
     def allocate(self, req: AllocateRequest) -> AllocateReply:
-        """Admit a rollout if the concurrency cap and the staleness bound allow it."""
+        """Admit up to ``req.count`` rollouts, in order, while the concurrency cap and the
+        staleness bound allow; the reply's reason says why the first refused one was."""
         self._touch(req.worker, req.incarnation)
         if not self.trainer_ready:
             return AllocateReply(False, reason="trainer_not_ready")
         if not self.pool.live():
             return AllocateReply(False, reason="no_server")
-        adm = self.staleness.admit(self.version, RolloutOwner(req.worker, req.incarnation))
-        if adm is None:
-            return AllocateReply(False, reason=self.staleness.refusal(self.version) or "capacity")
-        return AllocateReply(True, adm.rollout_id, adm.version, adm.deadline)
+        owner = RolloutOwner(req.worker, req.incarnation)
+        slots = []
+        for _ in range(req.count):
+            adm = self.staleness.admit(self.version, owner)
+            if adm is None:
+                break
+            slots.append(AllocatedSlot(adm.rollout_id, adm.version, adm.deadline))
+        reason = ""
+        if len(slots) < req.count:
+            reason = self.staleness.refusal(self.version) or "capacity"
+        if not slots:
+            return AllocateReply(False, reason=reason)
+        first = slots[0]
+        return AllocateReply(
+            True, first.rollout_id, first.version, first.deadline, reason, tuple(slots[1:])
+        )
 
     async def schedule(self, req: ScheduleRequest) -> ScheduleReply:
         """The server for the next chunk of ``req.rollout_id``.

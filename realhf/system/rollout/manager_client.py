@@ -147,9 +147,11 @@ class ManagerClient(UncappedSession):
             ) from None
         return status, text, overloaded
 
-    async def allocate(self, worker: str, incarnation: str, qid: str = "") -> AllocateReply:
+    async def allocate(
+        self, worker: str, incarnation: str, qid: str = "", count: int = 1
+    ) -> AllocateReply:
         return await self._call(
-            "/allocate_rollout", AllocateRequest(worker, incarnation, qid), AllocateReply
+            "/allocate_rollout", AllocateRequest(worker, incarnation, qid, count), AllocateReply
         )
 
     async def schedule(self, req: ScheduleRequest) -> ScheduleReply:

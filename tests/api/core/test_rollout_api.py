@@ -8,6 +8,7 @@ import json
 import pytest
 
 from realhf.api.core.rollout_api import (
+    AllocatedSlot,
     AllocateReply,
     AllocateRequest,
     FinishReply,
@@ -29,7 +30,9 @@ from realhf.api.core.rollout_api import (
 
 EXAMPLES = [
     AllocateRequest("rollout_worker/0", "inc-1", "q7"),
+    AllocateRequest("rollout_worker/0", "inc-1", "q7", 8),
     AllocateReply(True, "r1", 3, 4),
+    AllocateReply(True, "r1", 3, 4, "staleness", (AllocatedSlot("r2", 3, 4),)),
     AllocateReply(False, reason="capacity"),
     ScheduleRequest("r1", 12, 100, "http://a:1", 2, ("http://b:2",)),
     ScheduleReply("http://a:1", 2),
@@ -122,6 +125,8 @@ def test_tuple_items_are_checked():
         (FinishRequest, {"rollout_id": "r", "accepted": True, "wait_s": -1}, "wait_s"),
         (FinishRequest, {"rollout_id": "r", "accepted": True, "wait_s": float("inf")}, "wait_s"),
         (AllocateRequest, {"worker": "", "incarnation": "i"}, "worker"),
+        (AllocateRequest, {"worker": "w", "incarnation": "i", "count": 0}, "count"),
+        (AllocateRequest, {"worker": "w", "incarnation": "i", "count": 10**6}, "count"),
         (HeartbeatReply, {"n_rollouts": -1}, "n_rollouts"),
         (FinishReply, {"status": "maybe"}, "status"),
     ],
@@ -157,8 +162,8 @@ def test_types_are_strict(cls, data, field):
 def test_unknown_and_missing_fields_are_named():
     msg = _error(AllocateRequest, {"worker": "w", "incarnaton": "i"})
     assert (
-        "AllocateRequest.incarnaton: unknown field; accepted: ['worker', 'incarnation', 'qid']"
-        in msg
+        "AllocateRequest.incarnaton: unknown field; "
+        "accepted: ['worker', 'incarnation', 'qid', 'count']" in msg
     )
     assert "AllocateRequest.incarnation: Field required" in msg
     assert "HeartbeatReply: Input should be a dictionary" in _error(HeartbeatReply, [1])

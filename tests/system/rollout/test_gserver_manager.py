@@ -138,6 +138,23 @@ def test_allocation_is_refused_for_staleness_then_capacity():
     assert m.allocate(AllocateRequest("w", "i")).reason == "capacity"
 
 
+def test_one_request_admits_slots_in_order_until_the_first_refusal():
+    m = _manager(train_batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=3)
+    # η = 1 admits 4 at version 0, the cap 3: three slots and the reason for the fourth
+    got = m.allocate(AllocateRequest("w", "i", "q", count=5))
+    slots = got.slots()
+    assert got.success and len(slots) == 3 and got.reason == "capacity"
+    assert slots[0].rollout_id == got.rollout_id and len({s.rollout_id for s in slots}) == 3
+    assert all(s.version == 0 and s.deadline == 1 for s in slots)
+    assert m.allocate(AllocateRequest("w", "i", count=2)).slots() == []
+    assert len(m.staleness.owned_by(RolloutOwner("w", "i"))) == 3
+    m2 = _manager(train_batch_size=2, max_head_offpolicyness=0, max_concurrent_rollouts=8)
+    got = m2.allocate(AllocateRequest("w", "i", count=3))
+    assert len(got.slots()) == 2 and got.reason == "staleness"  # all of step 0, no more
+    full = m2.allocate(AllocateRequest("w", "i", count=1))
+    assert not full.success and full.reason == "staleness"
+
+
 def test_silent_worker_loses_its_leases_and_a_restarted_one_its_old_rollouts():
     clock = Clock()
     m = _manager(clock=clock, lease_ttl_s=10, train_batch_size=100)
