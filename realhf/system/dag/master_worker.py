@@ -61,7 +61,6 @@ from realhf.system.dag.outputs import (
     plot_curves,
 )
 from realhf.system.dag.runner import DagRunner
-from realhf.system.transport.errors import RemoteError
 from realhf.system.transport.request_reply import RequestClient
 from realhf.system.worker.base import AsyncWorker, PollResult, register_worker
 
@@ -390,15 +389,9 @@ class MasterWorker(AsyncWorker):
         try:
             # Every worker's reply is awaited, errors included, before the directory can be
             # discarded below: a worker still writing would recreate it after the discard.
-            rids = self.client.request(
-                self.handlers, Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n
+            await self.runner.call(
+                Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n, wait_all=True
             )
-            replies = await self.client.gather_async(
-                rids, timeout=self.config.timeout, raise_remote=False
-            )
-            failed = [r for r in replies if r.error is not None]
-            if failed:
-                raise RemoteError(failed[0].error)
             hold = faults.faults_of(self.worker_name).get("slow_checkpoint")
             if hold:  # reliability tests strike while a checkpoint is being written
                 await asyncio.sleep(hold)

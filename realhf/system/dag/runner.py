@@ -60,6 +60,7 @@ from realhf.system.dag.messages import (
     mfc_handle,
 )
 from realhf.system.dag.transfer import build_transfer_plan, partition_for_dp
+from realhf.system.transport.errors import RemoteError
 from realhf.system.transport.request_reply import RequestClient
 
 __all__ = ["DagRunner", "StepResult", "allocate_fetch"]
@@ -186,13 +187,28 @@ class DagRunner:
         return self.data.heads
 
     async def call(
-        self, handle: Handle, datas: List[Any], ranks: Optional[Sequence[int]] = None
+        self,
+        handle: Handle,
+        datas: List[Any],
+        ranks: Optional[Sequence[int]] = None,
+        wait_all: bool = False,
     ) -> List[Any]:
         """Send ``handle`` to the workers of ``ranks`` (default: all; one datum each);
-        return their replies' data."""
+        return their replies' data.
+
+        A worker's error is raised as soon as its reply arrives; with ``wait_all`` only
+        after every worker has replied (a caller that cleans up after a failure must know
+        that no worker is still acting on the request).
+        """
         handlers = self.handlers if ranks is None else [self.handlers[r] for r in ranks]
         rids = self.client.request(handlers, handle, datas)
-        return [r.data for r in await self.client.gather_async(rids, timeout=self.timeout)]
+        replies = await self.client.gather_async(
+            rids, timeout=self.timeout, raise_remote=not wait_all
+        )
+        failed = [r for r in replies if r.error is not None]
+        if failed:
+            raise RemoteError(failed[0].error)
+        return [r.data for r in replies]
 
     def _trace(self, name: str, process: str, start: float, end: float, **kw) -> None:
         if self.trace is not None:
