@@ -19,10 +19,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import List, Optional, Sequence
 
-__all__ = ["signal_group", "group_alive", "stop_groups"]
+__all__ = ["signal_group", "group_alive", "stop_groups", "dying_with_parent"]
 
 
 def signal_group(pgid: int, sig: int) -> bool:
@@ -111,3 +112,29 @@ def stop_groups(
             if p not in stuck:
                 stuck.append(p)
     return stuck
+
+
+# Runs as ``python -c _EXEC_WITH_PDEATHSIG SIG PARENT_PID CMD...``: ask Linux for SIG when
+# the parent dies, check that it has not died already, then become CMD (the request survives
+# execve of a program that is not set-uid).
+_EXEC_WITH_PDEATHSIG = (
+    "import ctypes, os, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[1]))\n"
+    "if os.getppid() != int(sys.argv[2]):\n"
+    "    sys.exit('the process that started this server exited before it started')\n"
+    "os.execvp(sys.argv[3], sys.argv[3:])\n"
+)
+
+
+def dying_with_parent(cmd: Sequence[str], sig: int = signal.SIGTERM) -> List[str]:
+    """``cmd`` wrapped so that Linux sends it ``sig`` when the process that starts it dies.
+
+    For servers started as children in a session of their own: a stop through
+    :func:`stop_groups` reaches them, but a parent that is SIGKILLed never calls it, and the
+    server (with the memory it holds) would outlive the run.  The caller must start it from
+    a thread that lives as long as the process (PR_SET_PDEATHSIG fires when the *thread*
+    that forked exits).  Elsewhere than Linux ``cmd`` is returned unchanged.
+    """
+    if not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, str(int(sig)), str(os.getpid()), *cmd]

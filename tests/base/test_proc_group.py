@@ -94,3 +94,39 @@ def test_gone_groups_are_fine():
     assert not proc_group.group_alive(p.pid)
     assert proc_group.stop_groups([p], grace=1) == []
     assert proc_group.stop_groups([]) == []
+
+
+# A parent that starts a server (sleep) in its own session through dying_with_parent,
+# prints the server's pid, then waits to be killed.
+_PARENT = r"""
+import subprocess, sys, time
+from realhf.base import proc_group
+s = subprocess.Popen(proc_group.dying_with_parent(
+    [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"]),
+    stdout=subprocess.PIPE, start_new_session=True)
+s.stdout.readline()
+print(s.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_server_started_dying_with_parent_ends_when_its_parent_is_killed():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, start_new_session=True
+    )
+    server = int(parent.stdout.readline())
+    try:
+        # the wrapper exec'd into the server: same pid, the server's command line
+        with open(f"/proc/{server}/cmdline", "rb") as f:
+            assert b"time.sleep(60)" in f.read()
+        assert proc_group.group_alive(server)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while proc_group.group_alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not proc_group.group_alive(server), "the server outlived its SIGKILLed parent"
+    finally:
+        proc_group.signal_group(server, signal.SIGKILL)
+        proc_group.signal_group(parent.pid, signal.SIGKILL)
+        parent.wait(10)

@@ -201,39 +201,43 @@ def wait_healthy(
         time.sleep(interval)
 
 
-class SGLangServer:
-    """One SGLang server process.
+class ServerProcess:
+    """One HTTP server process started in its own session and stopped as a process group.
 
     Args:
-        config: its options.
-        log_path: file receiving the server's stdout and stderr.
+        name: what it is, for messages (``SGLang``, ``vLLM``).
+        command: its argument list.
+        url: its base URL (``/health`` is polled there).
+        log_path: file receiving its stdout and stderr.
         env: extra environment variables (e.g. ``CUDA_VISIBLE_DEVICES``).
-        python: interpreter that has ``sglang`` installed.
     """
 
     def __init__(
         self,
-        config: SGLangConfig,
+        name: str,
+        command: List[str],
+        url: str,
         *,
         log_path: str,
         env: Optional[Dict[str, str]] = None,
-        python: str = sys.executable,
     ):
-        self.config = config
+        self.name = name
+        self.command = list(command)
+        self.url = url
         self.log_path = log_path
-        self.command = build_command(config, python)
         self.env = dict(os.environ, **(env or {}))
         self.process: Optional[subprocess.Popen] = None
 
-    def start(self, health_timeout: float = 600.0) -> "SGLangServer":
-        """Start the process and return once ``/health`` answers 200."""
+    def start(self, health_timeout: float = 600.0):
+        """Start the process and return ``self`` once ``/health`` answers 200."""
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
         log = open(self.log_path, "ab")
         try:
-            # Its own session makes its pid the id of a process group that SGLang's
-            # children inherit, so that stop() can reach them all.
+            # Its own session makes its pid the id of a process group that the server's
+            # children inherit, so that stop() can reach them all; and it gets SIGTERM if
+            # this process dies without stopping it (SIGKILL) instead of running on.
             self.process = subprocess.Popen(
-                self.command,
+                proc_group.dying_with_parent(self.command),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
@@ -242,9 +246,7 @@ class SGLangServer:
         finally:
             log.close()  # the child holds its own descriptor
         try:
-            wait_healthy(
-                self.config.url, health_timeout, process=self.process, log_path=self.log_path
-            )
+            wait_healthy(self.url, health_timeout, process=self.process, log_path=self.log_path)
         except BaseException:
             self.stop()
             raise
@@ -266,7 +268,32 @@ class SGLangServer:
         stuck = proc_group.stop_groups([p], grace=timeout, kill_timeout=timeout)
         if stuck:
             raise TimeoutError(
-                f"the SGLang server's process group {p.pid} ({self.config.url}) still has "
+                f"the {self.name} server's process group {p.pid} ({self.url}) still has "
                 f"live processes {timeout:g}s after SIGKILL; log: {self.log_path}"
             )
         return p.returncode
+
+
+class SGLangServer(ServerProcess):
+    """One SGLang server process (SGLang's scheduler and detokenizer processes hold GPU
+    memory and must not outlive it: they go with the group).
+
+    Args:
+        config: its options.
+        log_path: file receiving the server's stdout and stderr.
+        env: extra environment variables (e.g. ``CUDA_VISIBLE_DEVICES``).
+        python: interpreter that has ``sglang`` installed.
+    """
+
+    def __init__(
+        self,
+        config: SGLangConfig,
+        *,
+        log_path: str,
+        env: Optional[Dict[str, str]] = None,
+        python: str = sys.executable,
+    ):
+        super().__init__(
+            "SGLang", build_command(config, python), config.url, log_path=log_path, env=env
+        )
+        self.config = config
