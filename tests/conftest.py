@@ -34,6 +34,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, os.environ.get("
 # Fixtures that start real engines, for every test module (see each helper's docstring).
 from restartable_etcd import restartable_etcd  # noqa: E402,F401
 from slurm_cluster import slurm_cluster  # noqa: E402,F401
+from vllm_venv import vllm_python  # noqa: E402,F401
 
 ETCD_START_TIMEOUT = 20.0
 

