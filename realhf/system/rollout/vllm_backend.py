@@ -25,7 +25,8 @@ Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m
   ``POST /continue_generation``   ``POST /resume``
   ``GET /health``                 ``GET /health``
   ``GET /metrics``                ``vllm:num_requests_running|waiting``,
-                                  ``vllm:kv_cache_usage_perc`` renamed to SGLang's gauges
+                                  ``vllm:kv_cache_usage_perc`` as SGLang's gauges
+                                  (:func:`sglang_metrics`)
   ==============================  ================================================
 
   so interruption, resubmission of partial rollouts, staleness accounting and failure
@@ -39,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +73,7 @@ __all__ = [
     "create_adapter_app",
     "ensure_venv",
     "find_vllm_python",
+    "sglang_metrics",
 ]
 
 #: where :func:`ensure_venv` makes vLLM's venv (once per machine)
@@ -458,13 +461,7 @@ def create_adapter_app(
             status, text = await call("GET", "/metrics", 10.0)
         except _VLLMDown as e:
             return PlainTextResponse(str(e), status_code=503)
-        m = _parse_vllm_metrics(text if isinstance(text, str) else "")
-        lines = [
-            f"sglang:num_running_reqs {m.get('vllm:num_requests_running', 0.0)}",
-            f"sglang:num_queue_reqs {m.get('vllm:num_requests_waiting', 0.0)}",
-            f"sglang:token_usage {m.get('vllm:kv_cache_usage_perc', 0.0)}",
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return PlainTextResponse(sglang_metrics(text if isinstance(text, str) else ""))
 
     return app
 
@@ -475,19 +472,36 @@ class _Refused(Exception):
         self.status, self.data = status, data
 
 
-def _parse_vllm_metrics(text: str) -> Dict[str, float]:
-    """Prometheus text -> {name: value}, label sets of one name summed."""
-    out: Dict[str, float] = {}
-    for line in text.splitlines():
+_KV_TOKENS = re.compile(r'kv_cache_size_tokens="(\d+)"')
+
+
+def sglang_metrics(vllm_text: str) -> str:
+    """vLLM's ``/metrics`` (Prometheus text) as the SGLang gauges the manager's load-based
+    policies read: running and queued requests, and KV-cache tokens in use (vLLM reports a
+    usage fraction; ``cache_config_info`` carries the cache size in tokens)."""
+    m: Dict[str, float] = {}
+    kv_tokens = 0.0
+    for line in vllm_text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_labels, _, value = line.rpartition(" ")
         name = name_labels.split("{", 1)[0]
+        if name == "vllm:cache_config_info":
+            found = _KV_TOKENS.search(name_labels)
+            kv_tokens = float(found.group(1)) if found else kv_tokens
+            continue
         try:
-            out[name] = out.get(name, 0.0) + float(value)
+            m[name] = m.get(name, 0.0) + float(value)  # label sets of one name summed
         except ValueError:
             continue
-    return out
+    usage = m.get("vllm:kv_cache_usage_perc", 0.0)
+    lines = [
+        f"sglang:num_running_reqs {m.get('vllm:num_requests_running', 0.0)}",
+        f"sglang:num_queue_reqs {m.get('vllm:num_requests_waiting', 0.0)}",
+        f"sglang:token_usage {usage}",
+        f"sglang:num_used_tokens {usage * kv_tokens}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:

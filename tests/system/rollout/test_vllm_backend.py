@@ -226,3 +226,21 @@ def test_backend_and_allocation_and_command():
     assert cmd[cmd.index("--max-model-len") + 1] == "256"
     server = vllm_backend.VLLMServer(cfg, python="/venv/bin/python", log_path="/tmp/x.log")
     assert server.env["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /collective_rpc, ...
+
+
+VLLM_METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+vllm:num_requests_running{engine="0",model_name="policy"} 3.0
+vllm:num_requests_waiting{engine="0",model_name="policy"} 2.0
+vllm:num_requests_waiting_by_reason{engine="0",model_name="policy",reason="capacity"} 2.0
+vllm:kv_cache_usage_perc{engine="0",model_name="policy"} 0.25
+vllm:cache_config_info{block_size="128",kv_cache_size_tokens="262144",num_gpu_blocks="2048"} 1.0
+"""
+
+
+def test_vllm_metrics_become_the_gauges_the_manager_reads():
+    from realhf.system.rollout.server_pool import parse_metrics
+
+    m = parse_metrics(vllm_backend.sglang_metrics(VLLM_METRICS))
+    assert m["sglang:num_running_reqs"] == 3.0 and m["sglang:num_queue_reqs"] == 2.0
+    assert m["sglang:num_used_tokens"] == 0.25 * 262144
