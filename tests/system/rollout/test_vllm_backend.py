@@ -11,6 +11,7 @@ that names it.  Without vLLM: the adapter's answers when vLLM cannot be reached.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -244,3 +245,36 @@ def test_vllm_metrics_become_the_gauges_the_manager_reads():
     m = parse_metrics(vllm_backend.sglang_metrics(VLLM_METRICS))
     assert m["sglang:num_running_reqs"] == 3.0 and m["sglang:num_queue_reqs"] == 2.0
     assert m["sglang:num_used_tokens"] == 0.25 * 262144
+
+
+def test_server_config_takes_the_servers_settings_and_checks_vllm_args():
+    gen = GenerationServerConfig(
+        model_path="/m", backend="vllm", max_running_requests=8, context_length=128, seed=3
+    )
+    cfg = vllm_backend.server_config(gen, "generation_server-0")
+    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.seed) == (8, 128, 3)
+    assert cfg.host == "127.0.0.1" and cfg.served_model_name == "generation_server-0"
+    tuned = GenerationServerConfig(
+        model_path="/m", backend="vllm", vllm_args={"kv_cache_gib": 2, "enforce_eager": False}
+    )
+    cfg = vllm_backend.server_config(tuned, "g")
+    assert cfg.kv_cache_gib == 2 and "--enforce-eager" not in vllm_backend.build_command(cfg, "p")
+    bad = GenerationServerConfig(model_path="/m", backend="vllm", vllm_args={"seed": 1, "x": 2})
+    with pytest.raises(ValueError, match=r"unknown keys \['seed', 'x'\]; accepted: .*kv_cache"):
+        vllm_backend.server_config(bad, "g")
+
+
+def test_tied_head_view_adds_the_output_head_and_leaves_untied_models_alone(tmp_path):
+    from safetensors import safe_open
+
+    view = vllm_backend.tied_head_view(ASSETS, str(tmp_path))  # the tiny model is tied
+    assert view != ASSETS and os.path.dirname(view) == str(tmp_path)
+    with safe_open(os.path.join(view, "lm_head.safetensors"), "pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    with safe_open(os.path.join(view, "model.safetensors"), "pt") as f:  # a link to ASSETS'
+        assert torch.equal(head, f.get_tensor("model.embed_tokens.weight"))
+    assert os.path.islink(os.path.join(view, "config.json"))
+    untied = shutil.copytree(ASSETS, tmp_path / "untied")
+    cfg = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
+    assert vllm_backend.tied_head_view(str(untied), str(tmp_path)) == str(untied)
