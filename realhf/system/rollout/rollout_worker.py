@@ -49,6 +49,7 @@ from typing import Dict, List, Optional
 from realhf.api.core import registry
 from realhf.api.core.agent_api import run_agent
 from realhf.api.core.rollout_api import (
+    MAX_ALLOCATE_COUNT,
     FinishStatus,
     RolloutWorkerConfig,
     Trajectory,
@@ -283,7 +284,7 @@ class RolloutWorker(AsyncWorker):
                 await self._shutdown(end_stream=True)
                 return PollResult(sample_count=new, completed=True)
         elif len(self.running) < cfg.max_concurrent_rollouts and now >= self._retry_at:
-            free = cfg.max_concurrent_rollouts - len(self.running)
+            free = min(cfg.max_concurrent_rollouts - len(self.running), MAX_ALLOCATE_COUNT)
             if limit is not None:
                 free = min(free, limit - self.counts["started"])
             started = await self._try_start(free)
