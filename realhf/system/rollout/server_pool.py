@@ -12,11 +12,12 @@ policy — ``round_robin``, ``least_requests`` or ``least_token_usage`` (the las
 
 Weights (:meth:`ServerPool.update_weights`): every live server gets ``/pause_generation`` ->
 ``/update_weights_from_disk`` -> ``/continue_generation``, each bounded by
-``weight_update_timeout_s``.  A server that cannot be reached is dropped; one that fails a
-step is taken out of service (it may hold the old weights) and tried again at health checks
-every :data:`REJOIN_RETRY_S` seconds — it rejoins once an update to the current version
-succeeds.  Only when no server is left live does the update raise
-:class:`WeightUpdateError` naming each server's failure (the run then stops).
+``weight_update_timeout_s``.  A server that cannot be reached is dropped (so is one that
+answers a step with a 5xx and then fails its health check); one that fails a step otherwise
+is taken out of service (it may hold the old weights) and tried again at health checks every
+:data:`REJOIN_RETRY_S` seconds — it rejoins once an update to the current version succeeds.
+Only when no server is left live does the update raise :class:`WeightUpdateError` naming
+each server's failure (the run then stops).
 """
 
 from __future__ import annotations
@@ -373,6 +374,11 @@ class ServerPool:
                 except ValueError:
                     pass
             if not ok:
+                # A server in front of an engine that died (the vLLM adapter) still answers,
+                # with an error; if it also fails its health check it is gone, as a server
+                # that cannot be reached is: its replacement joins at the current version.
+                if status >= 500 and not await self.healthy(s.url):
+                    raise _ServerGone(s.url)
                 raise WeightUpdateError(
                     s.url, step, version, f"answered HTTP {status}: {text[:500]}"
                 )

@@ -62,6 +62,7 @@ from realhf.api.core.gen_api import (
 )
 from realhf.api.core.rollout_api import GenerationServerConfig
 from realhf.base import logging, network
+from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
 from realhf.system.rollout.sglang_launcher import ServerProcess
 
 logger = logging.getLogger("vllm_backend", "system")
@@ -233,6 +234,10 @@ class VLLMServer(ServerProcess):
             "VLLM_SERVER_DEV_MODE": "1",
             "VLLM_CPU_KVCACHE_SPACE": f"{config.kv_cache_gib:g}",
             "VLLM_NO_USAGE_STATS": "1",
+            # The adapter pools connections: vLLM must keep idle ones longer than the
+            # adapter does, or it closes one just as the adapter reuses it ("Server
+            # disconnected"); the same rule as for our own servers.
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(int(SERVER_KEEPALIVE_S)),
             "DO_NOT_TRACK": "1",
         }
         super().__init__(
@@ -364,13 +369,15 @@ def create_adapter_app(
     ``stop_token_ids`` are the model's EOS / pad ids: a ``stop`` finish that vLLM reports
     without a matched id ended on one of them.
     """
-    state: Dict[str, Any] = {}
+    # ``pauses`` counts /pause_generation calls; ``paused`` holds from a pause to the next
+    # /continue_generation.  See ``one`` for why a sequence remembers the count it started at.
+    state: Dict[str, Any] = {"paused": False, "pauses": 0}
     stop_ids = frozenset(int(t) for t in stop_token_ids)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state["session"] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
         )
         state["views"] = tempfile.mkdtemp(prefix="realhf_vllm_views_")
         try:
@@ -395,7 +402,28 @@ def create_adapter_app(
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _VLLMDown(f"vLLM at {vllm_url} did not answer {path}: {e!r}") from None
 
+    def interrupted(rid: str, prompt_len: int, why: str) -> GenerateOutput:
+        return GenerateOutput(
+            rid=rid,
+            prompt_len=prompt_len,
+            output_ids=(),
+            output_logprobs=(),
+            finish_reason=FinishReason("abort", message=why),
+        )
+
     async def one(ids: List[int], sp: SamplingParams, rid: str) -> GenerateOutput:
+        """One sequence, with the weights it was sent under or none at all.
+
+        While paused a sequence is not sent: it is answered at once as aborted with no
+        tokens, and the client sends it again once the update is over.  A sequence that
+        vLLM receives just after a pause waits in vLLM's queue and runs on the *new*
+        weights after the resume, although the manager scheduled it under the old version;
+        so a sequence during which a pause began keeps its tokens only if vLLM aborted it
+        (they were made before that pause) and is otherwise answered as aborted with none.
+        """
+        if state["paused"]:
+            return interrupted(rid, len(ids), "the server is paused for a weight update")
+        pauses = state["pauses"]
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         status, data = await call(
@@ -406,7 +434,11 @@ def create_adapter_app(
         )
         if status != 200:
             raise _Refused(status, data)
-        return _to_output(data["choices"][0], rid, len(ids), stop_ids, loop.time() - t0)
+        out = _to_output(data["choices"][0], rid, len(ids), stop_ids, loop.time() - t0)
+        seen = state["pauses"] - pauses
+        if seen and not (seen == 1 and out.finish_reason.type == "abort"):
+            return interrupted(rid, len(ids), "overlapped a weight update; tokens discarded")
+        return out
 
     @app.post("/generate")
     async def generate(request: fastapi.Request):
@@ -446,11 +478,16 @@ def create_adapter_app(
 
     @app.post("/pause_generation")
     async def pause_generation():
+        state["paused"] = True
+        state["pauses"] += 1
         return await control("/pause", params={"mode": "abort"})
 
     @app.post("/continue_generation")
     async def continue_generation():
-        return await control("/resume")
+        reply = await control("/resume")
+        if reply.status_code == 200:
+            state["paused"] = False
+        return reply
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: fastapi.Request):

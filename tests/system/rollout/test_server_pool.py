@@ -16,6 +16,7 @@ from realhf.system.rollout.server_pool import (
     NoServerAvailable,
     ServerPool,
     ServerState,
+    WeightUpdateError,
     choose_server,
     parse_metrics,
 )
@@ -110,3 +111,51 @@ def test_discovery_health_metrics_and_dead_servers(model_dir):
         for s in servers[1:]:
             s.stop()
             s.engine.close()
+
+
+def _front(engine: dict):
+    """A server in front of an engine (as the vLLM adapter is): its control steps answer 502;
+    its health check says whether the engine behind it lives (``engine["alive"]``)."""
+    import fastapi
+    from fastapi.responses import JSONResponse
+
+    app = fastapi.FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({}, status_code=200 if engine["alive"] else 503)
+
+    @app.post("/pause_generation")
+    async def pause():
+        return JSONResponse({"success": False, "message": "engine did not answer"}, 502)
+
+    return ServerThread(app).start()
+
+
+@pytest.mark.parametrize("engine_alive", [False, True], ids=["engine-dead", "engine-alive"])
+def test_a_5xx_step_from_a_server_whose_health_fails_counts_as_gone(tmp_path, engine_alive):
+    engine = {"alive": True}
+    srv = _front(engine)
+    pool = ServerPool(GserverManagerConfig(health_timeout_s=5), lambda: [srv.url], lambda v: "")
+
+    async def go():
+        await pool.open()
+        try:
+            await pool.check()
+            assert [s.url for s in pool.live()] == [srv.url]
+            pool.weight_dir = lambda v: str(tmp_path)
+            engine["alive"] = engine_alive
+            if engine_alive:  # it may hold the old weights: the update fails, naming it
+                with pytest.raises(WeightUpdateError, match="pause_generation answered HTTP 502"):
+                    await pool.update_weights(1)
+            else:  # gone, as an unreachable server is: no error, its replacement joins later
+                await pool.update_weights(1)
+                dead = pool.servers[srv.url]
+                assert not dead.live and "unreachable" in dead.dead_reason
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        srv.stop()

@@ -3,19 +3,19 @@
 registers the adapter, and the adapter speaks the protocol our clients use.
 
 One server start (~30 s) covers, in order: log-probs equal to our trainer's recompute
-(fp32, to 1e-3, at temperature 1 and 0.7), seeded sampling, EOS stops; a pause that aborts
-a running request with its tokens so far; a weight update from a published directory after
-which the outputs are the new weights'; a killed vLLM failing the worker with a message
-that names it.  Without vLLM: the adapter's answers when vLLM cannot be reached.
+(fp32, to 1e-3, at temperature 1 and 0.7), seeded sampling, EOS stops; a pause during a
+long batch, a weight update from a published directory and a continue, after which the
+batch's tokens are all the old weights' and new outputs the new weights'; a killed vLLM
+failing the worker with a message that names it.  Without vLLM: the adapter's answers
+when vLLM cannot be reached.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
-import threading
-import time
 
 import pytest
 import requests
@@ -29,6 +29,7 @@ from realhf.base.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.system.rollout import vllm_backend
 from realhf.system.rollout.generation_server import GenerationServer
+from realhf.system.rollout.server_pool import parse_metrics
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
 
 ASSETS = os.path.join(
@@ -80,6 +81,10 @@ def _generate(url, prompts, **sp):
         "stream": False,
     }
     return _post(url, "/generate", body)
+
+
+# Tokens of a long request (the model has 256 positions)
+LONG = 230
 
 
 def _worker(trial, model_dir, python):
@@ -140,34 +145,40 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
         again = _generate(url, prompts, temperature=1.0, sampling_seed=11)
         assert [o["output_ids"] for o in again] == [o["output_ids"] for o in first[1.0]]
 
-        # a pause aborts running requests, which answer with their tokens so far (32 x 230
-        # tokens take vLLM seconds: the pause comes while they run)
-        long = {}
-
-        def run_long():
-            long["out"] = _generate(
-                url, prompts * 8, max_new_tokens=230, ignore_eos=True, temperature=1.0
-            )
-
-        t = threading.Thread(target=run_long)
-        t.start()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            m = requests.get(url + "/metrics", timeout=10).text
-            if "sglang:num_running_reqs 0.0" not in m:
-                break
-            time.sleep(0.02)
-        assert _post(url, "/pause_generation", {})["success"]
-        t.join(60)
-        for out in long["out"]:
-            assert out["meta_info"]["finish_reason"]["type"] == "abort"
-            n = len(out["output_ids"])
-            assert n < 230 and len(out["meta_info"]["output_token_logprobs"]) == n
-
-        # weights from the published directory; continuing serves the new weights
-        reply = _post(url, "/update_weights_from_disk", {"model_path": new_weights})
-        assert reply["success"], reply
-        assert _post(url, "/continue_generation", {})["success"]
+        # A pause while 32 sequences run or wait (16 at a time), then new weights, then
+        # continue.  One sequence asks for 20 tokens, the others for LONG; the pause comes
+        # when the short one is answered.  Each long one comes back whole if it ended before
+        # the pause took effect, else aborted: with its tokens so far if it was running (the
+        # old weights' tokens), with none if it was queued or reached vLLM just after the
+        # pause (it then ran on the new weights after the resume, and its tokens are
+        # discarded).  vLLM decodes 16 of them in ~3 ms a step, so which of these each
+        # gets depends on timing; none may be new weights' tokens under the old version.
+        lengths = [20] + [LONG] * 31
+        batch = [prompts[i % len(prompts)] for i in range(len(lengths))]
+        with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+            futures = [
+                pool.submit(_generate, url, [p], max_new_tokens=n, ignore_eos=True)
+                for p, n in zip(batch, lengths)
+            ]
+            futures[0].result(timeout=120)
+            assert _post(url, "/pause_generation", {})["success"]
+            # while paused, a request is answered at once as aborted, with no tokens
+            (held,) = _generate(url, prompts[:1], temperature=1.0)
+            assert held["meta_info"]["finish_reason"]["type"] == "abort"
+            assert held["output_ids"] == []
+            # weights from the published directory; continuing serves the new weights
+            reply = _post(url, "/update_weights_from_disk", {"model_path": new_weights})
+            assert reply["success"], reply
+            assert _post(url, "/continue_generation", {})["success"]
+            outs = [f.result(timeout=120)[0] for f in futures]
+        for p, n, out in zip(batch, lengths, outs):
+            ids, why = out["output_ids"], out["meta_info"]["finish_reason"]["type"]
+            lps = [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+            assert len(lps) == len(ids)
+            assert (why == "abort" and len(ids) < n) or (why == "length" and len(ids) == n)
+            if ids:  # made before the pause: the old weights' tokens
+                ref = _recompute(old, p, ids, 1.0)
+                assert torch.allclose(torch.tensor(lps), ref, atol=1e-3)
         greedy = _generate(url, prompts, temperature=0.0)
         for p, o in zip(prompts, greedy):
             ids = o["output_ids"]
@@ -240,8 +251,6 @@ vllm:cache_config_info{block_size="128",kv_cache_size_tokens="262144",num_gpu_bl
 
 
 def test_vllm_metrics_become_the_gauges_the_manager_reads():
-    from realhf.system.rollout.server_pool import parse_metrics
-
     m = parse_metrics(vllm_backend.sglang_metrics(VLLM_METRICS))
     assert m["sglang:num_running_reqs"] == 3.0 and m["sglang:num_queue_reqs"] == 2.0
     assert m["sglang:num_used_tokens"] == 0.25 * 262144
