@@ -176,6 +176,18 @@ def check_trainer_layout(
             raise ExperimentSetupError(f"allocation_mode: {e}") from None
         except NotImplementedError as e:
             raise ExperimentSetupError(f"allocation_mode: not yet supported: {e}") from None
+        if spec.critic_lm_logits and not config.tied_embedding:
+            raise ExperimentSetupError(
+                f"model {spec.role!r} ({spec.path}): an LM regulariser on a reward model "
+                "reads the logits through the tied embedding matrix, and this model's "
+                "embeddings are not tied; train it without (lm_coef=0)"
+            )
+        if spec.critic_lm_logits and layout.pipe > 1:
+            raise ExperimentSetupError(
+                f"allocation_mode: model {spec.role!r} with an LM regulariser needs whole "
+                f"models (its head reads the embedding matrix), not {layout.pipe} pipeline "
+                "stages; use p1, or lm_coef=0"
+            )
     n = layout.world_size if n_workers is None else n_workers
     needs = f"layout {layout} needs d·p·m = {n}" if n_workers is None else f"the layouts need {n}"
     if torch.cuda.is_available():
@@ -253,6 +265,7 @@ def model_spec(
     *,
     trainable: bool,
     is_critic: bool = False,
+    critic_lm_logits: bool = False,
     publish_weights: bool = False,
 ) -> ModelSpec:
     return ModelSpec(
@@ -260,6 +273,7 @@ def model_spec(
         path=path,
         dtype=cfg.dtype,
         is_critic=is_critic,
+        critic_lm_logits=critic_lm_logits,
         trainable=trainable,
         optimizer=cfg.optimizer if trainable else None,
         gradient_checkpointing=cfg.gradient_checkpointing,

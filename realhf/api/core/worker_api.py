@@ -58,6 +58,9 @@ class ModelSpec:
         path: HuggingFace directory the weights are loaded from (``ReaLModel.from_hf``).
         dtype: parameter dtype, one of ``float32``, ``bfloat16``, ``float16``.
         is_critic: load with a scalar value head instead of the LM head.
+        critic_lm_logits: a critic whose forward also returns its LM logits through the
+            tied embedding, ``[T, 1 + vocab]`` (``ReaLModel(critic_lm_logits=True)``): a
+            reward model trained with a language-model regulariser.  Needs ``is_critic``.
         trainable: wrap in a ``TrainEngine`` (AdamW); MFCs of type ``train_step`` need it.
         optimizer: AdamW / LR schedule settings of a trainable role (None: defaults).
             Must stay None for a role that is not trainable.
@@ -75,6 +78,7 @@ class ModelSpec:
     path: str
     dtype: str = "float32"
     is_critic: bool = False
+    critic_lm_logits: bool = False
     trainable: bool = False
     optimizer: Optional[OptimizerConfig] = None
     gradient_checkpointing: bool = False
@@ -96,9 +100,18 @@ class ModelSpec:
             )
         if self.dtype not in DTYPES:
             raise _bad(c, "dtype", self.dtype, f"use one of {DTYPES}")
-        for f in ("is_critic", "trainable", "gradient_checkpointing", "publish_weights", "offload"):
+        for f in (
+            "is_critic",
+            "critic_lm_logits",
+            "trainable",
+            "gradient_checkpointing",
+            "publish_weights",
+            "offload",
+        ):
             if not isinstance(getattr(self, f), bool):
                 raise _bad(c, f, getattr(self, f), "use true or false")
+        if self.critic_lm_logits and not self.is_critic:
+            raise _bad(c, "critic_lm_logits", True, "it is for critics: set is_critic=True")
         if self.offload and self.trainable:
             raise _bad(
                 c,

@@ -284,6 +284,7 @@ class ModelWorker(Worker):
             init_weights=False,
             tp=hooks,
             layers=hooks.stage_range(cfg),
+            critic_lm_logits=spec.critic_lm_logits,
         )
 
     def _load_part(self, role: str, path: str):
@@ -297,6 +298,7 @@ class ModelWorker(Worker):
             device=self.device,
             is_critic=spec.is_critic,
             gradient_checkpointing=spec.gradient_checkpointing,
+            critic_lm_logits=spec.critic_lm_logits,
         )
 
     def _reload_weights(self, role: str, path: str) -> None:

@@ -275,6 +275,41 @@ def test_critic_outputs_one_value_per_token():
     assert m(ids, cu).shape == (8,)
 
 
+def test_critic_lm_logits_returns_the_value_then_the_tied_lm_logits():
+    cfg = tiny_config(tied_embedding=True)
+    lm = ReaLModel(cfg)
+    critic = ReaLModel(cfg, is_critic=True)
+    both = ReaLModel(cfg, is_critic=True, critic_lm_logits=True)
+    assert both.param_spec == critic.param_spec  # the parameters are a plain critic's
+    shared = {k: v for k, v in lm.state_dict().items() if k in critic.param_spec}
+    critic.load_state_dict({**critic.state_dict(), **shared})
+    both.load_state_dict(critic.state_dict())
+    ids, cu = _batch([3, 5])
+    out = both(ids, cu)
+    assert out.shape == (8, 1 + cfg.vocab_size)
+    torch.testing.assert_close(out[:, 0], critic(ids, cu))
+    torch.testing.assert_close(out[:, 1:], lm(ids, cu))
+    out.sum().backward()  # the logits reach the embedding, the value the head
+    head = both.config.head_layer_idx
+    assert both.get_parameter("0.wte.weight").grad.abs().sum() > 0
+    assert both.get_parameter(f"{head}.weight").grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(tied_embedding=False, is_critic=True), "tied embeddings"),
+        (dict(tied_embedding=True, is_critic=False), "needs a critic"),
+        (dict(tied_embedding=True, is_critic=True, layers=(0, 2)), "the whole model"),
+    ],
+)
+def test_critic_lm_logits_refuses_what_it_cannot_serve(kw, msg):
+    layers = kw.pop("layers", None)
+    is_critic = kw.pop("is_critic")
+    with pytest.raises(ValueError, match=msg):
+        ReaLModel(tiny_config(**kw), is_critic=is_critic, critic_lm_logits=True, layers=layers)
+
+
 # ---- config validation -----------------------------------------------------
 
 

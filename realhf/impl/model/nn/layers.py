@@ -257,9 +257,15 @@ class OutputHead(nn.Module):
         return [(n.lstrip("."), s, i) for n, s, i in decls]
 
     def forward(self, h: torch.Tensor, tied_weight: Optional[torch.Tensor]) -> torch.Tensor:
-        """``[T, hidden_dim]`` -> logits ``[T, vocab]`` or values ``[T]``."""
+        """``[T, hidden_dim]`` -> logits ``[T, vocab]`` or values ``[T]``.
+
+        A critic given ``tied_weight`` (``ReaLModel(critic_lm_logits=True)``) returns
+        ``[T, 1 + vocab]``: its values, then the logits of the tied LM head."""
         x = _norm(self.ln_f, h, self.config)
         if self.config.is_critic:
-            return F.linear(x, self.weight, self.bias).squeeze(-1)
+            values = F.linear(x, self.weight, self.bias)
+            if tied_weight is None:
+                return values.squeeze(-1)
+            return torch.cat([values, F.linear(self.tp.copy_in(x), tied_weight)], dim=-1)
         w = tied_weight if self.config.tied_embedding else self.weight
         return F.linear(self.tp.copy_in(x), w)

@@ -86,6 +86,11 @@ class ReaLModel(nn.Module):
             without the head returns them.  A last stage of a tied-embedding model holds
             its own copy of the embedding matrix as ``{n+1}.weight`` (kept equal to the
             embedding by summing their gradients, see the pipeline engine).
+        critic_lm_logits: a critic of a tied-embedding model that also returns its
+            language-model logits (through the embedding matrix it holds anyway):
+            ``forward`` gives ``[T, 1 + vocab]``, column 0 the value.  For reward models
+            trained with a language-model regulariser (``rw.lm_coef``); whole models
+            only (no pipeline stages).  The parameters are a plain critic's.
 
     ``config`` is always the whole architecture; ``layer_config`` is the one the layers
     were built from (this rank's shard under tensor parallelism, else ``config``).
@@ -106,6 +111,7 @@ class ReaLModel(nn.Module):
         attn_impl: str = "auto",
         tp: LocalHooks = LOCAL,
         layers: Optional[Tuple[int, int]] = None,
+        critic_lm_logits: bool = False,
     ):
         super().__init__()
         if dtype not in _DTYPES:
@@ -127,6 +133,18 @@ class ReaLModel(nn.Module):
                 f"(embedding 0, blocks 1..{config.n_layers}, head {n_all - 1})"
             )
         self.layer_range = (start, end)
+        if critic_lm_logits and not (config.is_critic and config.tied_embedding):
+            raise ValueError(
+                "critic_lm_logits needs a critic (is_critic=True) of a model with tied "
+                "embeddings (the LM head is the embedding matrix); this model has "
+                f"is_critic={config.is_critic}, tied_embedding={config.tied_embedding}"
+            )
+        if critic_lm_logits and (start, end) != (0, n_all):
+            raise ValueError(
+                "critic_lm_logits needs the whole model (the head reads the embedding "
+                f"matrix); this part holds layers {start}..{end - 1} of a pipeline"
+            )
+        self.critic_lm_logits = bool(critic_lm_logits)
         #: whether the head keeps its own copy of a tied embedding (a last pipeline stage)
         self.head_copies_embedding = (
             config.shares_head_with_embedding and start > 0 and end == n_all
@@ -301,7 +319,8 @@ class ReaLModel(nn.Module):
 
         Returns:
             ``[T, vocab_size]`` logits (``[T, vocab_size / tp]``, this rank's vocabulary
-            rows, under tensor parallelism), or ``[T]`` values for a critic, in the
+            rows, under tensor parallelism), or ``[T]`` values for a critic (``[T, 1 +
+            vocab]``, the value then the logits, with ``critic_lm_logits``), in the
             model dtype; ``[T, hidden_dim]`` hidden states from a stage without the head.
         """
         if input_ids.dim() != 1:
@@ -371,7 +390,9 @@ class ReaLModel(nn.Module):
         if not self.has_head:
             return h
         tied = None
-        if self.config.shares_head_with_embedding and not self.head_copies_embedding:
+        if self.critic_lm_logits or (
+            self.config.shares_head_with_embedding and not self.head_copies_embedding
+        ):
             tied = self.embedding.wte.weight
         out = self.head(h, tied)
         return out if sp is None else out.index_select(0, sp.expand)
