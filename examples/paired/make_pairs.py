@@ -15,6 +15,11 @@ the embedded SFT model's own mistakes, so the pairs teach what that model gets w
 
 ``--rejected near_miss`` makes every rejected answer a near miss instead (no model needed).
 
+``pairs_rw_train.jsonl`` (the ``rw`` recipe's training split) has more pairs per problem:
+for every train problem, one pair per distinct well-formed wrong answer among
+``--rw-samples`` answers sampled at temperature 1 (~3.7 per problem, ~15.5k pairs), so
+the reward model sees the spread of mistakes the model makes, not only its favourite one.
+
 Source prompts are the task's train split (``pairs_train.jsonl``, the first ``--n-train``
 problems) and its held-out eval split (``pairs_eval.jsonl``, all 500), so held-out pairs
 share no problem with the SFT data or the training pairs.  Output depends only on
@@ -118,6 +123,29 @@ def make_pairs(
     return pairs, source
 
 
+def all_wrong_pairs(rows: List[Dict], model, tok, n_samples: int) -> List[Dict]:
+    """One pair per distinct well-formed wrong answer among ``n_samples`` sampled answers
+    of each math row, in the order sampled."""
+    sampled = _answers(model, tok, [r["prompt"] for r in rows], False, n_samples, 16)
+    pairs = []
+    for row, answers in zip(rows, sampled):
+        chosen = row["solutions"][0]
+        truth, seen = boxed_value(chosen), set()
+        for a in (a.strip() for a in answers):
+            if boxed_value(a) in (None, truth) or a in seen:
+                continue
+            seen.add(a)
+            pairs.append(
+                {
+                    "id": f"{row['query_id']}/{len(seen) - 1}",
+                    "prompt": row["prompt"],
+                    "chosen": chosen,
+                    "rejected": a,
+                }
+            )
+    return pairs
+
+
 def _write(path: str, rows: List[Dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -132,6 +160,18 @@ def main(argv=None):
     p.add_argument("--out-dir", default=DEFAULT_OUT_DIR)
     p.add_argument("--n-train", type=int, default=2000, help="training pairs (first N problems)")
     p.add_argument("--n-samples", type=int, default=4, help="sampled answers per prompt")
+    p.add_argument(
+        "--rw-samples",
+        type=int,
+        default=8,
+        help="sampled answers per train problem for pairs_rw_train.jsonl (0: skip it)",
+    )
+    p.add_argument(
+        "--rw-n-train",
+        type=int,
+        default=None,
+        help="pairs_rw_train.jsonl from the first N train problems (default: all)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--rejected",
@@ -155,6 +195,12 @@ def main(argv=None):
         pairs, source = make_pairs(rows, model, tok, rng, args.n_samples, args.rejected)
         _write(os.path.join(args.out_dir, f"pairs_{split}.jsonl"), pairs)
         print(f"pairs_{split}.jsonl: {len(pairs)} pairs, rejected from {source}", flush=True)
+    if args.rw_samples > 0 and args.rejected == "model":
+        torch.manual_seed(args.seed)  # the two files above stay as they were without it
+        rows = _read_math(os.path.join(args.data_dir, "train.jsonl"))[: args.rw_n_train]
+        pairs = all_wrong_pairs(rows, model, tok, args.rw_samples)
+        _write(os.path.join(args.out_dir, "pairs_rw_train.jsonl"), pairs)
+        print(f"pairs_rw_train.jsonl: {len(pairs)} pairs from {len(rows)} problems", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,14 @@
 
 One MFC (``rw_train``, interface ``rw``) on a critic-style model: the SFT model's body with
 a fresh scalar head (``is_critic``); the reward of an answer is the head's value at its EOS.
+``lm_coef`` (default 3) adds a language-model loss on the chosen answers, which keeps the
+body learning to answer correctly while the head learns to rank (needs tied embeddings;
+``lm_coef=0`` trains the plain Bradley–Terry loss).
 Pairs are jsonl rows ``{id, prompt, chosen, rejected}`` (``paired_dataset``); with no paths
-the embedded task's pairs (``examples/paired/make_pairs.py``) are used. Held-out pair
-accuracy (``rw_eval/pair_acc``) is measured at the start and every ``eval_freq_steps``.
+the embedded task's pairs (``examples/paired/make_pairs.py``: ``pairs_rw_train``, every
+distinct mistake among 8 samples of each train problem, and the held-out ``pairs_eval``)
+are used. Held-out pair accuracy (``rw_eval/pair_acc``) is measured at the start and every
+``eval_freq_steps``.
 The saved checkpoints (``checkpoints/reward``) load as a critic (``is_critic=True``).
 """
 
@@ -27,7 +32,7 @@ from realhf.api.cli_args import (
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
-from realhf.api.core.registry import DatasetAbstraction
+from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec
 from realhf.experiments import building_blocks as blocks
@@ -49,7 +54,7 @@ class PairedDatasetConfig:
         default="",
         metadata={
             "help": "preference pairs jsonl ({id, prompt, chosen, rejected}); empty = the "
-            "task's pairs_train split"
+            "task's pairs_rw_train split"
         },
     )
     eval_path: str = field(
@@ -61,12 +66,14 @@ class PairedDatasetConfig:
     )
 
 
-def checked_pairs(cfg, tokenizer, with_eval: bool = True) -> tuple:
+def checked_pairs(
+    cfg, tokenizer, with_eval: bool = True, train_split: str = "pairs_train"
+) -> tuple:
     """(train path, eval path or None, train size) of ``cfg.dataset`` (a
-    :class:`PairedDatasetConfig`), each file loaded once so that malformed rows fail before
-    any process starts."""
+    :class:`PairedDatasetConfig`; ``train_split`` is the task's default training file),
+    each file loaded once so that malformed rows fail before any process starts."""
     ds = cfg.dataset
-    train = blocks.data_path(ds.path, blocks.task_data(cfg.task, "pairs_train"), "dataset.path")
+    train = blocks.data_path(ds.path, blocks.task_data(cfg.task, train_split), "dataset.path")
     eval_ = None
     if with_eval:
         eval_ = blocks.data_path(
@@ -92,13 +99,20 @@ class RWConfig(BaseExperimentConfig):
     )
     dataset: PairedDatasetConfig = field(default_factory=PairedDatasetConfig)
     train_batch_size: int = field(default=32, metadata={"help": "pairs per optimizer step"})
+    lm_coef: float = field(
+        default=3.0,
+        metadata={
+            "help": "weight of the language-model loss on the chosen answers, added to the "
+            "Bradley-Terry loss (keeps the body learning to answer while the head learns "
+            "to rank; needs tied embeddings and p=1); 0 = the plain Bradley-Terry loss"
+        },
+    )
     mb: MicroBatchConfig = field(default_factory=MicroBatchConfig)
-    # 63 steps per epoch on the embedded pairs: evaluate after each. Held-out pair accuracy
-    # levels off near 65% whatever the lr (2e-4 .. 1e-3) or length (2 .. 6 epochs): see
-    # benchmark/results/algorithms.md for why these pairs are hard for a tiny model.
+    # 488 steps per epoch on the embedded pairs_rw_train (15,620 pairs): evaluate twice an
+    # epoch. See benchmark/results/algorithms.md for the figures and what was tried.
     exp_ctrl: ExperimentControlConfig = field(
         default_factory=lambda: ExperimentControlConfig(
-            total_train_epochs=3, eval_freq_steps=63, eval_at_start=True, save_freq_epochs=1
+            total_train_epochs=5, eval_freq_steps=244, eval_at_start=True, save_freq_epochs=1
         )
     )
 
@@ -106,6 +120,8 @@ class RWConfig(BaseExperimentConfig):
         super().__post_init__()
         if self.train_batch_size < 1:
             raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
+        if not self.lm_coef >= 0:
+            raise ValueError(f"lm_coef must be >= 0 (0 turns it off), got {self.lm_coef}")
 
 
 def build_rw(cfg: RWConfig) -> ExperimentConfig:
@@ -113,7 +129,7 @@ def build_rw(cfg: RWConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=False)
     path = blocks.model_path(cfg.model, "model", cfg.task)
     tok = blocks.load_tokenizer(path)
-    train, eval_, size = checked_pairs(cfg, tok)
+    train, eval_, size = checked_pairs(cfg, tok, train_split="pairs_rw_train")
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
     mfcs = [
@@ -121,14 +137,23 @@ def build_rw(cfg: RWConfig) -> ExperimentConfig:
             name="rw_train",
             model_name="reward",
             interface_type="train_step",
-            interface_impl="rw",
+            interface_impl=InterfaceAbstraction("rw", {"lm_coef": cfg.lm_coef}),
             n_seqs=cfg.train_batch_size,
             input_keys=("packed_input_ids", "prompt_mask"),
             mb_spec=mb_spec,
             log_return_value=True,
         )
     ]
-    models = [blocks.model_spec("reward", cfg.model, path, trainable=True, is_critic=True)]
+    models = [
+        blocks.model_spec(
+            "reward",
+            cfg.model,
+            path,
+            trainable=True,
+            is_critic=True,
+            critic_lm_logits=cfg.lm_coef > 0,
+        )
+    ]
     data_args = dict(max_length=cfg.dataset.max_length)
     return blocks.trainer_experiment(
         cfg,

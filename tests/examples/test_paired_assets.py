@@ -40,6 +40,14 @@ def test_pairs_are_correct_vs_wrong_and_held_out_from_training():
             assert mp.boxed_value(r["chosen"]) == truth
             wrong = mp.boxed_value(r["rejected"])
             assert wrong is not None and wrong != truth, r
+    rows = _read(DATA / "pairs_rw_train.jsonl")
+    assert {r["id"].split("/")[0] for r in rows} <= math_ids["train"]
+    for r in rows:
+        a, op, b = _PROMPT.match(r["prompt"]).groups()
+        truth = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+        assert mp.boxed_value(r["chosen"]) == truth
+        wrong = mp.boxed_value(r["rejected"])
+        assert wrong is not None and wrong != truth, r
 
 
 def test_near_miss_is_a_close_wrong_answer():
@@ -53,7 +61,9 @@ def test_near_miss_is_a_close_wrong_answer():
 
 @pytest.mark.slow
 def test_script_reproduces_the_committed_files(tmp_path):
-    _script().main(["--out-dir", str(tmp_path)])  # ~20 s: greedy + sampled answers of the SFT model
+    # ~30 s: greedy + sampled answers of the SFT model; the rw split only for the first 256
+    # problems (its first batch of samples, drawn as in the whole file)
+    _script().main(["--out-dir", str(tmp_path), "--rw-n-train", "256"])
     for split in ("train", "eval"):
         name = f"pairs_{split}.jsonl"
         made, committed = _read(tmp_path / name), _read(DATA / name)
@@ -63,3 +73,14 @@ def test_script_reproduces_the_committed_files(tmp_path):
         # machine, but another CPU's float kernels may tip a rare near-tie in sampling.
         same = sum(a["rejected"] == b["rejected"] for a, b in zip(made, committed))
         assert same >= 0.98 * len(made), (name, same, len(made))
+    first = {r["query_id"] for r in _read(DATA / "train.jsonl")[:256]}
+    committed = {
+        (r["prompt"], r["rejected"])
+        for r in _read(DATA / "pairs_rw_train.jsonl")
+        if r["id"].split("/")[0] in first
+    }
+    made = {(r["prompt"], r["rejected"]) for r in _read(tmp_path / "pairs_rw_train.jsonl")}
+    assert len(made & committed) >= 0.98 * max(len(made), len(committed)), (
+        len(made),
+        len(committed),
+    )

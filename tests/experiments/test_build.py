@@ -1,11 +1,16 @@
 """Experiment builders: the DAG each option set compiles to, and early errors."""
 
+import os
+import shutil
+
 import pytest
+from tiny_models import make_tiny_hf_model
 
 from realhf.api.cli_parser import parse_config
 from realhf.api.core.dfg import build_graph
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.ppo_math import PPOMathConfig, build_ppo_math
+from realhf.experiments.rw import RWConfig, build_rw
 from realhf.experiments.sft import SFTConfig, build_sft
 
 
@@ -244,3 +249,29 @@ def test_offload_is_for_models_that_do_not_train(init_model):
         build_ppo_math(
             parse_config(PPOMathConfig, [f"actor.path={init_model}", "actor.offload=true"])
         )
+
+
+def test_rw_trains_with_the_lm_regulariser_by_default_and_refuses_what_cannot_serve_it(
+    tmp_path,
+):
+    def reward_spec(exp):
+        (spec,) = exp.workers["model_worker"][0].models
+        (mfc,) = exp.workers["master_worker"][0].mfcs
+        return spec, mfc.interface_impl.args
+
+    exp = build_rw(parse_config(RWConfig, []))
+    spec, args = reward_spec(exp)
+    assert spec.is_critic and spec.critic_lm_logits and args == {"lm_coef": 3.0}
+    train = exp.workers["model_worker"][0].dataset.args["dataset_path"]
+    assert train.endswith("pairs_rw_train.jsonl")
+    spec, args = reward_spec(build_rw(parse_config(RWConfig, ["lm_coef=0"])))
+    assert spec.is_critic and not spec.critic_lm_logits and args == {"lm_coef": 0.0}
+    with pytest.raises(blocks.ExperimentSetupError, match="p1, or lm_coef=0"):
+        build_rw(parse_config(RWConfig, ["allocation_mode=d1p2m1"]))
+    # an untied model's critic has no LM head to regularise
+    untied = make_tiny_hf_model("llama", tmp_path / "untied", vocab_size=268)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(blocks.task_model("tiny_arith"), f), untied)
+    with pytest.raises(blocks.ExperimentSetupError, match="not tied.*lm_coef=0"):
+        build_rw(parse_config(RWConfig, [f"model.path={untied}"]))
+    build_rw(parse_config(RWConfig, [f"model.path={untied}", "lm_coef=0"]))

@@ -54,6 +54,11 @@ def test_rw_trains_evaluates_pair_accuracy_and_saves_a_critic(tmp_path):
     assert start["step"] == 0 and 0.0 <= start["eval/rw_eval/pair_acc"] <= 1.0
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert "eval/rw_eval/pair_acc" in rows[-1] and "rw_train/rw/loss" in rows[0]
+    # the default trains with the LM regulariser (lm_coef=3) on the model's own logits
+    assert all(x["rw_train/rw/lm_loss"] > 0 for x in rows)
+    assert rows[0]["rw_train/rw/loss"] == pytest.approx(
+        rows[0]["rw_train/rw/bt_loss"] + 3 * rows[0]["rw_train/rw/lm_loss"], rel=1e-4
+    )
     (ckpt,) = (run / "checkpoints" / "reward").iterdir()
     from realhf.impl.model import ReaLModel
 

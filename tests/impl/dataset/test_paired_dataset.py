@@ -40,13 +40,20 @@ def test_item_holds_chosen_then_rejected_with_prompt_masks(tok, tmp_path):
 
 
 def test_embedded_pairs_load_and_are_registered(tok):
-    for split, n in (("pairs_train", 2000), ("pairs_eval", 500)):
+    for split, n in (("pairs_train", 2000), ("pairs_eval", 500), ("pairs_rw_train", 15620)):
         path = str(ASSETS / "data" / f"{split}.jsonl")
         ds = make_dataset("paired", dataset_path=path, tokenizer=tok)
         assert len(ds) == n
+    rows = lambda s: [json.loads(l) for l in open(ASSETS / "data" / f"{s}.jsonl")]  # noqa: E731
     # held-out pairs share no problem with the training pairs
-    ids = lambda s: {json.loads(l)["id"] for l in open(ASSETS / "data" / f"{s}.jsonl")}  # noqa: E731
-    assert not ids("pairs_train") & ids("pairs_eval")
+    prompts = lambda s: {r["prompt"] for r in rows(s)}  # noqa: E731
+    assert not prompts("pairs_train") & prompts("pairs_eval")
+    assert not prompts("pairs_rw_train") & prompts("pairs_eval")
+    # the rw split: distinct wrong answers of every train problem, each beside the right one
+    rw = rows("pairs_rw_train")
+    assert len({r["id"] for r in rw}) == len(rw) == len({(r["prompt"], r["rejected"]) for r in rw})
+    assert all(r["chosen"] != r["rejected"] for r in rw)
+    assert len(prompts("pairs_rw_train")) > 4000
 
 
 @pytest.mark.parametrize(

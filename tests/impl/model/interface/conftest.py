@@ -42,11 +42,21 @@ def actor_hf_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture
 def make_model(actor_hf_dir, tokenizer):
-    """``make_model(role, train=True, is_critic=False, lr=1e-3, **opt) -> Model``."""
+    """``make_model(role, train=True, is_critic=False, critic_lm_logits=False, lr=1e-3,
+    **opt) -> Model``."""
 
-    def make(role: str = "actor", *, train: bool = True, is_critic: bool = False, **opt) -> Model:
+    def make(
+        role: str = "actor",
+        *,
+        train: bool = True,
+        is_critic: bool = False,
+        critic_lm_logits: bool = False,
+        **opt,
+    ) -> Model:
         torch.manual_seed(0)  # a critic's value head starts random: keep tests deterministic
-        net = ReaLModel.from_hf(actor_hf_dir, is_critic=is_critic)
+        net = ReaLModel.from_hf(
+            actor_hf_dir, is_critic=is_critic, critic_lm_logits=critic_lm_logits
+        )
         if train:
             cfg = OptimizerConfig(**{"lr": 1e-3, "weight_decay": 0.0, "eps": 1e-8, **opt})
             engine = TrainEngine(

@@ -74,6 +74,47 @@ def test_rw_evaluate_and_train_step_use_the_bradley_terry_formula(make_model, pa
     assert model.version.global_step == 10
 
 
+def test_rw_lm_coef_adds_the_chosen_answers_language_model_loss(make_model, pa_sample):
+    stats_tracker.reset()
+    data = _pairs(pa_sample)
+    lm = make_model("actor", train=False).module.model
+    model = make_model("reward", is_critic=True, critic_lm_logits=True, lr=1e-3)
+    net = model.module.model
+    cu = data.cu_seqlens("packed_input_ids").tolist()
+    mask = data.data["prompt_mask"]
+    with torch.no_grad():
+        r = [
+            float(net(data.data["packed_input_ids"][a:b], torch.tensor([0, b - a]))[-1, 0])
+            for a, b in zip(cu[:-1], cu[1:])
+        ]
+    bt = sum(-_log_sigmoid(r[i] - r[i + 1]) for i in (0, 2, 4)) / 3
+    # mean NLL of the chosen answers' tokens (EOS included), from the plain LM of the same
+    # weights: the critic's logits are the LM's
+    logp = _answer_logprob(lm, data)
+    n_tok = [int((~mask[a + 1 : b].bool()).sum()) for a, b in zip(cu[:-1], cu[1:])]
+    nll = -sum(logp[i] for i in (0, 2, 4)) / sum(n_tok[i] for i in (0, 2, 4))
+    rw = make_interface("rw", lm_coef=2.0)
+    assert rw.evaluate(model, data, MB)["rw_eval/loss"] == pytest.approx(bt, abs=1e-5)
+    st = rw.train_step(model, data, MB)
+    assert st["rw/bt_loss"] == pytest.approx(bt, abs=1e-5)
+    assert st["rw/lm_loss"] == pytest.approx(nll, abs=1e-5)
+    assert st["rw/loss"] == pytest.approx(bt + 2.0 * nll, abs=1e-5)
+    for _ in range(10):
+        last = rw.train_step(model, data, MB)
+    assert last["rw/lm_loss"] < st["rw/lm_loss"] - 1.0 and last["rw/bt_loss"] < bt - 0.1
+    inf = rw.inference(model, data, MB)  # rewards are column 0 of the two-headed output
+    assert inf.data["rewards"].shape == (6,)
+
+
+def test_rw_lm_coef_needs_a_model_with_logits(make_model, pa_sample):
+    with pytest.raises(ValueError, match="critic_lm_logits=True"):
+        make_interface("rw", lm_coef=1.0).train_step(
+            make_model("reward", is_critic=True), _pairs(pa_sample), MB
+        )
+    with pytest.raises(ValueError, match="lm_coef=-1"):
+        make_interface("rw", lm_coef=-1)
+
+
 def test_rw_refuses_items_that_are_not_pairs(make_model, pa_sample):
     model = make_model("reward", is_critic=True)
     with pytest.raises(ValueError, match="items of 2 sequences"):
