@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
 from realhf.base import constants, faults, name_resolve, names, network
@@ -130,12 +130,17 @@ class GenerationServer(Worker):
             served_model_name=self.worker_name.replace("/", "-"),
             max_concurrent_requests=config.max_concurrent_requests,
         )
+        url = self._serve(app, host, config)
+        freeze_startup_objects()  # the collector walks only what serving makes
+        return url
+
+    def _serve(self, app, host: str, config: GenerationServerConfig) -> str:
+        """Serve ``app`` (our servers' protocol) on ``host:config.port``; its URL."""
         # Reliability tests inject faults into this server's answers ($REALHF_FAULTS).
         app = faults.wrap_asgi(app, faults.faults_of(self.worker_name), self.worker_name)
         self.http = ServerThread(app, host=host, port=config.port).start(
             timeout=config.health_timeout_s
         )
-        freeze_startup_objects()  # the collector walks only what serving makes
         return self.http.url
 
     def _start_sglang(self, config: GenerationServerConfig, host: str) -> str:
@@ -178,11 +183,7 @@ class GenerationServer(Worker):
             stop_token_ids=stops,
             request_timeout_s=config.request_timeout_s,
         )
-        app = faults.wrap_asgi(app, faults.faults_of(self.worker_name), self.worker_name)
-        self.http = ServerThread(app, host=host, port=config.port).start(
-            timeout=config.health_timeout_s
-        )
-        return self.http.url
+        return self._serve(app, host, config)
 
     def _backend_problem(self) -> Optional[str]:
         if self.engine is not None and not self.engine.alive:
@@ -191,17 +192,17 @@ class GenerationServer(Worker):
             )
         if self.http is not None and not self.http._thread.is_alive():
             return "its HTTP thread exited"
-        if self.sglang is not None and self.sglang.process.poll() is not None:
-            return (
-                f"the SGLang process exited with code {self.sglang.process.returncode} "
-                f"(log: {self.sglang.log_path})"
-            )
-        if self.vllm is not None and self.vllm.process.poll() is not None:
-            return (
-                f"the vLLM process exited with code {self.vllm.process.returncode} "
-                f"(log: {self.vllm.log_path})"
-            )
+        for server in self._server_processes():
+            if server.process.poll() is not None:
+                return (
+                    f"the {server.name} process exited with code {server.process.returncode} "
+                    f"(log: {server.log_path})"
+                )
         return None
+
+    def _server_processes(self) -> List[ServerProcess]:
+        """The external engines this worker started (SGLang or vLLM), if any."""
+        return [p for p in (self.sglang, self.vllm) if p is not None]
 
     def _poll(self) -> PollResult:
         now = time.monotonic()
@@ -233,7 +234,5 @@ class GenerationServer(Worker):
             self.http.stop()
         if self.engine is not None:
             self.engine.close()
-        if self.sglang is not None:
-            self.sglang.stop()
-        if self.vllm is not None:
-            self.vllm.stop()
+        for server in self._server_processes():
+            server.stop()

@@ -6,12 +6,12 @@ import importlib.util
 
 import pytest
 import requests
+from gen_server_worker import start_generation_server
 from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
-from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
-from realhf.system.rollout.generation_server import GenerationServer, resolve_backend
+from realhf.system.rollout.generation_server import resolve_backend
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
 
 
@@ -31,29 +31,8 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _worker(trial, model_dir, **kw):
-    w = GenerationServer("exp", trial, "generation_server", 0)
-    cfg = GenerationServerConfig(
-        model_path=model_dir,
-        backend="builtin",
-        host="127.0.0.1",
-        max_running_requests=2,
-        num_threads=1,
-        health_timeout_s=60,
-        poll_interval_s=0.01,
-        **kw,
-    )
-    w.handle_control(
-        "configure",
-        worker_info=WorkerInformation("exp", trial, "generation_server", 0, 1),
-        config=cfg,
-    )
-    w.handle_control("start")
-    return w
-
-
 def test_serves_registers_and_stops_with_the_experiment(memory_name_resolve, trial, model_dir):
-    w = _worker(trial, model_dir)
+    w = start_generation_server(trial, model_dir)
     try:
         assert name_resolve.get_subtree(names.gen_servers("exp", trial)) == [w.url]
         r = requests.post(
@@ -83,7 +62,7 @@ def test_serves_registers_and_stops_with_the_experiment(memory_name_resolve, tri
 
 
 def test_a_dead_engine_fails_the_worker_with_its_url(memory_name_resolve, trial, model_dir):
-    w = _worker(trial, model_dir)
+    w = start_generation_server(trial, model_dir)
     try:
         w.engine.close()
         for _ in range(5):

@@ -20,15 +20,14 @@ import shutil
 import pytest
 import requests
 import torch
+from gen_server_worker import start_generation_server
 
 from realhf.api.core.allocation import parse_allocation_mode
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
-from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names, network
 from realhf.base.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.system.rollout import vllm_backend
-from realhf.system.rollout.generation_server import GenerationServer
 from realhf.system.rollout.server_pool import parse_metrics
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
 
@@ -87,26 +86,6 @@ def _generate(url, prompts, **sp):
 LONG = 230
 
 
-def _worker(trial, model_dir, python):
-    w = GenerationServer("exp", trial, "generation_server", 0)
-    cfg = GenerationServerConfig(
-        model_path=model_dir,
-        backend="vllm",
-        host="127.0.0.1",
-        max_running_requests=16,
-        health_timeout_s=240,
-        poll_interval_s=0.01,
-        vllm_python=python,
-    )
-    w.handle_control(
-        "configure",
-        worker_info=WorkerInformation("exp", trial, "generation_server", 0, 1),
-        config=cfg,
-    )
-    w.handle_control("start")
-    return w
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(600)
@@ -117,7 +96,14 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
     new_weights = _perturbed_copy(ASSETS, tmp_path / "v1", seed=7)
     old, new = ReaLModel.from_hf(ASSETS).eval(), ReaLModel.from_hf(new_weights).eval()
     prompts = _prompts(4)
-    w = _worker(trial, str(served), vllm_python)
+    w = start_generation_server(
+        trial,
+        str(served),
+        backend="vllm",
+        max_running_requests=16,
+        health_timeout_s=240,
+        vllm_python=vllm_python,
+    )
     try:
         url = w.url
         assert name_resolve.get_subtree(names.gen_servers("exp", trial)) == [url]
