@@ -30,24 +30,21 @@ def _read(path):
 def test_pairs_are_correct_vs_wrong_and_held_out_from_training():
     mp = _script()
     math_ids = {s: {r["query_id"] for r in _read(DATA / f"{s}.jsonl")} for s in ("train", "eval")}
-    for split, n in (("train", 2000), ("eval", 500)):
+    # (split, its rows, the math split its problems come from); rw_train ids are "qid/k"
+    for split, n, source in (
+        ("train", 2000, "train"),
+        ("eval", 500, "eval"),
+        ("rw_train", 15620, "train"),
+    ):
         rows = _read(DATA / f"pairs_{split}.jsonl")
         assert len(rows) == n
-        assert {r["id"] for r in rows} <= math_ids[split]
+        assert {r["id"].split("/")[0] for r in rows} <= math_ids[source]
         for r in rows:
             a, op, b = _PROMPT.match(r["prompt"]).groups()
             truth = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
             assert mp.boxed_value(r["chosen"]) == truth
             wrong = mp.boxed_value(r["rejected"])
             assert wrong is not None and wrong != truth, r
-    rows = _read(DATA / "pairs_rw_train.jsonl")
-    assert {r["id"].split("/")[0] for r in rows} <= math_ids["train"]
-    for r in rows:
-        a, op, b = _PROMPT.match(r["prompt"]).groups()
-        truth = {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
-        assert mp.boxed_value(r["chosen"]) == truth
-        wrong = mp.boxed_value(r["rejected"])
-        assert wrong is not None and wrong != truth, r
 
 
 def test_near_miss_is_a_close_wrong_answer():
