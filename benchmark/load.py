@@ -129,8 +129,8 @@ class _Progress:
 
 def _manager_main(conn, gen_urls: List[str], config: Dict[str, Any]) -> None:
     from realhf.api.core.rollout_api import GserverManagerConfig
-    from realhf.system.rollout.manager import GserverManager
-    from realhf.system.rollout.manager_service import ManagerService
+    from realhf.system.rollout.manager.state import GserverManager
+    from realhf.system.rollout.manager.service import ManagerService
 
     cfg = GserverManagerConfig(**config)
     manager = GserverManager(cfg, _Progress(), lambda: list(gen_urls), lambda v: "")
@@ -336,7 +336,7 @@ def _rollouts_main(conn, manager_url: str, prompts, opts: Dict[str, Any]) -> Non
 async def _rollouts(manager_url: str, prompts, new_tokens: int, chunk: int, group_size: int):
     from realhf.api.core.model_api import GenerationHyperparameters
     from realhf.api.core.rollout_api import FinishStatus, GenerateGroupRequest
-    from realhf.system.rollout.manager_client import ManagerClient
+    from realhf.system.rollout.manager.client import ManagerClient
     from realhf.system.rollout.partial_rollout import PartialRolloutManager
 
     worker, inc = "rollout_worker/0", "bench"

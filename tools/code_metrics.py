@@ -3,7 +3,7 @@ density, import cycles, lines over 100 columns.
 
     python tools/code_metrics.py [--json]
 
-Counts only the shipped packages (realhf/, functioncall/, evaluation/, training/).
+Counts only the shipped packages (realhf/, areal/, functioncall/, evaluation/, training/).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tokenize
 from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("realhf", "functioncall", "evaluation", "training")
+PACKAGES = ("realhf", "areal", "functioncall", "evaluation", "training")
 
 
 def _py_files():

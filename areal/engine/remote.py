@@ -1,49 +1,51 @@
-"""The remote inference engine: generation servers over HTTP, through realhf's client.
+"""The remote inference engine: generation servers over HTTP, driven by realhf's own pieces.
 
-Generation goes through :class:`~realhf.system.rollout.partial_rollout.PartialRolloutManager`
-exactly as in the worker system (chunks of ``new_tokens_per_chunk`` tokens, a chunk cut by a
-weight update resumed with everything generated so far, logprobs and the weight version of
-each chunk), with :class:`StaticServers` standing in for the gserver manager: it picks the
-least-loaded of a fixed list of servers and reports their current weight version.  The
-servers speak the SGLang-compatible protocol (our built-in engine's, or SGLang's).
+Nothing here is a second copy of a mechanism of the worker system:
 
-A weight update (:meth:`RemoteInferenceEngine.update_weights`) pauses every server (running
-requests are aborted and resume in their next chunk), loads the new directory
-(``/update_weights_from_disk``), sets the version, and continues.
+- generation goes through :class:`~realhf.system.rollout.partial_rollout.PartialRolloutManager`
+  (chunks of ``new_tokens_per_chunk`` tokens, a chunk cut by a weight update resumed with
+  everything generated so far, log-probs and the weight version of each chunk);
+- routing, health checks and weight updates are the gserver manager's
+  :class:`~realhf.system.rollout.manager.server_pool.ServerPool`, over a fixed list of URLs:
+  the same routing policies (:mod:`realhf.system.rollout.manager.routing`) and the same
+  weight-update protocol (:mod:`realhf.impl.model.gen.weight_update`).
+
+So a weight update (:meth:`RemoteInferenceEngine.update_weights`) pauses every server, loads
+the new directory and continues it, each step bounded by ``weight_update_timeout_s``; a chunk
+scheduled meanwhile waits for its server's update and is recorded with the new version; a
+server that fails a step is taken out of service (and rejoins at the current version), one that
+cannot be reached is dropped, and the update raises
+:class:`~realhf.impl.model.gen.weight_update.WeightUpdateError` only when no server is left.
+
+The pool lives on an event loop of its own, in a daemon thread: :meth:`agenerate` runs on the
+caller's loop (a ``WorkflowExecutor``'s) and :meth:`update_weights` on the training thread, and
+both reach the pool through that one loop, as asyncio objects must.  The servers speak the
+SGLang-compatible protocol (our built-in engine's, the vLLM adapter's, or SGLang's).
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
+import concurrent.futures
+import itertools
 import threading
-from typing import Sequence
-
-import requests
+from typing import Coroutine, Dict, Optional, Sequence, TypeVar
 
 from areal.api.engine_api import InferenceEngine
-from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration, ScheduleReply
+from realhf.api.core.rollout_api import (
+    GenerateGroupRequest,
+    GroupGeneration,
+    GserverManagerConfig,
+    SchedulePolicy,
+    ScheduleReply,
+    ScheduleRequest,
+)
+from realhf.system.rollout.manager.server_pool import ServerPool
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
 
-__all__ = ["RemoteInferenceEngine", "StaticServers"]
+__all__ = ["RemoteInferenceEngine"]
 
-
-class StaticServers:
-    """The gserver manager's ``schedule`` / ``report_failure`` over a fixed server list."""
-
-    def __init__(self, urls: Sequence[str]):
-        if not urls:
-            raise ValueError("RemoteInferenceEngine needs at least one server URL")
-        self.urls = list(urls)
-        self.version = 0
-        self.load: collections.Counter = collections.Counter()
-
-    async def schedule(self, req) -> ScheduleReply:
-        url = min(self.urls, key=lambda u: self.load[u])
-        self.load[url] += 1
-        return ScheduleReply(url=url, version=self.version)
-
-    async def report_failure(self, url: str, error: str) -> dict:
-        raise RuntimeError(f"generation server {url} failed: {error}")
+T = TypeVar("T")
 
 
 class RemoteInferenceEngine(InferenceEngine):
@@ -54,6 +56,11 @@ class RemoteInferenceEngine(InferenceEngine):
         new_tokens_per_chunk: tokens per generate call.
         request_timeout_s: limit of each generate call.
         seed: sampling seeds derive from it (None: unseeded).
+        stop_token_ids: stop tokens added to every request (EOS and pad).
+        schedule_policy: ``round_robin``, ``least_requests`` or ``least_token_usage``.
+        weight_update_timeout_s: limit of each server call of a weight update.
+        server_wait_timeout_s: how long to wait for every server to answer ``/health``.
+        health_check_interval_s: how often the servers are checked (a dead one is dropped).
     """
 
     def __init__(
@@ -63,45 +70,116 @@ class RemoteInferenceEngine(InferenceEngine):
         request_timeout_s: float = 600.0,
         seed=None,
         stop_token_ids=(),
+        *,
+        schedule_policy: SchedulePolicy | str = SchedulePolicy.LEAST_REQUESTS,
+        weight_update_timeout_s: float = 300.0,
+        server_wait_timeout_s: float = 120.0,
+        health_check_interval_s: float = 1.0,
     ):
-        self.servers = StaticServers(urls)
+        urls = list(urls)
+        if not urls:
+            raise ValueError("RemoteInferenceEngine needs at least one server URL")
+        self.config = GserverManagerConfig(
+            n_servers=len(urls),
+            schedule_policy=schedule_policy,
+            weight_update_timeout_s=weight_update_timeout_s,
+            server_wait_timeout_s=server_wait_timeout_s,
+            health_check_interval_s=health_check_interval_s,
+            keep_weight_versions=None,  # the caller owns its weight directories
+        )
+        #: version -> the directory it was loaded from (a server that rejoins loads it)
+        self._paths: Dict[int, str] = {}
+        self.pool = ServerPool(self.config, lambda: list(urls), self._paths.__getitem__)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="remote-engine-pool", daemon=True
+        )
+        self._thread.start()
+        self._watch: Optional[asyncio.Task] = None
+        try:
+            self._call(self._open(), server_wait_timeout_s + 30, "the servers to answer /health")
+        except BaseException:
+            self._stop_loop()
+            raise
         self.partial = PartialRolloutManager(
-            self.servers,
+            self,  # schedule() and report_failure() below stand in for the manager's client
             new_tokens_per_chunk=new_tokens_per_chunk,
             request_timeout_s=request_timeout_s,
             stop_token_ids=stop_token_ids,
             seed=seed,
         )
-        self.request_timeout_s = request_timeout_s
-        self._rid = 0
-        self._lock = threading.Lock()
+        self._rids = itertools.count(1)
 
     @property
     def version(self) -> int:
-        return self.servers.version
+        """The weight version every live server runs."""
+        return self.pool.version
 
     async def agenerate(self, req: GenerateGroupRequest) -> GroupGeneration:
-        with self._lock:
-            self._rid += 1
-            rid = f"lite-{self._rid}"
-        return await self.partial.generate_group(rid, req)
+        return await self.partial.generate_group(f"lite-{next(self._rids)}", req)
 
     def update_weights(self, path: str, version: int) -> None:
-        """Pause, load ``path``, set ``version``, continue (every server)."""
-        t = self.request_timeout_s
-        for u in self.servers.urls:
-            requests.post(f"{u}/pause_generation", timeout=t).raise_for_status()
-        try:
-            for u in self.servers.urls:
-                r = requests.post(
-                    f"{u}/update_weights_from_disk", json={"model_path": path}, timeout=t
-                )
-                if r.status_code != 200 or not r.json().get("success"):
-                    raise RuntimeError(f"{u} could not load {path}: {r.text[:500]}")
-            self.servers.version = version
-        finally:
-            for u in self.servers.urls:
-                requests.post(f"{u}/continue_generation", timeout=t).raise_for_status()
+        """Pause, load ``path``, continue every live server; they then run ``version``."""
+        if version <= self.version:
+            raise ValueError(
+                f"update_weights: version {version} is not newer than the servers' "
+                f"{self.version}; pass the trainer's step count (TrainEngine.version)"
+            )
+        self._paths[version] = path
+        # Three bounded steps per server, run on all servers at once.
+        limit = 3 * self.config.weight_update_timeout_s + 30
+        self._call(self.pool.update_weights(version), limit, f"the weight update to {version}")
 
     async def aclose(self) -> None:
         await self.partial.close()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the health checks and the pool's loop (idempotent)."""
+        if self._loop.is_running():
+            try:
+                self._call(self._shutdown(), 30, "the server pool to close")
+            finally:
+                self._stop_loop()
+
+    # ---- what PartialRolloutManager asks of the gserver manager ------------------
+
+    async def schedule(self, req: ScheduleRequest) -> ScheduleReply:
+        async def pick() -> ScheduleReply:
+            s = await self.pool.schedule(req)
+            return ScheduleReply(s.url, s.version)  # read on the pool's loop: consistent
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(pick(), self._loop))
+
+    async def report_failure(self, url: str, error: str) -> Dict[str, bool]:
+        fut = asyncio.run_coroutine_threadsafe(self.pool.report_failure(url, error), self._loop)
+        return {"dead": await asyncio.wrap_future(fut)}
+
+    # ---- the pool's loop -----------------------------------------------------------
+
+    async def _open(self) -> None:
+        await self.pool.open()
+        await self.pool.wait_for_servers(self.config.n_servers, self.config.server_wait_timeout_s)
+        self._watch = asyncio.get_running_loop().create_task(self._check_forever())
+
+    async def _check_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            await self.pool.check()
+
+    async def _shutdown(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await self.pool.close()
+
+    def _call(self, coro: Coroutine[None, None, T], timeout: float, what: str) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"RemoteInferenceEngine: waited {timeout:g}s for {what}") from None
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

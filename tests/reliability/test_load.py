@@ -33,9 +33,9 @@ from realhf.base.http_server import RequestLimit, ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
-from realhf.system.rollout.manager import GserverManager
-from realhf.system.rollout.manager_client import ManagerClient, ManagerUnavailable
-from realhf.system.rollout.manager_service import create_manager_app
+from realhf.system.rollout.manager.client import ManagerClient, ManagerUnavailable
+from realhf.system.rollout.manager.service import create_manager_app
+from realhf.system.rollout.manager.state import GserverManager
 
 ASSETS = os.path.join(os.path.dirname(__file__), "..", "..", "realhf", "assets", "tiny")
 N = 1000  # concurrent requests

@@ -36,8 +36,8 @@ import aiohttp
 from realhf.api.core.gen_api import FinishType, parse_sglang_output
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration, ScheduleRequest
 from realhf.base import logging, seeding
-from realhf.system.rollout.manager_client import ManagerClient, UncappedSession
-from realhf.system.rollout.server_pool import NoServerAvailable
+from realhf.system.rollout.manager.client import ManagerClient, UncappedSession
+from realhf.system.rollout.manager.routing import NoServerAvailable
 
 logger = logging.getLogger("partial_rollout", "system")
 

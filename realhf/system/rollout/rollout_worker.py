@@ -34,7 +34,7 @@ the prompt again, so no prompt is trained twice in an epoch.  The price is the o
 of that window: a trajectory that had its index but never reached the trainer (the push
 is a ZMQ send, not a confirmed delivery) is lost, the manager reissues its index to
 another rollout once the trainer reports it missing (see
-:mod:`realhf.system.rollout.manager`), and its prompt misses this epoch.
+:mod:`realhf.system.rollout.manager.state`), and its prompt misses this epoch.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.base import name_resolve, names, seeding
 from realhf.impl.dataset.shard_loader import ShardLoader
-from realhf.system.rollout.manager_client import ManagerClient, ManagerUnavailable
+from realhf.system.rollout.manager.client import ManagerClient, ManagerUnavailable
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
 from realhf.system.rollout.staleness import RolloutNotRunning
 from realhf.system.rollout.trajectory_stream import rollout_position

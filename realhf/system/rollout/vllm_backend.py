@@ -63,6 +63,7 @@ from realhf.api.core.gen_api import (
 from realhf.api.core.rollout_api import GenerationServerConfig
 from realhf.base import logging, network
 from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
+from realhf.impl.model.gen.weight_update import PauseGate
 from realhf.system.rollout.sglang_launcher import ServerProcess
 
 logger = logging.getLogger("vllm_backend", "system")
@@ -369,9 +370,10 @@ def create_adapter_app(
     ``stop_token_ids`` are the model's EOS / pad ids: a ``stop`` finish that vLLM reports
     without a matched id ended on one of them.
     """
-    # ``pauses`` counts /pause_generation calls; ``paused`` holds from a pause to the next
-    # /continue_generation.  See ``one`` for why a sequence remembers the count it started at.
-    state: Dict[str, Any] = {"paused": False, "pauses": 0}
+    # The weight-update protocol's rules for which answers keep their tokens (one
+    # implementation for every backend: realhf.impl.model.gen.weight_update).
+    gate = PauseGate()
+    state: Dict[str, Any] = {}
     stop_ids = frozenset(int(t) for t in stop_token_ids)
 
     @contextlib.asynccontextmanager
@@ -402,28 +404,16 @@ def create_adapter_app(
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise _VLLMDown(f"vLLM at {vllm_url} did not answer {path}: {e!r}") from None
 
-    def interrupted(rid: str, prompt_len: int, why: str) -> GenerateOutput:
-        return GenerateOutput(
-            rid=rid,
-            prompt_len=prompt_len,
-            output_ids=(),
-            output_logprobs=(),
-            finish_reason=FinishReason("abort", message=why),
-        )
-
     async def one(ids: List[int], sp: SamplingParams, rid: str) -> GenerateOutput:
-        """One sequence, with the weights it was sent under or none at all.
+        """One sequence, with the weights it was sent under or none at all (the gate's rules).
 
-        While paused a sequence is not sent: it is answered at once as aborted with no
-        tokens, and the client sends it again once the update is over.  A sequence that
-        vLLM receives just after a pause waits in vLLM's queue and runs on the *new*
-        weights after the resume, although the manager scheduled it under the old version;
-        so a sequence during which a pause began keeps its tokens only if vLLM aborted it
-        (they were made before that pause) and is otherwise answered as aborted with none.
+        vLLM's ``/pause?mode=abort`` aborts what runs, but a sequence it receives just after
+        the pause waits in its queue and runs on the *new* weights after the resume although
+        it was scheduled under the old version: the gate's second rule empties that one.
         """
-        if state["paused"]:
-            return interrupted(rid, len(ids), "the server is paused for a weight update")
-        pauses = state["pauses"]
+        ticket = gate.ticket()
+        if ticket is None:
+            return gate.refused(rid, len(ids))
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         status, data = await call(
@@ -434,11 +424,9 @@ def create_adapter_app(
         )
         if status != 200:
             raise _Refused(status, data)
-        out = _to_output(data["choices"][0], rid, len(ids), stop_ids, loop.time() - t0)
-        seen = state["pauses"] - pauses
-        if seen and not (seen == 1 and out.finish_reason.type == "abort"):
-            return interrupted(rid, len(ids), "overlapped a weight update; tokens discarded")
-        return out
+        return gate.checked(
+            ticket, _to_output(data["choices"][0], rid, len(ids), stop_ids, loop.time() - t0)
+        )
 
     @app.post("/generate")
     async def generate(request: fastapi.Request):
@@ -478,15 +466,14 @@ def create_adapter_app(
 
     @app.post("/pause_generation")
     async def pause_generation():
-        state["paused"] = True
-        state["pauses"] += 1
+        gate.pause()  # first: from here on /generate admits nothing until the resume
         return await control("/pause", params={"mode": "abort"})
 
     @app.post("/continue_generation")
     async def continue_generation():
         reply = await control("/resume")
         if reply.status_code == 200:
-            state["paused"] = False
+            gate.resume()
         return reply
 
     @app.post("/update_weights_from_disk")

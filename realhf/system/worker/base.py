@@ -676,7 +676,7 @@ BUILTIN_WORKER_MODULES: Dict[str, str] = {
     "master_worker": "realhf.system.dag.master_worker",
     "model_worker": "realhf.system.dag.model_worker",
     "generation_server": "realhf.system.rollout.generation_server",
-    "gserver_manager": "realhf.system.rollout.gserver_manager",
+    "gserver_manager": "realhf.system.rollout.manager.worker",
     "rollout_worker": "realhf.system.rollout.rollout_worker",
 }
 

@@ -17,9 +17,9 @@ from realhf.base.http_server import ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
-from realhf.system.rollout.gserver_manager import GserverManager
-from realhf.system.rollout.manager_client import ManagerClient
-from realhf.system.rollout.manager_service import ManagerService
+from realhf.system.rollout.manager.client import ManagerClient
+from realhf.system.rollout.manager.service import ManagerService
+from realhf.system.rollout.manager.worker import GserverManager
 from realhf.system.rollout.partial_rollout import GenerationFailed, PartialRolloutManager
 
 EOS, PAD = 0, 1

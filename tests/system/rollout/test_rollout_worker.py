@@ -31,8 +31,8 @@ from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
-from realhf.system.rollout.gserver_manager import GserverManager
-from realhf.system.rollout.manager_service import ManagerService
+from realhf.system.rollout.manager.service import ManagerService
+from realhf.system.rollout.manager.worker import GserverManager
 from realhf.system.rollout.rollout_worker import RolloutWorker
 from realhf.system.rollout.staleness import IndexOrderBatcher
 from realhf.system.transport.errors import StreamTimeout

@@ -28,7 +28,7 @@ from realhf.base import name_resolve, names, network
 from realhf.base.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.system.rollout import vllm_backend
-from realhf.system.rollout.server_pool import parse_metrics
+from realhf.system.rollout.manager.routing import parse_metrics
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
 
 ASSETS = os.path.join(

@@ -6,9 +6,11 @@ Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
   ``return_logprob``; answers ``{text?, output_ids, meta_info}`` (a list for a
   batch input or ``n > 1``).
 - ``POST /pause_generation`` — aborts every running and queued request (their
-  callers get partial outputs with ``finish_reason.type == "abort"``) and holds
-  new ones; ``POST /continue_generation`` resumes. Both answer
-  ``{"message", "status": "ok"}``.
+  callers get partial outputs with ``finish_reason.type == "abort"``); until
+  ``POST /continue_generation``, ``/generate`` answers at once as aborted with no tokens
+  and the OpenAI routes hold their requests. Both answer ``{"message", "status": "ok"}``.
+  Which ``/generate`` answers keep their tokens across a pause follows the weight-update
+  protocol's rules (:class:`~.weight_update.PauseGate`).
 - ``POST /update_weights_from_disk {model_path}`` — ``{success, message,
   num_paused_requests}``; 400 when loading fails.
 - ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
@@ -62,6 +64,7 @@ from realhf.base.http_server import RequestLimit, fastapi_app
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
+from realhf.impl.model.gen.weight_update import PauseGate
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:
@@ -135,6 +138,8 @@ class _Served:
         self.model_path = model_path
         self.served_model_name = served_model_name
         self.timeout = engine.config.request_timeout_s
+        #: the weight-update protocol's rules for /generate (see :mod:`.weight_update`)
+        self.gate = PauseGate()
 
     async def run(self, groups: List[List[GenerateRequest]]) -> List[List[GenerateOutput]]:
         """Submit every request of ``groups`` and wait for all; outputs keep the grouping."""
@@ -155,6 +160,19 @@ class _Served:
             ) from None
         it = iter(outs)
         return [[next(it) for _ in g] for g in groups]
+
+    async def run_gated(self, groups: List[List[GenerateRequest]]) -> List[List[GenerateOutput]]:
+        """:meth:`run` under the weight-update protocol's rules: nothing runs while paused,
+        and an answer that a pause overlapped keeps no token made by other weights."""
+        gate = self.gate
+        ticket = gate.ticket()
+        if ticket is None:
+            for g in groups:
+                for r in g:
+                    self.engine.check_request(r)  # a bad request is still a 400
+            return [[gate.refused(r.rid, len(r.input_ids)) for r in g] for g in groups]
+        outs = await self.run(groups)
+        return [[gate.checked(ticket, o) for o in g] for g in outs]
 
     def decode(self, ids) -> Optional[str]:
         if self.tokenizer is None:
@@ -216,7 +234,7 @@ async def generate(request: fastapi.Request, served: _Served):
         prompts = [tokenizer.encode(t) for t in batch.texts]
     else:
         prompts = batch.prompts
-    outs = await served.run(batch.requests(prompts))
+    outs = await served.run_gated(batch.requests(prompts))
     results = []
     for i, per_prompt in enumerate(outs):
         for o in per_prompt:
@@ -289,6 +307,7 @@ control_router = fastapi.APIRouter()
 @control_router.post("/pause_generation")
 @_handle_errors(openai=False)
 async def pause_generation(request: fastapi.Request, served: _Served):
+    served.gate.pause()  # first: from here on /generate admits nothing until the resume
     # Engine calls that take its lock run in a thread: the event loop keeps serving.
     await asyncio.to_thread(served.engine.pause)
     return {"message": "Generation paused successfully.", "status": "ok"}
@@ -298,6 +317,7 @@ async def pause_generation(request: fastapi.Request, served: _Served):
 @_handle_errors(openai=False)
 async def continue_generation(request: fastapi.Request, served: _Served):
     await asyncio.to_thread(served.engine.resume)
+    served.gate.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
 
 
@@ -312,11 +332,13 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
     if extra:
         raise InvalidRequestError(f"unknown fields {sorted(extra)}")
     paused = 0
-    if body.get("abort_all_requests"):
-        # SGLang aborts what is running and keeps serving: pause (which aborts) and resume.
-        paused = len(await asyncio.to_thread(engine.pause))
-        await asyncio.to_thread(engine.resume)
+    abort_all = bool(body.get("abort_all_requests"))
     try:
+        if abort_all:
+            # SGLang aborts what is running first: the whole protocol (pause, load,
+            # continue) in one call, with the gate's rules for what overlapped it.
+            served.gate.pause()
+            paused = len(await asyncio.to_thread(engine.pause))
         version = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"])
     except Exception as e:  # a bad checkpoint must not take the server down
         return JSONResponse(
@@ -327,6 +349,10 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
             },
             status_code=400,
         )
+    finally:
+        if abort_all:
+            await asyncio.to_thread(engine.resume)
+            served.gate.resume()
     return {
         "success": True,
         "message": f"Succeeded to update model weights (version {version}).",

@@ -1,73 +1,56 @@
-"""The generation servers a gserver manager drives: discovery, health, load, routing, weights.
+"""The generation servers of a run: discovery, health, load, routing, weight updates.
 
 :class:`ServerPool` keeps one :class:`ServerState` per server URL found by ``discover()``
-(``names.gen_servers`` in a run).  A server is *live* once it answered ``/health`` and runs
-the pool's version; it stops being live when its registration expires or it fails
-``max_health_failures`` health checks in a row (or a client reports it and a probe fails).
+(``names.gen_servers`` in a run; a fixed list for areal's ``RemoteInferenceEngine``).  A server
+is *live* once it answered ``/health`` and runs the pool's version; it stops being live when
+its registration expires or it fails ``max_health_failures`` health checks in a row (or a
+client reports it and a probe fails).
 
-Routing (:meth:`ServerPool.pick`): a continuation returns to its previous server when that
-server's version is unchanged (cached prefix); otherwise :func:`choose_server` applies the
-policy — ``round_robin``, ``least_requests`` or ``least_token_usage`` (the last two read
-``/metrics`` at every health check and add what was scheduled since).
+Routing (:meth:`ServerPool.schedule`): :func:`~.routing.route` picks among the live servers;
+a server in the middle of a weight update is paused anyway, so the request waits for the
+update and is told the new version.
 
-Weights (:meth:`ServerPool.update_weights`): every live server gets ``/pause_generation`` ->
-``/update_weights_from_disk`` -> ``/continue_generation``, each bounded by
-``weight_update_timeout_s``.  A server that cannot be reached is dropped (so is one that
+Weights (:meth:`ServerPool.update_weights`): every live server goes through the protocol of
+:mod:`realhf.impl.model.gen.weight_update` (pause -> load -> continue, each step bounded by
+``weight_update_timeout_s``).  A server that cannot be reached is dropped (so is one that
 answers a step with a 5xx and then fails its health check); one that fails a step otherwise
 is taken out of service (it may hold the old weights) and tried again at health checks every
 :data:`REJOIN_RETRY_S` seconds — it rejoins once an update to the current version succeeds.
-Only when no server is left live does the update raise :class:`WeightUpdateError` naming
-each server's failure (the run then stops).
+Only when no server is left live does the update raise
+:class:`~realhf.impl.model.gen.weight_update.WeightUpdateError` naming each server's failure
+(the run then stops).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import shutil
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import aiohttp
 
 from realhf.api.core.rollout_api import GserverManagerConfig, SchedulePolicy, ScheduleRequest
 from realhf.base import logging
+from realhf.impl.model.gen.weight_update import ServerGone, WeightUpdateError, update_server
+from realhf.system.rollout.manager.routing import (
+    NoServerAvailable,
+    load_from_metrics,
+    parse_metrics,
+    route,
+)
 
 logger = logging.getLogger("server_pool", "system")
 
-__all__ = [
-    "WeightUpdateError",
-    "NoServerAvailable",
-    "ServerState",
-    "choose_server",
-    "parse_metrics",
-    "ServerPool",
-]
-
-
-class WeightUpdateError(RuntimeError):
-    """A generation server failed (or timed out on) a step of a weight update."""
-
-    def __init__(self, url: str, step: str, version: int, detail: str):
-        self.url, self.step, self.version = url, step, version
-        super().__init__(
-            f"weight update to version {version} failed on generation server {url}: "
-            f"POST /{step} {detail}"
-        )
-
+__all__ = ["REJOIN_RETRY_S", "ServerState", "ServerPool"]
 
 #: seconds between attempts to bring a server that failed a weight update back
 REJOIN_RETRY_S = 5.0
 
-
-class NoServerAvailable(RuntimeError):
-    """No live generation server can take a request."""
-
-
-class _ServerGone(Exception):
-    """A server cannot be reached at all (it died)."""
+#: weight updates one ``schedule`` call waits out before it gives up (see ServerPool.schedule)
+MAX_UPDATES_WAITED = 8
 
 
 @dataclasses.dataclass
@@ -102,46 +85,6 @@ class ServerState:
         return {
             f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "updating"
         }
-
-
-#: Each policy picks from a non-empty, stably ordered list; ``min`` keeps the first of ties.
-_POLICIES: Dict[SchedulePolicy, Callable[[Sequence[ServerState], int], ServerState]] = {
-    SchedulePolicy.ROUND_ROBIN: lambda servers, rr: servers[rr % len(servers)],
-    SchedulePolicy.LEAST_REQUESTS: lambda servers, rr: min(servers, key=lambda s: s.request_load),
-    SchedulePolicy.LEAST_TOKEN_USAGE: lambda servers, rr: min(servers, key=lambda s: s.token_load),
-}
-
-
-def choose_server(
-    servers: Sequence[ServerState], policy: SchedulePolicy | str, rr_counter: int
-) -> ServerState:
-    """Pick a server for a new chunk (``servers`` non-empty, in a stable order).
-
-    ``round_robin`` takes ``servers[rr_counter % len]``; ``least_requests`` /
-    ``least_token_usage`` the smallest estimated load (ties: the first).
-    """
-    if not servers:
-        raise NoServerAvailable("choose_server: no server to choose from")
-    try:
-        pick = _POLICIES[SchedulePolicy(policy)]
-    except ValueError:
-        raise ValueError(f"unknown schedule_policy {policy!r}") from None
-    return pick(servers, rr_counter)
-
-
-def parse_metrics(text: str) -> Dict[str, float]:
-    """Prometheus text -> ``{metric_name: value}`` (labels dropped, last sample wins)."""
-    out: Dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        try:
-            out[name_part.split("{", 1)[0]] = float(value)
-        except ValueError:
-            continue
-    return out
 
 
 class ServerPool:
@@ -179,32 +122,41 @@ class ServerPool:
             await self._session.close()
             self._session = None
 
+    async def wait_for_servers(self, n: int, timeout_s: float) -> None:
+        """Check until ``n`` servers are live; TimeoutError (naming the live ones) after
+        ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            await self.check()
+            live = self.live()
+            if len(live) >= n:
+                return
+            if loop.time() > deadline:
+                raise TimeoutError(
+                    f"{len(live)} of {n} generation servers registered and healthy after "
+                    f"{timeout_s:g}s (live: {[s.url for s in live]}); check the generation "
+                    "servers' logs"
+                )
+            await asyncio.sleep(0.1)
+
     def live(self) -> List[ServerState]:
         return sorted((s for s in self.servers.values() if s.live), key=lambda s: s.url)
 
     # ---- routing --------------------------------------------------------------
 
     def pick(self, req: ScheduleRequest) -> ServerState:
-        """The server for ``req`` (continuation first, else the policy); raises NoServerAvailable.
-
-        ``req.exclude`` (servers that just failed this sequence) is a preference: when every
-        live server is excluded, they are used anyway — a server that failed a health check
-        after the client's report is dead already, so a live one only had a transient error
-        (the client's ``max_server_failures`` bounds the retries).
-        """
-        all_live = self.live()
-        live = [s for s in all_live if s.url not in req.exclude] or all_live
-        if not live:
-            dead = {u: s.dead_reason for u, s in self.servers.items() if not s.live}
-            raise NoServerAvailable(
-                f"no live generation server for rollout {req.rollout_id}: "
-                f"excluded {list(req.exclude)}, dead {dead}"
-            )
-        prev = self.servers.get(req.previous_server_url)
-        if prev is not None and prev in live and prev.version == req.previous_version:
-            return prev
-        server = choose_server(live, self.config.schedule_policy, self._rr)
-        self._rr += 1
+        """The server for ``req`` (see :func:`~.routing.route`); raises NoServerAvailable."""
+        dead = {u: s.dead_reason for u, s in self.servers.items() if not s.live}
+        server, by_policy = route(
+            self.live(),
+            req,
+            self.config.schedule_policy,
+            self._rr,
+            self.servers.get(req.previous_server_url),
+            dead,
+        )
+        self._rr += by_policy
         return server
 
     def assign(self, s: ServerState, req: ScheduleRequest) -> None:
@@ -214,6 +166,43 @@ class ServerPool:
             req.prompt_len + self.config.token_usage_budget_ratio * req.new_token_budget
         )
         s.n_scheduled += 1
+
+    async def schedule(
+        self, req: ScheduleRequest, still_wanted: Callable[[], object] = lambda: None
+    ) -> ServerState:
+        """The server for the next chunk of ``req``, counted against its load.
+
+        A server in the middle of a weight update is paused anyway, so this waits for the
+        update and then answers with the server at its new version: the chunk is recorded
+        with the version that generates it.  ``still_wanted()`` runs before every pass and
+        may raise (the manager's check that the rollout still runs).
+        """
+        # Each pass waits out one weight update (pause, load, continue: each step bounded by
+        # weight_update_timeout_s, hence 3x); more than a few updates in a row while one
+        # chunk waits means the servers never settle.
+        for _ in range(MAX_UPDATES_WAITED):
+            still_wanted()
+            server = self.pick(req)
+            updating = server.updating
+            if updating is None:
+                self.assign(server, req)
+                return server
+            # shield: a cancelled request must not cancel the event others wait on
+            await asyncio.wait_for(
+                asyncio.shield(updating.wait()), 3 * self.config.weight_update_timeout_s
+            )
+        raise NoServerAvailable(
+            f"rollout {req.rollout_id}: the servers kept updating weights while scheduling"
+        )
+
+    async def report_failure(self, url: str, error: str) -> bool:
+        """A client could not use ``url``: probe it now, drop it if it is gone; True if dead."""
+        s = self.servers.get(url)
+        if s is None or not s.live:
+            return True
+        if not await self.healthy(s.url):
+            self.mark_dead(s, f"reported by a client ({error}) and failed a health check")
+        return not s.live
 
     # ---- health ---------------------------------------------------------------
 
@@ -266,7 +255,7 @@ class ServerPool:
             if self.version > 0:  # a server starts from the initial weights
                 try:
                     await self._update_server(s, self.version, self.weight_dir(self.version))
-                except (WeightUpdateError, _ServerGone) as e:
+                except (WeightUpdateError, ServerGone) as e:
                     old = self.servers.get(url)
                     if old is None:
                         self.servers[url] = old = ServerState(url, live=False)
@@ -289,10 +278,7 @@ class ServerPool:
                 m = parse_metrics(await r.text())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return  # the health check decides whether it is dead
-        s.metric_requests = m.get("sglang:num_running_reqs", 0.0) + m.get(
-            "sglang:num_queue_reqs", 0.0
-        )
-        s.metric_tokens = m.get("sglang:num_used_tokens", 0.0)
+        s.metric_requests, s.metric_tokens = load_from_metrics(m)
         s.assigned_requests, s.assigned_tokens = 0, 0.0
 
     # ---- weights --------------------------------------------------------------
@@ -302,9 +288,9 @@ class ServerPool:
         path = self.weight_dir(version)
         if not os.path.isdir(path):
             raise FileNotFoundError(
-                f"the trainer published weight version {version} but {path!r} is not a "
-                "directory; the trainer and the manager must share the file root "
-                "(constants.weight_publication_dir)"
+                f"weight version {version} was published but {path!r} is not a directory; "
+                "the trainer and the servers must share that file system (in a run: "
+                "constants.weight_publication_dir)"
             )
         async with self._lock:
             t0 = time.monotonic()
@@ -314,7 +300,7 @@ class ServerPool:
             )
             failed = []
             for s, r in zip(targets, results):
-                if isinstance(r, _ServerGone):
+                if isinstance(r, ServerGone):
                     self.mark_dead(s, f"unreachable during the weight update to version {version}")
                 elif isinstance(r, WeightUpdateError):
                     failed.append(r)
@@ -341,48 +327,18 @@ class ServerPool:
     async def _update_server(self, s: ServerState, version: int, path: str) -> None:
         s.updating = asyncio.Event()
         try:
-            await self._update_steps(s, version, path)
+            await update_server(
+                self._session,
+                s.url,
+                version,
+                path,
+                self.config.weight_update_timeout_s,
+                self.healthy,
+            )
+            s.version = version
         finally:
             s.updating.set()
             s.updating = None
-
-    async def _update_steps(self, s: ServerState, version: int, path: str) -> None:
-        t = self.config.weight_update_timeout_s
-        for step, body, reports_success in (
-            ("pause_generation", {}, False),
-            # Its body says {"success": bool, "message": ...}: a 200 alone is not trusted.
-            ("update_weights_from_disk", {"model_path": path}, True),
-            ("continue_generation", {}, False),
-        ):
-            try:
-                async with self._session.post(
-                    f"{s.url}/{step}", json=body, timeout=aiohttp.ClientTimeout(total=t)
-                ) as r:
-                    status, text = r.status, await r.text()
-            except asyncio.TimeoutError:
-                raise WeightUpdateError(
-                    s.url, step, version, f"did not answer within {t:g}s (weight_update_timeout_s)"
-                ) from None
-            except aiohttp.ClientConnectionError as e:
-                if not await self.healthy(s.url):
-                    raise _ServerGone(s.url) from e
-                raise WeightUpdateError(s.url, step, version, f"failed: {e!r}") from e
-            ok = status == 200
-            if ok and reports_success:
-                try:
-                    ok = bool(json.loads(text).get("success", True))
-                except ValueError:
-                    pass
-            if not ok:
-                # A server in front of an engine that died (the vLLM adapter) still answers,
-                # with an error; if it also fails its health check it is gone, as a server
-                # that cannot be reached is: its replacement joins at the current version.
-                if status >= 500 and not await self.healthy(s.url):
-                    raise _ServerGone(s.url)
-                raise WeightUpdateError(
-                    s.url, step, version, f"answered HTTP {status}: {text[:500]}"
-                )
-        s.version = version
 
     def _prune(self, version: int) -> None:
         keep = self.config.keep_weight_versions

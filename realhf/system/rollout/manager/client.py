@@ -1,7 +1,7 @@
 """The rollout workers' client of the gserver manager's HTTP endpoints.
 
 Every call has a timeout; its errors name the manager's URL and the endpoint.  The
-endpoints and their messages are listed in :mod:`realhf.system.rollout.manager_service`.
+endpoints and their messages are listed in :mod:`realhf.system.rollout.manager.service`.
 A call the manager refused for load (503 with ``Retry-After``: it was not processed) is sent
 again after a growing, jittered pause until the call's timeout, then fails as
 :class:`ManagerUnavailable`.
@@ -30,7 +30,7 @@ from realhf.api.core.rollout_api import (
     parse_message,
 )
 from realhf.base.http_server import CLIENT_KEEPALIVE_S
-from realhf.system.rollout.server_pool import NoServerAvailable
+from realhf.system.rollout.manager.routing import NoServerAvailable
 from realhf.system.rollout.staleness import RolloutNotRunning
 
 __all__ = ["ManagerUnavailable", "UncappedSession", "ManagerClient"]

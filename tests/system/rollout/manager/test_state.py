@@ -19,8 +19,7 @@ import time
 
 import pytest
 import requests
-import torch
-from tiny_models import make_tiny_hf_model
+from engine_servers import engine_server, generate_greedy, greedy, two_model_versions
 
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.rollout_api import (
@@ -34,25 +33,15 @@ from realhf.api.core.rollout_api import (
     ScheduleRequest,
 )
 from realhf.base import network
-from realhf.base.http_server import ServerThread
-from realhf.impl.model import ReaLModel
-from realhf.impl.model.gen import EngineConfig, GenerationEngine
-from realhf.impl.model.gen.http_app import create_app
-from realhf.impl.model.gen.loading import load_engine
-from realhf.system.rollout import server_pool
-from realhf.system.rollout.manager import (
-    GserverManager,
-    NoServerAvailable,
-    RolloutOwner,
-    ServerState,
-    WeightUpdateError,
-)
-from realhf.system.rollout.manager_client import ManagerClient
-from realhf.system.rollout.manager_service import ManagerService
+from realhf.impl.model.gen.weight_update import WeightUpdateError
+from realhf.system.rollout.manager import server_pool
+from realhf.system.rollout.manager.client import ManagerClient
+from realhf.system.rollout.manager.routing import NoServerAvailable
+from realhf.system.rollout.manager.server_pool import ServerState
+from realhf.system.rollout.manager.service import ManagerService
+from realhf.system.rollout.manager.state import GserverManager, RolloutOwner
 from realhf.system.rollout.partial_rollout import GenerationFailed, PartialRolloutManager
 from realhf.system.rollout.staleness import RolloutNotRunning
-
-EOS, PAD = 0, 1
 
 
 class Progress:
@@ -226,67 +215,11 @@ def test_finish_holds_a_rollout_until_the_earlier_deadline_finishes():
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gsm")
-    out = {}
-    for name, seed in (("v0", 0), ("v1", 1)):
-        out[name] = str(root / name)
-        make_tiny_hf_model(
-            "qwen2",
-            out[name],
-            seed=seed,
-            perturb=0.3,
-            vocab_size=268,
-            eos_token_id=EOS,
-            pad_token_id=PAD,
-            max_position_embeddings=256,
-        )
-    return out
-
-
-def _engine_server(model_dir, load_weights=None):
-    if load_weights is None:
-        engine = load_engine(
-            model_dir, EngineConfig(max_running_requests=4, context_length=256, num_threads=1)
-        )
-    else:
-        model = ReaLModel.from_hf(model_dir).eval()
-        engine = GenerationEngine(
-            model,
-            EngineConfig(max_running_requests=4, context_length=256, num_threads=1),
-            eos_token_ids=[EOS],
-            pad_token_id=PAD,
-            load_weights=load_weights,
-        )
-    engine.start()
-    srv = ServerThread(create_app(engine)).start()
-    srv.engine = engine
-    return srv
-
-
-@torch.no_grad()
-def _greedy(model_dir, prompt, n):
-    model = ReaLModel.from_hf(model_dir).eval()
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32))
-        ids.append(int(logits[-1].argmax()))
-    return ids[len(prompt) :]
-
-
-def _generate(url, prompt, n):
-    r = requests.post(
-        url + "/generate",
-        json={
-            "input_ids": list(prompt),
-            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        },
-        timeout=60,
-    )
-    return r.json()["output_ids"]
+    return two_model_versions(tmp_path_factory.mktemp("gsm"))
 
 
 def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp_path):
-    servers = [_engine_server(dirs["v0"]) for _ in range(2)]
+    servers = [engine_server(dirs["v0"]) for _ in range(2)]
     weights = {}
     for v in (1, 2):  # the trainer publishes v1 (model b) then v2 (model a again)
         weights[v] = str(tmp_path / f"v{v}")
@@ -305,19 +238,19 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
     service = ManagerService(m).start(60)
     try:
         prompt = (7, 8, 9)
-        ref_a, ref_b = _greedy(dirs["v0"], prompt, 6), _greedy(dirs["v1"], prompt, 6)
+        ref_a, ref_b = greedy(dirs["v0"], prompt, 6), greedy(dirs["v1"], prompt, 6)
         assert ref_a != ref_b
         progress.v = 1
         deadline = time.monotonic() + 20
         while service.call(lambda: m.version) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert all(_generate(s.url, prompt, 6) == ref_b for s in servers)
+        assert all(generate_greedy(s.url, prompt, 6) == ref_b for s in servers)
         status = requests.get(service.url + "/status", timeout=10).json()
         assert status["version"] == 1 and all(s["version"] == 1 for s in status["servers"].values())
         progress.v = 2
         while service.call(lambda: m.version) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert all(_generate(s.url, prompt, 6) == ref_a for s in servers)
+        assert all(generate_greedy(s.url, prompt, 6) == ref_a for s in servers)
         assert not os.path.exists(weights[1]) and os.path.isdir(weights[2])
         service.check()
     finally:
@@ -337,8 +270,8 @@ def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, mo
             raise OSError(f"cannot read {path} (a test fault)")
         model.load_hf_weights(path)
 
-    good = _engine_server(dirs["v0"])
-    flaky = _engine_server(dirs["v0"], load_weights=flaky_load)
+    good = engine_server(dirs["v0"])
+    flaky = engine_server(dirs["v0"], load_weights=flaky_load)
     progress = Progress()
     cfg = GserverManagerConfig(
         n_servers=2,
@@ -367,7 +300,7 @@ def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, mo
             raise AssertionError(f"the flaky server did not leave and rejoin: {st}")
         assert failures["left"] == 0  # its second failure was a rejoin attempt
         prompt = (7, 8, 9)
-        assert _generate(flaky.url, prompt, 6) == _greedy(dirs["v1"], prompt, 6)
+        assert generate_greedy(flaky.url, prompt, 6) == greedy(dirs["v1"], prompt, 6)
         service.check()  # the manager kept running throughout
     finally:
         service.stop()
@@ -377,7 +310,7 @@ def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, mo
 
 
 def test_a_weight_update_that_fails_on_every_server_stops_the_manager_naming_it(dirs):
-    slow = _engine_server(dirs["v0"], load_weights=lambda model, path: time.sleep(3))
+    slow = engine_server(dirs["v0"], load_weights=lambda model, path: time.sleep(3))
     progress = Progress()
     cfg = GserverManagerConfig(
         n_servers=1,
@@ -404,7 +337,7 @@ def test_a_weight_update_that_fails_on_every_server_stops_the_manager_naming_it(
 
 
 def test_http_errors_are_typed(dirs):
-    srv = _engine_server(dirs["v0"])
+    srv = engine_server(dirs["v0"])
     m = GserverManager(
         GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: ""
     )
@@ -434,7 +367,7 @@ def test_http_errors_are_typed(dirs):
 
 
 def test_http_bodies_are_validated_completely_and_errors_name_the_field(dirs):
-    srv = _engine_server(dirs["v0"])
+    srv = engine_server(dirs["v0"])
     m = GserverManager(
         GserverManagerConfig(server_wait_timeout_s=30), Progress(), lambda: [srv.url], lambda v: ""
     )
@@ -606,11 +539,11 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
 ):
     from realhf.api.core.system_api import WorkerInformation
     from realhf.base import constants, name_resolve, names
-    from realhf.system.rollout.gserver_manager import GserverManagerWorker
+    from realhf.system.rollout.manager.worker import GserverManagerWorker
     from realhf.system.worker.base import WorkerStatus
 
     constants.set_fileroot(str(tmp_path / "root"))
-    srv = _engine_server(dirs["v0"])
+    srv = engine_server(dirs["v0"])
     name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
     state_path = str(tmp_path / "state.json")
     cfg = GserverManagerConfig(
@@ -662,7 +595,7 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
         while requests.get(f"http://{addr}/status", timeout=5).json()["version"] < 1:
             w.step()
             assert time.monotonic() < deadline
-        assert _generate(srv.url, (7, 8, 9), 5) == _greedy(dirs["v1"], (7, 8, 9), 5)
+        assert generate_greedy(srv.url, (7, 8, 9), 5) == greedy(dirs["v1"], (7, 8, 9), 5)
         time.sleep(0.15)
         w.step()  # saves the counters
         name_resolve.add(names.experiment_status("exp", trial), "COMPLETE")
@@ -714,10 +647,10 @@ def test_manager_keeps_saved_counters_while_the_trainer_has_not_started(
     # fresh zeros every interval and so destroy what it was about to restore).
     from realhf.api.core.system_api import WorkerInformation
     from realhf.base import constants, name_resolve, names
-    from realhf.system.rollout.gserver_manager import GserverManagerWorker
+    from realhf.system.rollout.manager.worker import GserverManagerWorker
 
     constants.set_fileroot(str(tmp_path / "root"))
-    srv = _engine_server(dirs["v0"])
+    srv = engine_server(dirs["v0"])
     name_resolve.add_subentry(names.gen_servers("exp", trial), srv.url)
     state_path = tmp_path / "state.json"
     saved = '{"saved": "by the run being resumed"}'

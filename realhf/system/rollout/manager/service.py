@@ -29,7 +29,7 @@ it is read (:class:`~realhf.base.http_server.RequestLimit`; the client retries i
 :class:`ManagerService` serves the app from a :class:`~realhf.base.http_server.ServerThread`;
 the app's lifespan starts the manager (it waits for its generation servers), runs its
 background loops on the same event loop and closes it, so a sync worker can host it.
-Rollout workers talk to it through :class:`~realhf.system.rollout.manager_client.ManagerClient`.
+Rollout workers talk to it through :class:`~realhf.system.rollout.manager.client.ManagerClient`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.base import logging
 from realhf.base.http_server import RequestLimit, ServerThread, StartupError, fastapi_app
-from realhf.system.rollout.manager import GserverManager, NoServerAvailable
+from realhf.system.rollout.manager.routing import NoServerAvailable
+from realhf.system.rollout.manager.state import GserverManager
 from realhf.system.rollout.staleness import RolloutNotRunning
 
 logger = logging.getLogger("manager_service", "system")
@@ -203,7 +204,7 @@ class ManagerService:
     ``start`` returns once the manager found its servers and the socket accepts connections
     (or raises why not: the manager's own start-up error, or a timeout); :meth:`check`
     re-raises a failure of the background loops (e.g. a
-    :class:`~realhf.system.rollout.gserver_manager.WeightUpdateError`, which also stops serving);
+    :class:`~realhf.impl.model.gen.weight_update.WeightUpdateError`, which also stops serving);
     :meth:`call` runs a function on the service's loop; :meth:`stop` shuts everything down.
     """
 

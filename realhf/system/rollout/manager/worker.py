@@ -1,7 +1,7 @@
 """The gserver manager as a worker (type ``gserver_manager``).
 
 Runs a :class:`~realhf.system.rollout.manager.GserverManager` behind HTTP
-(:mod:`realhf.system.rollout.manager_service`) in a service thread, publishes the address under
+(:mod:`realhf.system.rollout.manager.service`) in a service thread, publishes the address under
 ``names.gen_server_manager``, starts admitting once the trainer announced where it starts,
 and saves the manager's counters periodically so a resumed run continues them.
 """
@@ -16,8 +16,8 @@ from typing import Optional
 from realhf.api.core.rollout_api import GserverManagerConfig
 from realhf.base import constants, name_resolve, names
 from realhf.base.atomic_file import write_json_atomic
-from realhf.system.rollout.manager import GserverManager
-from realhf.system.rollout.manager_service import ManagerService
+from realhf.system.rollout.manager.service import ManagerService
+from realhf.system.rollout.manager.state import GserverManager
 from realhf.system.rollout.staleness import NameResolveProgress
 from realhf.system.worker.base import PollResult, Worker, experiment_ended, register_worker
 

@@ -1,15 +1,15 @@
 """The gserver manager's logic: admits rollouts, routes generation requests, pushes new weights.
 
 One per experiment.  :class:`GserverManager` is pure asyncio logic with its dependencies
-passed in, so tests drive it against fakes of the trainer; :mod:`.manager_service` serves it
-over HTTP and :mod:`.gserver_manager` runs both as a worker.
+passed in, so tests drive it against fakes of the trainer; :mod:`.service` serves it over HTTP
+and :mod:`.worker` runs both as a worker.
 
 Admission and hand-off follow :mod:`realhf.system.rollout.staleness` (exact per-sample bound).
-Routing, health checks and weight updates of the servers live in
-:mod:`realhf.system.rollout.server_pool`: when the trainer's version (``names.model_version``)
-grows, every live server is paused, updated from ``constants.weight_publication_dir`` and
-continued, each step with a timeout; a server that misses one fails the manager with a
-:class:`WeightUpdateError` naming its URL (the controller then stops the run).  Admission uses
+Routing, health checks and weight updates of the servers live in :mod:`.server_pool`: when
+the trainer's version (``names.model_version``) grows, every live server goes through the
+weight-update protocol (:mod:`realhf.impl.model.gen.weight_update`) with the directory in
+``constants.weight_publication_dir``; when no server is left live after one, the manager fails
+with a ``WeightUpdateError`` naming each URL (the controller then stops the run).  Admission uses
 the version all live servers run, which is never ahead of what generates the tokens.
 
 Leases: every running rollout belongs to one rollout-worker process (name + incarnation).
@@ -46,29 +46,12 @@ from realhf.api.core.rollout_api import (
     ServerFailureReport,
 )
 from realhf.base import logging
-from realhf.system.rollout.server_pool import (
-    NoServerAvailable,
-    ServerPool,
-    ServerState,
-    WeightUpdateError,
-    choose_server,
-    parse_metrics,
-)
+from realhf.system.rollout.manager.server_pool import ServerPool, ServerState
 from realhf.system.rollout.staleness import StalenessController, TrainerProgress
 
 logger = logging.getLogger("gserver_manager", "system")
 
-__all__ = [
-    "GserverManager",
-    "RolloutOwner",
-    "MAX_FINISH_WAIT_S",
-    # re-exported from realhf.system.rollout.server_pool
-    "WeightUpdateError",
-    "NoServerAvailable",
-    "ServerState",
-    "choose_server",
-    "parse_metrics",
-]
+__all__ = ["GserverManager", "RolloutOwner", "MAX_FINISH_WAIT_S"]
 
 # Longest a /finish_rollout may be held by the manager, whatever the client asks.
 MAX_FINISH_WAIT_S = 60.0
@@ -149,22 +132,16 @@ class GserverManager:
         """Wait for ``n_servers`` healthy servers and bring them to the trainer's version."""
         await self.pool.open()
         self._changed = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.server_wait_timeout_s
-        while True:
-            await self.pool.check()
-            live = self.pool.live()
-            if len(live) >= self.config.n_servers:
-                break
-            if loop.time() > deadline:
-                raise TimeoutError(
-                    f"gserver manager: {len(live)} of {self.config.n_servers} generation servers "
-                    f"registered and healthy after {self.config.server_wait_timeout_s:g}s "
-                    f"(live: {[s.url for s in live]}); check the generation_server logs"
-                )
-            await asyncio.sleep(0.1)
+        try:
+            await self.pool.wait_for_servers(
+                self.config.n_servers, self.config.server_wait_timeout_s
+            )
+        except TimeoutError as e:
+            raise TimeoutError(f"gserver manager: {e}") from None
         await self.poll_trainer()
-        logger.info(f"serving with {len(live)} generation servers at version {self.version}")
+        logger.info(
+            f"serving with {len(self.pool.live())} generation servers at version {self.version}"
+        )
 
     async def close(self) -> None:
         await self.pool.close()
@@ -212,28 +189,13 @@ class GserverManager:
         )
 
     async def schedule(self, req: ScheduleRequest) -> ScheduleReply:
-        """The server for the next chunk of ``req.rollout_id``.
-
-        A server in the middle of a weight update is paused anyway, so the answer waits for
-        the update and reports the new version: a chunk is then recorded with the version
-        that generates it.
-        """
-        # Each pass waits out one weight update (pause, load, continue: each step bounded by
-        # weight_update_timeout_s, hence 3x); more than a few updates in a row while one
-        # chunk waits means the servers never settle.
-        for _ in range(8):
-            self.staleness.get(req.rollout_id)  # raises RolloutNotRunning
-            server = self.pool.pick(req)
-            updating = server.updating
-            if updating is None:
-                self.pool.assign(server, req)
-                return ScheduleReply(server.url, server.version)
-            await asyncio.wait_for(
-                asyncio.shield(updating.wait()), 3 * self.config.weight_update_timeout_s
-            )
-        raise NoServerAvailable(
-            f"rollout {req.rollout_id}: the servers kept updating weights while scheduling"
+        """The server for the next chunk of ``req.rollout_id`` (waits out a weight update of
+        it: see :meth:`ServerPool.schedule`); the rollout must still be running."""
+        server = await self.pool.schedule(
+            req,
+            still_wanted=lambda: self.staleness.get(req.rollout_id),  # RolloutNotRunning
         )
+        return ScheduleReply(server.url, server.version)
 
     async def finish(self, req: FinishRequest) -> FinishReply:
         """Release (``accepted=False``) or hand on a finished rollout, holding it if needed."""
@@ -269,14 +231,7 @@ class GserverManager:
 
     async def report_failure(self, report: ServerFailureReport) -> Dict[str, bool]:
         """A client could not use ``report.url``: probe it now, drop it if it is gone."""
-        s = self.servers.get(report.url)
-        if s is None or not s.live:
-            return {"dead": True}
-        if not await self.pool.healthy(s.url):
-            self.pool.mark_dead(
-                s, f"reported by a rollout worker ({report.error}) and failed a health check"
-            )
-        return {"dead": not s.live}
+        return {"dead": await self.pool.report_failure(report.url, report.error)}
 
     def status(self) -> Dict:
         """Counters and servers, for monitoring and tests."""

@@ -1,0 +1,176 @@
+"""The weight-update protocol: how a generation server moves to new weights, both sides of it.
+
+There is one implementation, and every path goes through it: the gserver manager's
+:class:`~realhf.system.rollout.manager.server_pool.ServerPool` and areal's
+``RemoteInferenceEngine`` (which drives the same pool) call :func:`update_server`; the built-in
+engine's HTTP app and the vLLM adapter answer ``/generate`` through a :class:`PauseGate`.
+
+**The client's sequence** (:func:`update_server`), per server, each call bounded by
+``timeout_s``::
+
+    POST /pause_generation                      running requests end now, reason ``abort``,
+                                                with the tokens they made (old weights)
+    POST /update_weights_from_disk {model_path} body {"success": bool, "message": str}
+    POST /continue_generation
+
+and only then is the server recorded at the new version.  While a server is between the first
+and the last step the pool schedules nothing on it: a chunk that asks for it waits for the
+update and is told the new version, so a chunk is recorded with the version that generates it.
+A step that cannot reach the server, or answers 5xx while the server also fails ``/health``,
+means the server is gone (:class:`ServerGone`: its replacement joins at the current version);
+any other failure is a :class:`WeightUpdateError` naming the server, the step and the version
+(the server may hold the old weights, or half of the new ones: it is taken out of service
+until an update to the current version succeeds on it).
+
+**The server's rules** (:class:`PauseGate`), which make the record exact even for a request
+that raced the pause (scheduled under the old version, arriving just after the pause):
+
+1. while paused, a request is not run: it is answered at once as aborted with no tokens, and
+   the client sends it again after the update;
+2. a request during which a pause began keeps its tokens only if that one pause aborted it
+   (they were all made before it).  One that was queued across the pause, or ran across a
+   whole update, is answered as aborted with no tokens: some of them came from new weights.
+
+So every token a server returns was made by the weights of the version the client was given
+when it scheduled the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Awaitable, Callable, Optional
+
+import aiohttp
+
+from realhf.api.core.gen_api import FinishReason, FinishType, GenerateOutput
+
+__all__ = [
+    "UPDATE_STEPS",
+    "WeightUpdateError",
+    "ServerGone",
+    "update_server",
+    "PauseGate",
+]
+
+#: The protocol's HTTP steps in order: (route, whether its JSON body reports ``success``).
+UPDATE_STEPS = (
+    ("pause_generation", False),
+    # Its body says {"success": bool, "message": ...}: a 200 alone is not trusted.
+    ("update_weights_from_disk", True),
+    ("continue_generation", False),
+)
+
+
+class WeightUpdateError(RuntimeError):
+    """A generation server failed (or timed out on) a step of a weight update."""
+
+    def __init__(self, url: str, step: str, version: int, detail: str):
+        self.url, self.step, self.version = url, step, version
+        super().__init__(
+            f"weight update to version {version} failed on generation server {url}: "
+            f"POST /{step} {detail}"
+        )
+
+
+class ServerGone(Exception):
+    """A server cannot be reached at all during an update (it died)."""
+
+
+async def update_server(
+    session: aiohttp.ClientSession,
+    url: str,
+    version: int,
+    path: str,
+    timeout_s: float,
+    healthy: Callable[[str], Awaitable[bool]],
+) -> None:
+    """Pause -> load ``path`` -> continue on the server at ``url`` (see the module docstring).
+
+    ``healthy(url)`` probes ``/health``: it tells a dead server (:class:`ServerGone`) from
+    one that refused a step (:class:`WeightUpdateError`).
+    """
+    for step, reports_success in UPDATE_STEPS:
+        body = {"model_path": path} if step == "update_weights_from_disk" else {}
+        try:
+            async with session.post(
+                f"{url}/{step}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as r:
+                status, text = r.status, await r.text()
+        except asyncio.TimeoutError:
+            why = f"did not answer within {timeout_s:g}s (weight_update_timeout_s)"
+            raise WeightUpdateError(url, step, version, why) from None
+        except aiohttp.ClientConnectionError as e:
+            if not await healthy(url):
+                raise ServerGone(url) from e
+            raise WeightUpdateError(url, step, version, f"failed: {e!r}") from e
+        ok = status == 200
+        if ok and reports_success:
+            try:
+                ok = bool(json.loads(text).get("success", True))
+            except (ValueError, AttributeError):
+                pass
+        if not ok:
+            # A server in front of an engine that died (the vLLM adapter) still answers,
+            # with an error; if it also fails its health check it is gone, as a server
+            # that cannot be reached is: its replacement joins at the current version.
+            if status >= 500 and not await healthy(url):
+                raise ServerGone(url)
+            raise WeightUpdateError(url, step, version, f"answered HTTP {status}: {text[:500]}")
+
+
+class PauseGate:
+    """A server's side of the protocol: which ``/generate`` answers may keep their tokens.
+
+    Use on the server's event loop::
+
+        ticket = gate.ticket()          # None while paused: answer gate.refused(...)
+        out = ...run the request...
+        out = gate.checked(ticket, out)  # emptied if a pause overlapped it (rule 2)
+
+    and call :meth:`pause` before the engine pauses, :meth:`resume` once it serves again.
+    """
+
+    def __init__(self):
+        self.paused = False
+        #: pauses so far; a ticket is this count when the request was admitted
+        self.pauses = 0
+        #: answers emptied by rule 2 (exported for tests and metrics)
+        self.discarded = 0
+
+    def pause(self) -> None:
+        self.paused = True
+        self.pauses += 1
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def ticket(self) -> Optional[int]:
+        """The admission ticket of a new request, or None while paused (rule 1)."""
+        return None if self.paused else self.pauses
+
+    def keeps(self, ticket: int, finish: FinishType | str) -> bool:
+        """Whether a request admitted with ``ticket`` that ended with ``finish`` keeps its
+        tokens (rule 2)."""
+        seen = self.pauses - ticket
+        return seen == 0 or (seen == 1 and finish == FinishType.ABORT)
+
+    def checked(self, ticket: int, out: GenerateOutput) -> GenerateOutput:
+        """``out``, or the same request answered as aborted with no tokens (rule 2)."""
+        if self.keeps(ticket, out.finish_reason.type):
+            return out
+        self.discarded += 1
+        return self.refused(out.rid, out.prompt_len, "overlapped a weight update; tokens discarded")
+
+    @staticmethod
+    def refused(
+        rid: str, prompt_len: int, why: str = "the server is paused for a weight update"
+    ) -> GenerateOutput:
+        """An aborted answer with no tokens (the client sends the request again)."""
+        return GenerateOutput(
+            rid=rid,
+            prompt_len=prompt_len,
+            output_ids=(),
+            output_logprobs=(),
+            finish_reason=FinishReason("abort", message=why),
+        )
