@@ -50,6 +50,7 @@ from realhf.api.core.model_api import StepInfo
 from realhf.api.core.worker_api import Placements, call_sizes
 from realhf.base.topology import DataPipeTensorParallelTopology
 from realhf.system.dag.buffer import SampleBuffer
+from realhf.system.dag.dp_split import partition_for_dp
 from realhf.system.dag.messages import (
     FetchRequest,
     Handle,
@@ -59,7 +60,7 @@ from realhf.system.dag.messages import (
     ReallocRequest,
     mfc_handle,
 )
-from realhf.system.dag.transfer import build_transfer_plan, partition_for_dp
+from realhf.system.dag.transfer import build_transfer_plan
 from realhf.system.transport.errors import RemoteError
 from realhf.system.transport.request_reply import RequestClient
 

@@ -1,17 +1,15 @@
-"""Moving an MFC's input data between model workers: data-parallel split, plan, execution.
+"""Moving an MFC's input data between model workers: the transfer plan and its execution.
 
-The master decides, the model workers move:
+The master decides, the model workers move.  Once the master has cut a call's ids into one
+group per data-parallel replica (:func:`realhf.system.dag.dp_split.partition_for_dp`; every
+rank of a replica gets its group):
 
-1. :func:`partition_for_dp` cuts the ids of one MFC call into one contiguous group per
-   data-parallel replica (every rank of a replica gets its group): equal token loads
-   (exact min-max, ``datapack.partition_balanced``) or equal item counts (``generate``,
-   whose cost grows with the answers, not the prompt).
-2. :func:`build_transfer_plan` lists, for every input key, which rank sends which items
+1. :func:`build_transfer_plan` lists, for every input key, which rank sends which items
    to which rank: an ordered list of :class:`TransferStep` s, one per (key, src, dst)
    with data to move.  A rank that already holds a key (it produced it, loaded it or
    received it earlier) is never sent it again.  A step carries the sequence lengths,
    dtype and trailing shape, so the receiver allocates its buffer without asking.
-3. Every model worker runs :func:`execute_plan` on the *same* plan, in plan order,
+2. Every model worker runs :func:`execute_plan` on the *same* plan, in plan order,
    with blocking point-to-point send/recv: the source sends, the destination receives,
    everyone else skips.  This cannot deadlock: a step involves two ranks, each reaches
    it after finishing all earlier steps it takes part in, which by induction finish.
@@ -28,13 +26,10 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from realhf.base import datapack
-
 __all__ = [
     "TransferStep",
     "TransferStats",
     "DataTransferError",
-    "partition_for_dp",
     "build_transfer_plan",
     "execute_plan",
 ]
@@ -91,37 +86,6 @@ class TransferStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0
-
-
-def partition_for_dp(
-    ids: Sequence[str], tokens: Sequence[int], n_ranks: int, by_count: bool
-) -> List[List[str]]:
-    """Cut ``ids`` (in order) into ``n_ranks`` contiguous, non-empty groups.
-
-    ``by_count``: sizes differ by at most one (the first groups get the extra item);
-    otherwise the largest group token sum is minimal (``tokens[j]`` belongs to ``ids[j]``).
-    Contiguity keeps items that one worker loaded together on that worker when possible.
-    """
-    ids = list(ids)
-    if len(tokens) != len(ids):
-        raise ValueError(f"partition_for_dp: {len(tokens)} token counts for {len(ids)} ids")
-    if not isinstance(n_ranks, int) or n_ranks < 1:
-        raise ValueError(f"partition_for_dp: n_ranks must be an int >= 1, got {n_ranks!r}")
-    if len(ids) < n_ranks:
-        raise ValueError(
-            f"partition_for_dp: {len(ids)} items cannot be split over {n_ranks} data-parallel "
-            "ranks (every rank needs one); raise the MFC's n_seqs / train_batch_size"
-        )
-    if by_count:
-        base, extra = divmod(len(ids), n_ranks)
-        bounds, start = [], 0
-        for r in range(n_ranks):
-            end = start + base + (1 if r < extra else 0)
-            bounds.append((start, end))
-            start = end
-    else:
-        bounds = datapack.partition_balanced(list(tokens), n_ranks)
-    return [ids[s:e] for s, e in bounds]
 
 
 def build_transfer_plan(

@@ -144,7 +144,7 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
         save_dir = str(tmp_path / "save" / "actor")
         assert call(Handle.SAVE, SaveRequest({"actor": save_dir})) == [save_dir]
         saved = ReaLModel.from_hf(save_dir)
-        assert torch.equal(saved.flat_params, worker.modules["actor"].flat_params)
+        assert torch.equal(saved.flat_params, worker.weights.modules["actor"].flat_params)
         assert not torch.equal(saved.flat_params, ReaLModel.from_hf(model_path).flat_params)
 
         ckpt = str(tmp_path / "ckpt")

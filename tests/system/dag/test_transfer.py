@@ -1,4 +1,4 @@
-"""Data-parallel split, transfer plans, and plan execution over real gloo processes.
+"""Transfer plans, and plan execution over real gloo processes.
 
 The multi-process tests run this file as a script (``python test_data_transfer.py
 --scenario S --rank R ...``), one process per rank.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
 import os
 import time
@@ -18,45 +17,14 @@ import torch
 from rank_processes import run_ranks
 
 from realhf.base import network, shutdown
+from realhf.system.dag.dp_split import partition_for_dp
 from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.transfer import (
     DataTransferError,
     TransferStep,
     build_transfer_plan,
     execute_plan,
-    partition_for_dp,
 )
-
-# ---- partition_for_dp -------------------------------------------------------------
-
-
-def test_partition_by_count_is_contiguous_and_even():
-    ids = [f"i{j}" for j in range(7)]
-    parts = partition_for_dp(ids, [100, 1, 1, 1, 1, 1, 1], 3, by_count=True)
-    assert parts == [["i0", "i1", "i2"], ["i3", "i4"], ["i5", "i6"]]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_partition_by_tokens_is_the_optimal_contiguous_split(seed):
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(1, 50, (7,), generator=g).tolist()
-    ids = [f"i{j}" for j in range(7)]
-    parts = partition_for_dp(ids, tokens, 3, by_count=False)
-    assert [i for p in parts for i in p] == ids and all(parts)
-    cost = max(sum(tokens[int(i[1:])] for i in p) for p in parts)
-    best = min(
-        max(sum(tokens[:a]), sum(tokens[a:b]), sum(tokens[b:]))
-        for a, b in itertools.combinations(range(1, 7), 2)
-    )
-    assert cost == best
-
-
-def test_partition_needs_an_item_per_rank():
-    with pytest.raises(ValueError, match="2 items cannot be split over 3 data-parallel ranks"):
-        partition_for_dp(["a", "b"], [1, 1], 3, by_count=True)
-    with pytest.raises(ValueError, match="3 token counts for 2 ids"):
-        partition_for_dp(["a", "b"], [1, 1, 1], 1, by_count=False)
-
 
 # ---- build_transfer_plan -----------------------------------------------------------
 
