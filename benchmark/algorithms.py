@@ -29,7 +29,7 @@ from typing import Dict, List
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from realhf.experiments.ppo_math import ALGO_PRESETS  # noqa: E402
+from realhf.experiments.algo_presets import ALGO_PRESETS  # noqa: E402
 
 #: seconds one run may take before it counts as failed
 RUN_TIMEOUT_S = 1800

@@ -52,7 +52,7 @@ import torch
 import transformers
 
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
-from realhf.base.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional
 import aiohttp
 import psutil
 
-from realhf.base import network
+from realhf.base.net import network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "realhf", "assets", "tiny")
@@ -129,8 +129,8 @@ class _Progress:
 
 def _manager_main(conn, gen_urls: List[str], config: Dict[str, Any]) -> None:
     from realhf.api.core.rollout_api import GserverManagerConfig
-    from realhf.system.rollout.manager.state import GserverManager
     from realhf.system.rollout.manager.service import ManagerService
+    from realhf.system.rollout.manager.state import GserverManager
 
     cfg = GserverManagerConfig(**config)
     manager = GserverManager(cfg, _Progress(), lambda: list(gen_urls), lambda v: "")

@@ -21,7 +21,7 @@ import urllib.request
 import psutil
 import pytest
 
-from realhf.base import network
+from realhf.base.net import network
 
 # Test scaffolding shared across folders (tiny random HF models, the dag-test experiment)
 # lives in tests/helpers/, outside the product.  Spawned ranks inherit sys.path; launched

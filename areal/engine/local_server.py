@@ -20,7 +20,7 @@ from typing import Optional
 
 import requests
 
-from realhf.base import network
+from realhf.base.net import network
 
 __all__ = ["LocalGenerationServer"]
 

@@ -37,8 +37,9 @@ from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
 from realhf.apps.console import RunConsole, format_summary, summarize
 from realhf.apps.remote import STOPPED_EXIT_CODE
-from realhf.base import constants, logging, name_resolve, names, recover
-from realhf.base.atomic_file import write_atomic
+from realhf.base import constants, logging, name_resolve, names
+from realhf.base.storage import recover
+from realhf.base.storage.atomic_file import write_atomic
 from realhf.experiments.registry import get_quickstart_exp
 from realhf.scheduler import LaunchError, launcher
 from realhf.scheduler.local import JobFailure

@@ -37,7 +37,7 @@ from typing import List, Optional
 from realhf.api.core import system_api
 from realhf.apps import plugins
 from realhf.base import constants, logging, name_resolve, shutdown
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.system.transport.errors import ExperimentFailed, StopRequested
 from realhf.system.worker import base as worker_base
 from realhf.system.worker.controller import Controller

@@ -22,7 +22,7 @@ from typing import List, Optional
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
 from realhf.base.gcutil import freeze_startup_objects
-from realhf.base.http_server import listen_socket, make_server, serve_until_started
+from realhf.base.net.http_server import listen_socket, make_server, serve_until_started
 from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.http_app import DEFAULT_MAX_CONCURRENT_REQUESTS, create_app
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer

@@ -39,7 +39,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from realhf.base import dist_util
+from realhf.base.distributed import dist_util
 
 __all__ = [
     "ReduceType",

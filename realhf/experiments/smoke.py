@@ -26,7 +26,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from realhf.api.core.system_api import ExperimentConfig, register_experiment
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.system.transport.errors import NoMessage, RemoteError, StreamTimeout
 from realhf.system.transport.push_pull import EndOfStream, PullerStream, PusherStream, producers_of
 from realhf.system.transport.request_reply import ReplyServer, RequestClient

@@ -26,7 +26,8 @@ import threading
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from realhf.api.core.system_api import ExperimentConfig
-from realhf.base import logging, name_resolve, names, proc_group
+from realhf.base import logging, name_resolve, names
+from realhf.base.distributed import proc_group
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJob
 
 logger = logging.getLogger("local_scheduler", "system")

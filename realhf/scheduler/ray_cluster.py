@@ -20,7 +20,7 @@ from typing import Dict, Iterator, Tuple
 
 from realhf.api.ray_args import RayConfig
 from realhf.base import logging
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.scheduler import LaunchError
 
 logger = logging.getLogger("ray_scheduler", "system")

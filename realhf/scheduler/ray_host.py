@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
-from realhf.base import proc_group
+from realhf.base.distributed import proc_group
 
 __all__ = ["PYTHON", "ProcessHost", "host_actor_class"]
 

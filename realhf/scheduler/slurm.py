@@ -42,7 +42,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.slurm_args import SlurmConfig
 from realhf.base import logging
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.scheduler import slurm_cluster
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobSet, interrupt_on_signals
 from realhf.scheduler.local import launch_controller_cmd, prepare_trial, remote_worker_cmd

@@ -22,8 +22,8 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-from realhf.base import proc_group
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.distributed import proc_group
+from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.scheduler.jobs import LaunchedJob, describe_returncode
 
 __all__ = ["SlurmTask", "run_task", "task_cmd"]

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from realhf.base import faults
-from realhf.base.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread
 
 
 def test_parse_and_lookup(monkeypatch):

@@ -16,8 +16,9 @@ import uuid
 import pytest
 import ray_cluster
 
-from realhf.base import name_resolve, network
+from realhf.base import name_resolve
 from realhf.base.name_resolve import NameEntryExistsError, NameEntryNotFoundError
+from realhf.base.net import network
 
 RAY = pytest.param("ray", marks=pytest.mark.ray)
 BACKENDS = ["memory", "file", pytest.param("etcd3", marks=pytest.mark.etcd), RAY]

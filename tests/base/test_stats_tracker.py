@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from realhf.base import network
+from realhf.base.net import network
 from realhf.base.stats_tracker import ReduceType, StatsTracker
 
 

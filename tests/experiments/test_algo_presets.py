@@ -6,8 +6,10 @@ from omegaconf import OmegaConf
 
 from realhf.api.cli_parser import ConfigError, parse_config
 from realhf.api.core.data_api import MicroBatchSpec
+from realhf.experiments.algo_presets import ALGO_PRESETS, AlgoPreset
 from realhf.experiments.async_ppo_math import AsyncPPOMathConfig
-from realhf.experiments.ppo_math import ALGO_PRESETS, PPOMathConfig, model_specs, ppo_mfcs
+from realhf.experiments.ppo_math import PPOMathConfig, model_specs, ppo_mfcs
+from realhf.impl.algorithms.advantages import AdvEstimator
 
 
 def _flat(cfg) -> dict:
@@ -26,7 +28,7 @@ def _flat(cfg) -> dict:
 def test_each_preset_sets_exactly_what_it_names(cls, algo):
     base = _flat(parse_config(cls, []))
     got = _flat(parse_config(cls, [f"algo={algo}"]))
-    declared = _flat_dotlist(ALGO_PRESETS[algo])
+    declared = _flat_dotlist(ALGO_PRESETS[algo].overrides())
     changed = {k for k in got if got[k] != base[k]} - {"algo"}
     assert changed <= set(declared), sorted(changed - set(declared))
     for key, value in declared.items():
@@ -39,6 +41,62 @@ def test_each_preset_sets_exactly_what_it_names(cls, algo):
         "ppo.gen.max_new_tokens",
     ):
         assert got[key] == base[key], key
+
+
+_NO_CRITIC = {"ppo.disable_value": True, "ppo.kl_ctl": 0.0}
+# What each preset changed from the no-preset config before presets became typed objects
+# (captured from the "key=value" presets; both front doors, with and without task=tiny_long).
+# The tiny task already has no critic and kl_ctl=0, so _NO_CRITIC changes nothing there.
+RESOLVED_BEFORE = {
+    "grpo": {"ppo.adv_estimator": "grpo", "ppo.loss_agg_mode": "seq-mean-token-mean"},
+    "drgrpo": {"ppo.adv_estimator": "drgrpo", "ppo.loss_agg_mode": "constant"},
+    "dapo": {
+        "dynamic_sampling": True,
+        "ppo.adv_estimator": "grpo",
+        "ppo.eps_clip_high": 0.28,
+        "ppo.overlong_penalty_factor": 5.0,
+        "ppo.overlong_penalty_len": 4,
+        "ppo.success_rate_lb": 0.001,
+        "ppo.success_rate_ub": 0.999,
+    },
+    "gspo": {
+        "ppo.adv_estimator": "grpo",
+        "ppo.eps_clip": 0.0003,
+        "ppo.eps_clip_high": 0.0004,
+        "ppo.importance_level": "sequence",
+        "ppo.loss_agg_mode": "seq-mean-token-mean",
+    },
+    "rloo": {"ppo.adv_estimator": "rloo"},
+    "reinforce++": {"ppo.adv_estimator": "reinforce++"},
+    "reinforce++-baseline": {"ppo.adv_estimator": "reinforce++-baseline"},
+}
+
+
+@pytest.mark.parametrize("task", [[], ["task=tiny_long"]])
+@pytest.mark.parametrize("cls", [PPOMathConfig, AsyncPPOMathConfig])
+def test_every_preset_resolves_to_the_config_it_had_before(cls, task):
+    assert set(RESOLVED_BEFORE) == {a for a in ALGO_PRESETS if a}
+    base = _flat(parse_config(cls, task))
+    assert ALGO_PRESETS[""].overrides() == []
+    for algo, want in RESOLVED_BEFORE.items():
+        got = _flat(parse_config(cls, [f"algo={algo}"] + task))
+        changed = {k: v for k, v in got.items() if v != base[k] and k != "algo"}
+        assert changed == want, algo
+        # every preset also turns the critic and the KL reward off, whatever the task's
+        assert {k: got[k] for k in _NO_CRITIC} == _NO_CRITIC, algo
+
+
+def test_a_preset_is_typed_and_refuses_options_that_do_not_exist():
+    gspo = ALGO_PRESETS["gspo"]
+    assert gspo.ppo["adv_estimator"] is AdvEstimator.GRPO
+    assert "ppo.eps_clip=0.0003" in gspo.overrides()
+    assert ALGO_PRESETS["dapo"].overrides()[-1] == "dynamic_sampling=true"
+    with pytest.raises(ValueError, match=r"unknown ppo options \['eps_clipp'\]"):
+        AlgoPreset("x", "typo", ppo={"eps_clipp": 0.1})
+    with pytest.raises(ValueError, match=r"unknown experiment options \['lr'\]"):
+        AlgoPreset("x", "not allowed", experiment={"lr": 0.1})
+    with pytest.raises(TypeError):
+        ALGO_PRESETS["rloo"].ppo["kl_ctl"] = 0.1
 
 
 def _flat_dotlist(overrides) -> dict:

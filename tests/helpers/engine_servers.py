@@ -7,7 +7,7 @@ import requests
 import torch
 from tiny_models import make_tiny_hf_model
 
-from realhf.base.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.gen import EngineConfig, GenerationEngine
 from realhf.impl.model.gen.http_app import create_app

@@ -25,7 +25,7 @@ from typing import List
 
 import psutil
 
-from realhf.base import network
+from realhf.base.net import network
 
 START_TIMEOUT = 60.0
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import pytest
 
-from realhf.base import network
+from realhf.base.net import network
 
 START_TIMEOUT = 20.0
 

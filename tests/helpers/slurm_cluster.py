@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 
 import pytest
 
-from realhf.base import network
+from realhf.base.net import network
 
 NODES = ("node1", "node2")
 PARTITION = "debug"

@@ -24,7 +24,7 @@ from tiny_models import TinyItems
 
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.model_api import FinetuneSpec
-from realhf.base import recover
+from realhf.base.storage import recover
 from realhf.impl.dataset.shard_loader import ShardLoader
 
 # ---- real checkpoints of a tiny model, damaged one way at a time -----------------------

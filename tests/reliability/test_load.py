@@ -29,7 +29,7 @@ from realhf.api.core.rollout_api import (
     GserverManagerConfig,
     parse_message,
 )
-from realhf.base.http_server import RequestLimit, ServerThread
+from realhf.base.net.http_server import RequestLimit, ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine

@@ -18,7 +18,8 @@ import ray_cluster
 
 from realhf.api.core import system_api
 from realhf.api.ray_args import RayConfig
-from realhf.base import name_resolve, names, network
+from realhf.base import name_resolve, names
+from realhf.base.net import network
 from realhf.experiments import smoke as smoke_exp
 from realhf.scheduler.local import JobFailure
 from realhf.system.worker.base import WorkerStatus, read_status

@@ -468,7 +468,7 @@ class SequenceSample:
         """
         import torch.distributed as dist
 
-        from realhf.base import dist_util
+        from realhf.base.distributed import dist_util
 
         # Ranks that run different numbers of micro-batches fall out of step
         # in every collective issued per micro-batch, which hangs rather than

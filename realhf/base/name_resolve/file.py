@@ -37,11 +37,11 @@ import uuid
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from realhf.base import constants
-from realhf.base.atomic_file import write_json_atomic
 from realhf.base.name_resolve._repository import (
     NameEntryExistsError,
     NameRecordRepository,
 )
+from realhf.base.storage.atomic_file import write_json_atomic
 
 ENTRY = ".entry"
 LOCKS = ".locks"

@@ -46,7 +46,7 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.registry import register_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
-from realhf.base import network
+from realhf.base.net import network
 from realhf.impl.agent.trajectory import Conversation, build_conversation_trajectory
 
 __all__ = ["OpenAIAgent", "Completion", "load_episode"]

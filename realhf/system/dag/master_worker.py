@@ -40,8 +40,9 @@ from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
-from realhf.base import constants, faults, name_resolve, names, recover
-from realhf.base.atomic_file import write_atomic
+from realhf.base import constants, faults, name_resolve, names
+from realhf.base.storage import recover
+from realhf.base.storage.atomic_file import write_atomic
 from realhf.base.timeutil import FrequencyControl
 from realhf.system.dag.messages import (
     REQUEST_STREAM,

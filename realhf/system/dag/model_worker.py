@@ -49,7 +49,8 @@ from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.worker_api import ModelWorkerConfig
-from realhf.base import recover, seeding, stats_tracker
+from realhf.base import seeding, stats_tracker
+from realhf.base.storage import recover
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.impl.model.parallelism import ParallelGrid
 from realhf.system.dag.local_store import LocalStore

@@ -24,7 +24,7 @@ import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from realhf.base import logging
-from realhf.base.atomic_file import write_atomic
+from realhf.base.storage.atomic_file import write_atomic
 
 logger = logging.getLogger("master_worker", "system")
 

@@ -48,7 +48,7 @@ from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import DataFlowGraph, MFCDef, ModelInterfaceType
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.worker_api import Placements, call_sizes
-from realhf.base.topology import DataPipeTensorParallelTopology
+from realhf.base.distributed.topology import DataPipeTensorParallelTopology
 from realhf.system.dag.buffer import SampleBuffer
 from realhf.system.dag.dp_split import partition_for_dp
 from realhf.system.dag.messages import (

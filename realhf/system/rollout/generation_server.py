@@ -25,9 +25,10 @@ import time
 from typing import TYPE_CHECKING, List, Optional
 
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
-from realhf.base import constants, faults, name_resolve, names, network
+from realhf.base import constants, faults, name_resolve, names
 from realhf.base.gcutil import freeze_startup_objects
-from realhf.base.http_server import ServerThread
+from realhf.base.net import network
+from realhf.base.net.http_server import ServerThread
 from realhf.system.rollout.sglang_launcher import (
     ServerProcess,
     SGLangConfig,

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from typing import Dict, List, Optional, Tuple
 
-from realhf.base import proc_group
+from realhf.base.distributed import proc_group
 
 _DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof")

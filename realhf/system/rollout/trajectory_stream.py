@@ -40,7 +40,8 @@ from typing import Any, Dict, List, Optional
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.rollout_api import Trajectory
 from realhf.api.core.worker_api import TrajectoryStreamSpec
-from realhf.base import logging, name_resolve, names, recover
+from realhf.base import logging, name_resolve, names
+from realhf.base.storage import recover
 from realhf.system.rollout.staleness import IndexOrderBatcher
 from realhf.system.transport.errors import StreamTimeout
 from realhf.system.transport.push_pull import EndOfStream, PullerStream

@@ -61,8 +61,9 @@ from realhf.api.core.gen_api import (
     parse_generate_body,
 )
 from realhf.api.core.rollout_api import GenerationServerConfig
-from realhf.base import logging, network
-from realhf.base.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
+from realhf.base import logging
+from realhf.base.net import network
+from realhf.base.net.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
 from realhf.impl.model.gen.weight_update import PauseGate
 from realhf.system.rollout.sglang_launcher import ServerProcess
 

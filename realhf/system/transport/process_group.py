@@ -19,7 +19,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from realhf.base import logging, name_resolve, names, network
+from realhf.base import logging, name_resolve, names
+from realhf.base.net import network
 
 logger = logging.getLogger("process_group", "system")
 

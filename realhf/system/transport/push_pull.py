@@ -31,7 +31,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import zmq
 
-from realhf.base import logging, name_resolve, names, network
+from realhf.base import logging, name_resolve, names
+from realhf.base.net import network
 from realhf.system.transport.errors import NoMessage, StreamTimeout
 
 logger = logging.getLogger("push_pull_stream")
@@ -128,7 +129,7 @@ class PullerStream:
         consumer_index: this consumer's index in ``[0, n_consumers)``.
         hwm: receive buffer bound (messages).
         message_types: if given, any other message type is an error.
-        host: address to bind; default :func:`realhf.base.network.gethostip`.
+        host: address to bind; default :func:`realhf.base.net.network.gethostip`.
     """
 
     def __init__(

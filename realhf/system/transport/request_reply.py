@@ -47,7 +47,8 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Un
 
 import zmq
 
-from realhf.base import logging, name_resolve, names, network
+from realhf.base import logging, name_resolve, names
+from realhf.base.net import network
 from realhf.system.transport.errors import ErrorInfo, NoMessage, RemoteError, StreamTimeout
 
 logger = logging.getLogger("request_reply_stream")
@@ -177,7 +178,7 @@ class RequestClient:
         handlers: the worker names expected to connect.
         connect_timeout: seconds to wait for every handler's hello.
         reply_timeout: default seconds to wait for replies.
-        host: address to bind; default :func:`realhf.base.network.gethostip`.
+        host: address to bind; default :func:`realhf.base.net.network.gethostip`.
         wait: wait for the handlers in the constructor; pass False to only
             bind and publish (e.g. in ``_configure``, before the workers
             connect) and call :meth:`wait_for_handlers` later.

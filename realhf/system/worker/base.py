@@ -53,7 +53,8 @@ from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Type
 import zmq
 
 from realhf.api.core.system_api import WorkerInformation
-from realhf.base import logging, name_resolve, names, network
+from realhf.base import logging, name_resolve, names
+from realhf.base.net import network
 from realhf.system.transport.errors import ErrorInfo
 
 __all__ = [

@@ -20,7 +20,7 @@ from realhf.api.core.gen_api import parse_sglang_output
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.registry import AgentAbstraction, make_agent
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
-from realhf.base.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.conversion.hf import save_tokenizer

@@ -25,7 +25,8 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.system_api import WorkerInformation
 from realhf.api.core.worker_api import MasterWorkerConfig
-from realhf.base import constants, name_resolve, names, recover
+from realhf.base import constants, name_resolve, names
+from realhf.base.storage import recover
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.system.dag.master_worker import MasterWorker
 from realhf.system.dag.messages import (

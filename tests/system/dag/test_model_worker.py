@@ -12,7 +12,8 @@ from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.system_api import WorkerInformation, make_experiment
-from realhf.base import constants, name_resolve, names, recover
+from realhf.base import constants, name_resolve, names
+from realhf.base.storage import recover
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.system.dag.messages import (
     REQUEST_STREAM,

@@ -16,7 +16,8 @@ import pytest
 import torch
 from rank_processes import run_ranks
 
-from realhf.base import network, shutdown
+from realhf.base import shutdown
+from realhf.base.net import network
 from realhf.system.dag.dp_split import partition_for_dp
 from realhf.system.dag.local_store import LocalStore
 from realhf.system.dag.transfer import (

@@ -26,7 +26,7 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
-from realhf.base.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread
 from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app

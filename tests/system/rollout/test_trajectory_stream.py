@@ -10,7 +10,7 @@ import torch
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.rollout_api import GroupGeneration, Trajectory
 from realhf.api.core.worker_api import TrajectoryStreamSpec
-from realhf.base import recover
+from realhf.base.storage import recover
 from realhf.impl.agent.math_single_step import build_trajectory
 from realhf.system.rollout.trajectory_stream import (
     StalenessViolation,

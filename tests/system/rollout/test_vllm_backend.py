@@ -24,8 +24,9 @@ from gen_server_worker import start_generation_server
 
 from realhf.api.core.allocation import parse_allocation_mode
 from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
-from realhf.base import name_resolve, names, network
-from realhf.base.http_server import ServerThread
+from realhf.base import name_resolve, names
+from realhf.base.net import network
+from realhf.base.net.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.system.rollout import vllm_backend
 from realhf.system.rollout.manager.routing import parse_metrics

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from rank_processes import run_ranks
 
-from realhf.base import name_resolve, names, network, shutdown
+from realhf.base import name_resolve, names, shutdown
+from realhf.base.net import network
 from realhf.system.transport.process_group import init_world
 
 EXP, GROUP = "pg-test", "model_worker"

@@ -40,7 +40,8 @@ import torch.distributed as dist
 from realhf.api.cli_args import OptimizerConfig
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import FinetuneSpec
-from realhf.base import dist_util, logging
+from realhf.base import logging
+from realhf.base.distributed import dist_util
 from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
 from realhf.impl.model.nn.flat_param import flat_intervals, flat_view

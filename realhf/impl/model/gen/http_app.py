@@ -28,7 +28,7 @@ Without a tokenizer, ``text`` inputs and OpenAI text prompts/chat are answered
 with 400 and responses carry no ``text`` field. Invalid requests get 400 with
 a message naming the field; more than ``max_concurrent_requests`` requests in
 flight, a full queue or a closed engine 503 (the first with ``Retry-After``,
-see :class:`~realhf.base.http_server.RequestLimit`; health, metrics, information
+see :class:`~realhf.base.net.http_server.RequestLimit`; health, metrics, information
 and control routes, :data:`UNLIMITED_PATHS`, are never refused for load); a request
 that outlives the engine's ``request_timeout_s`` is aborted and answered with
 504; a failed engine step 500 with the error. A client that disconnects does
@@ -60,7 +60,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
     parse_generate_body,
 )
-from realhf.base.http_server import RequestLimit, fastapi_app
+from realhf.base.net.http_server import RequestLimit, fastapi_app
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
@@ -422,7 +422,7 @@ class _HotRoutes:
     2026-11-26), and the event loop shares the machine with the engine.  These routes need
     none of it: the handler (the same function the router serves, so errors keep their
     status and shape) gets a plain request and the app's :class:`_Served`.  Installed
-    inside :class:`~realhf.base.http_server.RequestLimit`, which therefore still counts and
+    inside :class:`~realhf.base.net.http_server.RequestLimit`, which therefore still counts and
     refuses them; every other method and path goes on to FastAPI.
     """
 

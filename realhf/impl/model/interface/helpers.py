@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.model_api import Model
-from realhf.base import dist_util, stats_tracker
+from realhf.base import stats_tracker
+from realhf.base.distributed import dist_util
 
 __all__ = [
     "engine_of",

@@ -1,9 +1,9 @@
 """The process grid of one model layout: ``d × p × m`` ranks and a group per axis.
 
 Ranks are laid out row-major over (data, pipe, tensor), tensor varying fastest
-(:class:`~realhf.base.topology.DataPipeTensorParallelTopology`): tensor-parallel peers are
-adjacent ranks (one host on GPUs), and data-parallel replica ``k`` is the contiguous block
-``[k·p·m, (k+1)·p·m)``.  For ``d2p2m2``::
+(:class:`~realhf.base.distributed.topology.DataPipeTensorParallelTopology`): tensor-parallel
+peers are adjacent ranks (one host on GPUs), and data-parallel replica ``k`` is the
+contiguous block ``[k·p·m, (k+1)·p·m)``.  For ``d2p2m2``::
 
     rank  0 1 2 3 4 5 6 7
     data  0 0 0 0 1 1 1 1
@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 import torch.distributed as dist
 
 from realhf.api.core.allocation import ParallelismConfig
-from realhf.base.topology import DataPipeTensorParallelTopology
+from realhf.base.distributed.topology import DataPipeTensorParallelTopology
 
 __all__ = ["ParallelGrid", "AXES"]
 

@@ -25,7 +25,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from realhf.api.core.allocation import ParallelismConfig
-from realhf.base.topology import DataPipeTensorParallelTopology
+from realhf.base.distributed.topology import DataPipeTensorParallelTopology
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.parallel_hooks import LocalHooks
 from realhf.impl.model.nn.real_model import ReaLModel

@@ -29,7 +29,7 @@ from realhf.api.core.rollout_api import (
     ServerFailureReport,
     parse_message,
 )
-from realhf.base.http_server import CLIENT_KEEPALIVE_S
+from realhf.base.net.http_server import CLIENT_KEEPALIVE_S
 from realhf.system.rollout.manager.routing import NoServerAvailable
 from realhf.system.rollout.staleness import RolloutNotRunning
 

@@ -23,10 +23,10 @@ of the manager map to statuses through exception handlers: :class:`RolloutNotRun
 
 Load: beyond ``GserverManagerConfig.max_concurrent_requests`` requests in flight, a request is
 answered 503 with ``Retry-After`` and ``{"error": {"message", "type": "overloaded"}}`` before
-it is read (:class:`~realhf.base.http_server.RequestLimit`; the client retries it), except
+it is read (:class:`~realhf.base.net.http_server.RequestLimit`; the client retries it), except
 :data:`UNLIMITED_PATHS`: a refused heartbeat would cost a worker its leases.
 
-:class:`ManagerService` serves the app from a :class:`~realhf.base.http_server.ServerThread`;
+:class:`ManagerService` serves the app from a :class:`~realhf.base.net.http_server.ServerThread`;
 the app's lifespan starts the manager (it waits for its generation servers), runs its
 background loops on the same event loop and closes it, so a sync worker can host it.
 Rollout workers talk to it through :class:`~realhf.system.rollout.manager.client.ManagerClient`.
@@ -53,7 +53,7 @@ from realhf.api.core.rollout_api import (
     describe_errors,
 )
 from realhf.base import logging
-from realhf.base.http_server import RequestLimit, ServerThread, StartupError, fastapi_app
+from realhf.base.net.http_server import RequestLimit, ServerThread, StartupError, fastapi_app
 from realhf.system.rollout.manager.routing import NoServerAvailable
 from realhf.system.rollout.manager.state import GserverManager
 from realhf.system.rollout.staleness import RolloutNotRunning

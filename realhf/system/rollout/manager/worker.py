@@ -15,7 +15,7 @@ from typing import Optional
 
 from realhf.api.core.rollout_api import GserverManagerConfig
 from realhf.base import constants, name_resolve, names
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.system.rollout.manager.service import ManagerService
 from realhf.system.rollout.manager.state import GserverManager
 from realhf.system.rollout.staleness import NameResolveProgress
@@ -37,7 +37,7 @@ class GserverManagerWorker(Worker):
     _key: Optional[str] = None
 
     def _configure(self, config: GserverManagerConfig) -> None:
-        from realhf.base import network
+        from realhf.base.net import network
 
         exp, trial, role = self.experiment_name, self.trial_name, config.model_role
         progress = NameResolveProgress(exp, trial, role)

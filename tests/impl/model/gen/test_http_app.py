@@ -14,7 +14,7 @@ import psutil
 import pytest
 import requests
 
-from realhf.base.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app, prometheus_text
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer

@@ -12,7 +12,7 @@ import requests
 from engine_servers import engine_server, generate_greedy, greedy, stop_servers, two_model_versions
 
 from realhf.api.core.gen_api import FinishReason, GenerateOutput
-from realhf.base import network
+from realhf.base.net import network
 from realhf.impl.model.gen.weight_update import (
     PauseGate,
     ServerGone,

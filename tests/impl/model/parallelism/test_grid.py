@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from realhf.api.core.allocation import ParallelismConfig
-from realhf.base.topology import DataPipeTensorParallelTopology
+from realhf.base.distributed.topology import DataPipeTensorParallelTopology
 from realhf.impl.model.parallelism.grid import ParallelGrid
 
 

@@ -32,7 +32,7 @@ from realhf.api.core.rollout_api import (
     SchedulePolicy,
     ScheduleRequest,
 )
-from realhf.base import network
+from realhf.base.net import network
 from realhf.impl.model.gen.weight_update import WeightUpdateError
 from realhf.system.rollout.manager import server_pool
 from realhf.system.rollout.manager.client import ManagerClient

@@ -2,7 +2,7 @@
 
 import os
 
-from realhf.base import manifest
+from realhf.base.storage import manifest
 
 
 def _tree(root, big=3 * manifest.SPAN):

@@ -1,6 +1,6 @@
 import pytest
 
-from realhf.base.topology import (
+from realhf.base.distributed.topology import (
     DataPipeTensorParallelTopology,
     PipeDataTensorParallelTopology,
     ProcessTopology,

@@ -11,7 +11,7 @@ import fastapi
 import pytest
 import requests
 
-from realhf.base.http_server import (
+from realhf.base.net.http_server import (
     SERVER_KEEPALIVE_S,
     ServerThread,
     StartupError,

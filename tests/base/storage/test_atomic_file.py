@@ -1,4 +1,4 @@
-"""realhf.base.atomic_file: whole-file replacement that readers never see torn."""
+"""realhf.base.storage.atomic_file: whole-file replacement that readers never see torn."""
 
 import json
 import multiprocessing as mp
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from realhf.base import atomic_file
-from realhf.base.atomic_file import write_atomic, write_json_atomic
+from realhf.base.storage import atomic_file
+from realhf.base.storage.atomic_file import write_atomic, write_json_atomic
 
 PAYLOAD_SIZE = 256 * 1024
 N_WRITERS = 4

@@ -8,7 +8,7 @@ import torch
 from faults import small_filesystem
 from safetensors.torch import save_file
 
-from realhf.base.disk import free_bytes, no_space_reason
+from realhf.base.storage.disk import free_bytes, no_space_reason
 
 SIZE = 1 << 20
 

@@ -1,4 +1,4 @@
-"""realhf.base.proc_group: stopping a subprocess's whole process group.
+"""realhf.base.distributed.proc_group: stopping a subprocess's whole process group.
 
 Every process here is started by the test in its own session and is stopped (by
 its group id) before the test ends; sleeps are bounded so that nothing can
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from realhf.base import proc_group
+from realhf.base.distributed import proc_group
 
 # A leader that starts a child in its group, prints the child's pid once the child
 # is set up, then sleeps.  argv[1] == "1": both ignore SIGTERM (only SIGKILL ends them).
@@ -100,7 +100,7 @@ def test_gone_groups_are_fine():
 # prints the server's pid, then waits to be killed.
 _PARENT = r"""
 import subprocess, sys, time
-from realhf.base import proc_group
+from realhf.base.distributed import proc_group
 s = subprocess.Popen(proc_group.dying_with_parent(
     [sys.executable, "-c", "import time; print(flush=True); time.sleep(60)"]),
     stdout=subprocess.PIPE, start_new_session=True)

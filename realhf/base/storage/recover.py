@@ -13,7 +13,7 @@ Layout under the root (default ``{run_dir}/checkpoints/recover``)::
         data/rank{r}.json         each data loader (a replica head's): epoch and ids used in it
         master.json               the master's counters and the trainer layout
         manifest.json             size and checksum of every file above (written last,
-                                  then the rename; see :mod:`realhf.base.manifest`)
+                                  then the rename; see :mod:`realhf.base.storage.manifest`)
     step{N}.invalid/              a checkpoint that failed its check, moved aside
     latest                        text: "step{N}", replaced atomically after the rename
 
@@ -55,9 +55,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from realhf.base import constants, logging
-from realhf.base.atomic_file import write_atomic, write_json_atomic
-from realhf.base.disk import free_bytes, no_space_reason
-from realhf.base.manifest import MANIFEST, check_manifest, write_manifest
+from realhf.base.storage.atomic_file import write_atomic, write_json_atomic
+from realhf.base.storage.disk import free_bytes, no_space_reason
+from realhf.base.storage.manifest import MANIFEST, check_manifest, write_manifest
 
 logger = logging.getLogger("recover", "system")
 

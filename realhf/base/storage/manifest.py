@@ -19,7 +19,7 @@ import os
 import zlib
 from typing import Dict, List
 
-from realhf.base.atomic_file import write_json_atomic
+from realhf.base.storage.atomic_file import write_json_atomic
 
 __all__ = ["MANIFEST", "SPAN", "write_manifest", "check_manifest", "ManifestError"]
 

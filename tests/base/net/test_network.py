@@ -2,7 +2,7 @@ import socket
 
 import pytest
 
-from realhf.base import network
+from realhf.base.net import network
 
 
 def test_free_ports_bind_and_are_never_repeated():

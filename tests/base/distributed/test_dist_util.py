@@ -1,4 +1,4 @@
-"""realhf.base.dist_util: all-reduce on the device the group's backend needs.
+"""realhf.base.distributed.dist_util: all-reduce on the device the group's backend needs.
 
 The two-rank gloo test runs this file as a script (``python test_dist_util.py --rank R
 ...``), one process per rank, meeting in a FileStore.
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from rank_processes import run_ranks
 
-from realhf.base import dist_util, shutdown
+from realhf.base import shutdown
+from realhf.base.distributed import dist_util
 
 CPU, CUDA, CUDA1 = torch.device("cpu"), torch.device("cuda"), torch.device("cuda", 1)
 
