@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from evaluation.eval_and_aggregate import evaluate  # noqa: E402
-from realhf.api.core.rollout_api import RolloutWorkerConfig  # noqa: E402
+from realhf.api.core.rollout_config import RolloutWorkerConfig  # noqa: E402
 from realhf.base import constants  # noqa: E402
 from realhf.experiments.async_ppo_math import WEIGHT_POLL_INTERVAL_S  # noqa: E402
 from realhf.experiments.building_blocks import task_data, task_model  # noqa: E402

@@ -217,7 +217,7 @@ def rl_shape_point(model_dir: str, threads: int, rounds: int, seed: int) -> dict
     from realhf.api.core.data_api import SequenceSample
     from realhf.api.core.model_api import GenerationHyperparameters
     from realhf.impl.model.interface.offline_generation import generate_offline
-    from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+    from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
     from realhf.impl.model.nn.real_model import ReaLModel
 
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)

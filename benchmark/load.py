@@ -128,7 +128,7 @@ class _Progress:
 
 
 def _manager_main(conn, gen_urls: List[str], config: Dict[str, Any]) -> None:
-    from realhf.api.core.rollout_api import GserverManagerConfig
+    from realhf.api.core.rollout_config import GserverManagerConfig
     from realhf.system.rollout.manager.service import ManagerService
     from realhf.system.rollout.manager.state import GserverManager
 

@@ -35,11 +35,10 @@ from areal.api.engine_api import InferenceEngine
 from realhf.api.core.rollout_api import (
     GenerateGroupRequest,
     GroupGeneration,
-    GserverManagerConfig,
-    SchedulePolicy,
     ScheduleReply,
     ScheduleRequest,
 )
+from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
 from realhf.system.rollout.manager.server_pool import ServerPool
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
 

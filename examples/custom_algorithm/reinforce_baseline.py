@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
-from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.model_api import Model, ModelInterface, RolloutContext
 from realhf.api.core.registry import register_interface
 from realhf.impl.model.interface import toolkit as tk
 
@@ -35,19 +35,23 @@ class ReinforceBaseline(ModelInterface):
 
     Args:
         decay: weight of the old baseline in each update, in [0, 1) (0: the batch's mean).
-        temperature: the sampling temperature, at which the log-probs are taken.
+        rollout: the run's group size and sampling temperature (the experiment passes it;
+            None, as in a unit test: temperature 1 and any group size).
     """
 
-    def __init__(self, decay: float = 0.9, temperature: float = 1.0):
+    def __init__(self, decay: float = 0.9, rollout: Optional[RolloutContext] = None):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay={decay!r}: use a value in [0, 1)")
-        self.decay, self.temperature = decay, temperature
+        self.decay, self.rollout = decay, rollout
+        self.temperature = 1.0 if rollout is None else rollout.temperature
         self.baseline: Optional[float] = None  # set by the first batch
 
     def train_step(
         self, model: Model, data: SequenceSample, mb_spec: MicroBatchSpec
     ) -> Dict[str, float]:
         tk.require_keys(data, KEYS, "reinforce_baseline")
+        if self.rollout is not None:  # one item per prompt, holding group_size answers
+            self.rollout.check_groups(data, "reinforce_baseline")
         engine = tk.engine_of(model, train=True)
         rewards = data.data["rewards"].float()  # one per answer; NaN: the verifier had no verdict
         # A collective: every data-parallel rank gets the mean of the global batch.

@@ -28,7 +28,7 @@ import sys
 from typing import List, Optional, Tuple
 
 from realhf.api.cli_parser import ConfigError, format_help, parse_config
-from realhf.api.core.registry import INTERFACES
+from realhf.api.core.registry import INTERFACES, RegistryError
 from realhf.apps import dry_run, plugins
 from realhf.experiments.registry import get_quickstart_exp, quickstart_experiments
 
@@ -131,8 +131,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     name, rest = argv[0], argv[1:]
     try:
         qs = get_quickstart_exp(name)
-    except KeyError as e:
-        print(f"quickstart: {e.args[0]}", file=sys.stderr)
+    except RegistryError as e:
+        print(f"quickstart: {e}", file=sys.stderr)
         return 2
     if "-h" in rest or "--help" in rest:
         print(format_help(qs.config_cls, prog=f"python -m realhf.apps.quickstart {name}"))

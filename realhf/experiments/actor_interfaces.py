@@ -14,7 +14,11 @@ inf_interface       actor_inf, ref_inf                  ``inference`` (must writ
 ==================  ==================================  ======================================
 
 The default, the built-in ``ppo_actor``, takes its options from ``ppo.*``; any other
-interface gets exactly its ``*_interface_args`` as keyword arguments.  Names are checked
+interface gets its ``*_interface_args`` as keyword arguments, plus ``rollout``, the run's
+:class:`~realhf.api.core.model_api.RolloutContext` (``ppo.group_size`` and the log-prob
+temperature), when its constructor declares that parameter.  An interface that assumes
+another group size or temperature (a ``group_size`` / ``temperature`` option given, or
+defaulted, to another value) fails when the experiment is built.  Names are checked
 against the interface registry when the config is built, so a module that registers one must
 be imported first (``quickstart --import MODULE``, ``$REALHF_PLUGINS`` or the
 ``realhf.plugins`` entry-point group): an unknown name fails at once with the closest match.
@@ -24,11 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from dataclasses import field
-from typing import Any, Dict, NamedTuple
+from typing import Any, Dict, Mapping, NamedTuple
 
 from realhf.api.cli_args import ModelConfig
-from realhf.api.core.model_api import ModelInterface
+from realhf.api.core.model_api import ModelInterface, RolloutContext
 from realhf.api.core.registry import INTERFACES, InterfaceAbstraction, RegistryError
 
 #: the interface every actor MFC runs unless told otherwise; configured by ``ppo.*``
@@ -38,6 +43,13 @@ BUILTIN_MODULE = "realhf.impl.model.interface"
 
 #: option prefix -> the ModelInterface method its MFCs call
 ROLES = {"train": "train_step", "gen": "generate", "inf": "inference"}
+#: the constructor parameter that receives the run's RolloutContext
+ROLLOUT_ARG = "rollout"
+#: RolloutContext field -> the option of the run that sets it
+RUN_OPTIONS = {
+    "group_size": "ppo.group_size",
+    "temperature": "ppo.gen.temperature (or ppo.temperature)",
+}
 
 _PLUGIN_HINT = (
     "import the module that registers it with `quickstart --import MODULE` (or "
@@ -114,12 +126,21 @@ class ActorConfig(ModelConfig):
 
     def interfaces(self, ppo_hparams) -> ActorInterfaces:
         """The abstraction of each kind of actor MFC: the built-in interface gets
-        ``ppo_hparams``, any other its ``*_interface_args``."""
+        ``ppo_hparams``, any other its ``*_interface_args``; both get ``rollout`` (the
+        run's :class:`RolloutContext`) as :func:`contract_args` says.
+
+        Raises:
+            ValueError: an interface assumes another group size or temperature.
+        """
+        rollout = ppo_hparams.rollout
         out = {}
         for role in ROLES:
             check_interface(self, role)  # again: a config may be changed after it was built
             name = getattr(self, f"{role}_interface")
-            args = {"hparams": ppo_hparams} if name == BUILTIN else dict(self._args(role))
+            if name == BUILTIN:
+                args = {"hparams": ppo_hparams, ROLLOUT_ARG: rollout}
+            else:
+                args = contract_args(f"actor.{role}_interface", name, self._args(role), rollout)
             out[role] = InterfaceAbstraction(name, args)
         return ActorInterfaces(**out)
 
@@ -143,7 +164,10 @@ def check_interface(cfg: ActorConfig, role: str) -> None:
             )
         return
     try:
-        factory = INTERFACES.check(InterfaceAbstraction(name, dict(args)))
+        factory = INTERFACES.get(name)
+        # `rollout` comes from the experiment when it is built: bind a stand-in for it here.
+        system = {ROLLOUT_ARG: None} if ROLLOUT_ARG in _params(factory) else {}
+        INTERFACES.check(InterfaceAbstraction(name, dict(args)), **system)
     except RegistryError as e:
         hint = f"; {_PLUGIN_HINT}" if name not in INTERFACES else ""
         raise ValueError(f"{key}={name!r}: {e}{hint}") from None
@@ -161,3 +185,59 @@ def check_interface(cfg: ActorConfig, role: str) -> None:
             "into a module (e.g. my_algo.py) and run `python -m realhf.apps.quickstart ... "
             "--import my_algo` from its directory (or with it on PYTHONPATH)"
         )
+
+
+def contract_args(key: str, name: str, args: Dict[str, Any], rollout: RolloutContext) -> dict:
+    """The keyword arguments of interface ``name`` (option ``key``): the user's ``args``,
+    plus ``rollout`` when its constructor declares that parameter.
+
+    Raises:
+        ValueError: ``args`` sets ``rollout`` itself, or the interface assumes another
+            group size or temperature than the run's: a ``group_size`` / ``temperature``
+            option given in ``args``, or left at a constructor default, that differs.
+    """
+    if ROLLOUT_ARG in args:
+        raise ValueError(
+            f"{key}_args.{ROLLOUT_ARG} is set by the experiment (the run's group size and "
+            f"temperature, from ppo.*); remove it"
+        )
+    params = _params(INTERFACES.get(name))
+    for field_name, option in RUN_OPTIONS.items():
+        if field_name in args:
+            assumed, how = args[field_name], f"{key}_args.{field_name}"
+            fix = f"remove {how} or set {option} to {assumed!r}"
+        elif _default(params, field_name) is not None:
+            assumed, how = _default(params, field_name), f"its default {field_name}"
+            run_value = getattr(rollout, field_name)
+            fix = f"pass {key}_args.{field_name}={run_value!r} or set {option} to {assumed!r}"
+        else:
+            continue
+        if ROLLOUT_ARG in params:
+            fix += f", or drop the option and read {ROLLOUT_ARG}.{field_name}"
+        else:
+            fix += (
+                f", or declare a `{ROLLOUT_ARG}` parameter (a RolloutContext: the run's "
+                "group_size and temperature) and drop the option"
+            )
+        rollout.require(f"{key}={name!r} ({how})", fix, **{field_name: assumed})
+    out = dict(args)
+    if ROLLOUT_ARG in params:
+        out[ROLLOUT_ARG] = rollout
+    return out
+
+
+def _default(params, name: str) -> Any:
+    """The constructor's default for ``name``; None when it has none (or defaults to None,
+    which assumes nothing)."""
+    p = params.get(name)
+    if p is None or p.default is inspect.Parameter.empty:
+        return None
+    return p.default
+
+
+def _params(factory) -> Mapping[str, inspect.Parameter]:
+    """The constructor's parameters by name (none when it has no signature to read)."""
+    try:
+        return inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}

@@ -41,7 +41,7 @@ from realhf.api.core.registry import (
     DatasetAbstraction,
     EnvAbstraction,
 )
-from realhf.api.core.rollout_api import (
+from realhf.api.core.rollout_config import (
     SCHEDULE_POLICIES,
     GenerationServerConfig,
     GserverManagerConfig,
@@ -61,7 +61,7 @@ from realhf.experiments.ppo_math import (
     ppo_mfcs,
 )
 from realhf.experiments.registry import register_quickstart_exp
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
 
 #: How often the gserver manager asks the trainer for a new version (seconds).
 WEIGHT_POLL_INTERVAL_S = 0.2

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 from realhf.api.cli_args import BaseExperimentConfig, ModelConfig
 from realhf.api.core.allocation import (
@@ -79,6 +79,30 @@ def data_path(path: str, default: str, what: str) -> str:
     if not os.path.isfile(path):
         raise ExperimentSetupError(f"{what}: dataset file '{path}' does not exist")
     return path
+
+
+#: (dataset class, file and its mtime/size, tokenizer, options) -> items of a file already
+#: checked: a build loads each dataset once to fail early, and tests, sweeps and the
+#: launcher build the same experiment many times over files that did not change.
+_CHECKED_LENGTHS: Dict[tuple, int] = {}
+
+
+def checked_len(dataset_cls, path: str, tokenizer, **kwargs) -> int:
+    """``len(dataset_cls(path, tokenizer, **kwargs))``: loading validates every row (a
+    ``DatasetError`` names the bad one); remembered while the file is unchanged."""
+    st = os.stat(path)
+    key = (
+        dataset_cls,
+        path,
+        st.st_mtime_ns,
+        st.st_size,
+        getattr(tokenizer, "name_or_path", None) or id(tokenizer),
+        len(tokenizer),
+        tuple(sorted(kwargs.items())),
+    )
+    if key not in _CHECKED_LENGTHS:
+        _CHECKED_LENGTHS[key] = len(dataset_cls(path, tokenizer, **kwargs))
+    return _CHECKED_LENGTHS[key]
 
 
 def allocation(cfg: BaseExperimentConfig, decoupled: Optional[bool] = None) -> AllocationMode:

@@ -39,11 +39,12 @@ from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.core.worker_api import EvalSpec
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.actor_interfaces import ActorConfig
+from realhf.experiments.algo_presets import ALGO_PRESETS, algo_preset
 from realhf.experiments.registry import register_quickstart_exp
 from realhf.impl.dataset.bad_rows import DEFAULT_MAX_FRACTION
 from realhf.impl.dataset.jsonl import DatasetError
 from realhf.impl.dataset.math_dataset import MathPromptDataset
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
 
 GEN_KEYS = (
     "packed_input_ids",
@@ -93,42 +94,6 @@ class MathDatasetConfig:
 
 #: answer budget of the embedded long-reasoning task (its longest worked answer is ~240 tokens)
 LONG_MAX_NEW_TOKENS = 256
-
-_NO_CRITIC = ("ppo.disable_value=true", "ppo.kl_ctl=0.0")
-#: ``algo=NAME``: the ``ppo.*`` options each algorithm sets (README, "Algorithms"), merged
-#: above the task's defaults and below the YAML file and the command line.  They keep the
-#: run's group size, batch, learning rate and answer budget, which the embedded task tunes.
-#: DAPO's overlong zone (4 of the tiny task's 16 answer tokens; its correct answers take ~6)
-#: and penalty (5 = the ±5 score scale) fit the tiny task; scale them with the budget.
-ALGO_PRESETS: dict[str, tuple[str, ...]] = {
-    "": (),
-    "grpo": ("ppo.adv_estimator=grpo", *_NO_CRITIC, "ppo.loss_agg_mode=seq-mean-token-mean"),
-    "drgrpo": ("ppo.adv_estimator=drgrpo", *_NO_CRITIC, "ppo.loss_agg_mode=constant"),
-    "dapo": (
-        "ppo.adv_estimator=grpo",
-        *_NO_CRITIC,
-        "ppo.eps_clip=0.2",
-        "ppo.eps_clip_high=0.28",
-        "ppo.loss_agg_mode=token-mean",
-        "ppo.overlong_penalty_len=4",
-        "ppo.overlong_penalty_factor=5.0",
-        # dynamic sampling: keep the groups with 0 < accuracy < 1, generate more to fill
-        "ppo.success_rate_lb=0.001",
-        "ppo.success_rate_ub=0.999",
-        "dynamic_sampling=true",
-    ),
-    "gspo": (
-        "ppo.adv_estimator=grpo",
-        *_NO_CRITIC,
-        "ppo.importance_level=sequence",
-        "ppo.loss_agg_mode=seq-mean-token-mean",
-        "ppo.eps_clip=3e-4",
-        "ppo.eps_clip_high=4e-4",
-    ),
-    "rloo": ("ppo.adv_estimator=rloo", *_NO_CRITIC),
-    "reinforce++": ("ppo.adv_estimator=reinforce++", *_NO_CRITIC),
-    "reinforce++-baseline": ("ppo.adv_estimator=reinforce++-baseline", *_NO_CRITIC),
-}
 
 
 def _tiny_ppo() -> PPOHyperparameters:
@@ -228,8 +193,7 @@ class PPOMathConfig(BaseExperimentConfig):
     def algo_overrides(cls, algo: str) -> list[str]:
         """``key=value`` options of algorithm preset ``algo`` (above the task's, below the
         user's own)."""
-        _check_algo(algo)
-        return list(ALGO_PRESETS[algo])
+        return algo_preset(algo).overrides()
 
     @classmethod
     def task_overrides(cls, task: str) -> list[str]:
@@ -248,7 +212,7 @@ class PPOMathConfig(BaseExperimentConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _check_algo(self.algo)
+        algo_preset(self.algo)  # an unknown name fails here, listing the known ones
         if self.train_batch_size < 1:
             raise ValueError(f"train_batch_size must be >= 1, got {self.train_batch_size}")
         if self.dynamic_sampling_max_rounds < 1:
@@ -271,12 +235,6 @@ class PPOMathConfig(BaseExperimentConfig):
                 "e.g. ppo.success_rate_lb=0.001 ppo.success_rate_ub=0.999 (drop the groups "
                 "whose answers all agree), or use algo=dapo"
             )
-
-
-def _check_algo(algo: str) -> None:
-    if algo not in ALGO_PRESETS:
-        valid = sorted(a for a in ALGO_PRESETS if a)
-        raise ValueError(f"algo={algo!r}: use one of {valid}, or empty for no preset")
 
 
 # Long on purpose: one block per MFC of the graph, each pruned by the options that need it,
@@ -385,7 +343,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
         )
         train_keys.append("proximal_logprobs")
     if not hp.disable_value:
-        critic = InterfaceAbstraction("ppo_critic", {"hparams": hp})
+        critic = InterfaceAbstraction("ppo_critic", {"hparams": hp, "rollout": hp.rollout})
         mfcs.append(
             MFCDef(
                 name="critic_inf",
@@ -467,9 +425,10 @@ def checked_math_data(cfg: PPOMathConfig, tokenizer) -> tuple:
         cfg.dataset.eval_path, blocks.task_data(cfg.task, "eval"), "dataset.eval_path"
     )
     try:
-        size = len(MathPromptDataset(train, tokenizer, max_prompt_len=cfg.dataset.max_prompt_len))
+        limit = cfg.dataset.max_prompt_len
+        size = blocks.checked_len(MathPromptDataset, train, tokenizer, max_prompt_len=limit)
         if cfg.eval:
-            MathPromptDataset(eval_, tokenizer, max_prompt_len=cfg.dataset.max_prompt_len)
+            blocks.checked_len(MathPromptDataset, eval_, tokenizer, max_prompt_len=limit)
     except DatasetError as e:
         raise blocks.ExperimentSetupError(str(e)) from None
     return train, eval_, size

@@ -12,10 +12,10 @@ class from the command line and launches the result.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-from typing import Callable, Dict, List
+from typing import Callable, List
 
 from realhf.api.core import system_api
+from realhf.api.core.registry import Registry, RegistryError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,39 +25,40 @@ class QuickstartExperiment:
     build: Callable  # (cfg) -> realhf.api.core.system_api.ExperimentConfig
     description: str = ""
 
+    def __call__(self, cfg):
+        return self.build(cfg)
 
-_REGISTRY: Dict[str, QuickstartExperiment] = {}
+    def registry_identity(self) -> str:
+        # Re-importing a module re-creates both: the same names are the same experiment.
+        return f"{self.config_cls.__module__}.{self.config_cls.__qualname__} + " + (
+            f"{self.build.__module__}.{self.build.__qualname__}"
+        )
+
+
+#: quickstart name -> its experiment (one of the project's registries: realhf.api.core.registry)
+QUICKSTART: Registry[QuickstartExperiment] = Registry("quickstart experiment")
 
 
 def register_quickstart_exp(
     name: str, config_cls: type, build: Callable, description: str = ""
 ) -> None:
     """Register a quickstart experiment (re-registering the same objects is a no-op)."""
-    old = _REGISTRY.get(name)
-    new = QuickstartExperiment(
-        name, config_cls, build, description or (config_cls.__doc__ or "").strip().split("\n")[0]
-    )
-    if old is not None and (old.config_cls is not config_cls or old.build is not build):
-        raise ValueError(
-            f"quickstart experiment '{name}' is already registered by {old.build.__module__}"
+    first_line = (config_cls.__doc__ or "").strip().split("\n")[0]
+    try:
+        QUICKSTART.register(
+            name, QuickstartExperiment(name, config_cls, build, description or first_line)
         )
-    _REGISTRY[name] = new
+    except RegistryError as e:
+        raise ValueError(f"quickstart experiment '{name}': {e}") from None
     # The controller and workers rebuild the run from the system registry with the
     # pickled config as the only argument.
-    if name not in system_api.registered_experiments():
-        system_api.register_experiment(name, build)
+    system_api.register_experiment(name, build)
 
 
 def get_quickstart_exp(name: str) -> QuickstartExperiment:
-    """The registered experiment `name`, or an error listing the known ones."""
-    if name not in _REGISTRY:
-        close = difflib.get_close_matches(name, list(_REGISTRY), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(
-            f"unknown quickstart experiment '{name}'{hint} (known: {', '.join(sorted(_REGISTRY))})"
-        )
-    return _REGISTRY[name]
+    """The registered experiment ``name``; a RegistryError lists the known ones otherwise."""
+    return QUICKSTART.get(name)
 
 
 def quickstart_experiments() -> List[str]:
-    return sorted(_REGISTRY)
+    return QUICKSTART.names()

@@ -80,9 +80,9 @@ def checked_pairs(
             ds.eval_path, blocks.task_data(cfg.task, "pairs_eval"), "dataset.eval_path"
         )
     try:
-        size = len(PairedDataset(train, tokenizer, max_length=ds.max_length))
+        size = blocks.checked_len(PairedDataset, train, tokenizer, max_length=ds.max_length)
         if eval_:
-            PairedDataset(eval_, tokenizer, max_length=ds.max_length)
+            blocks.checked_len(PairedDataset, eval_, tokenizer, max_length=ds.max_length)
     except DatasetError as e:
         raise blocks.ExperimentSetupError(str(e)) from None
     return train, eval_, size

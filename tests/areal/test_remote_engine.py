@@ -47,6 +47,7 @@ def _generate(engine, n):
     return asyncio.run(go())
 
 
+@pytest.mark.slow  # two servers, three generated groups (~10 s)
 def test_an_update_that_fails_on_one_server_leaves_the_others_serving_the_new_version(dirs):
     def failing_load(model, path):
         raise OSError(f"cannot read {path} (a test fault)")
@@ -110,6 +111,7 @@ def test_a_chunk_scheduled_during_an_update_waits_for_it_and_gets_the_new_weight
         stop_servers(srv)
 
 
+@pytest.mark.slow  # waits out a dead server's failed calls and health checks (~4-13 s)
 def test_a_server_that_dies_is_dropped_and_generation_goes_on(dirs):
     a, b = engine_server(dirs["v0"]), engine_server(dirs["v0"])
     engine = _engine([a, b], schedule_policy="round_robin")

@@ -129,3 +129,17 @@ def test_async_ppo_math_trains_with_the_plugin(tmp_path):
     rows = (tmp_path / "async-ppo-math" / "t" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in rows] == [1, 2]
     assert all("actor_train/reinforce/baseline" in json.loads(line) for line in rows)
+
+
+def test_the_example_takes_the_runs_temperature_and_group_size(reinforce):
+    from realhf.api.cli_parser import parse_config
+    from realhf.api.core.model_api import RolloutContext
+    from realhf.api.core.registry import make_interface
+    from realhf.experiments.ppo_math import PPOMathConfig, ppo_mfcs
+
+    args = ["actor.train_interface=reinforce_baseline", "ppo.gen.temperature=0.6"]
+    cfg = parse_config(PPOMathConfig, args + ["ppo.group_size=3"])
+    (train,) = [m for m in ppo_mfcs(cfg, MicroBatchSpec()) if m.name == "actor_train"]
+    algo = make_interface(train.interface_impl)
+    assert algo.rollout == RolloutContext(group_size=3, temperature=0.6)
+    assert algo.temperature == 0.6

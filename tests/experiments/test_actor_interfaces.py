@@ -5,7 +5,7 @@ import pytest
 
 from realhf.api.cli_parser import parse_config
 from realhf.api.core.data_api import MicroBatchSpec
-from realhf.api.core.model_api import ModelInterface
+from realhf.api.core.model_api import ModelInterface, RolloutContext
 from realhf.api.core.registry import register_interface
 from realhf.experiments.actor_interfaces import ActorConfig
 from realhf.experiments.async_ppo_math import AsyncPPOMathConfig
@@ -110,3 +110,9 @@ def test_async_trains_with_a_custom_interface_but_generates_in_its_servers():
         parse_config(AsyncPPOMathConfig, ["actor.gen_interface=tai_generator"])
     sync = parse_config(PPOMathConfig, ["actor.gen_interface=tai_generator"])
     assert _impls(sync)["actor_gen"].type_ == "tai_generator"
+
+
+def test_async_passes_the_group_size_shortcut_to_the_interfaces():
+    cfg = parse_config(AsyncPPOMathConfig, ["group_size=3", "ppo.gen.temperature=0.5"])
+    impls = _impls(cfg, include_gen=False)
+    assert impls["actor_train"].args["rollout"] == RolloutContext(group_size=3, temperature=0.5)

@@ -4,10 +4,14 @@ import os
 import shutil
 
 import pytest
+import torch
 from tiny_models import make_tiny_hf_model
 
 from realhf.api.cli_parser import parse_config
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.dfg import build_graph
+from realhf.api.core.model_api import GroupSizeError, ModelInterface, RolloutContext
+from realhf.api.core.registry import make_interface, register_interface
 from realhf.experiments import building_blocks as blocks
 from realhf.experiments.ppo_math import PPOMathConfig, build_ppo_math
 from realhf.experiments.rw import RWConfig, build_rw
@@ -30,6 +34,37 @@ def init_model(tmp_path_factory):
 
 def _mfc_names(exp):
     return sorted(m.name for m in exp.workers["master_worker"][0].mfcs)
+
+
+class Grouped(ModelInterface):
+    """Told the run's group size and temperature; refuses batches of other groups."""
+
+    def __init__(self, rollout: RolloutContext, scale: float = 1.0):
+        self.rollout, self.scale = rollout, scale
+
+    def train_step(self, model, data, mb_spec):
+        self.rollout.check_groups(data, "tb_grouped")
+        return {}
+
+
+class OwnGroupSize(ModelInterface):
+    """Takes the group size and temperature as options of its own (no ``rollout``)."""
+
+    def __init__(self, group_size: int = 8, temperature: float = 1.0):
+        self.group_size, self.temperature = group_size, temperature
+
+    def train_step(self, model, data, mb_spec):
+        return {}
+
+
+register_interface("tb_grouped", Grouped)
+register_interface("tb_own_group_size", OwnGroupSize)
+
+
+def _worker_interface(exp, mfc: str):
+    """The interface a model worker builds for ``mfc`` (as it does: from the abstraction)."""
+    (m,) = [m for m in exp.workers["model_worker"][0].mfcs if m.name == mfc]
+    return make_interface(m.interface_impl)
 
 
 def test_default_ppo_is_grpo_without_critic_or_ref(init_model):
@@ -251,6 +286,7 @@ def test_offload_is_for_models_that_do_not_train(init_model):
         )
 
 
+@pytest.mark.slow
 def test_rw_trains_with_the_lm_regulariser_by_default_and_refuses_what_cannot_serve_it(
     tmp_path,
 ):
@@ -275,3 +311,58 @@ def test_rw_trains_with_the_lm_regulariser_by_default_and_refuses_what_cannot_se
     with pytest.raises(blocks.ExperimentSetupError, match="not tied.*lm_coef=0"):
         build_rw(parse_config(RWConfig, [f"model.path={untied}"]))
     build_rw(parse_config(RWConfig, [f"model.path={untied}", "lm_coef=0"]))
+
+
+@pytest.mark.parametrize("exp_name", ["ppo-math", "async-ppo-math"])
+def test_a_custom_interface_receives_the_runs_group_size_and_temperature(init_model, exp_name):
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+
+    cls, build = {
+        "ppo-math": (PPOMathConfig, build_ppo_math),
+        "async-ppo-math": (AsyncPPOMathConfig, build_async_ppo_math),
+    }[exp_name]
+    args = [f"actor.path={init_model}", "actor.train_interface=tb_grouped"]
+    args += ["actor.train_interface_args.scale=2.0", "ppo.group_size=4", "ppo.gen.temperature=0.7"]
+    exp = build(parse_config(cls, args))
+    algo = _worker_interface(exp, "actor_train")
+    assert isinstance(algo, Grouped) and algo.scale == 2.0
+    assert algo.rollout == RolloutContext(group_size=4, temperature=0.7)
+    # A batch whose prompts hold another number of answers is refused, naming the counts.
+    data = SequenceSample.from_default(
+        ids=["p0", "p1"], seqlens=[[3] * 4, [3] * 3], data={"packed_input_ids": torch.arange(21)}
+    )
+    with pytest.raises(
+        GroupSizeError, match=r"tb_grouped expects group_size=4 .* item 'p1' holds 3 sequences"
+    ):
+        algo.train_step(None, data, MicroBatchSpec())
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["actor.train_interface_args.group_size=2"],
+            r"actor.train_interface='tb_own_group_size' \(actor.train_interface_args.group_size\) "
+            r"assumes group_size=2, but this run's group_size is 8; remove "
+            r"actor.train_interface_args.group_size or set ppo.group_size to 2",
+        ),
+        (
+            ["ppo.gen.temperature=0.7"],
+            r"\(its default temperature\) assumes temperature=1.0, but this run's temperature "
+            r"is 0.7; pass actor.train_interface_args.temperature=0.7 or set "
+            r"ppo.gen.temperature \(or ppo.temperature\) to 1.0, or declare a `rollout` parameter",
+        ),
+    ],
+)
+def test_an_interface_assuming_another_group_size_is_refused_at_build(init_model, args, needle):
+    base = [f"actor.path={init_model}", "actor.train_interface=tb_own_group_size"]
+    cfg = parse_config(PPOMathConfig, base + ["ppo.group_size=8", *args])
+    with pytest.raises(ValueError, match=needle):
+        build_ppo_math(cfg)
+    # The same values given again are accepted; the interface then gets no `rollout`.
+    agreed = [
+        "actor.train_interface_args.group_size=8",
+        "actor.train_interface_args.temperature=1.0",
+    ]
+    exp = build_ppo_math(parse_config(PPOMathConfig, base + ["ppo.group_size=8", *agreed]))
+    assert vars(_worker_interface(exp, "actor_train")) == {"group_size": 8, "temperature": 1.0}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from realhf.api.core.rollout_api import GenerationServerConfig
+from realhf.api.core.rollout_config import GenerationServerConfig
 from realhf.api.core.system_api import WorkerInformation
 from realhf.system.rollout.generation_server import GenerationServer
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 import quickstart_runs as qs
-from faults import inject
+from file_faults import inject
 
 from realhf.experiments.building_blocks import TINY_MODEL, TINY_TRAIN
 

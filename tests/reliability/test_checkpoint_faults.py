@@ -7,7 +7,7 @@
 * full disk: CheckpointWriteError "no space left ..." naming the checkpoint directory, the
   partial ``.tmp`` directory removed, the previous checkpoint usable; the run fails.
 
-Faults are injected by tests/helpers/faults.py on real checkpoints of a real (tiny) model,
+Faults are injected by tests/helpers/file_faults.py on real checkpoints of a real (tiny) model,
 and end to end on a quickstart run.
 """
 
@@ -19,7 +19,7 @@ import shutil
 
 import pytest
 import quickstart_runs as qs
-from faults import FaultUnavailable, inject
+from file_faults import FaultUnavailable, inject
 from tiny_models import TinyItems
 
 from realhf.api.cli_args import OptimizerConfig

@@ -23,12 +23,8 @@ import psutil
 import pytest
 
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
-from realhf.api.core.rollout_api import (
-    AllocateReply,
-    GenerationServerConfig,
-    GserverManagerConfig,
-    parse_message,
-)
+from realhf.api.core.rollout_api import AllocateReply, parse_message
+from realhf.api.core.rollout_config import GenerationServerConfig, GserverManagerConfig
 from realhf.base.net.http_server import RequestLimit, ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
@@ -97,6 +93,7 @@ def gen_server():
     app = create_app(engine, max_concurrent_requests=LIMIT)
     srv = ServerThread(app, name="gen-server").start(60)
     srv.limit = app.state.request_limit
+    srv.engine = engine
     yield srv
     srv.stop()
     engine.close()
@@ -146,7 +143,9 @@ def test_generation_server_admits_its_limit_and_refuses_the_rest_with_a_reason(g
 
     async def go():
         async with _session() as s:
-            assert (await _post(s, url + "/pause_generation", {}))[0] == 200
+            # Hold the engine itself: the HTTP /pause_generation would answer /generate at
+            # once (as aborted, the weight-update protocol's rule), not keep it in flight.
+            await asyncio.to_thread(gen_server.engine.pause)
             try:
                 tasks = [
                     asyncio.create_task(_post(s, url + "/generate", _generate_body(i, NEW_TOKENS)))
@@ -177,7 +176,7 @@ def test_generation_server_admits_its_limit_and_refuses_the_rest_with_a_reason(g
                     assert time.monotonic() < deadline, "admitted requests never reached the queue"
                     await asyncio.sleep(0.02)
             finally:
-                assert (await _post(s, url + "/continue_generation", {}))[0] == 200
+                await asyncio.to_thread(gen_server.engine.resume)
             answers = await asyncio.wait_for(asyncio.gather(*tasks), 120)
             served = [a for a in answers if a[0] == 200]
             assert len(served) == LIMIT

@@ -1,4 +1,4 @@
-"""Agents: how a rollout turns a prompt into trajectories by acting in an environment.
+"""Agents and the environments they act in: how a rollout turns a prompt into trajectories.
 
 A rollout worker runs one coroutine per prompt::
 
@@ -11,21 +11,60 @@ output (a ``GroupGeneration``, or a list in the same order) on ``act_queue``.  K
 model behind two queues lets one agent be tested without any server and lets the worker
 batch, pause and route requests freely.
 
-Implementations subclass :class:`Agent` and register a name with
-:func:`realhf.api.core.registry.register_agent`.
+The environment (e.g. a math verifier that grades an answer) is an asyncio service so that
+many rollouts share one instance without threads; a slow step (a sandboxed program, a remote
+verifier) does not block the others.
+
+Implementations subclass :class:`Agent` / :class:`EnvironmentService` and register a name with
+:func:`~realhf.api.core.registry.register_agent` / :func:`~realhf.api.core.registry.register_env`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Awaitable, Callable, List
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 if TYPE_CHECKING:
     from realhf.api.core.data_api import SequenceSample
-    from realhf.api.core.env_api import EnvironmentService
     from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 
-__all__ = ["Agent", "run_agent"]
+__all__ = ["StepResult", "EnvironmentService", "Agent", "run_agent"]
+
+
+class StepResult(NamedTuple):
+    """What :meth:`EnvironmentService.step` returns (gymnasium's order; unpacks as a 5-tuple).
+
+    Attributes:
+        obs: the next observation (None when the episode ended).
+        reward: the reward of the action just taken.
+        terminated: the episode reached a terminal state (e.g. the answer was graded).
+        truncated: the episode was cut short (time or length limit).
+        info: anything else worth logging.
+    """
+
+    obs: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: Dict[str, Any]
+
+
+class EnvironmentService:
+    """Base class of environments.  Both methods are coroutines.
+
+    ``reset`` starts an episode and returns ``(obs, info)``; ``step`` applies an action and
+    returns a :class:`StepResult` ``(obs, reward, terminated, truncated, info)``.
+    """
+
+    async def reset(
+        self, seed: Optional[int] = None, options: Optional[Dict[str, Any]] = None
+    ) -> Tuple[Any, Dict[str, Any]]:
+        """Start an episode; the default has no observation and no info."""
+        return None, {}
+
+    async def step(self, action: Any) -> StepResult:
+        """Apply ``action``; subclasses must implement it."""
+        raise NotImplementedError(f"environment {type(self).__name__} does not implement step()")
 
 
 class Agent:
@@ -34,7 +73,7 @@ class Agent:
     async def collect_trajectory(
         self,
         prompt: "SequenceSample",
-        env: "EnvironmentService",
+        env: EnvironmentService,
         obs_queue: asyncio.Queue,
         act_queue: asyncio.Queue,
     ) -> List["SequenceSample"]:
@@ -51,7 +90,7 @@ class Agent:
 async def run_agent(
     agent: Agent,
     prompt: "SequenceSample",
-    env: "EnvironmentService",
+    env: EnvironmentService,
     generate: Callable[["GenerateGroupRequest"], Awaitable["GroupGeneration"]],
 ) -> List["SequenceSample"]:
     """Run one ``collect_trajectory`` of ``agent``, answering every request it puts on its

@@ -18,16 +18,18 @@ A new algorithm is a ``ModelInterface`` subclass registered by name::
 
 and an experiment refers to it as ``InterfaceAbstraction("my_algo", {"beta": 0.2})`` in an
 MFC (see :mod:`realhf.api.core.dfg`).  Model workers call the method named by the MFC's
-interface type with the model, the MFC's input data and its micro-batch spec.
+interface type with the model, the MFC's input data and its micro-batch spec.  A constructor
+that declares a ``rollout`` parameter receives the run's :class:`RolloutContext` (group size
+and temperature) from the experiment instead of repeating them in its own options.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
 from realhf.api.core.dfg import ModelName
+from realhf.base.config_checks import Checks, is_int, is_num
 
 if TYPE_CHECKING:  # imported for annotations only
     import torch
@@ -35,15 +37,15 @@ if TYPE_CHECKING:  # imported for annotations only
     from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
     from realhf.api.core.gen_api import SamplingParams
 
-__all__ = ["GenerationHyperparameters", "FinetuneSpec", "StepInfo", "Model", "ModelInterface"]
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+__all__ = [
+    "GenerationHyperparameters",
+    "FinetuneSpec",
+    "StepInfo",
+    "Model",
+    "RolloutContext",
+    "GroupSizeError",
+    "ModelInterface",
+]
 
 
 @dataclasses.dataclass
@@ -74,28 +76,32 @@ class GenerationHyperparameters:
     stop_token_ids: List[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
-        def bad(name, fix):
-            return ValueError(f"GenerationHyperparameters.{name}={getattr(self, name)!r}: {fix}")
-
-        if not _is_int(self.n) or self.n < 1:
-            raise bad("n", "use an integer >= 1 (answers per prompt)")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "use an integer >= 1")
-        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise bad(
-                "min_new_tokens", f"use an integer in [0, max_new_tokens={self.max_new_tokens}]"
+        ck = Checks("GenerationHyperparameters")
+        if not is_int(self.n) or self.n < 1:
+            raise ck.bad("n", self.n, "use an integer >= 1 (answers per prompt)")
+        ck.integer(self, "max_new_tokens", 1)
+        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ck.bad(
+                "min_new_tokens",
+                self.min_new_tokens,
+                f"use an integer in [0, max_new_tokens={self.max_new_tokens}]",
             )
-        if not isinstance(self.greedy, bool):
-            raise bad("greedy", "use true or false")
-        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "use a number in (0, 1]")
-        if not _is_int(self.top_k) or self.top_k < 1:
-            raise bad("top_k", "use an integer >= 1 (a large value such as 1e8 keeps every token)")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "use a finite number >= 0 (0 means greedy)")
+        ck.bools(self, "greedy")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ck.bad("top_p", self.top_p, "use a number in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 1:
+            raise ck.bad(
+                "top_k",
+                self.top_k,
+                "use an integer >= 1 (a large value such as 1e8 keeps every token)",
+            )
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ck.bad(
+                "temperature", self.temperature, "use a finite number >= 0 (0 means greedy)"
+            )
         ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            raise bad("stop_token_ids", "use a list of token ids >= 0")
+        if not all(is_int(t) and t >= 0 for t in ids):
+            raise ck.bad("stop_token_ids", self.stop_token_ids, "use a list of token ids >= 0")
         self.stop_token_ids = ids
 
     @property
@@ -142,7 +148,7 @@ class FinetuneSpec:
     def __post_init__(self):
         for name in ("total_train_epochs", "dataset_size", "train_batch_size"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"FinetuneSpec.{name} must be an integer >= 1, got {v!r}")
 
     @property
@@ -170,7 +176,7 @@ class StepInfo:
     def __post_init__(self):
         for name in ("epoch", "epoch_step", "global_step"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 0:
+            if not is_int(v) or v < 0:
                 raise ValueError(f"StepInfo.{name} must be an integer >= 0, got {v!r}")
 
     def next(self, epoch_done: bool = False) -> "StepInfo":
@@ -217,6 +223,73 @@ class Model:
         self.version = self.version.next(epoch_done)
 
 
+class GroupSizeError(ValueError):
+    """Data whose answers per prompt differ from the run's ``group_size``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+    """What a grouped-rollout run (``ppo-math``, ``async-ppo-math``) tells its interfaces.
+
+    The experiment builds it once from its config (``ppo.group_size``, ``ppo.gen.temperature``)
+    and gives it as the keyword argument ``rollout`` to every actor interface whose
+    constructor declares a ``rollout`` parameter (and to the built-in ``ppo_actor`` and
+    ``ppo_critic``), so an algorithm never repeats these values in its own options.
+
+    Attributes:
+        group_size: answers generated per prompt; every input item is one prompt holding
+            exactly this many sequences, so the answers of one prompt are never split
+            across items, micro-batches or data-parallel ranks.
+        temperature: divide the logits by it when (re)computing log-probs, so that they
+            match the behaviour log-probs (``packed_logprobs``): the sampling temperature,
+            ``ppo.temperature`` when that overrides it, 1.0 for greedy decoding.
+    """
+
+    group_size: int
+    temperature: float
+
+    def __post_init__(self):
+        if not is_int(self.group_size) or self.group_size < 1:
+            raise ValueError(
+                f"RolloutContext.group_size={self.group_size!r}: use an integer >= 1 "
+                "(answers per prompt)"
+            )
+        if not is_num(self.temperature) or self.temperature <= 0:
+            raise ValueError(
+                f"RolloutContext.temperature={self.temperature!r}: use a finite number > 0 "
+                "(1.0 for greedy decoding)"
+            )
+
+    def check_groups(self, data: "SequenceSample", who: str, key: str = "packed_input_ids"):
+        """Fail unless every item of ``data`` holds ``group_size`` sequences of ``key``.
+
+        Raises:
+            GroupSizeError: naming ``who``, the first offending item, its count, the run's
+                ``group_size`` and how many items differ.
+        """
+        counts = [len(lens) for lens in data.seqlens[key]]
+        bad = [(i, c) for i, c in zip(data.ids, counts) if c != self.group_size]
+        if bad:
+            (item, count), n = bad[0], len(bad)
+            raise GroupSizeError(
+                f"{who} expects group_size={self.group_size} answers per prompt, but item "
+                f"{item!r} holds {count} sequences ({n} of {len(counts)} items differ); the "
+                "data and the run disagree about the group size: generate group_size answers "
+                "per prompt (ppo.group_size), and do not regroup the items"
+            )
+
+    def require(self, who: str, fix: str, **assumed: Any) -> None:
+        """Fail if values an interface assumes (``group_size=4``, ``temperature=0.7``)
+        differ from this run's; the message names both values and ends with ``fix``."""
+        for name, value in assumed.items():
+            mine = getattr(self, name)
+            same = float(value) == float(mine) if is_num(value) else value == mine
+            if not same:
+                raise ValueError(
+                    f"{who} assumes {name}={value!r}, but this run's {name} is {mine!r}; {fix}"
+                )
+
+
 class ModelInterface:
     """Base class of algorithms: what a model does for each kind of model function call.
 
@@ -230,6 +303,34 @@ class ModelInterface:
     ``uses_weights = False`` says the interface never reads the model's weights (a reward
     computed from the tokens alone): such an MFC needs no layout of its own in a per-MFC
     allocation, and no reallocation brings weights to it.
+
+    **The run's settings.** The model worker builds one instance per MFC as
+    ``cls(**args)``.  In ``ppo-math`` / ``async-ppo-math`` an actor interface whose
+    constructor declares ``rollout`` receives a :class:`RolloutContext`:
+    ``rollout.group_size`` (answers per prompt; each item of ``data`` is one prompt holding
+    that many sequences, checked by ``rollout.check_groups(data, who)``) and
+    ``rollout.temperature`` (divide logits by it when computing log-probs).  An option of the
+    interface's own named ``group_size`` or ``temperature`` must equal the run's: a
+    different value, given or as the constructor's default, fails when the experiment is
+    built, before any process starts.
+
+    **Micro-batches.** ``data.split(mb_spec)`` (which the engines call) packs whole items,
+    never cutting one, first-fit-decreasing by each item's token count (on the key with the
+    most tokens) into micro-batches of at most ``mb_spec.max_tokens_per_mb`` tokens, at
+    least ``mb_spec.n_mbs`` of them while there are that many items; the answers of one
+    prompt therefore stay in one micro-batch.  ``TrainEngine.train_batch`` splits with
+    ``synced_data_parallel_split``: every data-parallel rank runs the same number of
+    micro-batches (the largest any rank needs), so collectives issued per micro-batch stay
+    in step.  ``InferenceEngine.forward`` splits each rank on its own.
+
+    **Loss and its statistics.** ``train_batch(sample, mb_spec, loss_fn, loss_weight_fn)``
+    calls ``loss_fn(logits, mb) -> (loss, stats)`` once per micro-batch and weighs the
+    micro-batch by ``w = loss_weight_fn(mb)`` over ``W``, the sum of ``w`` over every
+    micro-batch of every data-parallel rank.  The gradient is that of ``sum w/W * loss``,
+    and the returned ``loss`` and each ``stats`` value are the same weighted sums, reduced
+    over the ranks: a micro-batch mean weighted by its token count gives the global token
+    mean.  ``n_tokens`` is ``W``; ``grad_norm``, ``lr`` and ``n_mbs`` come with them, equal on
+    every rank.
     """
 
     uses_weights: bool = True

@@ -9,6 +9,12 @@ changes.
 
 Unknown names raise :class:`RegistryError` listing the registered names and the closest match;
 arguments the class does not accept raise it too, naming the class and what it accepts.
+
+One registry story: everything that is added by name is a :class:`Registry` with these rules —
+interfaces, datasets, agents and environments (here), the experiments the workers rebuild
+(``realhf.api.core.system_api.EXPERIMENTS``) and the quickstart experiments of the command line
+(``realhf.experiments.registry.QUICKSTART``).  :mod:`realhf.apps.plugins` is not a registry: it
+is how a module of yours gets imported in every process of a run, so that it registers.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
-from typing import Any, Callable, Dict, Generic, List, TypeVar, Union
+from typing import Any, Callable, Dict, Generic, List, Optional, TypeVar, Union
 
 __all__ = [
     "RegistryError",
@@ -96,7 +102,7 @@ class AgentAbstraction(_Abstraction):
 
 
 class EnvAbstraction(_Abstraction):
-    """An :class:`~realhf.api.core.env_api.EnvironmentService` by registered name."""
+    """An :class:`~realhf.api.core.agent_api.EnvironmentService` by registered name."""
 
 
 T = TypeVar("T")
@@ -110,7 +116,7 @@ class Registry(Generic[T]):
     shadow each other.
     """
 
-    def __init__(self, kind: str, abstraction: type):
+    def __init__(self, kind: str, abstraction: Optional[type] = None):
         self.kind = kind
         self.abstraction = abstraction
         self._entries: Dict[str, Callable[..., T]] = {}
@@ -125,10 +131,10 @@ class Registry(Generic[T]):
         # Same qualified name counts as the same factory: re-importing a module
         # (importlib.reload, or a script that is also imported as a module)
         # re-creates its classes and registers them again.
-        if old is not None and old is not factory and _qualname(old) != _qualname(factory):
+        if old is not None and old is not factory and _identity(old) != _identity(factory):
             raise RegistryError(
-                f"{self.kind} {name!r} is already registered to {_qualname(old)}; "
-                f"cannot register {_qualname(factory)} under the same name"
+                f"{self.kind} {name!r} is already registered to {_identity(old)}; "
+                f"cannot register {_identity(factory)} under the same name"
             )
         self._entries[name] = factory
         return factory
@@ -187,6 +193,13 @@ class Registry(Generic[T]):
 
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+
+
+def _identity(entry: Any) -> str:
+    """What makes two registrations the same: an entry's own ``registry_identity()`` (an
+    object that bundles functions, e.g. a quickstart experiment), else its qualified name."""
+    own = getattr(entry, "registry_identity", None)
+    return own() if callable(own) else _qualname(entry)
 
 
 def _check_accepts(kind: str, name: str, factory: Callable, args: tuple, kwargs: Dict[str, Any]):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
+from realhf.api.core.registry import Registry
+
 __all__ = [
     "DEFAULT_CONFIGURE_ORDER",
     "WorkerInformation",
@@ -177,37 +179,28 @@ class ExperimentConfig:
         return self.scheduling.get(worker_type, Scheduling())
 
 
-_EXPERIMENTS: Dict[str, Callable[..., ExperimentConfig]] = {}
+#: experiment name -> ``factory(**kwargs) -> ExperimentConfig`` (what the controller and every
+#: worker rebuild a run from; a quickstart experiment registers its builder here too)
+EXPERIMENTS: Registry[ExperimentConfig] = Registry("experiment")
 
 
 def register_experiment(name: str, factory: Callable[..., ExperimentConfig]) -> None:
     """Register ``factory(**kwargs) -> ExperimentConfig`` under ``name``.
 
-    Registering the same factory twice is a no-op (modules may be imported
-    twice under pytest); a different factory under a taken name is an error.
+    Registering the same factory twice is a no-op (modules may be imported twice under
+    pytest); a different factory under a taken name is a ``RegistryError``.
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"experiment name must be a non-empty str, got {name!r}.")
-    if not callable(factory):
-        raise TypeError(f"experiment factory for {name!r} must be callable, got {factory!r}.")
-    old = _EXPERIMENTS.get(name)
-    if old is not None and getattr(old, "__qualname__", None) != getattr(
-        factory, "__qualname__", None
-    ):
-        raise ValueError(
-            f"experiment {name!r} is already registered (by {old!r}); pick another name."
-        )
-    _EXPERIMENTS[name] = factory
+    EXPERIMENTS.register(name, factory)
 
 
 def make_experiment(name: str, **kwargs) -> ExperimentConfig:
     """Build the experiment registered as ``name`` with ``kwargs``."""
-    if name not in _EXPERIMENTS:
+    if name not in EXPERIMENTS:
         raise ValueError(
             f"No experiment registered as {name!r}; registered: {registered_experiments()}. "
             "Import the module that registers it (realhf.apps.remote --import MODULE)."
         )
-    cfg = _EXPERIMENTS[name](**kwargs)
+    cfg = EXPERIMENTS.get(name)(**kwargs)
     if not isinstance(cfg, ExperimentConfig):
         raise TypeError(
             f"experiment factory {name!r} returned {type(cfg).__name__}, expected ExperimentConfig."
@@ -217,4 +210,4 @@ def make_experiment(name: str, **kwargs) -> ExperimentConfig:
 
 def registered_experiments() -> List[str]:
     """Names of all registered experiments, sorted."""
-    return sorted(_EXPERIMENTS)
+    return EXPERIMENTS.names()

@@ -24,6 +24,7 @@ from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
 from realhf.api.wandb_args import WandbConfig
+from realhf.base.config_checks import Checks
 
 __all__ = [
     "Placements",
@@ -34,19 +35,6 @@ __all__ = [
     "MasterWorkerConfig",
     "call_sizes",
 ]
-
-
-def _bad(cls: str, field: str, value, fix: str) -> ValueError:
-    return ValueError(f"{cls}.{field}={value!r}: {fix}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_pos_number(cls: str, field: str, v) -> None:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-        raise _bad(cls, field, v, "use a number of seconds > 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,52 +74,45 @@ class ModelSpec:
     offload: bool = False
 
     def __post_init__(self):
-        c = "ModelSpec"
+        ck = Checks("ModelSpec")
         if not isinstance(self.role, str) or not self.role or any(ch in self.role for ch in "/@ "):
-            raise _bad(
-                c,
+            raise ck.bad(
                 "role",
                 self.role,
                 "use a non-empty name without '/', '@' or spaces, e.g. 'actor'",
             )
         if not isinstance(self.path, str) or not self.path:
-            raise _bad(
-                c, "path", self.path, f"give the HuggingFace directory of role {self.role!r}"
-            )
+            raise ck.bad("path", self.path, f"give the HuggingFace directory of role {self.role!r}")
         if self.dtype not in DTYPES:
-            raise _bad(c, "dtype", self.dtype, f"use one of {DTYPES}")
-        for f in (
+            raise ck.bad("dtype", self.dtype, f"use one of {DTYPES}")
+        ck.bools(
+            self,
             "is_critic",
             "critic_lm_logits",
             "trainable",
             "gradient_checkpointing",
             "publish_weights",
             "offload",
-        ):
-            if not isinstance(getattr(self, f), bool):
-                raise _bad(c, f, getattr(self, f), "use true or false")
+        )
         if self.critic_lm_logits and not self.is_critic:
-            raise _bad(c, "critic_lm_logits", True, "it is for critics: set is_critic=True")
+            raise ck.bad("critic_lm_logits", True, "it is for critics: set is_critic=True")
         if self.offload and self.trainable:
-            raise _bad(
-                c,
+            raise ck.bad(
                 "offload",
                 True,
                 f"role {self.role!r} is trainable; its optimizer works on the device "
                 "every step, so offload only roles that are not trained (ref, reward)",
             )
         if self.optimizer is not None and not isinstance(self.optimizer, OptimizerConfig):
-            raise _bad(c, "optimizer", self.optimizer, "use an OptimizerConfig or None")
+            raise ck.bad("optimizer", self.optimizer, "use an OptimizerConfig or None")
         if not self.trainable and self.optimizer is not None:
-            raise _bad(
-                c,
+            raise ck.bad(
                 "optimizer",
                 self.optimizer,
                 f"role {self.role!r} is not trainable; set trainable=True or drop the optimizer",
             )
         if self.publish_weights and not self.trainable:
-            raise _bad(
-                c,
+            raise ck.bad(
                 "publish_weights",
                 True,
                 f"only a trainable role publishes weights; role {self.role!r} is not",
@@ -162,14 +143,13 @@ class EvalSpec:
         if isinstance(self.interface_impl, str):
             object.__setattr__(self, "interface_impl", InterfaceAbstraction(self.interface_impl))
         if not isinstance(self.interface_impl, InterfaceAbstraction):
-            raise _bad(
-                "EvalSpec",
+            raise Checks("EvalSpec").bad(
                 "interface_impl",
                 self.interface_impl,
                 "use an InterfaceAbstraction or a registered name",
             )
         if not isinstance(self.mb_spec, MicroBatchSpec):
-            raise _bad("EvalSpec", "mb_spec", self.mb_spec, "use a MicroBatchSpec")
+            raise Checks("EvalSpec").bad("mb_spec", self.mb_spec, "use a MicroBatchSpec")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,21 +180,19 @@ class TrajectoryStreamSpec:
     wait_timeout_s: float = 600.0
 
     def __post_init__(self):
-        c = "TrajectoryStreamSpec"
-        for f, lo in (("epoch_size", 1), ("batch_size", 1), ("max_head_offpolicyness", 0)):
-            v = getattr(self, f)
-            if not _is_int(v) or v < lo:
-                raise _bad(c, f, v, f"use an integer >= {lo}")
+        ck = Checks("TrajectoryStreamSpec")
+        ck.integer(self, "epoch_size", 1)
+        ck.integer(self, "batch_size", 1)
+        ck.integer(self, "max_head_offpolicyness", 0)
         if self.epoch_size % self.batch_size:
-            raise _bad(
-                c,
+            raise ck.bad(
                 "epoch_size",
                 self.epoch_size,
                 f"use a multiple of batch_size={self.batch_size} (every step takes a full batch)",
             )
         if not isinstance(self.stream_name, str) or not self.stream_name or "/" in self.stream_name:
-            raise _bad(c, "stream_name", self.stream_name, "use a non-empty name without '/'")
-        _check_pos_number(c, "wait_timeout_s", self.wait_timeout_s)
+            raise ck.bad("stream_name", self.stream_name, "use a non-empty name without '/'")
+        ck.seconds(self, "wait_timeout_s", finite=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +224,7 @@ class Placements:
             if not isinstance(d, dict) or not all(
                 isinstance(k, str) and isinstance(v, ParallelismConfig) for k, v in d.items()
             ):
-                raise _bad("Placements", f, d, "use a dict of name -> ParallelismConfig")
+                raise Checks("Placements").bad(f, d, "use a dict of name -> ParallelismConfig")
         object.__setattr__(self, "weightless", frozenset(self.weightless))
 
     def of_mfc(self, mfc: str, base: ParallelismConfig) -> ParallelismConfig:
@@ -287,19 +265,17 @@ class Placements:
             return str(base)
         return ",".join(f"{k}:{v}" for k, v in sorted(self.mfcs.items())) + f";base:{base}"
 
-    def check(self, cls: str, mfcs: Sequence[MFCDef], base: ParallelismConfig) -> None:
-        """Raise unless the layouts fit the workers of ``base`` and the graph ``mfcs``."""
+    def check(self, ck: Checks, mfcs: Sequence[MFCDef], base: ParallelismConfig) -> None:
+        """Raise (an error of ``ck``'s config) unless the layouts fit the workers of ``base``
+        and the graph ``mfcs``."""
         names = {m.name for m in mfcs}
         roles = {m.role for m in mfcs}
         for what, d, known in (("mfcs", self.mfcs, names), ("homes", self.homes, roles)):
             for k, layout in d.items():
                 if k not in known:
-                    raise _bad(
-                        cls, "placements", k, f"{what} names {k!r}, not one of {sorted(known)}"
-                    )
+                    raise ck.bad("placements", k, f"{what} names {k!r}, not one of {sorted(known)}")
                 if layout.world_size > base.world_size:
-                    raise _bad(
-                        cls,
+                    raise ck.bad(
                         "placements",
                         f"{k}:{layout}",
                         f"the layout needs {layout.world_size} model workers; there are "
@@ -307,8 +283,7 @@ class Placements:
                     )
         for m in mfcs:
             if m.is_train and self.on_replica(m, base):
-                raise _bad(
-                    cls,
+                raise ck.bad(
                     "placements",
                     m.name,
                     f"train_step MFC {m.name!r} runs on {self.of_mfc(m.name, base)}, not on "
@@ -317,15 +292,14 @@ class Placements:
                 )
 
 
-def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
+def _check_mfcs(ck: Checks, mfcs) -> Tuple[MFCDef, ...]:
     mfcs = tuple(mfcs)
     if not mfcs or not all(isinstance(m, MFCDef) for m in mfcs):
-        raise _bad(cls, "mfcs", mfcs, "give a non-empty list of MFCDef")
+        raise ck.bad("mfcs", mfcs, "give a non-empty list of MFCDef")
     build_graph(mfcs)  # raises DFGError naming a cycle / double producer
     for m in mfcs:
         if m.model_name.replica_id != 0:
-            raise _bad(
-                cls,
+            raise ck.bad(
                 "mfcs",
                 m.name,
                 f"MFC {m.name!r} uses replica {m.model_name.replica_id} of role {m.role!r}; "
@@ -333,8 +307,7 @@ def _check_mfcs(cls: str, mfcs) -> Tuple[MFCDef, ...]:
                 "of its own (per-MFC allocation_mode), not by a replica id",
             )
         if m.is_train and m.output_keys:
-            raise _bad(
-                cls,
+            raise ck.bad(
                 "mfcs",
                 m.name,
                 f"train_step MFC {m.name!r} lists output_keys {list(m.output_keys)}; "
@@ -389,90 +362,106 @@ class ModelWorkerConfig:
     placements: Placements = dataclasses.field(default_factory=Placements)
 
     def __post_init__(self):
-        c = "ModelWorkerConfig"
+        ck = Checks("ModelWorkerConfig")
+        self._check_layouts(ck)
+        self._check_stream(ck)
+        ck.integer(self, "seed", 0)
+        by_role = self._check_models(ck)
+        self._check_graph(ck, by_role)
+        self._check_evaluation(ck, by_role)
+        self._check_run_settings(ck)
+
+    def _check_layouts(self, ck: Checks) -> None:
+        """``layout`` and ``placements`` are of their types (fitted to the graph later)."""
         if self.layout is not None and not isinstance(self.layout, ParallelismConfig):
-            raise _bad(c, "layout", self.layout, "use a ParallelismConfig (dXpYmZ) or None")
+            raise ck.bad("layout", self.layout, "use a ParallelismConfig (dXpYmZ) or None")
         if not isinstance(self.placements, Placements):
-            raise _bad(c, "placements", self.placements, "use a Placements")
-        if self.stream is not None:
-            if not isinstance(self.stream, TrajectoryStreamSpec):
-                raise _bad(c, "stream", self.stream, "use a TrajectoryStreamSpec or None")
-            if self.dataset is not None:
-                raise _bad(
-                    c, "dataset", self.dataset, "give either a dataset or a stream, not both"
-                )
-            if self.dataset_batch_size < self.stream.batch_size:
-                raise _bad(
-                    c,
-                    "dataset_batch_size",
-                    self.dataset_batch_size,
-                    f"a stream step fetches {self.stream.batch_size} trajectories at once; "
-                    "use >= that",
-                )
-        if not _is_int(self.seed) or self.seed < 0:
-            raise _bad(c, "seed", self.seed, "use an integer >= 0")
+            raise ck.bad("placements", self.placements, "use a Placements")
+
+    def _check_stream(self, ck: Checks) -> None:
+        """A stream replaces the dataset, and one fetch holds a whole step of it."""
+        if self.stream is None:
+            return
+        if not isinstance(self.stream, TrajectoryStreamSpec):
+            raise ck.bad("stream", self.stream, "use a TrajectoryStreamSpec or None")
+        if self.dataset is not None:
+            raise ck.bad("dataset", self.dataset, "give either a dataset or a stream, not both")
+        if self.dataset_batch_size < self.stream.batch_size:
+            raise ck.bad(
+                "dataset_batch_size",
+                self.dataset_batch_size,
+                f"a stream step fetches {self.stream.batch_size} trajectories at once; use >= that",
+            )
+
+    def _check_models(self, ck: Checks) -> Dict[str, ModelSpec]:
+        """``models`` is a non-empty list of ModelSpec, one per role; returns them by role."""
         models = tuple(self.models)
         if not models or not all(isinstance(m, ModelSpec) for m in models):
-            raise _bad(c, "models", self.models, "give a non-empty list of ModelSpec")
+            raise ck.bad("models", self.models, "give a non-empty list of ModelSpec")
         roles = [m.role for m in models]
         dup = sorted({r for r in roles if roles.count(r) > 1})
         if dup:
-            raise _bad(c, "models", dup, "each role may appear once")
+            raise ck.bad("models", dup, "each role may appear once")
         # Frozen dataclass: normalise through object.__setattr__.  Tuples keep
         # the config immutable after the checks, even if the caller's lists
         # change later.
         object.__setattr__(self, "models", models)
-        mfcs = _check_mfcs(c, self.mfcs)
+        return {m.role: m for m in models}
+
+    def _check_graph(self, ck: Checks, by_role: Dict[str, ModelSpec]) -> None:
+        """``mfcs`` is a valid graph that fits the layouts, and every MFC runs on a hosted
+        role (a trainable one for a ``train_step``)."""
+        mfcs = _check_mfcs(ck, self.mfcs)
         object.__setattr__(self, "mfcs", mfcs)
         if self.layout is not None:
-            self.placements.check(c, mfcs, self.layout)
-        by_role = {m.role: m for m in models}
+            self.placements.check(ck, mfcs, self.layout)
+        roles = list(by_role)
         for m in mfcs:
             if m.role not in by_role:
-                raise _bad(
-                    c,
+                raise ck.bad(
                     "mfcs",
                     m.name,
                     f"MFC {m.name!r} runs on role {m.role!r}, which is not in models {roles}",
                 )
             if m.is_train and not by_role[m.role].trainable:
-                raise _bad(
-                    c,
+                raise ck.bad(
                     "models",
                     m.role,
                     f"MFC {m.name!r} trains role {m.role!r}; "
                     f"set ModelSpec(role={m.role!r}, trainable=True)",
                 )
+
+    def _check_evaluation(self, ck: Checks, by_role: Dict[str, ModelSpec]) -> None:
+        """The datasets are DatasetAbstractions, and ``evaluation`` evaluates a hosted role
+        on ``eval_dataset``."""
         for f in ("dataset", "eval_dataset"):
             v = getattr(self, f)
             if v is not None and not isinstance(v, DatasetAbstraction):
-                raise _bad(c, f, v, "use a DatasetAbstraction or None")
-        if self.evaluation is not None:
-            if not isinstance(self.evaluation, EvalSpec):
-                raise _bad(c, "evaluation", self.evaluation, "use an EvalSpec or None")
-            if self.evaluation.role not in by_role:
-                raise _bad(
-                    c, "evaluation", self.evaluation.role, f"evaluate a role in models {roles}"
-                )
-            if self.eval_dataset is None:
-                raise _bad(c, "eval_dataset", None, "evaluation needs an eval_dataset")
+                raise ck.bad(f, v, "use a DatasetAbstraction or None")
+        if self.evaluation is None:
+            return
+        if not isinstance(self.evaluation, EvalSpec):
+            raise ck.bad("evaluation", self.evaluation, "use an EvalSpec or None")
+        if self.evaluation.role not in by_role:
+            raise ck.bad(
+                "evaluation", self.evaluation.role, f"evaluate a role in models {list(by_role)}"
+            )
+        if self.eval_dataset is None:
+            raise ck.bad("eval_dataset", None, "evaluation needs an eval_dataset")
+
+    def _check_run_settings(self, ck: Checks) -> None:
+        """The plain settings: run length, tokenizer, fetch size, timeout, imports, threads."""
         if not isinstance(self.ft_spec, FinetuneSpec):
-            raise _bad(c, "ft_spec", self.ft_spec, "use a FinetuneSpec")
+            raise ck.bad("ft_spec", self.ft_spec, "use a FinetuneSpec")
         if not isinstance(self.tokenizer_path, str):
-            raise _bad(c, "tokenizer_path", self.tokenizer_path, "use a directory path or ''")
-        if not _is_int(self.dataset_batch_size) or self.dataset_batch_size < 1:
-            raise _bad(c, "dataset_batch_size", self.dataset_batch_size, "use an integer >= 1")
-        _check_pos_number(c, "timeout", self.timeout)
+            raise ck.bad("tokenizer_path", self.tokenizer_path, "use a directory path or ''")
+        ck.integer(self, "dataset_batch_size", 1)
+        ck.seconds(self, "timeout", finite=False)
         imports = tuple(self.imports)
         if not all(isinstance(x, str) and x for x in imports):
-            raise _bad(c, "imports", self.imports, "give module names as strings")
+            raise ck.bad("imports", self.imports, "give module names as strings")
         object.__setattr__(self, "imports", imports)
-        if self.torch_num_threads is not None and (
-            not _is_int(self.torch_num_threads) or self.torch_num_threads < 1
-        ):
-            raise _bad(
-                c, "torch_num_threads", self.torch_num_threads, "use an integer >= 1 or None"
-            )
+        ck.integer(self, "torch_num_threads", 1, allow_none=True)
 
     def model_spec(self, role: str) -> ModelSpec:
         """The :class:`ModelSpec` of ``role``."""
@@ -546,30 +535,26 @@ class MasterWorkerConfig:
     max_fill_rounds: int = 1
 
     def __post_init__(self):
-        c = "MasterWorkerConfig"
-        if not _is_int(self.seed) or self.seed < 0:
-            raise _bad(c, "seed", self.seed, "use an integer >= 0")
-        mfcs = _check_mfcs(c, self.mfcs)
+        ck = Checks("MasterWorkerConfig")
+        ck.integer(self, "seed", 0)
+        mfcs = _check_mfcs(ck, self.mfcs)
         object.__setattr__(self, "mfcs", mfcs)
         if not isinstance(self.exp_ctrl, ExperimentControlConfig):
-            raise _bad(c, "exp_ctrl", self.exp_ctrl, "use an ExperimentControlConfig")
+            raise ck.bad("exp_ctrl", self.exp_ctrl, "use an ExperimentControlConfig")
         for f in (
             "n_model_workers",
             "train_batch_size",
             "max_recover_checkpoints",
             "max_fill_rounds",
         ):
-            v = getattr(self, f)
-            if not _is_int(v) or v < 1:
-                raise _bad(c, f, v, "use an integer >= 1")
+            ck.integer(self, f, 1)
         layout = self.layout
         if layout is None:
             layout = ParallelismConfig(data=self.n_model_workers)
         if not isinstance(layout, ParallelismConfig):
-            raise _bad(c, "layout", layout, "use a ParallelismConfig (dXpYmZ) or None")
+            raise ck.bad("layout", layout, "use a ParallelismConfig (dXpYmZ) or None")
         if layout.world_size != self.n_model_workers:
-            raise _bad(
-                c,
+            raise ck.bad(
                 "layout",
                 str(layout),
                 f"the layout spans d·p·m = {layout.world_size} model workers but "
@@ -578,14 +563,13 @@ class MasterWorkerConfig:
             )
         object.__setattr__(self, "layout", layout)
         if not isinstance(self.placements, Placements):
-            raise _bad(c, "placements", self.placements, "use a Placements")
-        self.placements.check(c, mfcs, layout)
+            raise ck.bad("placements", self.placements, "use a Placements")
+        self.placements.check(ck, mfcs, layout)
         if not isinstance(self.ft_spec, FinetuneSpec):
-            raise _bad(c, "ft_spec", self.ft_spec, "use a FinetuneSpec")
+            raise ck.bad("ft_spec", self.ft_spec, "use a FinetuneSpec")
         for m in mfcs:
             if m.n_seqs > self.train_batch_size:
-                raise _bad(
-                    c,
+                raise ck.bad(
                     "train_batch_size",
                     self.train_batch_size,
                     f"MFC {m.name!r} takes n_seqs={m.n_seqs} items per call, "
@@ -593,26 +577,24 @@ class MasterWorkerConfig:
                     f"raise train_batch_size to >= {m.n_seqs} or lower n_seqs",
                 )
         self.check_call_sizes(self.ft_spec.dataset_size)
-        _check_pos_number(c, "timeout", self.timeout)
+        ck.seconds(self, "timeout", finite=False)
         if self.recover_mode not in RECOVER_MODES:
-            raise _bad(c, "recover_mode", self.recover_mode, f"use one of {RECOVER_MODES}")
+            raise ck.bad("recover_mode", self.recover_mode, f"use one of {RECOVER_MODES}")
         if self.recover_dir is not None and (
             not isinstance(self.recover_dir, str) or not self.recover_dir
         ):
-            raise _bad(c, "recover_dir", self.recover_dir, "use a directory path or None")
+            raise ck.bad("recover_dir", self.recover_dir, "use a directory path or None")
         keys = tuple(self.log_stats_keys)
         if not all(isinstance(k, str) and k for k in keys):
-            raise _bad(c, "log_stats_keys", self.log_stats_keys, "give non-empty strings")
+            raise ck.bad("log_stats_keys", self.log_stats_keys, "give non-empty strings")
         object.__setattr__(self, "log_stats_keys", keys)
-        for f in ("eval", "plot_curves"):
-            if not isinstance(getattr(self, f), bool):
-                raise _bad(c, f, getattr(self, f), "use true or false")
+        ck.bools(self, "eval", "plot_curves")
         if not isinstance(self.progress_interval, (int, float)) or self.progress_interval < 0:
-            raise _bad(c, "progress_interval", self.progress_interval, "use seconds >= 0")
+            raise ck.bad("progress_interval", self.progress_interval, "use seconds >= 0")
         if not isinstance(self.wandb, WandbConfig):
-            raise _bad(c, "wandb", self.wandb, "use a WandbConfig")
+            raise ck.bad("wandb", self.wandb, "use a WandbConfig")
         if self.run_config is not None and not isinstance(self.run_config, dict):
-            raise _bad(c, "run_config", self.run_config, "use a dict or None")
+            raise ck.bad("run_config", self.run_config, "use a dict or None")
 
     def check_call_sizes(self, dataset_size: int) -> None:
         """Raise if some MFC call would get fewer items than there are data-parallel replicas.

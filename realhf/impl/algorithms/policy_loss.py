@@ -15,49 +15,81 @@ the behaviour policy μ in classic PPO, the recomputed proximal policy in decoup
                                                    uses min(w, cap) (TIS)
     l_t   = pg_t + kl_loss_coef · k(π, π_ref) - entropy_coef · H_t
 
-and the micro-batch's loss aggregates ``l`` by :data:`LOSS_AGG_MODES`
-(:func:`aggregation_weights`). Each mode is a ratio ``loss_sum / denom`` whose denominator
-is additive over micro-batches and ranks — valid tokens for ``token-mean``, valid sequences
-(times the constant) for the others — so the train engine, weighting each micro-batch's loss
-by that count (:func:`loss_agg_count`), reproduces the loss of the whole global batch.
+and the micro-batch's loss aggregates ``l`` by ``loss_agg_mode``, one
+:class:`Aggregation` of :data:`AGGREGATIONS`. Each mode is a ratio ``loss_sum / denom``
+whose denominator is additive over micro-batches and ranks — valid tokens for
+``token-mean``, valid sequences (times the constant) for the others — so the train engine,
+weighting each micro-batch's loss by that count (:meth:`Aggregation.count`), reproduces the
+loss of the whole global batch. The two importance levels are the two entries of
+:data:`IMPORTANCE_RATIOS`.
+
+To add a loss aggregation: a member of :class:`LossAggMode` and its :class:`Aggregation`
+entry in :data:`AGGREGATIONS`, here, and a case in ``tests/impl/algorithms/
+test_policy_loss.py`` (every mode there is checked exact over micro-batches). The config,
+its ``--help`` and the engine's micro-batch weight pick it up from the registry.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
+from realhf.impl.algorithms.choices import Choice
 from realhf.impl.model.utils.functional import masked_mean
 
 __all__ = [
-    "LOSS_AGG_MODES",
-    "IMPORTANCE_LEVELS",
-    "BEHAV_IMP_WEIGHT_MODES",
-    "KL_ESTIMATORS",
+    "LossAggMode",
+    "Aggregation",
+    "AGGREGATIONS",
+    "ImportanceLevel",
+    "ImportanceRatio",
+    "IMPORTANCE_RATIOS",
+    "BehavWeightMode",
+    "KLEstimator",
     "LossShape",
     "PolicyLossTerms",
     "clipped_surrogate",
     "behaviour_weight",
     "kl_penalty",
     "sequence_index",
-    "aggregation_weights",
-    "loss_agg_count",
     "actor_loss_terms",
     "actor_loss_from_terms",
     "actor_loss_fn",
 ]
 
-#: how token losses become one number: mean over tokens; mean over answers of each answer's
-#: token mean; mean over answers of each answer's token sum; token sum / (constant · answers)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant")
-#: the importance ratio per token (PPO) or one per answer (GSPO)
-IMPORTANCE_LEVELS = ("token", "sequence")
-#: what the decoupled loss does with behaviour weights beyond the cap: drop the token, or cap w
-BEHAV_IMP_WEIGHT_MODES = ("mask", "truncate")
-#: estimators of KL(π || π_ref) from one sample, with Δ = log π_ref - log π
-KL_ESTIMATORS = ("k1", "k2", "k3")
+
+class LossAggMode(Choice):
+    """The values of ``loss_agg_mode`` (see :data:`AGGREGATIONS`)."""
+
+    TOKEN_MEAN = "token-mean"
+    SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+    SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
+    CONSTANT = "constant"
+
+
+class ImportanceLevel(Choice):
+    """The values of ``importance_level`` (see :data:`IMPORTANCE_RATIOS`)."""
+
+    TOKEN = "token"
+    SEQUENCE = "sequence"
+
+
+class BehavWeightMode(Choice):
+    """What the decoupled loss does with behaviour weights beyond the cap: drop the token
+    (``mask``), or cap w (``truncate``)."""
+
+    MASK = "mask"
+    TRUNCATE = "truncate"
+
+
+class KLEstimator(Choice):
+    """Estimators of KL(π || π_ref) from one sample (see :func:`kl_penalty`)."""
+
+    K1 = "k1"
+    K2 = "k2"
+    K3 = "k3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +98,11 @@ class LossShape:
 
     Attributes:
         eps_clip_high: upper clip ``1 + eps_clip_high`` (clip-higher); None = eps_clip.
-        importance_level: one of :data:`IMPORTANCE_LEVELS`.
-        loss_agg_mode: one of :data:`LOSS_AGG_MODES`.
+        importance_level: an :class:`ImportanceLevel` (or its value).
+        loss_agg_mode: a :class:`LossAggMode` (or its value).
         loss_agg_constant: the constant of ``loss_agg_mode="constant"`` (e.g. the longest
             answer).
-        behav_imp_weight_mode: one of :data:`BEHAV_IMP_WEIGHT_MODES`.
+        behav_imp_weight_mode: a :class:`BehavWeightMode` (or its value).
         behav_imp_weight_floor: ``mask`` mode: tokens with behaviour weight below it are
             dropped too.
         kl_loss_coef, kl_estimator: the KL-to-reference loss term (0: none).
@@ -78,24 +110,23 @@ class LossShape:
     """
 
     eps_clip_high: Optional[float] = None
-    importance_level: str = "token"
-    loss_agg_mode: str = "token-mean"
+    importance_level: ImportanceLevel = ImportanceLevel.TOKEN
+    loss_agg_mode: LossAggMode = LossAggMode.TOKEN_MEAN
     loss_agg_constant: float = 1.0
-    behav_imp_weight_mode: str = "mask"
+    behav_imp_weight_mode: BehavWeightMode = BehavWeightMode.MASK
     behav_imp_weight_floor: Optional[float] = None
     kl_loss_coef: float = 0.0
-    kl_estimator: str = "k3"
+    kl_estimator: KLEstimator = KLEstimator.K3
     entropy_coef: float = 0.0
 
     def __post_init__(self):
-        for name, allowed in (
-            ("importance_level", IMPORTANCE_LEVELS),
-            ("loss_agg_mode", LOSS_AGG_MODES),
-            ("behav_imp_weight_mode", BEHAV_IMP_WEIGHT_MODES),
-            ("kl_estimator", KL_ESTIMATORS),
+        for name, choice in (
+            ("importance_level", ImportanceLevel),
+            ("loss_agg_mode", LossAggMode),
+            ("behav_imp_weight_mode", BehavWeightMode),
+            ("kl_estimator", KLEstimator),
         ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: use one of {allowed}")
+            object.__setattr__(self, name, choice.parse(getattr(self, name), name))
         if self.eps_clip_high is not None and not self.eps_clip_high > 0:
             raise ValueError(f"eps_clip_high must be > 0 or None, got {self.eps_clip_high}")
         if not self.loss_agg_constant > 0:
@@ -107,9 +138,19 @@ class LossShape:
             )
 
     @property
+    def aggregation(self) -> "Aggregation":
+        """How the token losses become the micro-batch's loss."""
+        return AGGREGATIONS[self.loss_agg_mode]
+
+    @property
+    def importance(self) -> "ImportanceRatio":
+        """Where the importance ratio is taken (per token or per answer)."""
+        return IMPORTANCE_RATIOS[self.importance_level]
+
+    @property
     def per_sequence(self) -> bool:
         """Whether the loss needs the sequence boundaries."""
-        return self.importance_level == "sequence" or self.loss_agg_mode != "token-mean"
+        return self.importance.per_sequence or self.aggregation.per_answer
 
 
 class PolicyLossTerms(NamedTuple):
@@ -190,7 +231,7 @@ def behaviour_weight(
         mask: [T'] bool, valid tokens (others get w = 1: their log-probs may be garbage).
         cap: ``mode="mask"``: tokens with ``w > cap`` are dropped; ``mode="truncate"``:
             ``w = min(w, cap)`` (truncated importance sampling). None: no cap.
-        mode: one of :data:`BEHAV_IMP_WEIGHT_MODES`.
+        mode: a :class:`BehavWeightMode` (or its value).
         floor: ``mode="mask"`` only: tokens with ``w < floor`` are dropped too (the weight
             must lie in [floor, cap]).
 
@@ -198,14 +239,13 @@ def behaviour_weight(
         ``(w, dropped)``, both [T']: the (possibly capped) weights and a bool mask of the
         dropped tokens.
     """
-    if mode not in BEHAV_IMP_WEIGHT_MODES:
-        raise ValueError(f"behav_imp_weight_mode={mode!r}: use one of {BEHAV_IMP_WEIGHT_MODES}")
-    if mode == "truncate" and (cap is None or floor is not None):
+    mode = BehavWeightMode.parse(mode, "behav_imp_weight_mode")
+    if mode is BehavWeightMode.TRUNCATE and (cap is None or floor is not None):
         raise ValueError("behav_imp_weight_mode='truncate' needs a cap and takes no floor")
     log_w = proximal_logprobs - old_logprobs.detach().float()
     w = torch.exp(torch.where(mask, log_w, torch.zeros_like(log_w)))
     dropped = torch.zeros_like(mask)
-    if mode == "truncate":
+    if mode is BehavWeightMode.TRUNCATE:
         return w.clamp(max=cap), dropped
     if cap is not None:
         dropped = dropped | (mask & (w > cap))
@@ -224,14 +264,15 @@ def kl_penalty(
     garbage token cannot overflow it). [T'] in, [T'] out, float32, differentiable in
     ``logprobs``.
     """
-    delta = ref_logprobs.detach().float() - logprobs.float()
-    if estimator == "k1":
-        return -delta
-    if estimator == "k2":
-        return 0.5 * delta * delta
-    if estimator == "k3":
-        return torch.exp(delta.clamp(-20.0, 20.0)) - delta - 1.0
-    raise ValueError(f"kl_estimator={estimator!r}: use one of {KL_ESTIMATORS}")
+    fn = _KL[KLEstimator.parse(estimator, "kl_estimator")]
+    return fn(ref_logprobs.detach().float() - logprobs.float())
+
+
+_KL: Dict[KLEstimator, Callable[[torch.Tensor], torch.Tensor]] = {
+    KLEstimator.K1: lambda d: -d,
+    KLEstimator.K2: lambda d: 0.5 * d * d,
+    KLEstimator.K3: lambda d: torch.exp(d.clamp(-20.0, 20.0)) - d - 1.0,
+}
 
 
 def sequence_index(short1cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -247,52 +288,134 @@ def _per_sequence_counts(mask: torch.Tensor, short1cu_seqlens: torch.Tensor) -> 
     return torch.zeros(n_seq, device=mask.device).index_add(0, seq, mask.float())
 
 
-def loss_agg_count(
-    mask: torch.Tensor, short1cu_seqlens: Optional[torch.Tensor], mode: str
-) -> torch.Tensor:
-    """How much one micro-batch weighs in the global loss under ``mode``: its valid tokens
-    (``token-mean``) or its sequences with at least one valid token (the others). [] float."""
-    mask = mask.bool()
-    if mode == "token-mean":
-        return mask.sum().float()
-    if short1cu_seqlens is None:
-        raise ValueError(f"loss_agg_mode={mode!r} needs short1cu_seqlens (sequence boundaries)")
-    return (_per_sequence_counts(mask, short1cu_seqlens) > 0).sum().float()
+@dataclasses.dataclass(frozen=True)
+class Aggregation:
+    """How one ``loss_agg_mode`` turns the token losses of a micro-batch into its loss
+    ``sum(weights * l over valid tokens) / denom``.
 
-
-def aggregation_weights(
-    mask: torch.Tensor,
-    short1cu_seqlens: Optional[torch.Tensor],
-    mode: str,
-    constant: float = 1.0,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per-token weights and the denominator that turn token losses into the micro-batch's
-    loss ``sum(weights * l over valid tokens) / denom``.
-
-    Args:
-        mask: [T'] bool, valid tokens.
-        short1cu_seqlens: [B+1] offsets (needed by every mode but ``token-mean``).
-        mode: one of :data:`LOSS_AGG_MODES`.
-        constant: the constant of ``mode="constant"``.
-
-    Returns:
-        ``(weights [T'] float32, denom [] float32)``: weight 1 and the valid-token count for
-        ``token-mean``; weight ``1/n_i`` (n_i: answer i's valid tokens) and the count of
-        answers with n_i > 0 for ``seq-mean-token-mean``; weight 1 and that count (times
-        ``constant`` for ``constant``) otherwise.
+    Attributes:
+        mode: its ``loss_agg_mode`` value.
+        summary: what it computes, one line (``--help``).
+        per_answer: the denominator counts answers with a valid token (otherwise: valid
+            tokens). The engine weighs each micro-batch by that count, so it must add up
+            over micro-batches and ranks.
+        answer_token_mean: each token weighs ``1 / n_i`` (n_i: its answer's valid tokens).
+        scaled: the denominator is multiplied by ``loss_agg_constant``.
     """
-    if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg_mode={mode!r}: use one of {LOSS_AGG_MODES}")
-    count = loss_agg_count(mask, short1cu_seqlens, mode)
-    ones = torch.ones(mask.shape, dtype=torch.float32, device=mask.device)
-    if mode == "token-mean":
-        return ones, count
-    if mode == "seq-mean-token-mean":
-        n_i = _per_sequence_counts(mask.bool(), short1cu_seqlens).clamp(min=1.0)
-        return 1.0 / n_i[sequence_index(short1cu_seqlens)], count
-    if mode == "constant":
-        return ones, count * float(constant)
-    return ones, count
+
+    mode: LossAggMode
+    summary: str
+    per_answer: bool
+    answer_token_mean: bool = False
+    scaled: bool = False
+
+    def count(self, mask: torch.Tensor, short1cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+        """How much one micro-batch weighs in the global loss: its valid tokens, or its
+        sequences with at least one valid token (``per_answer``). [] float.
+
+        Args:
+            mask: [T'] valid tokens.
+            short1cu_seqlens: [B+1] offsets (``per_answer`` modes only; None otherwise).
+        """
+        mask = mask.bool()
+        if not self.per_answer:
+            return mask.sum().float()
+        if short1cu_seqlens is None:
+            raise ValueError(
+                f"loss_agg_mode={self.mode!r} needs short1cu_seqlens (sequence boundaries)"
+            )
+        return (_per_sequence_counts(mask, short1cu_seqlens) > 0).sum().float()
+
+    def weights(
+        self, mask: torch.Tensor, short1cu_seqlens: Optional[torch.Tensor], constant: float = 1.0
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(weights [T'] float32, denom [] float32)`` of the micro-batch (arguments as
+        :meth:`count`; ``constant`` for ``scaled`` modes)."""
+        count = self.count(mask, short1cu_seqlens)
+        if self.scaled:
+            count = count * float(constant)
+        if self.answer_token_mean:
+            n_i = _per_sequence_counts(mask.bool(), short1cu_seqlens).clamp(min=1.0)
+            return 1.0 / n_i[sequence_index(short1cu_seqlens)], count
+        return torch.ones(mask.shape, dtype=torch.float32, device=mask.device), count
+
+
+#: every loss aggregation, by mode
+AGGREGATIONS: Dict[LossAggMode, Aggregation] = {
+    a.mode: a
+    for a in (
+        Aggregation(
+            LossAggMode.TOKEN_MEAN,
+            "every valid token of the global batch weighs the same",
+            per_answer=False,
+        ),
+        Aggregation(
+            LossAggMode.SEQ_MEAN_TOKEN_MEAN,
+            "mean over answers of each answer's token mean",
+            per_answer=True,
+            answer_token_mean=True,
+        ),
+        Aggregation(
+            LossAggMode.SEQ_MEAN_TOKEN_SUM,
+            "mean over answers of each answer's token sum",
+            per_answer=True,
+        ),
+        Aggregation(
+            LossAggMode.CONSTANT,
+            "token sum / (loss_agg_constant x answers), Dr. GRPO",
+            per_answer=True,
+            scaled=True,
+        ),
+    )
+}
+
+
+#: ``(log_ratio [T'], adv [T'], mask [T'], short1cu_seqlens [B+1] or None, eps_clip, c_clip,
+#: eps_clip_high) -> (pg, clipped, dual_clipped, stats)``: the per-token loss and masks
+Surrogate = Callable[..., Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]]
+
+
+def _token_surrogate(log_ratio, adv, mask, short1cu_seqlens, eps_clip, c_clip, eps_clip_high):
+    pg, clipped, dual = clipped_surrogate(
+        torch.exp(log_ratio), adv, eps_clip, c_clip, eps_clip_high
+    )
+    return pg, clipped, dual, {}
+
+
+def _sequence_surrogate(log_ratio, adv, mask, short1cu_seqlens, eps_clip, c_clip, eps_clip_high):
+    # GSPO: one ratio per answer, the geometric mean of its token ratios, and the answer's
+    # mean advantage; each valid token carries its answer's loss.
+    seq = sequence_index(short1cu_seqlens)
+    n_seq = short1cu_seqlens.numel() - 1
+    seq_log_ratio, n_tok = _segment_mean(log_ratio, mask, seq, n_seq)
+    seq_adv, _ = _segment_mean(adv, mask, seq, n_seq)
+    pg_s, clip_s, dual_s = clipped_surrogate(
+        torch.exp(seq_log_ratio), seq_adv, eps_clip, c_clip, eps_clip_high
+    )
+    stats = {"seq_clip_ratio": masked_mean(clip_s.float(), n_tok > 0)}
+    return pg_s[seq], clip_s[seq], dual_s[seq], stats
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportanceRatio:
+    """Where one ``importance_level`` takes the importance ratio.
+
+    Attributes:
+        level: its ``importance_level`` value.
+        per_sequence: it needs the sequence boundaries.
+        surrogate: the clipped objective per token, see :data:`Surrogate`.
+    """
+
+    level: ImportanceLevel
+    per_sequence: bool
+    surrogate: Surrogate
+
+
+#: both importance levels: per token (PPO) or per answer (GSPO)
+IMPORTANCE_RATIOS: Dict[ImportanceLevel, ImportanceRatio] = {
+    ImportanceLevel.TOKEN: ImportanceRatio(ImportanceLevel.TOKEN, False, _token_surrogate),
+    ImportanceLevel.SEQUENCE: ImportanceRatio(ImportanceLevel.SEQUENCE, True, _sequence_surrogate),
+}
 
 
 def _segment_mean(x: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, n_seq: int):
@@ -404,30 +527,17 @@ def actor_loss_terms(
             shape.behav_imp_weight_floor,
         )
         mask = mask & ~dropped
-        if shape.behav_imp_weight_mode == "truncate":
+        if shape.behav_imp_weight_mode is BehavWeightMode.TRUNCATE:
             stats["behave_truncated_ratio"] = masked_mean(
                 (behav_w >= behav_imp_weight_cap).float(), mask
             )
 
     # Masked tokens may hold garbage (e.g. prompt positions): keep them out of exp().
     log_ratio = torch.where(mask, logprobs.float() - prox, torch.zeros_like(prox))
-    ratio = torch.exp(log_ratio)
-    if shape.importance_level == "token":
-        pg, clipped, dual_clipped = clipped_surrogate(
-            ratio, adv, eps_clip, c_clip, shape.eps_clip_high
-        )
-    else:
-        # GSPO: one ratio per answer, the geometric mean of its token ratios, and the
-        # answer's mean advantage; each valid token carries its answer's loss.
-        seq = sequence_index(short1cu_seqlens)
-        n_seq = short1cu_seqlens.numel() - 1
-        seq_log_ratio, n_tok = _segment_mean(log_ratio, mask, seq, n_seq)
-        seq_adv, _ = _segment_mean(adv, mask, seq, n_seq)
-        pg_s, clip_s, dual_s = clipped_surrogate(
-            torch.exp(seq_log_ratio), seq_adv, eps_clip, c_clip, shape.eps_clip_high
-        )
-        pg, clipped, dual_clipped = pg_s[seq], clip_s[seq], dual_s[seq]
-        stats["seq_clip_ratio"] = masked_mean(clip_s.float(), n_tok > 0)
+    pg, clipped, dual_clipped, ratio_stats = shape.importance.surrogate(
+        log_ratio, adv, mask, short1cu_seqlens, eps_clip, c_clip, shape.eps_clip_high
+    )
+    stats.update(ratio_stats)
     per_token = pg * behav_w
 
     if shape.kl_loss_coef > 0:
@@ -440,11 +550,10 @@ def actor_loss_terms(
         per_token = per_token - shape.entropy_coef * ent
         stats["entropy"] = masked_mean(ent.detach(), mask)
 
-    weights, denom = aggregation_weights(
-        mask, short1cu_seqlens, shape.loss_agg_mode, shape.loss_agg_constant
-    )
+    weights, denom = shape.aggregation.weights(mask, short1cu_seqlens, shape.loss_agg_constant)
     n_valid = mask.sum()
     with torch.no_grad():
+        ratio = torch.exp(log_ratio)
         ratio_sum = torch.where(mask, ratio, torch.zeros_like(ratio)).sum()
     stats = {
         "approx_kl": masked_mean(log_ratio.detach(), mask),

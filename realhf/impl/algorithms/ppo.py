@@ -23,7 +23,7 @@ Pieces, in the order a PPO step uses them:
 Nothing here runs a collective. Where a statistic must be global over data-parallel ranks
 (advantage mean/std, the value normaliser's moments, the early-stop importance ratio), the
 function takes or returns plain sums and the interface all-reduces them in between
-(:mod:`realhf.impl.model.interface.ppo_interface`, ``ppo_data``, ``critic_interface``).
+(:mod:`realhf.impl.model.interface.ppo.ppo_interface`, ``ppo_data``, ``critic_interface``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from realhf.api.core.env_api import EnvironmentService, StepResult
+from realhf.api.core.agent_api import EnvironmentService, StepResult
 from realhf.api.core.registry import register_env
 
 __all__ = ["MathCodeAction", "MathCodeSingleStepEnv"]

@@ -22,7 +22,7 @@ import dataclasses
 import re
 from typing import Optional
 
-from realhf.api.core.env_api import StepResult
+from realhf.api.core.agent_api import StepResult
 from realhf.api.core.registry import register_env
 from realhf.impl.environment.math_code_single_step import MathCodeAction, MathCodeSingleStepEnv
 

@@ -40,7 +40,7 @@ from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec, StepInfo
 from realhf.api.core.worker_api import MasterWorkerConfig
-from realhf.base import constants, faults, name_resolve, names
+from realhf.base import constants, name_resolve, names, worker_faults
 from realhf.base.storage import recover
 from realhf.base.storage.atomic_file import write_atomic
 from realhf.base.timeutil import FrequencyControl
@@ -393,7 +393,7 @@ class MasterWorker(AsyncWorker):
             await self.runner.call(
                 Handle.CHECKPOINT, [CheckpointRequest(tmp, self.step)] * self.n, wait_all=True
             )
-            hold = faults.faults_of(self.worker_name).get("slow_checkpoint")
+            hold = worker_faults.faults_of(self.worker_name).get("slow_checkpoint")
             if hold:  # reliability tests strike while a checkpoint is being written
                 await asyncio.sleep(hold)
             recover.commit(

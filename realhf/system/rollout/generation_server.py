@@ -24,8 +24,8 @@ import importlib.util
 import time
 from typing import TYPE_CHECKING, List, Optional
 
-from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
-from realhf.base import constants, faults, name_resolve, names
+from realhf.api.core.rollout_config import GenerationBackend, GenerationServerConfig
+from realhf.base import constants, name_resolve, names, worker_faults
 from realhf.base.gcutil import freeze_startup_objects
 from realhf.base.net import network
 from realhf.base.net.http_server import ServerThread
@@ -138,7 +138,9 @@ class GenerationServer(Worker):
     def _serve(self, app, host: str, config: GenerationServerConfig) -> str:
         """Serve ``app`` (our servers' protocol) on ``host:config.port``; its URL."""
         # Reliability tests inject faults into this server's answers ($REALHF_FAULTS).
-        app = faults.wrap_asgi(app, faults.faults_of(self.worker_name), self.worker_name)
+        app = worker_faults.wrap_asgi(
+            app, worker_faults.faults_of(self.worker_name), self.worker_name
+        )
         self.http = ServerThread(app, host=host, port=config.port).start(
             timeout=config.health_timeout_s
         )

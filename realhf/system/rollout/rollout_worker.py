@@ -48,12 +48,8 @@ from typing import Dict, List, Optional
 
 from realhf.api.core import registry
 from realhf.api.core.agent_api import run_agent
-from realhf.api.core.rollout_api import (
-    MAX_ALLOCATE_COUNT,
-    FinishStatus,
-    RolloutWorkerConfig,
-    Trajectory,
-)
+from realhf.api.core.rollout_api import MAX_ALLOCATE_COUNT, FinishStatus, Trajectory
+from realhf.api.core.rollout_config import RolloutWorkerConfig
 from realhf.base import name_resolve, names, seeding
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.system.rollout.manager.client import ManagerClient, ManagerUnavailable

@@ -60,7 +60,7 @@ from realhf.api.core.gen_api import (
     SamplingParams,
     parse_generate_body,
 )
-from realhf.api.core.rollout_api import GenerationServerConfig
+from realhf.api.core.rollout_config import GenerationServerConfig
 from realhf.base import logging
 from realhf.base.net import network
 from realhf.base.net.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S

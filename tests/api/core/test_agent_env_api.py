@@ -4,8 +4,7 @@ import asyncio
 
 import pytest
 
-from realhf.api.core.agent_api import Agent
-from realhf.api.core.env_api import EnvironmentService, StepResult
+from realhf.api.core.agent_api import Agent, EnvironmentService, StepResult
 from realhf.api.core.registry import (
     AgentAbstraction,
     EnvAbstraction,

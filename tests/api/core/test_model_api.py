@@ -1,5 +1,7 @@
 """Model API: generation settings, run length, step info, model handle, interface base class."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,8 +11,10 @@ from realhf.api.core.gen_api import SamplingParams
 from realhf.api.core.model_api import (
     FinetuneSpec,
     GenerationHyperparameters,
+    GroupSizeError,
     Model,
     ModelInterface,
+    RolloutContext,
     StepInfo,
 )
 from realhf.api.core.registry import InterfaceAbstraction, make_interface, register_interface
@@ -124,3 +128,42 @@ def test_interface_subclass_registered_and_called():
             getattr(ModelInterface(), method)(model, data, MicroBatchSpec())
     with pytest.raises(NotImplementedError, match="save"):
         ModelInterface().save(model, "/tmp/x")
+
+
+def test_rollout_context_is_validated_and_frozen():
+    with pytest.raises(ValueError, match="RolloutContext.group_size=0"):
+        RolloutContext(group_size=0, temperature=1.0)
+    with pytest.raises(ValueError, match=r"RolloutContext.temperature=0.0: .*1.0 for greedy"):
+        RolloutContext(group_size=2, temperature=0.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RolloutContext(2, 1.0).group_size = 3
+
+
+def test_rollout_context_refuses_items_with_another_answer_count():
+    ctx = RolloutContext(group_size=2, temperature=0.7)
+
+    def sample(seqlens):
+        n = sum(map(sum, seqlens))
+        ids = [f"q{i}" for i in range(len(seqlens))]
+        return SequenceSample.from_default(
+            ids=ids, seqlens=seqlens, data={"packed_input_ids": torch.arange(n)}
+        )
+
+    ctx.check_groups(sample([[3, 2], [4, 1]]), "my_algo")
+    with pytest.raises(
+        GroupSizeError,
+        match=r"my_algo expects group_size=2 answers per prompt, but item 'q1' holds 3 "
+        r"sequences \(2 of 3 items differ\)",
+    ):
+        ctx.check_groups(sample([[3, 2], [4, 1, 2], [5]]), "my_algo")
+
+
+def test_rollout_context_require_names_both_values_and_the_fix():
+    ctx = RolloutContext(group_size=4, temperature=0.7)
+    ctx.require("my_algo", "fix", group_size=4, temperature=0.7)
+    with pytest.raises(
+        ValueError, match=r"my_algo assumes group_size=2, but this run's group_size is 4; fix"
+    ):
+        ctx.require("my_algo", "fix", group_size=2)
+    with pytest.raises(ValueError, match=r"assumes temperature=1.0, but this run's .* 0.7"):
+        ctx.require("my_algo", "fix", temperature=1.0)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from faults import small_filesystem
+from file_faults import small_filesystem
 from safetensors.torch import save_file
 
 from realhf.base.storage.disk import free_bytes, no_space_reason

@@ -220,7 +220,7 @@ def test_a_damaged_state_file_names_itself_on_load(tmp_path):
 
 
 def test_a_full_disk_fails_the_write_and_keeps_the_previous_checkpoint(tmp_path):
-    from faults import small_filesystem
+    from file_faults import small_filesystem
 
     root = tmp_path / "recover"
     with small_filesystem(root, 1 << 20):

@@ -46,7 +46,7 @@ def _aggregate(per_tok, mask, s1, mode, const=1.0):
     return sum(sum(per_tok[t] for t in s) for s in seqs) / (const * len(seqs))
 
 
-@pytest.mark.parametrize("mode", P.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", list(P.LossAggMode))
 def test_clip_higher_and_every_aggregation_mode(mode):
     lp, old, adv, mask, s1, _, _ = _case()
     shape = P.LossShape(eps_clip_high=0.28, loss_agg_mode=mode, loss_agg_constant=7.0)
@@ -66,8 +66,8 @@ def test_clip_higher_clips_only_above_at_its_own_bound():
     assert pg.tolist() == pytest.approx([0.8, 1.25, 1.35])  # A < 0: the low side clips at 0.8
 
 
-@pytest.mark.parametrize("mode", P.LOSS_AGG_MODES)
-def test_micro_batches_weighted_by_loss_agg_count_give_the_whole_batch_loss(mode):
+@pytest.mark.parametrize("mode", list(P.LossAggMode))
+def test_micro_batches_weighted_by_their_aggregation_count_give_the_whole_batch_loss(mode):
     # The engine's rule: sum over micro-batches of loss_mb * w_mb / sum(w).
     lp, old, adv, mask, s1, _, _ = _case(seed=1, lens=(3, 5, 2, 4, 6, 2))
     shape = P.LossShape(loss_agg_mode=mode, loss_agg_constant=5.0)
@@ -81,7 +81,7 @@ def test_micro_batches_weighted_by_loss_agg_count_give_the_whole_batch_loss(mode
             lp[idx], old[idx], adv[idx], 0.2, mask[idx], shape=shape, short1cu_seqlens=s1_mb
         )
         parts.append(loss.item())
-        weights.append(float(P.loss_agg_count(mask[idx], s1_mb, mode)))
+        weights.append(float(P.AGGREGATIONS[mode].count(mask[idx], s1_mb)))
     combined = sum(p * w for p, w in zip(parts, weights)) / sum(weights)
     assert combined == pytest.approx(whole.item(), **TOL)
 
@@ -144,7 +144,7 @@ def test_behaviour_weight_mask_with_floor_and_truncation(mode, cap, floor):
         P.behaviour_weight(prox, mu, mask, None, "truncate")
 
 
-@pytest.mark.parametrize("est", P.KL_ESTIMATORS)
+@pytest.mark.parametrize("est", list(P.KLEstimator))
 def test_kl_loss_and_entropy_terms(est):
     lp, old, adv, mask, s1, ref, ent = _case(seed=4)
     shape = P.LossShape(
@@ -183,3 +183,17 @@ def test_missing_inputs_and_bad_options_are_named():
         P.LossShape(loss_agg_mode="x")
     with pytest.raises(ValueError, match="behav_imp_weight_floor needs proximal"):
         P.actor_loss_fn(lp, old, adv, 0.2, mask, shape=P.LossShape(behav_imp_weight_floor=0.5))
+
+
+def test_every_choice_has_its_registered_behaviour_and_parses_from_its_string():
+    assert list(P.AGGREGATIONS) == list(P.LossAggMode)
+    assert list(P.IMPORTANCE_RATIOS) == list(P.ImportanceLevel)
+    for mode, agg in P.AGGREGATIONS.items():
+        assert agg.mode is mode and agg.summary
+    shape = P.LossShape(importance_level="sequence", loss_agg_mode="constant", kl_estimator="k1")
+    assert shape.importance_level is P.ImportanceLevel.SEQUENCE
+    assert shape.aggregation is P.AGGREGATIONS[P.LossAggMode.CONSTANT]
+    assert shape.loss_agg_mode == "constant" and repr(shape.loss_agg_mode) == "'constant'"
+    assert shape.per_sequence and not P.LossShape().per_sequence
+    with pytest.raises(ValueError, match=r"kl_estimator='k4': use one of \['k1', 'k2', 'k3'\]"):
+        P.LossShape(kl_estimator="k4")

@@ -247,8 +247,8 @@ _DIST_CHILD = """
 import json, sys, torch, torch.distributed as dist
 from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import all_reduce_sum
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.interface.ppo_interface import policy_loss
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_interface import policy_loss
 from realhf.impl.model.utils.functional import masked_moments
 rank, init_file = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

@@ -495,7 +495,7 @@ def test_config_rejects_a_layout_that_does_not_span_the_workers():
 def test_a_full_disk_at_a_checkpoint_fails_the_run_and_keeps_the_last_one(
     tmp_path, run_env, monkeypatch
 ):
-    from faults import small_filesystem
+    from file_faults import small_filesystem
 
     from realhf.system.worker.base import read_error
 

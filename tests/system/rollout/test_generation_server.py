@@ -9,7 +9,7 @@ import requests
 from gen_server_worker import start_generation_server
 from tiny_models import make_tiny_hf_model
 
-from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
+from realhf.api.core.rollout_config import GenerationBackend, GenerationServerConfig
 from realhf.base import name_resolve, names
 from realhf.system.rollout.generation_server import resolve_backend
 from realhf.system.worker.base import WorkerStatus, read_error, read_status

@@ -18,12 +18,8 @@ import requests
 from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
-from realhf.api.core.rollout_api import (
-    TRAJECTORY_KEYS,
-    GserverManagerConfig,
-    RolloutWorkerConfig,
-    Trajectory,
-)
+from realhf.api.core.rollout_api import TRAJECTORY_KEYS, Trajectory
+from realhf.api.core.rollout_config import GserverManagerConfig, RolloutWorkerConfig
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
 from realhf.base.net.http_server import ServerThread

@@ -23,7 +23,7 @@ import torch
 from gen_server_worker import start_generation_server
 
 from realhf.api.core.allocation import parse_allocation_mode
-from realhf.api.core.rollout_api import GenerationBackend, GenerationServerConfig
+from realhf.api.core.rollout_config import GenerationBackend, GenerationServerConfig
 from realhf.base import name_resolve, names
 from realhf.base.net import network
 from realhf.base.net.http_server import ServerThread

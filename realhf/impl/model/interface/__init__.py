@@ -4,8 +4,8 @@
 name            class                                            methods
 ==============  ===============================================  =============================
 ``sft``         :class:`~.sft_interface.SFTInterface`            train_step, evaluate
-``ppo_actor``   :class:`~.ppo_interface.PPOActorInterface`       generate, inference, train_step
-``ppo_critic``  :class:`~.critic_interface.PPOCriticInterface`   inference, train_step
+``ppo_actor``   :class:`~.ppo.ppo_interface.PPOActorInterface`   generate, inference, train_step
+``ppo_critic``  :class:`~.ppo.critic_interface.PPOCriticInterface` inference, train_step
 ``math_reward`` :class:`~.math_reward_interface.MathRewardInterface` (alias ``rw-math``)  inference
 ``math_eval``   :class:`~.math_eval_interface.MathEvalInterface`  evaluate
 ``rw``          :class:`~.rw_interface.RewardModelInterface`     train_step, evaluate, inference
@@ -21,12 +21,12 @@ the process stats tracker's export reduced over the engine's data-parallel group
 interface of your own (README, "Writing your own algorithm").
 """
 
-from realhf.impl.model.interface.critic_interface import PPOCriticInterface
 from realhf.impl.model.interface.dpo_interface import DPOInterface
 from realhf.impl.model.interface.math_eval_interface import MathEvalInterface
 from realhf.impl.model.interface.math_reward_interface import MathRewardInterface
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.interface.ppo_interface import PPOActorInterface
+from realhf.impl.model.interface.ppo.critic_interface import PPOCriticInterface
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_interface import PPOActorInterface
 from realhf.impl.model.interface.rw_interface import RewardModelInterface
 from realhf.impl.model.interface.sft_interface import SFTInterface
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, Optional, Protocol, Sequence, TypeVar
 
-from realhf.api.core.rollout_api import SchedulePolicy, ScheduleRequest
+from realhf.api.core.rollout_api import ScheduleRequest
+from realhf.api.core.rollout_config import SchedulePolicy
 
 __all__ = ["NoServerAvailable", "choose_server", "route", "parse_metrics", "load_from_metrics"]
 

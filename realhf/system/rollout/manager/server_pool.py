@@ -32,7 +32,8 @@ from typing import Callable, Dict, List, Optional
 
 import aiohttp
 
-from realhf.api.core.rollout_api import GserverManagerConfig, SchedulePolicy, ScheduleRequest
+from realhf.api.core.rollout_api import ScheduleRequest
+from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
 from realhf.base import logging
 from realhf.impl.model.gen.weight_update import ServerGone, WeightUpdateError, update_server
 from realhf.system.rollout.manager.routing import (

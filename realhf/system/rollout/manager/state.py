@@ -38,13 +38,13 @@ from realhf.api.core.rollout_api import (
     FinishReply,
     FinishRequest,
     FinishStatus,
-    GserverManagerConfig,
     HeartbeatReply,
     HeartbeatRequest,
     ScheduleReply,
     ScheduleRequest,
     ServerFailureReport,
 )
+from realhf.api.core.rollout_config import GserverManagerConfig
 from realhf.base import logging
 from realhf.system.rollout.manager.server_pool import ServerPool, ServerState
 from realhf.system.rollout.staleness import StalenessController, TrainerProgress

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Optional
 
-from realhf.api.core.rollout_api import GserverManagerConfig
+from realhf.api.core.rollout_config import GserverManagerConfig
 from realhf.base import constants, name_resolve, names
 from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.system.rollout.manager.service import ManagerService

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from realhf.api.core.rollout_api import SchedulePolicy, ScheduleRequest
+from realhf.api.core.rollout_api import ScheduleRequest
+from realhf.api.core.rollout_config import SchedulePolicy
 from realhf.system.rollout.manager.routing import (
     NoServerAvailable,
     choose_server,

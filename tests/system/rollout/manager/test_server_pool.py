@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from realhf.api.core.rollout_api import GserverManagerConfig, ScheduleRequest
+from realhf.api.core.rollout_api import ScheduleRequest
+from realhf.api.core.rollout_config import GserverManagerConfig
 from realhf.base.net.http_server import ServerThread
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app

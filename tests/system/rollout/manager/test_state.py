@@ -27,11 +27,10 @@ from realhf.api.core.rollout_api import (
     FinishRequest,
     FinishStatus,
     GenerateGroupRequest,
-    GserverManagerConfig,
     HeartbeatRequest,
-    SchedulePolicy,
     ScheduleRequest,
 )
+from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
 from realhf.base.net import network
 from realhf.impl.model.gen.weight_update import WeightUpdateError
 from realhf.system.rollout.manager import server_pool

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.model_api import GroupSizeError
 from realhf.impl.algorithms import advantages as A
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.interface.ppo_data import prepare_ppo_batch, required_keys
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_data import prepare_ppo_batch, required_keys
 
 G = 3
 # (prompt length, answer length) of each answer; two prompts of three answers
@@ -82,7 +83,7 @@ def _group_ref(scores, est):
     return out
 
 
-@pytest.mark.parametrize("est", A.GROUP_ESTIMATORS)
+@pytest.mark.parametrize("est", [n for n, e in A.ESTIMATORS.items() if e.group_fn])
 def test_group_estimators_broadcast_one_advantage_per_answer(est):
     hp = _hp(adv_estimator=est)
     data = _batch()
@@ -214,3 +215,14 @@ def test_a_reward_models_scores_add_to_the_verifiers_rewards():
     expect = _group_ref([r + float(x) for r, x in zip(REWARDS, rm)], "drgrpo")
     for adv, e in zip(_per_answer(got, with_rm), expect):
         assert adv == pytest.approx([e] * len(adv), rel=1e-6, abs=1e-6)
+
+
+def test_items_with_another_answer_count_than_group_size_are_refused():
+    # _batch() holds two prompts of G=3 answers; an estimator told group_size=2 would
+    # otherwise compare answers of different prompts.
+    with pytest.raises(
+        GroupSizeError,
+        match=r"adv_estimator=grpo expects group_size=2 answers per prompt, but item 'q0' "
+        r"holds 3 sequences \(2 of 2 items differ\)",
+    ):
+        prepare_ppo_batch(_hp(adv_estimator="grpo", group_size=2), _batch(), 0.0)

@@ -3,7 +3,7 @@
 - ``inference(model, data, mb_spec)``: ``packed_input_ids`` → ``values`` (L per sequence,
   float32), denormalised when ``value_norm`` is on, so the actor's GAE sees raw values.
 - ``train_step(model, data, mb_spec)``: the same rewards and GAE returns as the actor
-  (:func:`~realhf.impl.model.interface.ppo_data.prepare_ppo_batch`; the input keys include
+  (:func:`~realhf.impl.model.interface.ppo.ppo_data.prepare_ppo_batch`; the input keys include
   ``values`` from this critic's inference), then ``ppo_n_minibatches`` optimizer steps on
   ``mean_valid max(½(V − R)², ½(V_old + clip(V − V_old, ±value_eps_clip) − R)²)``. With
   ``value_norm`` the critic learns returns normalised by an EMA of their mean/std
@@ -14,12 +14,12 @@ The model is a ReaLModel built with ``is_critic=True`` (one value per token).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
-from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.model_api import Model, ModelInterface, RolloutContext
 from realhf.api.core.registry import register_interface
 from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import (
@@ -28,9 +28,9 @@ from realhf.impl.model.interface.helpers import (
     export_stats,
     require_keys,
 )
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
-from realhf.impl.model.interface.ppo_interface import make_kl_controller, run_minibatches
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_data import prepare_ppo_batch
+from realhf.impl.model.interface.ppo.ppo_interface import make_kl_controller, run_minibatches
 from realhf.impl.model.utils.functional import masked_mean, masked_moments, shift_one_indices
 
 __all__ = ["PPOCriticInterface"]
@@ -46,10 +46,16 @@ class PPOCriticInterface(ModelInterface):
     Args:
         hparams: a :class:`PPOHyperparameters` or a dict of its fields; or the fields as
             keyword arguments. Use the actor's settings so both compute the same returns.
+        rollout: the run's group size and temperature, as for ``ppo_actor``.
     """
 
-    def __init__(self, hparams: Union[PPOHyperparameters, Dict[str, Any], None] = None, **fields):
-        self.hp = PPOHyperparameters.coerce(hparams, fields)
+    def __init__(
+        self,
+        hparams: Union[PPOHyperparameters, Dict[str, Any], None] = None,
+        rollout: Optional[RolloutContext] = None,
+        **fields,
+    ):
+        self.hp = PPOHyperparameters.coerce(hparams, fields, rollout, "ppo_critic")
         if self.hp.disable_value:
             raise ValueError(
                 "ppo_critic was built with disable_value=True; with no value function drop the "

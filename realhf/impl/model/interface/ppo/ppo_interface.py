@@ -11,7 +11,7 @@ whose ``module`` is a backend engine wrapping the actor's ReaLModel):
   ``output_key_remap``: ``{"logprobs": "packed_ref_logprobs"}`` on the reference model,
   ``{"logprobs": "proximal_logprobs"}`` for the trainer's recompute.
 - ``train_step(model, data, mb_spec)``: rewards, GAE and advantages
-  (:func:`~realhf.impl.model.interface.ppo_data.prepare_ppo_batch`, which documents the
+  (:func:`~realhf.impl.model.interface.ppo.ppo_data.prepare_ppo_batch`, which documents the
   input keys), then ``ppo_n_minibatches`` optimizer steps (× ``sample_reuse``) over the
   shuffled sequences, each one ``TrainEngine.train_batch`` with the PPO loss. Returns the
   step's statistics (reduced over data-parallel ranks) and advances ``model.version`` by
@@ -27,15 +27,14 @@ import torch
 
 import realhf.impl.model.interface.toolkit as tk
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
-from realhf.api.core.model_api import Model, ModelInterface
+from realhf.api.core.model_api import Model, ModelInterface, RolloutContext
 from realhf.api.core.registry import register_interface
 from realhf.base import logging, stats_tracker
 from realhf.impl.algorithms import ppo as F
-from realhf.impl.algorithms.policy_loss import loss_agg_count
 from realhf.impl.model.interface.helpers import all_reduce_min, network_of, stable_seed
 from realhf.impl.model.interface.offline_generation import generate_offline
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
-from realhf.impl.model.interface.ppo_data import prepare_ppo_batch
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_data import prepare_ppo_batch
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
 logger = logging.getLogger("ppo_actor")
@@ -150,22 +149,18 @@ def policy_loss(
     return F.actor_loss_from_terms(terms, totals, hp.early_stop_imp_ratio)
 
 
-def _loss_weight(mb: SequenceSample) -> int:
-    return int(mb.data["ppo_loss_mask"].count_nonzero())
-
-
 def loss_weight_fn(hp: PPOHyperparameters):
     """The engine's micro-batch weight for ``hp.loss_agg_mode``: the denominator of the
-    micro-batch's loss without its constant (valid tokens for ``token-mean``, answers with
-    a valid token otherwise), so that weighting by it gives the global batch's loss."""
-    if hp.loss_agg_mode == "token-mean":
-        return _loss_weight
+    micro-batch's loss without its constant (:meth:`~realhf.impl.algorithms.policy_loss.
+    Aggregation.count`: valid tokens, or answers with a valid token), so that weighting by
+    it gives the global batch's loss."""
+    aggregation = hp.loss_shape.aggregation
 
-    def n_answers(mb: SequenceSample) -> float:
+    def weight(mb: SequenceSample) -> float:
         s1 = tk.short1cu_seqlens(mb.cu_seqlens("packed_input_ids"))
-        return float(loss_agg_count(mb.data["ppo_loss_mask"], s1, hp.loss_agg_mode))
+        return float(aggregation.count(mb.data["ppo_loss_mask"], s1))
 
-    return n_answers
+    return weight
 
 
 def shifted_entropy(
@@ -190,10 +185,18 @@ class PPOActorInterface(ModelInterface):
     Args:
         hparams: a :class:`PPOHyperparameters` or a dict of its fields; or pass the fields
             as keyword arguments (``PPOActorInterface(eps_clip=0.1, group_size=4)``).
+        rollout: the run's group size and temperature (the experiment passes
+            ``hparams.rollout``); options that disagree with it are refused, and keyword
+            options without ``group_size`` take it from here.
     """
 
-    def __init__(self, hparams: Union[PPOHyperparameters, Dict[str, Any], None] = None, **fields):
-        self.hp = PPOHyperparameters.coerce(hparams, fields)
+    def __init__(
+        self,
+        hparams: Union[PPOHyperparameters, Dict[str, Any], None] = None,
+        rollout: Optional[RolloutContext] = None,
+        **fields,
+    ):
+        self.hp = PPOHyperparameters.coerce(hparams, fields, rollout, "ppo_actor")
         self.kl_ctl = make_kl_controller(self.hp)
 
     # ------------------------------------------------------------------ generate

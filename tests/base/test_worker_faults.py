@@ -8,7 +8,7 @@ import fastapi
 import pytest
 import requests
 
-from realhf.base import faults
+from realhf.base import worker_faults
 from realhf.base.net.http_server import ServerThread
 
 
@@ -17,14 +17,17 @@ def test_parse_and_lookup(monkeypatch):
         "generation_server/0:slow_generate=0.5, generation_server/0:drop_generate=3,"
         "x/1:fail_update=2"
     )
-    assert faults.parse(spec) == {
+    assert worker_faults.parse(spec) == {
         "generation_server/0": {"slow_generate": 0.5, "drop_generate": 3.0},
         "x/1": {"fail_update": 2.0},
     }
-    monkeypatch.setenv(faults.ENV, spec)
-    assert faults.faults_of("x/1") == {"fail_update": 2.0} and faults.faults_of("x/0") == {}
-    monkeypatch.delenv(faults.ENV)
-    assert faults.faults_of("x/1") == {}
+    monkeypatch.setenv(worker_faults.ENV, spec)
+    assert (
+        worker_faults.faults_of("x/1") == {"fail_update": 2.0}
+        and worker_faults.faults_of("x/0") == {}
+    )
+    monkeypatch.delenv(worker_faults.ENV)
+    assert worker_faults.faults_of("x/1") == {}
 
 
 @pytest.mark.parametrize(
@@ -39,12 +42,12 @@ def test_parse_and_lookup(monkeypatch):
 )
 def test_bad_specs_are_named(spec, message):
     with pytest.raises(ValueError, match=message):
-        faults.parse(spec)
+        worker_faults.parse(spec)
 
 
 def test_no_faults_leave_the_app_alone():
     app = fastapi.FastAPI()
-    assert faults.wrap_asgi(app, {}) is app
+    assert worker_faults.wrap_asgi(app, {}) is app
 
 
 def test_the_injected_faults_reach_clients():
@@ -61,7 +64,7 @@ def test_the_injected_faults_reach_clients():
         calls.append("update")
         return {"success": True}
 
-    wrapped = faults.wrap_asgi(
+    wrapped = worker_faults.wrap_asgi(
         app, {"slow_generate": 0.3, "drop_generate": 2, "fail_update": 1}, "test"
     )
     srv = ServerThread(wrapped).start()

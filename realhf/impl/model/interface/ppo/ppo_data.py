@@ -21,12 +21,13 @@ proximal_logprobs      L - 1           trainer recompute (recompute_logprob / de
 sequences with ``mask_too_long``, minus prompts filtered by success rate), the score of
 each answer (``rewards`` [+ ``rm_rewards``], plus the overlong penalty, clipped; 0 for
 truncated answers with ``mask_no_eos_with_zero``), the rewards (KL penalty per token + the
-score at the last step), GAE advantages and returns, and the advantages of
-``adv_estimator`` (GAE normalised as ``adv_norm`` / ``group_adv_norm`` say, or an outcome
-estimator of :mod:`realhf.impl.algorithms.advantages`). Success-rate filtering lives here
-(the step that has every group's rewards): a group whose share of answers with reward > 0
-lies outside ``[success_rate_lb, success_rate_ub]`` is masked out of the loss rather than
-dropped, so every data-parallel rank keeps its batch shape and collectives stay in step.
+score at the last step), GAE advantages and returns, and the advantages of the
+registered estimator ``adv_estimator`` names (:mod:`realhf.impl.algorithms.advantages`;
+this module gives it the global normalisation and the group check, :class:`_BatchOps`).
+Success-rate filtering lives here (the step that has every group's rewards): a group
+whose share of answers with reward > 0 lies outside ``[success_rate_lb, success_rate_ub]``
+is masked out of the loss rather than dropped, so every data-parallel rank keeps its batch
+shape and collectives stay in step.
 A reward of NaN means "no verdict" (the reward interface could not grade the row: a bad dataset row,
 skipped with a warning there): its sequences are masked out the same way, their reward
 read as 0, and counted (``ppo/n_unscored_seqs``).
@@ -44,7 +45,7 @@ from realhf.base import stats_tracker
 from realhf.impl.algorithms import advantages as A
 from realhf.impl.algorithms import ppo as F
 from realhf.impl.model.interface.helpers import seqs_per_item, sequence_ids
-from realhf.impl.model.interface.ppo_config import PPOHyperparameters
+from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
 from realhf.impl.model.interface.toolkit import (
     all_reduce_sum,
     answer_mask,
@@ -203,18 +204,20 @@ def prepare_ppo_batch(
         values = torch.zeros(ids.shape[0], dtype=torch.float32, device=device)
     else:
         values = tensors["values"].float()
-    advantages, returns = F.compute_gae(rewards, values, short1, no_eos, hp.discount, hp.gae_lambda)
-    raw_adv = advantages
-    if hp.adv_estimator == "gae":
-        if hp.adv_norm and hp.group_adv_norm:
-            _check_groups(hp, data)
-            advantages = F.group_normalize_advantages(advantages, loss_mask, short1, hp.group_size)
-        elif hp.adv_norm:
-            advantages = _global_normalize(advantages, loss_mask, dp_group)
-    else:
-        raw_adv, advantages = _outcome_advantages(
-            hp, data, score, kl_rewards, short1, no_eos, loss_mask, dp_group
-        )
+    gae_adv, returns = F.compute_gae(rewards, values, short1, no_eos, hp.discount, hp.gae_lambda)
+    inputs = A.AdvantageInputs(
+        score=score,
+        kl_rewards=kl_rewards,
+        gae_advantages=gae_adv,
+        loss_mask=loss_mask,
+        short1cu_seqlens=short1,
+        no_eos=no_eos,
+        group_size=hp.group_size,
+        discount=hp.discount,
+        adv_norm=hp.adv_norm,
+        group_adv_norm=hp.group_adv_norm,
+    )
+    raw_adv, advantages = hp.estimator.advantages(inputs, _BatchOps(hp, data, dp_group))
 
     kl = torch.where(loss_mask, old_logp - ref, torch.zeros_like(old_logp))
     # Sums, not means, are reduced: ranks hold different token and sequence counts.
@@ -306,25 +309,17 @@ def _global_normalize(x: torch.Tensor, loss_mask: torch.Tensor, dp_group) -> tor
     return F.normalize_advantages(x, loss_mask, moments=moments)
 
 
-def _outcome_advantages(hp, data, score, kl_rewards, short1, no_eos, loss_mask, dp_group):
-    """``(before normalisation, advantages)``, both [T'], of an outcome estimator."""
-    if hp.adv_estimator != "reinforce++":
-        _check_groups(hp, data)
-    if hp.adv_estimator in A.GROUP_ESTIMATORS:
-        adv = A.per_token(
-            A.group_outcome_advantages(score, hp.group_size, hp.adv_estimator), short1
-        )
-        adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
-        return adv, adv
-    if hp.adv_estimator == "reinforce++-baseline":
-        score = score - score.view(-1, hp.group_size).mean(dim=1).repeat_interleave(hp.group_size)
-    # REINFORCE++: the critic-free return of every token, the discounted reward-to-go of
-    # the KL penalty and the score (GAE with V = 0 and lambda = 1), normalised over the batch.
-    rewards = kl_rewards.clone()
-    rewards.index_add_(0, short1[1:].long() - 1, score.float())
-    zeros = torch.zeros(rewards.shape[0] + score.numel(), device=rewards.device)
-    returns, _ = F.compute_gae(rewards, zeros, short1, no_eos, hp.discount, 1.0)
-    return returns, _global_normalize(returns, loss_mask, dp_group)
+class _BatchOps:
+    """:class:`~realhf.impl.algorithms.advantages.BatchOps` of one batch on this rank."""
+
+    def __init__(self, hp: PPOHyperparameters, data: SequenceSample, dp_group):
+        self.hp, self.data, self.dp_group = hp, data, dp_group
+
+    def normalize(self, x: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        return _global_normalize(x, loss_mask, self.dp_group)
+
+    def check_groups(self, user: str) -> None:
+        self.hp.rollout.check_groups(self.data, user)
 
 
 def _record_stats(
@@ -349,23 +344,6 @@ def _record_stats(
             ref_kl=kl,
             returns=returns,
         )
-
-
-def _check_groups(hp: PPOHyperparameters, data: SequenceSample) -> None:
-    counts = seqs_per_item(data)
-    bad = [(i, c) for i, c in zip(data.ids, counts) if c != hp.group_size]
-    if bad:
-        raise ValueError(
-            f"{_group_user(hp)} compares the group_size={hp.group_size} answers of each "
-            f"prompt, but item {bad[0][0]!r} holds {bad[0][1]} sequences; generate group_size "
-            "answers per prompt"
-        )
-
-
-def _group_user(hp: PPOHyperparameters) -> str:
-    if hp.adv_estimator == "gae":
-        return "group_adv_norm"
-    return f"adv_estimator={hp.adv_estimator}"
 
 
 def _filter_groups(

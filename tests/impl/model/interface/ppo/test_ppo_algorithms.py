@@ -11,7 +11,8 @@ from interface_testlib import MB, on_policy
 from realhf.api.cli_parser import parse_config
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.base import stats_tracker
-from realhf.experiments.ppo_math import ALGO_PRESETS, PPOMathConfig
+from realhf.experiments.algo_presets import ALGO_PRESETS
+from realhf.experiments.ppo_math import PPOMathConfig
 from realhf.impl.model.interface import PPOActorInterface
 
 PAIRS = [
@@ -87,7 +88,7 @@ def test_kl_loss_entropy_and_truncated_importance_sampling_together(make_model, 
 
 
 def test_entropy_is_the_softmax_entropy_at_the_logit_temperature(make_model, pa_sample):
-    from realhf.impl.model.interface.ppo_interface import shifted_entropy
+    from realhf.impl.model.interface.ppo.ppo_interface import shifted_entropy
 
     model = make_model(train=False)
     data = pa_sample(PAIRS)

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from realhf.api.core.model_api import GenerationHyperparameters
-from realhf.impl.model.interface import PPOHyperparameters
+from realhf.api.core.model_api import GenerationHyperparameters, RolloutContext
+from realhf.impl.model.interface import PPOActorInterface, PPOCriticInterface, PPOHyperparameters
 
 
 def test_defaults_follow_the_original_system():
@@ -59,5 +59,20 @@ def test_derived_values():
     assert hp.logprob_temperature == 0.7
     assert PPOHyperparameters(gen={"greedy": True}).logprob_temperature == 1.0
     assert PPOHyperparameters(temperature=0.5, gen={"temperature": 0.7}).logprob_temperature == 0.5
+    assert hp.rollout == RolloutContext(group_size=4, temperature=0.7)
     assert not hp.filters_by_success_rate
     assert PPOHyperparameters(success_rate_ub=0.99).filters_by_success_rate
+
+
+def test_builtin_interfaces_take_the_group_size_from_the_rollout_and_refuse_another():
+    run = RolloutContext(group_size=4, temperature=0.7)
+    actor = PPOActorInterface(rollout=run, gen={"temperature": 0.7}, group_adv_norm=True)
+    assert actor.hp.group_size == 4 and actor.hp.rollout == run
+    with pytest.raises(
+        ValueError, match=r"ppo_actor assumes group_size=2, but this run's group_size is 4; "
+    ):
+        PPOActorInterface(PPOHyperparameters(group_size=2, gen={"temperature": 0.7}), rollout=run)
+    with pytest.raises(
+        ValueError, match=r"ppo_critic assumes temperature=1.0, but this run's temperature is 0.7"
+    ):
+        PPOCriticInterface({"group_size": 4}, rollout=run)

@@ -22,17 +22,14 @@ import math
 from dataclasses import field
 from typing import Any, Dict, Optional, Union
 
-from realhf.api.core.model_api import GenerationHyperparameters
-from realhf.impl.algorithms.advantages import (
-    ADV_ESTIMATORS,
-    GROUP_ESTIMATORS,
-    OUTCOME_ESTIMATORS,
-)
+from realhf.api.core.model_api import GenerationHyperparameters, RolloutContext
+from realhf.impl.algorithms.advantages import ESTIMATORS, AdvEstimator, Estimator
 from realhf.impl.algorithms.policy_loss import (
-    BEHAV_IMP_WEIGHT_MODES,
-    IMPORTANCE_LEVELS,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
+    AGGREGATIONS,
+    BehavWeightMode,
+    ImportanceLevel,
+    KLEstimator,
+    LossAggMode,
     LossShape,
 )
 
@@ -41,6 +38,27 @@ __all__ = ["PPOHyperparameters"]
 
 def _h(text: str) -> Dict[str, str]:
     return {"help": text}
+
+
+# Generated from the registries, so that a new estimator or aggregation documents itself.
+_ADV_ESTIMATOR_HELP = (
+    "one of: "
+    + "; ".join(f"'{e.name}': {e.summary}" for e in ESTIMATORS.values())
+    + ". Outcome estimators ("
+    + ", ".join(e.name for e in ESTIMATORS.values() if e.outcome)
+    + ") need disable_value=true and give every token of an answer the same advantage from "
+    "the answers' scores r_i; "
+    + ", ".join(e.name for e in ESTIMATORS.values() if e.min_group_size > 1)
+    + " compare the answers of a group (group_size >= 2); "
+    + ", ".join(e.name for e in ESTIMATORS.values() if not e.kl_in_reward)
+    + " use the scores only and need kl_ctl=0 (put the KL in the loss: kl_loss_coef)"
+)
+_LOSS_AGG_HELP = (
+    "how token losses make the batch loss: "
+    + "; ".join(f"'{a.mode}' ({a.summary})" for a in AGGREGATIONS.values())
+    + "; answers count when they have a valid token; exact over micro-batches and "
+    "data-parallel ranks"
+)
 
 
 @dataclasses.dataclass
@@ -71,7 +89,7 @@ class PPOHyperparameters:
         ),
     )
     importance_level: str = field(
-        default="token",
+        default=ImportanceLevel.TOKEN,
         metadata=_h(
             "'token': one ratio pi/pi_old per token (PPO); 'sequence' (GSPO): one ratio per "
             "answer, s_i = exp(mean over its valid tokens of log(pi/pi_old)), clipped per answer, "
@@ -80,16 +98,7 @@ class PPOHyperparameters:
             "eps_clip_high=4e-4, and loss_agg_mode=seq-mean-token-mean"
         ),
     )
-    loss_agg_mode: str = field(
-        default="token-mean",
-        metadata=_h(
-            "how token losses make the batch loss: 'token-mean' (every valid token of the global "
-            "batch weighs the same), 'seq-mean-token-mean' (mean over answers of each answer's "
-            "token mean), 'seq-mean-token-sum' (mean over answers of each answer's token sum), "
-            "'constant' (token sum / (loss_agg_constant x answers), Dr. GRPO); answers count when "
-            "they have a valid token; exact over micro-batches and data-parallel ranks"
-        ),
-    )
+    loss_agg_mode: str = field(default=LossAggMode.TOKEN_MEAN, metadata=_h(_LOSS_AGG_HELP))
     loss_agg_constant: Optional[float] = field(
         default=None,
         metadata=_h(
@@ -114,7 +123,7 @@ class PPOHyperparameters:
         ),
     )
     kl_estimator: str = field(
-        default="k3",
+        default=KLEstimator.K3,
         metadata=_h(
             "estimator of the kl_loss_coef term, with d = log pi_ref - log pi: 'k1' = -d, "
             "'k2' = d^2/2, 'k3' = exp(d) - d - 1"
@@ -149,7 +158,7 @@ class PPOHyperparameters:
         ),
     )
     behav_imp_weight_mode: str = field(
-        default="mask",
+        default=BehavWeightMode.MASK,
         metadata=_h(
             "decoupled loss: 'mask' drops tokens with w > behav_imp_weight_cap (or w < "
             "behav_imp_weight_floor); 'truncate' keeps them with w = min(w, cap) (truncated "
@@ -247,20 +256,7 @@ class PPOHyperparameters:
         ),
     )
     # ---- advantages
-    adv_estimator: str = field(
-        default="gae",
-        metadata=_h(
-            "'gae': GAE (critic values, or 0 with disable_value), then adv_norm / "
-            "group_adv_norm. Outcome estimators (need disable_value=true; score r_i per answer, "
-            "groups of group_size answers, same advantage on every token of an answer): 'grpo' "
-            "(r_i - mean_G r) / (std_G r + 1e-6) with the sample std over answers; 'drgrpo' r_i - "
-            "mean_G r; 'rloo' r_i - mean of the other answers' r; these three need group_size "
-            ">= 2 and kl_ctl=0 (put the KL in the loss: kl_loss_coef). 'reinforce++': "
-            "reward-to-go (discount) of the per-token rewards (kl_ctl penalty + score at the "
-            "end), normalised over the whole batch; 'reinforce++-baseline': the same with r_i - "
-            "mean_G r as the score"
-        ),
-    )
+    adv_estimator: str = field(default=AdvEstimator.GAE, metadata=_h(_ADV_ESTIMATOR_HELP))
     discount: float = field(
         default=1.0, metadata=_h("discount gamma of GAE and of REINFORCE++'s reward-to-go")
     )
@@ -386,34 +382,38 @@ class PPOHyperparameters:
 
     # One check per option, in the order of the fields; long but flat.
     def _check_algorithm_options(self):
-        for name, allowed in (
-            ("adv_estimator", ADV_ESTIMATORS),
-            ("importance_level", IMPORTANCE_LEVELS),
-            ("loss_agg_mode", LOSS_AGG_MODES),
-            ("behav_imp_weight_mode", BEHAV_IMP_WEIGHT_MODES),
-            ("kl_estimator", KL_ESTIMATORS),
+        # Each choice is looked up once: from here on it is its enum member (still a str, so
+        # YAML, the command line and the saved config see the same string).
+        for name, choice in (
+            ("adv_estimator", AdvEstimator),
+            ("importance_level", ImportanceLevel),
+            ("loss_agg_mode", LossAggMode),
+            ("behav_imp_weight_mode", BehavWeightMode),
+            ("kl_estimator", KLEstimator),
         ):
-            if getattr(self, name) not in allowed:
-                self._bad(name, f"use one of {list(allowed)}")
-        if self.adv_estimator in OUTCOME_ESTIMATORS and not self.disable_value:
+            if getattr(self, name) not in choice.values():
+                self._bad(name, f"use one of {choice.values()}")
+            setattr(self, name, choice(getattr(self, name)))
+        est = self.estimator
+        if est.outcome and not self.disable_value:
             self._bad(
                 "adv_estimator",
                 "outcome estimators use no critic; set disable_value=true (or use "
                 "adv_estimator=gae)",
             )
-        if self.adv_estimator in GROUP_ESTIMATORS + ("reinforce++-baseline",):
-            if self.group_size < 2:
-                self._bad(
-                    "adv_estimator",
-                    f"it compares the answers of a group; set group_size >= 2 (got "
-                    f"{self.group_size})",
-                )
-        if self.adv_estimator in GROUP_ESTIMATORS and self.kl_ctl > 0:
+        if self.group_size < est.min_group_size:
+            self._bad(
+                "adv_estimator",
+                f"it compares the answers of a group; set group_size >= {est.min_group_size} "
+                f"(got {self.group_size})",
+            )
+        if not est.kl_in_reward and self.kl_ctl > 0:
+            in_reward = [e.name.value for e in ESTIMATORS.values() if e.outcome and e.kl_in_reward]
             self._bad(
                 "adv_estimator",
                 f"it uses the answers' scores only, so kl_ctl={self.kl_ctl} (KL in the reward) "
                 "would be ignored; set kl_ctl=0 and use kl_loss_coef for a KL loss term, or "
-                "adv_estimator=reinforce++ for KL in the reward",
+                f"adv_estimator in {in_reward} for KL in the reward",
             )
         if self.eps_clip_high is not None and not (
             self._finite("eps_clip_high") and self.eps_clip_high > 0
@@ -422,19 +422,20 @@ class PPOHyperparameters:
         if self.loss_agg_constant is not None:
             if not (self._finite("loss_agg_constant") and self.loss_agg_constant > 0):
                 self._bad("loss_agg_constant", "use a number > 0 or None (gen.max_new_tokens)")
-            if self.loss_agg_mode != "constant":
+            if not AGGREGATIONS[self.loss_agg_mode].scaled:
                 self._bad(
                     "loss_agg_constant", "it only acts with loss_agg_mode='constant'; use None"
                 )
         for name in ("entropy_coef", "kl_loss_coef", "overlong_penalty_factor"):
             if not self._finite(name) or getattr(self, name) < 0:
                 self._bad(name, "use a finite number >= 0 (0 disables it)")
-        if self.behav_imp_weight_mode == "truncate" and self.behav_imp_weight_cap is None:
+        truncate = self.behav_imp_weight_mode is BehavWeightMode.TRUNCATE
+        if truncate and self.behav_imp_weight_cap is None:
             self._bad("behav_imp_weight_mode", "'truncate' needs behav_imp_weight_cap (the C)")
         if self.behav_imp_weight_floor is not None:
             if not (self._finite("behav_imp_weight_floor") and 0 < self.behav_imp_weight_floor < 1):
                 self._bad("behav_imp_weight_floor", "use a number in (0, 1) or None")
-            if not self.use_decoupled_loss or self.behav_imp_weight_mode != "mask":
+            if not self.use_decoupled_loss or truncate:
                 self._bad(
                     "behav_imp_weight_floor",
                     "it only acts with use_decoupled_loss=True and behav_imp_weight_mode='mask'",
@@ -476,11 +477,22 @@ class PPOHyperparameters:
 
     # ---- derived values
     @property
+    def estimator(self) -> Estimator:
+        """The registered advantage estimator ``adv_estimator`` names."""
+        return ESTIMATORS[self.adv_estimator]
+
+    @property
     def logprob_temperature(self) -> float:
         """The temperature log-probs are computed at (matches the sampler's)."""
         if self.temperature is not None:
             return float(self.temperature)
         return 1.0 if self.gen.is_greedy else float(self.gen.temperature)
+
+    @property
+    def rollout(self) -> RolloutContext:
+        """What these options tell every interface of the run: ``group_size`` and
+        :attr:`logprob_temperature`."""
+        return RolloutContext(self.group_size, self.logprob_temperature)
 
     @property
     def needs_ref(self) -> bool:
@@ -533,21 +545,40 @@ class PPOHyperparameters:
 
     @classmethod
     def coerce(
-        cls, hparams: Union["PPOHyperparameters", Dict[str, Any], None], fields: Dict[str, Any]
+        cls,
+        hparams: Union["PPOHyperparameters", Dict[str, Any], None],
+        fields: Dict[str, Any],
+        rollout: Optional[RolloutContext] = None,
+        who: str = "PPO",
     ) -> "PPOHyperparameters":
         """What an interface constructor accepts: a ``PPOHyperparameters``, a dict, or fields
-        as keyword arguments (not both)."""
+        as keyword arguments (not both), and the run's ``rollout``.  Options given as a dict
+        or fields take ``group_size`` from ``rollout`` when they omit it; then they must
+        agree with ``rollout`` (group size and log-prob temperature), or ``who`` fails
+        naming both values."""
         if hparams is not None and fields:
             raise ValueError(
                 "pass PPO options either as hparams or as keyword arguments, not both (got "
                 f"{sorted(fields)})"
             )
+        if hparams is not None and not isinstance(hparams, (cls, dict)):
+            raise TypeError(
+                f"hparams must be a PPOHyperparameters or a dict, got {type(hparams).__name__}"
+            )
         if isinstance(hparams, cls):
-            return hparams
-        if hparams is None:
-            return cls.from_dict(fields)
-        if isinstance(hparams, dict):
-            return cls.from_dict(hparams)
-        raise TypeError(
-            f"hparams must be a PPOHyperparameters or a dict, got {type(hparams).__name__}"
-        )
+            hp = hparams
+        else:
+            d = dict(fields if hparams is None else hparams)
+            if rollout is not None:
+                d.setdefault("group_size", rollout.group_size)
+            hp = cls.from_dict(d)
+        if rollout is not None:
+            rollout.require(
+                who,
+                "give it the run's ppo.* options, from which the experiment builds the "
+                "RolloutContext (options passed as keywords may leave group_size out: it then "
+                "comes from rollout)",
+                group_size=hp.group_size,
+                temperature=hp.logprob_temperature,
+            )
+        return hp

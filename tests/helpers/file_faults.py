@@ -1,6 +1,7 @@
-"""Fault injection for reliability tests and the fault-matrix script (benchmark/faults.py).
+"""Faults of a run's files and disks, injected from outside (truncated weights, bad rows, a
+full disk) by reliability tests and the fault matrix (benchmark/fault_matrix.py).
 
-    from faults import inject, KINDS
+    from file_faults import inject, KINDS
     fault = inject("truncated_weights", run_dir)        # damage the newest recover checkpoint
     fault = inject("bad_row", "train.jsonl", out=copy)  # a dataset row that fails mid-run
     with inject("full_disk", recover_dir, size=40 << 20):   # a real 40 MiB tmpfs
@@ -268,7 +269,7 @@ def inject(kind: str, target, **options) -> Fault:
     raise ValueError(f"unknown fault kind {kind!r}; kinds: {', '.join(KINDS)}")
 
 
-# ---- scenarios of the fault matrix (benchmark/faults.py) -----------------------------------
+# ---- scenarios of the fault matrix (benchmark/fault_matrix.py) -----------------------------------
 
 #: seconds a strike waits for the step it strikes at
 _STRIKE_WAIT_S = 300.0
@@ -320,7 +321,7 @@ def bad_row_args(root, how: str = "unparsable", n_rows: int = 64) -> list:
     return [f"dataset.path={fault.path}"]
 
 
-#: (name, experiment, expected outcome, name of the strike function) for benchmark/faults.py
+#: (name, experiment, expected outcome, name of the strike function) for benchmark/fault_matrix.py
 SCENARIOS = (
     ("sync-corrupt-checkpoint", "ppo-math", "error", "strike_corrupt_checkpoint"),
     ("sync-full-disk-checkpoint", "ppo-math", "error", "strike_full_disk"),

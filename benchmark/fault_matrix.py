@@ -14,11 +14,11 @@ Faults (``--list`` prints every scenario):
   when it appears; if the write is too quick to catch it strikes at the step-4 line and says so);
 * a generation server that answers slowly, one that cuts every 5th answer off mid-response,
   a weight update that fails twice on one of two servers (``$REALHF_FAULTS``,
-  :mod:`realhf.base.faults`);
+  :mod:`realhf.base.worker_faults`);
 * etcd stopped for 10 s (less than the name-resolve outage tolerance: the run rides it out)
   and for 45 s (more: the workers give up, the relaunch waits for etcd);
 * a full disk while a checkpoint is written, a corrupted recover checkpoint, a dataset row
-  that fails mid-run (injected by ``tests/helpers/faults.py``).
+  that fails mid-run (injected by ``tests/helpers/file_faults.py``).
 
 Columns: ``outcome`` (``partial``: the lost worker was restarted alone; ``relaunch``: every
 worker was relaunched from the last checkpoint; ``rode out``: nothing restarted; ``error``:
@@ -33,7 +33,7 @@ staleness of a trained trajectory; async only).
 
 Run everything (about 45 minutes on the 2-core VM with ``--parallel 2``)::
 
-    python benchmark/faults.py --parallel 2 --write benchmark/results/faults.md
+    python benchmark/fault_matrix.py --parallel 2 --write benchmark/results/faults.md
 
 or a subset: ``--only async-kill`` (substring match on scenario names).
 The last line printed is a JSON object with the counts of scenarios, hangs and mismatches.
@@ -176,7 +176,7 @@ def scenarios() -> List[Scenario]:
         Scenario("sync-etcd-down-10s", "ppo-math", "etcd", "rode out", param=10),
         Scenario("async-etcd-down-10s", "async-ppo-math", "etcd", "rode out", param=10),
         Scenario("sync-etcd-down-45s", "ppo-math", "etcd", "relaunch", param=45),
-        # injected by tests/helpers/faults.py (param: its strike function)
+        # injected by tests/helpers/file_faults.py (param: its strike function)
         Scenario(
             "sync-full-disk-at-checkpoint", "ppo-math", "helper", "error", param="strike_full_disk"
         ),
@@ -360,7 +360,7 @@ def run_scenario(sc: Scenario, timeout: float = 420.0, keep: bool = False) -> di
         extra.append(f"name_resolve=etcd3://{etcd.address}")
     inject_helper = None
     if sc.kind in ("helper", "badrow"):
-        import faults as fault_helpers  # tests/helpers/faults.py
+        import file_faults as fault_helpers  # tests/helpers/file_faults.py
 
         if sc.kind == "helper":
             inject_helper = getattr(fault_helpers, str(sc.param))
@@ -574,7 +574,7 @@ def main(argv=None) -> int:
 def _report(table: str, summary: dict, args) -> str:
     return (
         f"# Fault matrix — {datetime.date.today().isoformat()}\n\n"
-        f"`python benchmark/faults.py --parallel {args.parallel}` on the 2-core CPU VM "
+        f"`python benchmark/fault_matrix.py --parallel {args.parallel}` on the 2-core CPU VM "
         f"({summary['scenarios']} runs, {summary['minutes']} min; {summary['hangs']} hangs; "
         f"not as defined: {summary['not_as_defined'] or 'none'}).  Each run: {STEPS} steps, "
         f"batch {B}, checkpoint every {CKPT_EVERY} steps, recover_mode=auto; async with "

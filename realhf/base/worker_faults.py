@@ -1,6 +1,7 @@
-"""Fault injection for reliability tests: faults named per worker in ``$REALHF_FAULTS``.
+"""Faults a worker injects into itself, for reliability tests: named per worker in
+``$REALHF_FAULTS``.
 
-The fault matrix (``benchmark/faults.py``, ``tests/reliability/``) starts a real run with
+The fault matrix (``benchmark/fault_matrix.py``, ``tests/reliability/``) starts a real run with
 this variable set; the launcher passes the environment to every worker, and a worker looks
 up its own faults by name.  Unset (the normal case), nothing here is active and nothing is
 wrapped.
