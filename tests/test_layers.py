@@ -123,6 +123,19 @@ def test_no_import_cycles():
     )
 
 
+def test_no_folder_holds_more_modules_than_a_reader_scans():
+    cm = _code_metrics()
+    crowded = {d: n for d, n in cm.modules_per_folder().items() if n > cm.MAX_MODULES_PER_FOLDER}
+    assert not crowded, (
+        f"folders over {cm.MAX_MODULES_PER_FOLDER} modules (split them by concept): {crowded}"
+    )
+
+
+def test_comments_say_why_often_enough():
+    cm = _code_metrics()
+    assert cm.comments_per_100() >= cm.MIN_COMMENTS_PER_100
+
+
 def test_cycle_finder_sees_a_function_level_cycle():
     cm = _code_metrics()
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}

@@ -387,6 +387,7 @@ def test_file_entries_expire_for_readers_and_are_overwritable(tmp_path):
     b.close()
 
 
+@pytest.mark.slow
 def test_file_backend_a_hung_lock_holder_blocks_only_its_key(tmp_path, monkeypatch):
     """A process stopped (SIGSTOP) while holding a key's lock: other keys' adds and
     keepalives go on (a tree-wide lock froze every process's keepalives, so live workers

@@ -52,6 +52,7 @@ def tiny_model(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tiny_model, tmp_path):
     out = tmp_path / "out"
     r = subprocess.run(
@@ -85,6 +86,7 @@ def test_cli_end_to_end(tiny_model, tmp_path):
     assert "greedy_acc" in r.stdout
 
 
+@pytest.mark.slow
 def test_cli_missing_model_dir(tmp_path):
     r = subprocess.run(
         [

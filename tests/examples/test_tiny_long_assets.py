@@ -92,6 +92,7 @@ def test_model_is_complete_with_room_for_long_answers():
     assert 0.15 <= prov["greedy_acc_tiny_long"] <= 0.45
 
 
+@pytest.mark.slow
 def test_sft_policy_answer_lengths_span_the_tail():
     """Sampled at temperature 1 from the committed SFT model: ~10-250 tokens, a long tail."""
     from transformers import AutoTokenizer

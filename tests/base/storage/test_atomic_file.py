@@ -105,6 +105,7 @@ def _writer(path: str, writer: int, start) -> None:
         atomic_file.write_atomic(path, data, fsync=False)
 
 
+@pytest.mark.slow
 def test_concurrent_writers_never_torn_or_mixed(tmp_path):
     """Every read, taken while writers race, is exactly one writer's full payload."""
     path = str(tmp_path / "shared.bin")

@@ -39,6 +39,7 @@ def test_item_holds_chosen_then_rejected_with_prompt_masks(tok, tmp_path):
     assert mask[lc:] == [True] * len(p) + [False] * (lr - len(p))
 
 
+@pytest.mark.slow
 def test_embedded_pairs_load_and_are_registered(tok):
     for split, n in (("pairs_train", 2000), ("pairs_eval", 500), ("pairs_rw_train", 15620)):
         path = str(ASSETS / "data" / f"{split}.jsonl")

@@ -87,6 +87,7 @@ def test_run_id_is_stable_and_valid():
     assert len(long) == 64 and long != wandb_run_id("e" * 80, "b")
 
 
+@pytest.mark.slow  # wandb's offline mode starts its service process (~9 s)
 def test_offline_log_writes_every_finite_number_at_its_step(tmp_path):
     cfg = WandbConfig(mode="offline", tags=["unit"], notes="n")
     log = WandbLog(cfg, str(tmp_path), "exp", "trial", {"seed": 3, "ppo": {"eps": 0.2}})
