@@ -39,10 +39,13 @@ from realhf.api.core.rollout_api import (
     ScheduleRequest,
 )
 from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
+from realhf.base import logging
 from realhf.system.rollout.manager.server_pool import ServerPool
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
 
 __all__ = ["RemoteInferenceEngine"]
+
+logger = logging.getLogger("remote_engine")
 
 T = TypeVar("T")
 
@@ -78,6 +81,8 @@ class RemoteInferenceEngine(InferenceEngine):
         urls = list(urls)
         if not urls:
             raise ValueError("RemoteInferenceEngine needs at least one server URL")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"RemoteInferenceEngine: a server URL is listed twice: {urls}")
         self.config = GserverManagerConfig(
             n_servers=len(urls),
             schedule_policy=schedule_policy,
@@ -86,6 +91,15 @@ class RemoteInferenceEngine(InferenceEngine):
             health_check_interval_s=health_check_interval_s,
             keep_weight_versions=None,  # the caller owns its weight directories
         )
+        # Built (and its arguments checked) before anything starts.
+        self.partial = PartialRolloutManager(
+            self,  # schedule() and report_failure() below stand in for the manager's client
+            new_tokens_per_chunk=new_tokens_per_chunk,
+            request_timeout_s=request_timeout_s,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+        )
+        self._rids = itertools.count(1)
         #: version -> the directory it was loaded from (a server that rejoins loads it)
         self._paths: Dict[int, str] = {}
         self.pool = ServerPool(self.config, lambda: list(urls), self._paths.__getitem__)
@@ -98,16 +112,8 @@ class RemoteInferenceEngine(InferenceEngine):
         try:
             self._call(self._open(), server_wait_timeout_s + 30, "the servers to answer /health")
         except BaseException:
-            self._stop_loop()
+            self.close()  # the pool's HTTP session and loop thread end with the failed start
             raise
-        self.partial = PartialRolloutManager(
-            self,  # schedule() and report_failure() below stand in for the manager's client
-            new_tokens_per_chunk=new_tokens_per_chunk,
-            request_timeout_s=request_timeout_s,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-        )
-        self._rids = itertools.count(1)
 
     @property
     def version(self) -> int:
@@ -125,16 +131,22 @@ class RemoteInferenceEngine(InferenceEngine):
                 f"{self.version}; pass the trainer's step count (TrainEngine.version)"
             )
         self._paths[version] = path
-        # Three bounded steps per server, run on all servers at once.
-        limit = 3 * self.config.weight_update_timeout_s + 30
-        self._call(self.pool.update_weights(version), limit, f"the weight update to {version}")
+        # Three bounded steps per server, all servers at once, after a rejoin that may hold
+        # the pool's lock (one more update). On time-out the update is not cancelled: cut
+        # between its steps it would leave servers paused; it finishes on its own.
+        limit = 4 * self.config.weight_update_timeout_s + 30
+        self._call(
+            self.pool.update_weights(version), limit, f"the weight update to {version}", False
+        )
 
     async def aclose(self) -> None:
+        """Close what belongs to the calling loop (the generation requests' HTTP session);
+        the engine stays usable from another loop.  :meth:`close` ends the engine."""
         await self.partial.close()
-        self.close()
 
     def close(self) -> None:
-        """Stop the health checks and the pool's loop (idempotent)."""
+        """Stop the health checks and the pool's loop; calls in flight fail with
+        CancelledError and later ones at once (idempotent)."""
         if self._loop.is_running():
             try:
                 self._call(self._shutdown(), 30, "the server pool to close")
@@ -162,23 +174,40 @@ class RemoteInferenceEngine(InferenceEngine):
         self._watch = asyncio.get_running_loop().create_task(self._check_forever())
 
     async def _check_forever(self) -> None:
+        # One failed round (a server answering garbage) must not end the health checks for
+        # the engine's lifetime: log it and check again next interval.
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
-            await self.pool.check()
+            try:
+                await self.pool.check()
+            except Exception:
+                logger.exception("RemoteInferenceEngine: a health check of the servers failed")
 
     async def _shutdown(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
+        # Cancel everything still running on the pool's loop (health checks, schedules
+        # waiting for an update): their callers on other loops then fail instead of waiting
+        # on a loop that will never run them.
+        me = asyncio.current_task()
+        for task in asyncio.all_tasks():
+            if task is not me:
+                task.cancel()
         await self.pool.close()
 
-    def _call(self, coro: Coroutine[None, None, T], timeout: float, what: str) -> T:
+    def _call(
+        self, coro: Coroutine[None, None, T], timeout: float, what: str, cancel: bool = True
+    ) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
-            fut.cancel()
+            if fut.done():  # the coroutine's own TimeoutError (it names what it waited for)
+                raise
+            if cancel:
+                fut.cancel()
             raise TimeoutError(f"RemoteInferenceEngine: waited {timeout:g}s for {what}") from None
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -122,6 +122,8 @@ def main():
     finally:
         if executor is not None:
             executor.close()
+        if engine is not None:
+            engine.close()
         if server is not None:
             server.__exit__()
     dist.destroy_process_group()

@@ -48,11 +48,11 @@ def register_quickstart_exp(
         QUICKSTART.register(
             name, QuickstartExperiment(name, config_cls, build, description or first_line)
         )
+        # The controller and workers rebuild the run from the system registry with the
+        # pickled config as the only argument.
+        system_api.register_experiment(name, build)
     except RegistryError as e:
         raise ValueError(f"quickstart experiment '{name}': {e}") from None
-    # The controller and workers rebuild the run from the system registry with the
-    # pickled config as the only argument.
-    system_api.register_experiment(name, build)
 
 
 def get_quickstart_exp(name: str) -> QuickstartExperiment:

@@ -14,7 +14,9 @@ from engine_servers import engine_server, greedy, stop_servers, two_model_versio
 from areal.engine.remote import RemoteInferenceEngine
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.api.core.rollout_api import GenerateGroupRequest
+from realhf.base.net import network
 from realhf.impl.model.gen.weight_update import WeightUpdateError
+from realhf.system.rollout.manager import server_pool
 
 # Neither model version greedily stops (EOS 0, pad 1) within 6 tokens of this prompt.
 PROMPT = (10, 11, 12)
@@ -42,7 +44,7 @@ def _generate(engine, n):
                 for i in range(n)
             ]
         finally:
-            await engine.partial.close()  # its HTTP session belongs to this loop
+            await engine.aclose()  # its HTTP session belongs to this loop
 
     return asyncio.run(go())
 
@@ -71,7 +73,10 @@ def test_an_update_that_fails_on_one_server_leaves_the_others_serving_the_new_ve
         stop_servers(good, bad)
 
 
-def test_an_update_that_fails_everywhere_names_the_server(dirs, tmp_path):
+def test_an_update_that_fails_everywhere_names_the_server_and_the_next_one_recovers(
+    dirs, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(server_pool, "REJOIN_RETRY_S", 0.3)
     srv = engine_server(dirs["v0"])
     engine = _engine([srv])
     try:
@@ -81,9 +86,27 @@ def test_an_update_that_fails_everywhere_names_the_server(dirs, tmp_path):
         with pytest.raises(WeightUpdateError, match=srv.url) as e:
             engine.update_weights(str(tmp_path / "empty"), 1)
         assert e.value.step == "update_weights_from_disk" and engine.version == 0
+        # Not left paused (its gate would refuse every /generate), but out of service: its
+        # weights are unknown, so it does not rejoin at version 0...
+        assert not srv.engine.stats()["paused"]
+        time.sleep(1.0)
+        assert engine.pool.live() == [] and engine.pool.servers[srv.url].weights_unknown
+        # ...only through the next update, which it then serves.
+        engine.update_weights(dirs["v1"], 2)
+        (g,) = _generate(engine, 1)
+        assert g.version_start == (2, 2)
+        assert all(list(o) == greedy(dirs["v1"], PROMPT, 6) for o in g.output_ids)
     finally:
         engine.close()
         stop_servers(srv)
+
+
+def test_start_up_names_the_servers_it_waited_for():
+    nobody = f"http://127.0.0.1:{network.find_free_port()}"
+    with pytest.raises(TimeoutError, match=r"0 of 1 generation servers .*check the"):
+        RemoteInferenceEngine([nobody], server_wait_timeout_s=0.5)
+    with pytest.raises(ValueError, match="listed twice"):
+        RemoteInferenceEngine([nobody, nobody])
 
 
 def test_a_chunk_scheduled_during_an_update_waits_for_it_and_gets_the_new_weights(dirs):
@@ -106,6 +129,9 @@ def test_a_chunk_scheduled_during_an_update_waits_for_it_and_gets_the_new_weight
         # the chunk waited for the update and ran on the new weights.
         assert g.version_start == (1, 1)
         assert all(list(o) == greedy(dirs["v1"], PROMPT, 6) for o in g.output_ids)
+        engine.close()
+        with pytest.raises(RuntimeError):  # a closed engine fails at once
+            engine.update_weights(dirs["v0"], 2)
     finally:
         engine.close()
         stop_servers(srv)

@@ -351,8 +351,10 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
         )
     finally:
         if abort_all:
-            await asyncio.to_thread(engine.resume)
-            served.gate.resume()
+            try:
+                await asyncio.to_thread(engine.resume)
+            finally:  # nobody sends /continue_generation after this call: never stay gated
+                served.gate.resume()
     return {
         "success": True,
         "message": f"Succeeded to update model weights (version {version}).",

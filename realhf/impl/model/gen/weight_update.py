@@ -19,8 +19,9 @@ update and is told the new version, so a chunk is recorded with the version that
 A step that cannot reach the server, or answers 5xx while the server also fails ``/health``,
 means the server is gone (:class:`ServerGone`: its replacement joins at the current version);
 any other failure is a :class:`WeightUpdateError` naming the server, the step and the version
-(the server may hold the old weights, or half of the new ones: it is taken out of service
-until an update to the current version succeeds on it).
+(the server may hold the old weights, or half of the new ones: it is sent
+``/continue_generation`` once, so that it is not left gated, and taken out of service until an
+update to the current version succeeds on it).
 
 **The server's rules** (:class:`PauseGate`), which make the record exact even for a request
 that raced the pause (scheduled under the old version, arriving just after the pause):
@@ -32,7 +33,9 @@ that raced the pause (scheduled under the old version, arriving just after the p
    whole update, is answered as aborted with no tokens: some of them came from new weights.
 
 So every token a server returns was made by the weights of the version the client was given
-when it scheduled the request.
+when it scheduled the request — on the built-in engine and the vLLM adapter, which apply the
+gate.  SGLang's own server has no gate: a request that races the pause there can run on the new
+weights under the old version (rule 1's window: between a schedule and the pause).
 """
 
 from __future__ import annotations
@@ -88,35 +91,71 @@ async def update_server(
     """Pause -> load ``path`` -> continue on the server at ``url`` (see the module docstring).
 
     ``healthy(url)`` probes ``/health``: it tells a dead server (:class:`ServerGone`) from
-    one that refused a step (:class:`WeightUpdateError`).
+    one that refused a step (:class:`WeightUpdateError`).  A server that fails a step after
+    it paused is sent ``/continue_generation`` once, best effort, before the error is raised:
+    its weights are unknown, so its pool takes it out of service, but it must not stay gated
+    (every ``/generate`` refused) when it rejoins.
     """
-    for step, reports_success in UPDATE_STEPS:
-        body = {"model_path": path} if step == "update_weights_from_disk" else {}
+    paused = False
+    try:
+        for step, reports_success in UPDATE_STEPS:
+            await _step(session, url, version, path, timeout_s, healthy, step, reports_success)
+            paused = True
+    except WeightUpdateError:
+        if paused:
+            await _continue_quietly(session, url, timeout_s)
+        raise
+
+
+async def _continue_quietly(session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
+    try:
+        async with session.post(
+            f"{url}/continue_generation", json={}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            await r.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        pass  # the error being raised says what went wrong; this was only a courtesy
+
+
+async def _step(
+    session: aiohttp.ClientSession,
+    url: str,
+    version: int,
+    path: str,
+    timeout_s: float,
+    healthy: Callable[[str], Awaitable[bool]],
+    step: str,
+    reports_success: bool,
+) -> None:
+    """One POST of the protocol; raises WeightUpdateError or ServerGone."""
+    body = {"model_path": path} if step == "update_weights_from_disk" else {}
+    try:
+        async with session.post(
+            f"{url}/{step}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as r:
+            status, text = r.status, await r.text()
+    except asyncio.TimeoutError:
+        why = f"did not answer within {timeout_s:g}s (weight_update_timeout_s)"
+        raise WeightUpdateError(url, step, version, why) from None
+    except aiohttp.ClientConnectionError as e:
+        if not await healthy(url):
+            raise ServerGone(url) from e
+        raise WeightUpdateError(url, step, version, f"failed: {e!r}") from e
+    except aiohttp.ClientError as e:  # e.g. a reply cut off mid-body
+        raise WeightUpdateError(url, step, version, f"failed: {e!r}") from e
+    ok = status == 200
+    if ok and reports_success:
         try:
-            async with session.post(
-                f"{url}/{step}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as r:
-                status, text = r.status, await r.text()
-        except asyncio.TimeoutError:
-            why = f"did not answer within {timeout_s:g}s (weight_update_timeout_s)"
-            raise WeightUpdateError(url, step, version, why) from None
-        except aiohttp.ClientConnectionError as e:
-            if not await healthy(url):
-                raise ServerGone(url) from e
-            raise WeightUpdateError(url, step, version, f"failed: {e!r}") from e
-        ok = status == 200
-        if ok and reports_success:
-            try:
-                ok = bool(json.loads(text).get("success", True))
-            except (ValueError, AttributeError):
-                pass
-        if not ok:
-            # A server in front of an engine that died (the vLLM adapter) still answers,
-            # with an error; if it also fails its health check it is gone, as a server
-            # that cannot be reached is: its replacement joins at the current version.
-            if status >= 500 and not await healthy(url):
-                raise ServerGone(url)
-            raise WeightUpdateError(url, step, version, f"answered HTTP {status}: {text[:500]}")
+            ok = bool(json.loads(text).get("success", True))
+        except (ValueError, AttributeError):
+            pass
+    if not ok:
+        # A server in front of an engine that died (the vLLM adapter) still answers,
+        # with an error; if it also fails its health check it is gone, as a server
+        # that cannot be reached is: its replacement joins at the current version.
+        if status >= 500 and not await healthy(url):
+            raise ServerGone(url)
+        raise WeightUpdateError(url, step, version, f"answered HTTP {status}: {text[:500]}")
 
 
 class PauseGate:

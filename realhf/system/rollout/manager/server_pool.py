@@ -70,6 +70,9 @@ class ServerState:
     dead_reason: str = ""
     #: monotonic time before which a server out of service is not tried again
     retry_at: float = 0.0
+    #: a weight update failed on it: it may hold half of a version, so it rejoins only
+    #: through a successful update (never at version 0, whose weights it cannot reload)
+    weights_unknown: bool = False
     #: set while a weight update of this server runs (requests to it wait)
     updating: Optional[asyncio.Event] = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -253,13 +256,21 @@ class ServerPool:
     async def _add(self, url: str) -> None:
         async with self._lock:
             s = ServerState(url)
+            old = self.servers.get(url)
+            if self.version == 0 and old is not None and old.weights_unknown:
+                old.dead_reason = (
+                    "a weight update failed on it, so its weights are unknown; it rejoins with "
+                    "the next published version"
+                )
+                old.retry_at = time.monotonic() + REJOIN_RETRY_S
+                return
             if self.version > 0:  # a server starts from the initial weights
                 try:
                     await self._update_server(s, self.version, self.weight_dir(self.version))
                 except (WeightUpdateError, ServerGone) as e:
-                    old = self.servers.get(url)
                     if old is None:
                         self.servers[url] = old = ServerState(url, live=False)
+                    old.weights_unknown = old.weights_unknown or isinstance(e, WeightUpdateError)
                     old.dead_reason = f"could not join: {e}"
                     old.retry_at = time.monotonic() + REJOIN_RETRY_S
                     logger.warning(
@@ -307,6 +318,7 @@ class ServerPool:
                     failed.append(r)
                     self.mark_dead(s, str(r))
                     s.retry_at = time.monotonic() + REJOIN_RETRY_S
+                    s.weights_unknown = True
                 elif isinstance(r, BaseException):
                     raise r
             if failed and not self.live():

@@ -1,6 +1,6 @@
 """The gserver manager as a worker (type ``gserver_manager``).
 
-Runs a :class:`~realhf.system.rollout.manager.GserverManager` behind HTTP
+Runs a :class:`~realhf.system.rollout.manager.state.GserverManager` behind HTTP
 (:mod:`realhf.system.rollout.manager.service`) in a service thread, publishes the address under
 ``names.gen_server_manager``, starts admitting once the trainer announced where it starts,
 and saves the manager's counters periodically so a resumed run continues them.
