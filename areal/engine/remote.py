@@ -160,11 +160,12 @@ class RemoteInferenceEngine(InferenceEngine):
             s = await self.pool.schedule(req)
             return ScheduleReply(s.url, s.version)  # read on the pool's loop: consistent
 
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(pick(), self._loop))
+        return await asyncio.wrap_future(self._submit(pick()))
 
     async def report_failure(self, url: str, error: str) -> Dict[str, bool]:
-        fut = asyncio.run_coroutine_threadsafe(self.pool.report_failure(url, error), self._loop)
-        return {"dead": await asyncio.wrap_future(fut)}
+        return {
+            "dead": await asyncio.wrap_future(self._submit(self.pool.report_failure(url, error)))
+        }
 
     # ---- the pool's loop -----------------------------------------------------------
 
@@ -196,7 +197,7 @@ class RemoteInferenceEngine(InferenceEngine):
     def _call(
         self, coro: Coroutine[None, None, T], timeout: float, what: str, cancel: bool = True
     ) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        fut = self._submit(coro)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -205,6 +206,13 @@ class RemoteInferenceEngine(InferenceEngine):
             if cancel:
                 fut.cancel()
             raise TimeoutError(f"RemoteInferenceEngine: waited {timeout:g}s for {what}") from None
+
+    def _submit(self, coro: Coroutine[None, None, T]) -> "concurrent.futures.Future[T]":
+        """Run ``coro`` on the pool's loop; RuntimeError once the engine is closed."""
+        if self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("RemoteInferenceEngine is closed (close() was called)")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

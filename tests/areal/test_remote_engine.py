@@ -130,7 +130,7 @@ def test_a_chunk_scheduled_during_an_update_waits_for_it_and_gets_the_new_weight
         assert g.version_start == (1, 1)
         assert all(list(o) == greedy(dirs["v1"], PROMPT, 6) for o in g.output_ids)
         engine.close()
-        with pytest.raises(RuntimeError):  # a closed engine fails at once
+        with pytest.raises(RuntimeError, match="is closed"):  # a closed engine fails at once
             engine.update_weights(dirs["v0"], 2)
     finally:
         engine.close()
