@@ -21,7 +21,7 @@ import urllib.request
 import psutil
 import pytest
 
-from realhf.base.net import network
+from realhf.base.net import auth, network
 
 # Test scaffolding shared across folders (tiny random HF models, the dag-test experiment)
 # lives in tests/helpers/, outside the product.  Spawned ranks inherit sys.path; launched
@@ -30,6 +30,11 @@ HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers")
 if HELPERS not in sys.path:
     sys.path.insert(0, HELPERS)
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p)
+
+# The test session is the root of every run its tests start by hand (threads, spawned
+# ranks, `python -m realhf.apps.remote` subprocesses): they share one run secret, as the
+# processes of a launch do.  Launched runs get a secret file of their own.
+auth.child_env()
 
 # Fixtures that start real engines, for every test module (see each helper's docstring).
 from restartable_etcd import restartable_etcd  # noqa: E402,F401

@@ -28,6 +28,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names
 from realhf.base.distributed import proc_group
+from realhf.base.net import auth
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJob
 
 logger = logging.getLogger("local_scheduler", "system")
@@ -149,6 +150,7 @@ class LocalScheduler(JobSet):
         for index in range(start, start + count):
             argv = [a.replace("{index}", str(index)) for a in cmd]
             penv = dict(os.environ)
+            penv.update(auth.child_env())  # launch_experiment's own secret file overrides
             penv.update(self.env)
             penv.update(env or {})
             penv["REALHF_WORKER_INDEX"] = str(index)
@@ -361,6 +363,10 @@ def launch_experiment(
     """
     prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment_args)
     penv = {"REALHF_NAME_RESOLVE": name_resolve_spec, "REALHF_DIE_WITH_PARENT": "1"}
+    # One machine: every socket of the run listens on loopback (unless the user pinned
+    # another address), and the run gets a fresh secret (see realhf.base.net.auth).
+    penv["REALHF_HOST_IP"] = os.environ.get("REALHF_HOST_IP") or "127.0.0.1"
+    penv.update(auth.issue(run_dir))
     if fileroot is not None:
         penv["REALHF_FILEROOT"] = os.path.abspath(fileroot)
     penv.update(env or {})

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.ray_args import RayConfig
 from realhf.base import logging
+from realhf.base.net import auth
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobSet, LaunchedJob
 from realhf.scheduler.local import launch_controller_cmd, prepare_trial, remote_worker_cmd
 from realhf.scheduler.ray_cluster import (
@@ -294,7 +295,14 @@ class RayScheduler(JobSet):
 def _forwarded_env(options: RayConfig) -> Dict[str, str]:
     """Launcher variables every process gets: REALHF_* and ``options.forward_env``."""
     keep = set(options.forwarded_env_names)
-    return {k: v for k, v in os.environ.items() if k.startswith("REALHF_") or k in keep}
+    # Not forwarded: what describes the launcher's own host (its address) or a secret this
+    # process made for itself; the run gets its own (see launch_experiment).
+    local = {"REALHF_HOST_IP", auth.SECRET_ENV, auth.SECRET_FILE_ENV}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if (k.startswith("REALHF_") or k in keep) and k not in local
+    }
 
 
 # ---- the launch -------------------------------------------------------------------
@@ -347,6 +355,9 @@ def launch_experiment(
         prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment_args)
         penv = _forwarded_env(options)
         penv.update({"REALHF_NAME_RESOLVE": name_resolve_spec, "REALHF_DIE_WITH_PARENT": "1"})
+        # The run's secret: a 0600 file in the run directory, which every node must see
+        # (the same requirement as the run's logs); the processes get only its path.
+        penv.update(auth.issue(run_dir))
         if fileroot is not None:
             penv["REALHF_FILEROOT"] = os.path.abspath(fileroot)
         penv.update(env or {})

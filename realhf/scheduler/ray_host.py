@@ -42,6 +42,9 @@ class ProcessHost:
         penv.update(env)
         penv["REALHF_PARENT_PID"] = str(os.getpid())
         penv.setdefault("PYTHONUNBUFFERED", "1")
+        # The run's sockets listen on the address Ray itself uses on this node, not on
+        # whatever the host name resolves to, and never on every interface.
+        penv.setdefault("REALHF_HOST_IP", ray.util.get_node_ip_address())
         # PR_SET_PDEATHSIG (REALHF_DIE_WITH_PARENT) fires when the *thread* that forked
         # the child exits, and actor calls run on pool threads: fork from a thread that
         # lives exactly as long as the child.

@@ -42,6 +42,7 @@ from typing import Dict, List, Mapping, Optional, Sequence
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.api.slurm_args import SlurmConfig
 from realhf.base import logging
+from realhf.base.net import auth
 from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.scheduler import slurm_cluster
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobSet, interrupt_on_signals
@@ -318,7 +319,16 @@ def _job_env(
     for k in list(penv):
         if k.startswith("SLURM_") and k != "SLURM_CONF":
             del penv[k]
-    for k in ("REALHF_DIE_WITH_PARENT", "REALHF_PARENT_PID", "CUDA_VISIBLE_DEVICES"):
+    # Likewise the launcher's address and any secret it made for itself (the run gets a
+    # secret file of its own: see launch_experiment).
+    for k in (
+        "REALHF_DIE_WITH_PARENT",
+        "REALHF_PARENT_PID",
+        "CUDA_VISIBLE_DEVICES",
+        "REALHF_HOST_IP",
+        auth.SECRET_ENV,
+        auth.SECRET_FILE_ENV,
+    ):
         penv.pop(k, None)
     penv["REALHF_NAME_RESOLVE"] = name_resolve_spec
     if fileroot is not None:
@@ -372,6 +382,9 @@ def launch_experiment(
             "install slurm-client (Debian) or run from a cluster login node."
         )
     run_dir = os.path.abspath(run_dir)
+    # The run's secret: a 0600 file in the run directory, which the compute nodes see (they
+    # write their logs there too); the processes get only its path.
+    penv.update(auth.issue(run_dir))
     controller_cmd = launch_controller_cmd(
         run_dir,
         experiment_name,

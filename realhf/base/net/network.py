@@ -8,7 +8,9 @@ check and its use; callers that bind immediately keep that window small.
 
 ``gethostip`` returns this host's IP as other hosts would see it, falling back
 to ``127.0.0.1`` where the host name does not resolve (containers, sandboxes).
-``REALHF_HOST_IP`` overrides it (e.g. to pin loopback on a single machine).
+``REALHF_HOST_IP`` overrides it: the local launcher sets it to ``127.0.0.1``, so every
+socket of a single-machine run listens on loopback only; ``interface_of`` names the network
+interface holding an address (gloo binds by interface name).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ import socket
 import threading
 from typing import Iterable, List, Optional, Set
 
-__all__ = ["find_free_port", "find_multiple_free_ports", "gethostip", "gethostname"]
+__all__ = [
+    "find_free_port",
+    "find_multiple_free_ports",
+    "gethostip",
+    "gethostname",
+    "interface_of",
+    "listening_socket",
+]
 
 _lock = threading.Lock()
 _handed_out: Set[int] = set()
@@ -117,3 +126,28 @@ def gethostip() -> str:
     if ip.startswith("127."):
         return "127.0.0.1"
     return ip
+
+
+def interface_of(ip: str) -> Optional[str]:
+    """The name of the network interface holding IPv4 ``ip`` (``lo`` for 127.x), or None."""
+    import psutil
+
+    if ip.startswith("127."):
+        ip = "127.0.0.1"
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
+
+
+def listening_socket(host: str, backlog: int = 1024) -> socket.socket:
+    """A TCP socket listening on ``host`` at a port the kernel picks (no window in which
+    another process could take the port between choosing and binding it)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, 0))
+        s.listen(backlog)
+    except BaseException:
+        s.close()
+        raise
+    return s

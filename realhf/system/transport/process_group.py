@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from typing import Any, Optional
 
 import torch
@@ -35,6 +36,22 @@ class WorldInfo:
     address: str
     #: gloo group for host tensors (None: the default group is gloo already)
     data_group: Optional[Any]
+
+
+def _bind_gloo_to(host: str) -> None:
+    """Make gloo listen on the interface of ``host`` (by default it binds the address the
+    host name resolves to, which may be a LAN address even for a single-machine run).  A
+    ``$GLOO_SOCKET_IFNAME`` the user set wins."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    iface = network.interface_of(host)
+    if iface is None:
+        logger.warning(
+            f"No network interface holds {host}; gloo binds where the host name resolves. "
+            "Set $GLOO_SOCKET_IFNAME to the interface the cluster uses."
+        )
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = iface
 
 
 def init_world(
@@ -59,12 +76,21 @@ def init_world(
     backend = "nccl" if on_gpu else "gloo"
     td = datetime.timedelta(seconds=timeout)
     store = None
+    host = network.gethostip()
+    _bind_gloo_to(host)
     if rank == 0:
-        host = network.gethostip()
-        # Port 0: the store is listening before its port is published, so no other process
-        # can take the port in between.  (The server listens on every interface.)
+        # The store listens on this host's run address only (TCPStore alone would listen on
+        # every interface), and is listening before its port is published, so no other
+        # process can take the port in between.  The store owns the socket from here on.
+        listener = network.listening_socket(host)
         store = dist.TCPStore(
-            host, 0, world_size, is_master=True, timeout=td, wait_for_workers=False
+            host,
+            listener.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=td,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
         )
         name_resolve.add(key, f"{host}:{store.port}", keepalive_ttl=address_ttl, replace=True)
     try:

@@ -32,7 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Type
 import zmq
 
 from realhf.base import logging, name_resolve, names
-from realhf.base.net import network
+from realhf.base.net import auth, network
 from realhf.system.transport.errors import NoMessage, StreamTimeout
 
 logger = logging.getLogger("push_pull_stream")
@@ -48,6 +48,8 @@ __all__ = [
 
 DEFAULT_HWM = 1000
 DEFAULT_TIMEOUT = 300.0
+#: The MAC domain of this channel's messages (see :mod:`realhf.base.net.auth`).
+STREAM_KIND = b"push_pull"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,16 +171,27 @@ class PullerStream:
             StreamTimeout: nothing arrived within ``timeout``.
             TypeError: the message is not one of ``message_types``.
         """
-        ms = 0 if not timeout else max(1, int(timeout * 1000))
-        if not self._sock.poll(ms, zmq.POLLIN):
+        deadline = time.monotonic() + (timeout or 0)
+        where = f"consumer {self.consumer_index} of stream {self.stream_name!r}"
+        while True:
+            left = deadline - time.monotonic()
             if not timeout:
-                raise NoMessage(self.stream_name)
-            raise StreamTimeout(
-                f"Consumer {self.consumer_index} of stream {self.stream_name!r}: no "
-                f"message within {timeout:g}s.",
-                waited_for=f"producers of stream {self.stream_name!r}",
-            )
-        msg = pickle.loads(self._sock.recv())
+                ready = self._sock.poll(0, zmq.POLLIN)
+            else:
+                ready = left > 0 and self._sock.poll(max(1, int(left * 1000)), zmq.POLLIN)
+            if not ready:
+                if not timeout:
+                    raise NoMessage(self.stream_name)
+                raise StreamTimeout(
+                    f"Consumer {self.consumer_index} of stream {self.stream_name!r}: no "
+                    f"message within {timeout:g}s.",
+                    waited_for=f"producers of stream {self.stream_name!r}",
+                )
+            # A message without this run's MAC is dropped unread: wait on for a real one.
+            got = auth.recv(self._sock, STREAM_KIND, where)
+            if got is not None:
+                break
+        msg = pickle.loads(got[1])
         if isinstance(msg, EndOfStream):
             self.ended[msg.producer_index] = msg
             return msg
@@ -315,7 +328,7 @@ class PusherStream:
                 "full or it is gone).",
                 waited_for=f"consumer {consumer} of stream {self.stream_name!r}",
             )
-        sock.send(buf, zmq.NOBLOCK)
+        auth.send(sock, STREAM_KIND, buf, zmq.NOBLOCK)
 
     def close(self, timeout: Optional[float] = 30.0) -> None:
         """Send :class:`EndOfStream` to every consumer of this producer, then close."""

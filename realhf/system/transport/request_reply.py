@@ -48,7 +48,7 @@ from typing import Any, Deque, Dict, Iterable, List, Optional, Sequence, Set, Un
 import zmq
 
 from realhf.base import logging, name_resolve, names
-from realhf.base.net import network
+from realhf.base.net import auth, network
 from realhf.system.transport.errors import ErrorInfo, NoMessage, RemoteError, StreamTimeout
 
 logger = logging.getLogger("request_reply_stream")
@@ -149,11 +149,21 @@ class _Ping:
     """Liveness probe from the master; handlers drop it."""
 
 
-def _dumps(msg) -> bytes:
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+#: The MAC domain of this channel's messages (see :mod:`realhf.base.net.auth`).
+STREAM_KIND = b"request_reply"
 
 
-def _loads(buf: bytes, where: str):
+def _send_signed(sock: zmq.Socket, msg, flags: int = 0, prefix: Sequence[bytes] = ()) -> None:
+    """Pickle ``msg`` and send it with the run's MAC (after ``prefix`` frames)."""
+    auth.send(sock, STREAM_KIND, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), flags, prefix)
+
+
+def _recv_signed(sock: zmq.Socket, where: str, n_prefix: int = 0):
+    """The next message, unpickled only after its MAC checks out; None if it was dropped."""
+    got = auth.recv(sock, STREAM_KIND, where, n_prefix)
+    if got is None:
+        return None
+    buf = got[1]
     try:
         return pickle.loads(buf)
     except Exception as e:
@@ -244,9 +254,10 @@ class RequestClient:
         if not self._sock.poll(_ms(timeout), zmq.POLLIN):
             return False
         # Every message names its handler itself; the ROUTER's identity frame is not needed.
-        _, body = self._sock.recv_multipart()
-        msg = _loads(body, f"stream {self.stream_name!r} (master)")
-        if isinstance(msg, _Hello):
+        msg = _recv_signed(self._sock, f"stream {self.stream_name!r} (master)", n_prefix=1)
+        if msg is None:  # dropped: not signed with this run's secret
+            pass
+        elif isinstance(msg, _Hello):
             if msg.handler not in self.handlers:
                 logger.warning(
                     f"Stream {self.stream_name!r}: unexpected handler {msg.handler!r} "
@@ -297,7 +308,7 @@ class RequestClient:
                 f"{self.handlers}."
             )
         try:
-            self._sock.send_multipart([handler.encode(), _dumps(msg)], flags)
+            _send_signed(self._sock, msg, flags, prefix=(handler.encode(),))
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 during = f" while the master waited for {waiting_for}" if waiting_for else ""
@@ -560,7 +571,7 @@ class ReplyServer:
         self._sock.setsockopt(zmq.IDENTITY, handler_name.encode())
         self._sock.setsockopt(zmq.LINGER, 1000)  # let the last replies leave on close
         self._sock.connect(address)
-        self._sock.send(_dumps(_Hello(handler_name)))
+        _send_signed(self._sock, _Hello(handler_name))
         self._ready: Deque[Payload] = deque()
         self._held: Dict[str, Payload] = {}
         self._closed = False
@@ -568,14 +579,16 @@ class ReplyServer:
     def _recv_once(self, timeout: Optional[float]) -> bool:
         if not self._sock.poll(_ms(timeout), zmq.POLLIN):
             return False
-        msg = _loads(self._sock.recv(), f"stream {self.stream_name!r} ({self.handler_name})")
-        if isinstance(msg, Payload):
+        msg = _recv_signed(self._sock, f"stream {self.stream_name!r} ({self.handler_name})")
+        if msg is None:  # dropped: not signed with this run's secret
+            pass
+        elif isinstance(msg, Payload):
             if msg.no_syn:
                 self._ready.append(msg)
             else:
                 # Not handed out before the ACK (see the module docstring).
                 self._held[msg.request_id] = msg
-                self._sock.send(_dumps(_Syn(msg.request_id, self.handler_name)))
+                _send_signed(self._sock, _Syn(msg.request_id, self.handler_name))
         elif isinstance(msg, _Ack):
             p = self._held.pop(msg.request_id, None)
             if p is None:
@@ -612,8 +625,8 @@ class ReplyServer:
 
     def reply(self, request: Payload, data: Any = None) -> None:
         """Answer ``request`` with ``data``."""
-        self._sock.send(
-            _dumps(Reply(request.request_id, self.handler_name, request.handle_name, data=data))
+        _send_signed(
+            self._sock, Reply(request.request_id, self.handler_name, request.handle_name, data=data)
         )
 
     def reply_error(self, request: Payload, exc: BaseException) -> None:
@@ -624,8 +637,9 @@ class ReplyServer:
             handle_name=request.handle_name,
             request_id=request.request_id,
         )
-        self._sock.send(
-            _dumps(Reply(request.request_id, self.handler_name, request.handle_name, error=info))
+        _send_signed(
+            self._sock,
+            Reply(request.request_id, self.handler_name, request.handle_name, error=info),
         )
 
     def close(self) -> None:

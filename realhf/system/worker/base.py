@@ -54,7 +54,7 @@ import zmq
 
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import logging, name_resolve, names
-from realhf.base.net import network
+from realhf.base.net import auth, network
 from realhf.system.transport.errors import ErrorInfo
 
 __all__ = [
@@ -85,6 +85,9 @@ __all__ = [
 # disappears.  With the controller polling every second, a SIGKILLed worker is
 # reported LOST within about TTL + 1 s.
 DEFAULT_STATUS_TTL = 6.0
+
+#: The MAC domain of control messages (see :mod:`realhf.base.net.auth`).
+CONTROL_KIND = b"control"
 # The controller publishes its own status under this worker name, so workers
 # can notice that it is gone and exit instead of lingering as orphans.
 CONTROLLER_NAME = "controller/0"
@@ -239,7 +242,13 @@ class WorkerControlServer:
         """
         if not self._sock.poll(max(0, int(timeout * 1000)), zmq.POLLIN):
             return None
-        buf = self._sock.recv()
+        got = auth.recv(self._sock, CONTROL_KIND, f"{self.worker_name}'s control socket")
+        if got is None:
+            # Dropped (no valid MAC): a REP socket must answer before it can receive again;
+            # the sender gets an empty frame, never a pickle.
+            self._sock.send(b"")
+            return None
+        buf = got[1]
         try:
             return pickle.loads(buf)
         except Exception as e:
@@ -255,7 +264,7 @@ class WorkerControlServer:
 
     def send(self, reply: ControlReply) -> None:
         """Answer the request last received."""
-        self._sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+        auth.send(self._sock, CONTROL_KIND, pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
 
     def close(self) -> None:
         """Close the socket and withdraw the address."""

@@ -45,6 +45,7 @@ import zmq
 
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names
+from realhf.base.net import auth
 from realhf.system.transport.errors import (
     ExperimentFailed,
     RemoteError,
@@ -53,6 +54,7 @@ from realhf.system.transport.errors import (
     format_error,
 )
 from realhf.system.worker.base import (
+    CONTROL_KIND,
     CONTROLLER_NAME,
     DEFAULT_STATUS_TTL,
     ControlCommand,
@@ -190,7 +192,9 @@ class WorkerControlPanel:
         kwargs = kwargs or {}
         for w in workers:
             req = ControlRequest(command, dict(kwargs.get(w, {})))
-            self._socks[w].send(pickle.dumps(req, protocol=pickle.HIGHEST_PROTOCOL))
+            auth.send(
+                self._socks[w], CONTROL_KIND, pickle.dumps(req, protocol=pickle.HIGHEST_PROTOCOL)
+            )
         replies: Dict[str, ControlReply] = {}
         poller = zmq.Poller()
         for w in workers:
@@ -211,7 +215,10 @@ class WorkerControlPanel:
             # At most 1 s per wait, so a worker that died is noticed within a second or so.
             for sock, _ in poller.poll(int(min(left, 1.0) * 1000)):
                 w = by_sock[sock]
-                replies[w] = pickle.loads(sock.recv())
+                got = auth.recv(sock, CONTROL_KIND, f"the controller's socket to {w}")
+                if got is None:  # not from the worker: keep waiting for its answer
+                    continue
+                replies[w] = pickle.loads(got[1])
                 poller.unregister(sock)
             # A worker that answered and then exited (``exit``) has no key any
             # more: read a pending answer before calling it lost.

@@ -36,7 +36,9 @@ import zmq
 
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import logging, name_resolve, names
+from realhf.base.net import auth
 from realhf.system.worker.base import (
+    CONTROL_KIND,
     ControlReply,
     ControlRequest,
     WorkerControlServer,
@@ -160,9 +162,12 @@ def _run_in_thread(worker, control):
 
 
 def _send(sock: zmq.Socket, data: bytes, timeout: float = 10.0) -> ControlReply:
-    sock.send(data)
+    """Send raw pickled bytes as the controller would: signed with the run's secret."""
+    auth.send(sock, CONTROL_KIND, data)
     assert sock.poll(int(timeout * 1000)), "the worker did not answer its control request"
-    return pickle.loads(sock.recv())
+    got = auth.recv(sock, CONTROL_KIND, "test controller")
+    assert got is not None, "the worker's answer did not carry the run's MAC"
+    return pickle.loads(got[1])
 
 
 def test_every_worker_kind_is_covered(memory_name_resolve, trial):
