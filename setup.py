@@ -114,6 +114,8 @@ setup(
         "aiohttp",
         # serialises the generation server's long log-prob lists several times faster
         "orjson",
+        # reads the servers' /metrics (Prometheus text) for the load-based routing policies
+        "prometheus_client",
         # every run writes curves.png and tensorboard/ (README, "Outputs"); they stay core
         # so that a default run never silently lacks an output.
         "matplotlib",

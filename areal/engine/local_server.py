@@ -4,23 +4,29 @@
         engine = RemoteInferenceEngine([url])
 
 The server is ``python -m realhf.apps.serve`` (realhf's engine behind its SGLang-compatible
-HTTP app, on 127.0.0.1); the context manager starts it on a free port, waits (bounded) for
-``/health``, and stops it by PID on exit.  On a cluster, start
-SGLang or this module on the generation machines and pass their URLs instead.
+HTTP app, on 127.0.0.1), run by realhf's helper for server processes
+(:class:`~realhf.system.rollout.sglang_launcher.ServerProcess`, as the generation server
+worker runs SGLang and vLLM): the context manager starts it on a free port in a process group
+of its own, waits (bounded) for ``/health`` (a failure quotes the server's log), and stops the
+whole group on exit.  The server is tied to this process's life: if this process dies without
+exiting the context (SIGKILL, a crash), Linux sends the server SIGTERM, so it never outlives
+the script holding the port and the model's memory.  On a cluster, start SGLang or this
+module on the generation machines and pass their URLs instead.
+
+The server shares this process's secret (``$REALHF_RUN_SECRET``, made here if this process
+has none), so ``RemoteInferenceEngine`` in this process may call its control routes; weight
+updates load from under ``weights_root`` only (where the caller saves its versions).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
+import tempfile
 from typing import Optional
 
-import requests
-
-from realhf.base.net import network
+from realhf.base.net import auth, network
+from realhf.system.rollout.sglang_launcher import ServerProcess
 
 __all__ = ["LocalGenerationServer"]
 
@@ -35,6 +41,10 @@ class LocalGenerationServer:
         max_running_requests: sequences decoded together (a batch of 32 prompts x 8
             answers is 256).
         start_timeout_s: how long to wait for the server to answer ``/health``.
+        log_path: file for the server's output; None = ``realhf_local_server_<port>.log``
+            in the temporary directory.
+        weights_root: the directory the caller saves weight versions under; the server
+            loads updates from there only (None: it takes no weight updates).
     """
 
     def __init__(
@@ -44,17 +54,21 @@ class LocalGenerationServer:
         context_length: int = 512,
         max_running_requests: int = 256,
         start_timeout_s: float = 120.0,
+        weights_root: Optional[str] = None,
+        log_path: Optional[str] = None,
     ):
         self.max_running_requests = max_running_requests
         self.model_dir = model_dir
         self.num_threads = num_threads
         self.context_length = context_length
         self.start_timeout_s = start_timeout_s
-        self.proc: Optional[subprocess.Popen] = None
+        self.weights_root = weights_root
+        self.log_path = log_path
+        self.server: Optional[ServerProcess] = None
         self.url = ""
 
     def __enter__(self) -> str:
-        port = network.find_free_port()
+        port = network.find_free_port(host="127.0.0.1")
         cmd = [
             sys.executable,
             "-m",
@@ -70,32 +84,21 @@ class LocalGenerationServer:
         ]
         if self.num_threads:
             cmd += ["--num-threads", str(self.num_threads)]
-        self.proc = subprocess.Popen(cmd)
-        self.url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"the generation server for {self.model_dir} exited with {self.proc.returncode}"
-                )
-            try:
-                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self.url
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        self.__exit__()
-        raise TimeoutError(
-            f"the generation server for {self.model_dir} did not answer /health on {self.url} "
-            f"within {self.start_timeout_s:g}s"
+        if self.weights_root:
+            cmd += ["--weights-root", os.path.abspath(self.weights_root)]
+        auth.run_secret()  # made now if this process has none: the child inherits it
+        url = f"http://127.0.0.1:{port}"
+        log = self.log_path or os.path.join(
+            tempfile.gettempdir(), f"realhf_local_server_{port}.log"
         )
+        # Start from a thread that lives as long as the process (the main one, as a script
+        # does): Linux signals the server when the thread that started it ends.
+        server = ServerProcess("generation server", cmd, url, log_path=log)
+        server.start(health_timeout=self.start_timeout_s)  # stops it if it fails
+        self.server, self.url = server, url
+        return url
 
     def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop(timeout=10)

@@ -27,12 +27,12 @@ import shlex
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from realhf.base import constants
 from realhf.system.dag.outputs import accuracy_key
 
-__all__ = ["RunConsole", "summarize", "format_summary", "read_records"]
+__all__ = ["RunConsole", "summarize", "format_summary", "read_records", "RecordTail"]
 
 #: seconds between plain progress lines (evaluations and the last step always print)
 PLAIN_INTERVAL_S = 10.0
@@ -47,19 +47,60 @@ def _finite(v) -> bool:
 def read_records(path: str) -> List[Dict[str, Any]]:
     """The complete JSON lines of ``path`` ([] when absent); one per step, the last line
     of a step winning (a resumed run may have rewritten it)."""
-    by_step: Dict[int, Dict[str, Any]] = {}
     try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:  # a line still being written
-                    continue
-                if isinstance(r, dict) and isinstance(r.get("step"), int):
-                    by_step[r["step"]] = r
+        with open(path, "rb") as f:
+            return _by_step(f.read())
     except FileNotFoundError:
         return []
+
+
+def _by_step(data: bytes) -> List[Dict[str, Any]]:
+    """The step records of the JSON lines in ``data``, one per step (the last line wins)."""
+    by_step: Dict[int, Dict[str, Any]] = {}
+    for line in data.splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:  # a line still being written
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int):
+            by_step[r["step"]] = r
     return [by_step[s] for s in sorted(by_step)]
+
+
+class RecordTail:
+    """The step records appended to a JSON-lines file since the last :meth:`read`.
+
+    The console polls ``metrics.jsonl`` every half second for the whole run; reading the
+    file whole each time cost O(steps) per poll, O(steps²) over a run.  This keeps its
+    offset and reads only what was appended, up to the last complete line (a line being
+    written is read once it ends).  It starts over from the beginning when the file was
+    replaced (another inode: a resumed run rewrites it atomically) or truncated (shorter
+    than the offset).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) being followed
+        self._offset = 0
+
+    def read(self) -> List[Dict[str, Any]]:
+        """The records of the complete lines written since the last call, one per step."""
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            self._file, self._offset = None, 0
+            return []
+        with f:
+            st = os.fstat(f.fileno())  # of the file opened, not of one that replaced it
+            if (st.st_dev, st.st_ino) != self._file or st.st_size < self._offset:
+                self._file, self._offset = (st.st_dev, st.st_ino), 0
+            if st.st_size == self._offset:
+                return []
+            f.seek(self._offset)
+            data = f.read(st.st_size - self._offset)
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        return _by_step(complete)
 
 
 def _pick(record: Dict[str, Any], *suffixes: str) -> Optional[str]:
@@ -112,6 +153,7 @@ class RunConsole:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._shown: Dict[int, Dict[str, Any]] = {}  # step -> record already shown
+        self._records = RecordTail(os.path.join(run_dir, "metrics.jsonl"))
         self._plan: Optional[Dict[str, Any]] = None
         self._first: Optional[tuple] = None  # (monotonic time, step) of the first step seen
         self._last_line = -math.inf
@@ -161,7 +203,9 @@ class RunConsole:
             self._shown = {s: r for s, r in self._shown.items() if s <= plan["start_step"]}
         if self._plan is None:
             return
-        for r in read_records(os.path.join(self.run_dir, "metrics.jsonl")):
+        # Only what was appended since the last poll; a rewritten file is read anew, and
+        # its records are shown again only where they differ from what was shown.
+        for r in self._records.read():
             if self._shown.get(r["step"]) != r:
                 self._shown[r["step"]] = r
                 self._show(r)

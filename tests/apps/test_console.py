@@ -72,6 +72,56 @@ def test_a_resumed_attempt_shows_its_steps_again(tmp_path):
     assert steps == [("1", "0"), ("2", "1"), ("2", "7")]
 
 
+def _bytes_read() -> int:
+    """Bytes this process has read through read() calls so far (Linux)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def test_polls_read_only_what_was_appended(tmp_path):
+    """A run of N steps polled after each one reads the file about once in all, not N/2
+    times over (the whole file every half second); a line being written waits for its end."""
+    out = io.StringIO()
+    con = RunConsole("x", str(tmp_path), stream=out, tty=False, interval=0)
+    _write(tmp_path, {"total_steps": 300, "start_step": 0})
+    lines = [json.dumps(_step(step)) + "\n" for step in range(1, 301)]
+    before = _bytes_read()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        for line in lines:  # written as the master does, one step at a time
+            f.write(line)
+            f.flush()
+            con.poll()
+    read = _bytes_read() - before
+    size = os.path.getsize(tmp_path / "metrics.jsonl")
+    # Each byte once, plus progress.json at every poll (reading it all: ~150x the file).
+    assert read < 3 * size, (read, size)
+    assert len(re.findall(r"step \d+/300", out.getvalue())) == 300
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 301, "n_items"')  # not complete: not read as a record
+    con.poll()
+    assert "step 301" not in out.getvalue()
+
+
+def test_a_rewritten_or_truncated_metrics_file_is_read_anew(tmp_path):
+    out = io.StringIO()
+    con = RunConsole("x", str(tmp_path), stream=out, tty=False, interval=0)
+    _write(tmp_path, {"total_steps": 9, "start_step": 0}, [_step(s) for s in range(1, 6)])
+    con.poll()
+    # A resumed run rewrites the file atomically (another inode) with the steps it kept...
+    with open(tmp_path / "new.jsonl", "w") as f:
+        f.write(json.dumps(_step(1)) + "\n" + json.dumps(_step(2)) + "\n")
+    os.replace(tmp_path / "new.jsonl", tmp_path / "metrics.jsonl")
+    _write(tmp_path, records=[_step(3, **{"rew/task_reward": 7})])
+    con.poll()
+    # ...and a file cut shorter in place is read from its start too.
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write(json.dumps(_step(3, **{"rew/task_reward": 8})) + "\n")
+    con.poll()
+    steps = re.findall(r"step (\d)/9 \| .* reward (\S+)", out.getvalue())
+    assert steps == [("1", "0"), ("2", "1"), ("3", "2"), ("4", "3"), ("5", "4"),
+                     ("3", "7"), ("3", "8")]  # fmt: skip
+
+
 def test_the_terminal_view_is_a_progress_bar_with_evaluations_above_it(tmp_path):
     out = io.StringIO()
     with RunConsole("ppo-math", str(tmp_path), stream=out, tty=True, poll_s=0.05):

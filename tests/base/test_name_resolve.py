@@ -387,6 +387,72 @@ def test_file_entries_expire_for_readers_and_are_overwritable(tmp_path):
     b.close()
 
 
+def _files_under(path):
+    return sorted(
+        os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs
+    )
+
+
+def test_file_backend_leaves_no_lock_behind_and_keeps_its_files_private(tmp_path):
+    """A lock file lives as long as its key: 200 keys added and deleted leave no file (one
+    lock file per key, never removed, used to leave 200), and what the backend makes is
+    its user's alone (lock files were 0666: any local user could hold one)."""
+    root = tmp_path / "nr"
+    repo = name_resolve.make_repository("file", root=str(root))
+    try:
+        assert os.stat(root).st_mode & 0o777 == 0o700
+        repo.add("run/trial/kept", "v")
+        for i in range(200):
+            repo.add(f"run/trial/worker/{i}", "addr")
+            repo.delete(f"run/trial/worker/{i}")
+            repo.add("run/trial/again", "x", keepalive_ttl=30)  # refreshes lock it too
+            repo.delete("run/trial/again")
+        assert _files_under(root) == ["run/trial/kept/.entry", "run/trial/kept/.lock"]
+        key_dir = root / "run" / "trial" / "kept"
+        assert os.stat(key_dir / ".lock").st_mode & 0o777 == 0o600
+        for d in (root / "run", root / "run" / "trial", key_dir):
+            assert os.stat(d).st_mode & 0o777 == 0o700, d
+        # A refresh or delete of a key that is gone leaves nothing behind either...
+        with pytest.raises(NameEntryNotFoundError):
+            repo.delete("run/trial/never")
+        assert not repo._refresh("run/trial/never", "token", 1.0)
+        # ...and clearing a subtree takes its locks with it.
+        repo.clear_subtree("run")
+        assert _files_under(root) == []
+    finally:
+        repo.close()
+
+
+@pytest.mark.slow
+def test_file_backend_lock_stays_exclusive_while_its_file_comes_and_goes(tmp_path):
+    """Every release of a key with no entry removes its lock file; processes that opened
+    the removed file meanwhile must not hold it alongside the one that made the next
+    file. Three processes increment a counter under the lock 150 times each: a lost
+    update would show two holders."""
+    counter = tmp_path / "counter"
+    counter.write_text("0")
+    code = textwrap.dedent(
+        """
+        import sys, time
+        from realhf.base import name_resolve
+        repo = name_resolve.make_repository("file", root=sys.argv[1])
+        for _ in range(150):
+            with repo._locked("shared/key"):
+                with open(sys.argv[2]) as f:
+                    n = int(f.read())
+                time.sleep(0.0005)
+                with open(sys.argv[2], "w") as f:
+                    f.write(str(n + 1))
+        """
+    )
+    args = [sys.executable, "-c", code, str(tmp_path / "nr"), str(counter)]
+    procs = [subprocess.Popen(args, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read()
+    assert int(counter.read_text()) == 450
+    assert _files_under(tmp_path / "nr") == []
+
+
 @pytest.mark.slow
 def test_file_backend_a_hung_lock_holder_blocks_only_its_key(tmp_path, monkeypatch):
     """A process stopped (SIGSTOP) while holding a key's lock: other keys' adds and

@@ -8,15 +8,22 @@ This is the embedded default (see :mod:`realhf.base.name_resolve`).  Key
 * Readers never see a half-written entry: writers write a temp file in the same
   directory and ``os.replace`` it over ``.entry``.
 * Check-then-write sequences on a key (``add`` without replace, keepalive refresh,
-  ``delete``) hold an exclusive ``flock`` on that key's own lock file under
-  ``{root}/.locks/``, so concurrent ``add`` of one key from many processes has
-  exactly one winner.  One lock per key, not one for the tree: a process that hangs
-  while holding a lock (SIGSTOP, a debugger, a stalled disk) blocks only that key —
-  with one tree-wide lock it froze every process's keepalives, and the whole run with
-  them.  A lock held for over :data:`LOCK_WAIT` seconds fails the operation with a
-  ``TimeoutError`` naming the key.  Plain reads take no lock.
+  ``delete``) hold an exclusive ``flock`` on that key's own lock file ``.lock`` beside
+  its ``.entry``, so concurrent ``add`` of one key from many processes has exactly one
+  winner.  One lock per key, not one for the tree: a process that hangs while holding a
+  lock (SIGSTOP, a debugger, a stalled disk) blocks only that key — with one tree-wide
+  lock it froze every process's keepalives, and the whole run with them.  A lock held
+  for over :data:`LOCK_WAIT` seconds fails the operation with a ``TimeoutError`` naming
+  the key.  Plain reads take no lock.
+* A lock file lives exactly as long as its key: the holder that leaves a key without an
+  entry removes the file before it lets go (a run that adds and deletes keys for days
+  leaves no files behind, and ``clear_subtree`` takes the locks with the entries).  A
+  process that was waiting on a removed file sees, once it holds it, that the path no
+  longer names that file, and locks the current one instead: one holder at a time.
+* Private: directories are made mode 0700 and lock files 0600, so another local user can
+  neither read the run's addresses nor take a key's lock and stall the run.
 * Empty directories are pruned after a delete without any lock: ``rmdir`` removes
-  only empty ones, and a writer whose directory vanished under it makes it again.
+  only empty ones, and a process whose directory vanished under it makes it again.
 * TTL: ``expires_at`` is wall-clock time (all users share this machine's
   clock); the owner rewrites it every ttl/3.  Readers treat an expired entry
   as absent, and writers overwrite or remove it.
@@ -28,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -44,9 +50,12 @@ from realhf.base.name_resolve._repository import (
 from realhf.base.storage.atomic_file import write_json_atomic
 
 ENTRY = ".entry"
-LOCKS = ".locks"
+#: a key's lock file, beside its entry (so a cleared subtree takes its locks with it)
+LOCK = ".lock"
 #: seconds an operation waits for another process to release a key's lock
 LOCK_WAIT = 30.0
+#: what the backend creates is its user's alone (see the module docstring)
+DIR_MODE, LOCK_MODE = 0o700, 0o600
 
 
 class FileNameRecordRepository(NameRecordRepository):
@@ -59,9 +68,13 @@ class FileNameRecordRepository(NameRecordRepository):
         root = constants.name_resolve_root() if root is None else root
         if not isinstance(root, str) or not root:
             raise ValueError(f"file backend root must be a non-empty path, got {root!r}.")
+        root = os.path.abspath(os.path.expanduser(root))
+        if not os.path.isdir(root):
+            # A root we make is private; one the user made keeps the mode they gave it.
+            with contextlib.suppress(OSError):  # ensure_writable below names the problem
+                os.makedirs(root, mode=DIR_MODE, exist_ok=True)
         # Raises PermissionError naming the path when it cannot be used.
-        self.root = constants.ensure_writable(os.path.abspath(os.path.expanduser(root)))
-        self._locks = os.path.join(self.root, LOCKS)
+        self.root = constants.ensure_writable(root)
 
     def __repr__(self) -> str:
         return f"FileNameRecordRepository(root={self.root!r})"
@@ -70,31 +83,78 @@ class FileNameRecordRepository(NameRecordRepository):
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
-        # A fresh descriptor per acquisition: flock belongs to the open file
-        # description, so two threads sharing one fd would both "hold" it.
-        path = os.path.join(self._locks, hashlib.sha1(key.encode()).hexdigest())
+        """Hold ``key``'s lock; on the way out, remove the lock file (still holding it) and
+        prune the key's empty directories when the key has no entry."""
+        d = self._dir(key)
+        path = os.path.join(d, LOCK)
+        fd = self._acquire(key, path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except FileNotFoundError:  # first use, or the tree was cleared
-            os.makedirs(self._locks, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            deadline, pause = time.monotonic() + LOCK_WAIT, 0.001
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"name-resolve key {key!r}: another process has held its lock "
-                            f"{path} for over {LOCK_WAIT:g}s (is it hung?)"
-                        ) from None
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.05)
             yield
         finally:
+            keyless = not os.path.exists(os.path.join(d, ENTRY))
+            if keyless:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             os.close(fd)  # closing releases the flock
+            if keyless:
+                self._prune(key)
+
+    def _acquire(self, key: str, path: str) -> int:
+        """A descriptor of ``path`` holding its exclusive flock (waits up to LOCK_WAIT)."""
+        # A fresh descriptor per acquisition: flock belongs to the open file
+        # description, so two threads sharing one fd would both "hold" it.
+        deadline, pause = time.monotonic() + LOCK_WAIT, 0.001
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, LOCK_MODE)
+            except FileNotFoundError:  # the key's directory is new, or was pruned just now
+                if time.monotonic() > deadline:
+                    raise
+                self._makedirs(os.path.dirname(path))
+                continue
+            try:
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(
+                                f"name-resolve key {key!r}: another process has held its "
+                                f"lock {path} for over {LOCK_WAIT:g}s (is it hung?)"
+                            ) from None
+                        time.sleep(pause)
+                        pause = min(pause * 2, 0.05)
+            except BaseException:
+                os.close(fd)
+                raise
+            if self._is_current(fd, path):
+                return fd
+            # Its holder removed the file (the key went) while we waited: a process
+            # arriving now locks a new file, so this one guards nothing; take that one.
+            os.close(fd)
+
+    @staticmethod
+    def _is_current(fd: int, path: str) -> bool:
+        """Whether ``path`` still names the file open at ``fd``."""
+        try:
+            st = os.stat(path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        held = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+    def _makedirs(self, d: str) -> None:
+        """``os.makedirs(d, exist_ok=True)``, each directory it makes mode DIR_MODE (makedirs
+        gives missing parents the default mode)."""
+        try:
+            os.mkdir(d, DIR_MODE)
+        except FileExistsError:
+            return
+        except FileNotFoundError:
+            self._makedirs(os.path.dirname(d))
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(d, DIR_MODE)
 
     def _dir(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -116,21 +176,17 @@ class FileNameRecordRepository(NameRecordRepository):
         return entry
 
     def _write(self, key: str, entry: dict) -> None:
-        d = self._dir(key)
-        # No fsync: entries describe live processes and expire with them, so a
-        # machine crash makes them meaningless anyway, while keepalives rewrite
-        # them often (an fsync each is costly, on NFS especially).  Atomicity
-        # against concurrent readers is what matters here.
-        for attempt in range(10):
-            os.makedirs(d, exist_ok=True)
-            try:
-                write_json_atomic(os.path.join(d, ENTRY), entry, fsync=False)
-                return
-            except FileNotFoundError:
-                # Another process pruned the (then empty) directory between our makedirs
-                # and the temp file: make it again. Once the temp file is in, it stays.
-                if attempt == 9:
-                    raise
+        # Called holding the key's lock, whose file keeps the directory from being pruned.
+        # No fsync: entries describe live processes and expire with them, so a machine
+        # crash makes them meaningless anyway, while keepalives rewrite them often (an
+        # fsync each is costly, on NFS especially).  Atomicity against concurrent readers
+        # is what matters here.
+        path = self._entry_path(key)
+        try:
+            write_json_atomic(path, entry, fsync=False)
+        except FileNotFoundError:  # the subtree was cleared meanwhile (clear_subtree)
+            self._makedirs(os.path.dirname(path))
+            write_json_atomic(path, entry, fsync=False)
 
     def _prune(self, key: str) -> None:
         """Remove now-empty directories from key's up to (excluding) the root."""
@@ -188,7 +244,6 @@ class FileNameRecordRepository(NameRecordRepository):
                 n += self._load(path) is not None
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     os.remove(path)
-            self._prune(key)
         return n
 
     def _clear(self, prefix: str) -> None:
@@ -207,7 +262,6 @@ class FileNameRecordRepository(NameRecordRepository):
             if entry is None or entry.get("owner") != token:
                 return
             os.remove(path)
-        self._prune(key)
 
     def _refresh(self, key: str, token: object, ttl: float) -> bool:
         with self._locked(key):

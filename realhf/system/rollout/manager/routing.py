@@ -15,17 +15,29 @@ the run's :class:`SchedulePolicy`:
   scheduled since (``prompt_len + token_usage_budget_ratio * new_token_budget`` each).
 
 The load-based policies read ``/metrics`` (Prometheus text, SGLang's gauge names; the vLLM
-adapter reports the same names) at every health check: :func:`parse_metrics`.
+adapter reports the same names) at every health check: :func:`parse_metrics`, the one reader
+of Prometheus text in the project (``prometheus_client``'s parser; the vLLM adapter reads
+vLLM's metrics with it too).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Protocol, Sequence, TypeVar
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, TypeVar
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from realhf.api.core.rollout_api import ScheduleRequest
 from realhf.api.core.rollout_config import SchedulePolicy
 
-__all__ = ["NoServerAvailable", "choose_server", "route", "parse_metrics", "load_from_metrics"]
+__all__ = [
+    "NoServerAvailable",
+    "choose_server",
+    "route",
+    "metric_samples",
+    "parse_metrics",
+    "load_from_metrics",
+]
 
 
 class NoServerAvailable(RuntimeError):
@@ -99,18 +111,28 @@ def route(
     return choose_server(candidates, policy, rr_counter), True
 
 
+def metric_samples(text: str) -> List[Sample]:
+    """The samples (``name``, ``labels``, ``value``) of Prometheus text ``text``.
+
+    Raises:
+        ValueError: ``text`` is not Prometheus text (the message quotes the parser's).
+    """
+    try:
+        return [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except ValueError as e:
+        raise ValueError(f"/metrics is not Prometheus text ({e}): {text[:200]!r}") from None
+
+
 def parse_metrics(text: str) -> Dict[str, float]:
-    """Prometheus text -> ``{metric_name: value}`` (labels dropped, last sample wins)."""
+    """Prometheus text -> ``{sample_name: value}``, the values of a name's label sets summed
+    (a server with two engines reports each one's running requests: its load is both).
+
+    Raises:
+        ValueError: ``text`` is not Prometheus text.
+    """
     out: Dict[str, float] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        try:
-            out[name_part.split("{", 1)[0]] = float(value)
-        except ValueError:
-            continue
+    for s in metric_samples(text):
+        out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
 

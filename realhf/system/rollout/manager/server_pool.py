@@ -116,6 +116,8 @@ class ServerPool:
         # and is then brought to the new version instead of staying at the old one.
         self._lock: Optional[asyncio.Lock] = None
         self._session: Optional[aiohttp.ClientSession] = None
+        #: servers whose /metrics could not be read last time (each is logged once)
+        self._unreadable_metrics: set = set()
 
     async def open(self) -> None:
         self._session = aiohttp.ClientSession()
@@ -287,9 +289,23 @@ class ServerPool:
                 s.url + "/metrics",
                 timeout=aiohttp.ClientTimeout(total=self.config.health_timeout_s),
             ) as r:
-                m = parse_metrics(await r.text())
+                text = await r.text()
+                if r.status != 200:
+                    raise ValueError(f"/metrics answered HTTP {r.status}: {text[:200]!r}")
+                m = parse_metrics(text)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return  # the health check decides whether it is dead
+        except ValueError as e:
+            # Its estimate stays (the last reading plus what was scheduled since): reading
+            # an error page as "no load" would send it every request.
+            if s.url not in self._unreadable_metrics:
+                self._unreadable_metrics.add(s.url)
+                logger.warning(
+                    f"generation server {s.url}: {e}; its load is estimated from the requests "
+                    "scheduled on it until /metrics is readable again"
+                )
+            return
+        self._unreadable_metrics.discard(s.url)
         s.metric_requests, s.metric_tokens = load_from_metrics(m)
         s.assigned_requests, s.assigned_tokens = 0, 0.0
 

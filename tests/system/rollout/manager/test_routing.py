@@ -40,6 +40,35 @@ def test_parse_metrics_reads_sglang_gauges():
     assert parse_metrics(text) == {"sglang:num_used_tokens": 123.0, "sglang:num_running_reqs": 2.0}
 
 
+def test_parse_metrics_is_prometheus_text_and_agrees_with_the_vllm_adapter():
+    """One parser (prometheus_client's) for the manager and the vLLM adapter: label sets of a
+    name are summed by both (the manager kept the last one, the adapter summed), a sample's
+    timestamp is not its value, and what is not Prometheus text is an error naming it."""
+    from realhf.system.rollout import vllm_backend
+
+    vllm = (
+        'vllm:num_requests_running{engine="0",model_name="p"} 3.0\n'
+        'vllm:num_requests_running{engine="1",model_name="p"} 2.0 1732250000000\n'
+        'vllm:num_requests_waiting{engine="0",model_name="p"} 1.0\n'
+        'vllm:kv_cache_usage_perc{engine="0",model_name="p"} 0.5\n'
+        'vllm:kv_cache_usage_perc{engine="1",model_name="p"} 0.25\n'
+        'vllm:cache_config_info{engine="0",kv_cache_size_tokens="1000",x="a b}"} 1.0\n'
+        'vllm:cache_config_info{engine="1",kv_cache_size_tokens="400"} 1.0\n'
+    )
+    m = parse_metrics(vllm)
+    assert m["vllm:num_requests_running"] == 5.0 and m["vllm:num_requests_waiting"] == 1.0
+    gauges = parse_metrics(vllm_backend.sglang_metrics(vllm))
+    assert gauges["sglang:num_running_reqs"] == m["vllm:num_requests_running"]
+    assert gauges["sglang:num_queue_reqs"] == 1.0
+    assert gauges["sglang:num_used_tokens"] == 0.5 * 1000 + 0.25 * 400  # each engine's cache
+    assert load_from_metrics(gauges) == (6.0, 600.0)
+    for bad in ("<html>502 Bad Gateway</html>", "sglang:num_running_reqs three"):
+        with pytest.raises(ValueError, match="not Prometheus text"):
+            parse_metrics(bad)
+        with pytest.raises(ValueError, match="not Prometheus text"):
+            vllm_backend.sglang_metrics(bad)
+
+
 def test_route_sends_a_continuation_back_while_its_version_holds():
     a, b = ServerState("a", version=3), ServerState("b", version=3)
 
