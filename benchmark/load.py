@@ -47,7 +47,8 @@ from typing import Any, Callable, Dict, List, Optional
 import aiohttp
 import psutil
 
-from realhf.base.net import network
+from realhf.base.net import auth, network
+from realhf.base.net.http_server import auth_headers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ASSETS = os.path.join(ROOT, "realhf", "assets", "tiny")
@@ -248,7 +249,11 @@ async def flood(
         return status, text
 
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    # with the run's token, as the rollout workers: the manager's routes want it
+    headers = auth_headers()
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
+    ) as session:
         t0 = time.perf_counter()
         answers = await asyncio.gather(*(one(session, i) for i in range(n)))
         tally.wall = time.perf_counter() - t0
@@ -481,6 +486,7 @@ def main() -> int:
     from realhf.impl.model.gen.http_app import DEFAULT_MAX_CONCURRENT_REQUESTS as DEFAULT
 
     args = parse_args()
+    auth.run_secret()  # made now: every server and process started below inherits it
     prompts = load_prompts(args.n, args.seed)
     log_dir = tempfile.mkdtemp(prefix="realhf-load-")
     gens: List[subprocess.Popen] = []

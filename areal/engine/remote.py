@@ -29,8 +29,9 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
-from typing import Coroutine, Dict, Optional, Sequence, TypeVar
+from typing import Any, Coroutine, Dict, Optional, Sequence, TypeVar
 
+from areal.api.cli_args import InferenceEngineConfig
 from areal.api.engine_api import InferenceEngine
 from realhf.api.core.rollout_api import (
     GenerateGroupRequest,
@@ -114,6 +115,21 @@ class RemoteInferenceEngine(InferenceEngine):
         except BaseException:
             self.close()  # the pool's HTTP session and loop thread end with the failed start
             raise
+
+    @classmethod
+    def from_config(
+        cls, urls: Sequence[str], config: InferenceEngineConfig, **kwargs: Any
+    ) -> "RemoteInferenceEngine":
+        """An engine whose generate calls follow ``config`` (``new_tokens_per_chunk``,
+        ``request_timeout_s``; its other fields are the ``WorkflowExecutor``'s); ``kwargs``
+        as in the constructor.  A script passes its config here, so that no setting of it
+        is dropped on the way (``request_timeout_s`` once was)."""
+        return cls(
+            urls,
+            new_tokens_per_chunk=config.new_tokens_per_chunk,
+            request_timeout_s=config.request_timeout_s,
+            **kwargs,
+        )
 
     @property
     def version(self) -> int:

@@ -68,9 +68,13 @@ def main():
     log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     server = executor = engine = None
     if rank == 0:  # one generation server and one executor for the whole job
-        server = LocalGenerationServer(path, num_threads=max(1, (os.cpu_count() or 2) // 2))
+        server = LocalGenerationServer(
+            path,
+            num_threads=max(1, (os.cpu_count() or 2) // 2),
+            weights_root=os.path.join(cfg.out_dir, "weights"),  # where upload_weights saves
+        )
         url = server.__enter__()
-        engine = RemoteInferenceEngine([url], cfg.rollout.new_tokens_per_chunk, seed=cfg.seed)
+        engine = RemoteInferenceEngine.from_config([url], cfg.rollout, seed=cfg.seed)
         make = rlvr_workflow if cfg.max_turns == 1 else multi_turn_workflow
         make = tool_workflow if cfg.python_tool else make
         kw = {} if make is rlvr_workflow else {"max_turns": cfg.max_turns}

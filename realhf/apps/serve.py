@@ -9,6 +9,14 @@ The server speaks SGLang's native protocol (``/generate``,
 :mod:`realhf.impl.model.gen.http_app`). It prints one line starting with
 ``realhf generation server ready`` once it accepts requests. A directory
 without tokenizer files is served token-ids-only (text inputs get HTTP 400).
+
+Who may call what: the control routes (pause, continue, weight updates, cache flush,
+abort, server information) want ``Authorization: Bearer <token>`` where the token is
+``realhf.base.net.auth.http_token()`` of the secret in ``$REALHF_RUN_SECRET`` (hex) or
+``$REALHF_SECRET_FILE``; give the server and its clients the same one, e.g.
+``export REALHF_RUN_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')``.
+Weight updates load directories under ``--weights-root`` only.  The generation routes want
+``--api-key`` (or the token) when set, by default when ``--host`` is not a loopback address.
 """
 
 from __future__ import annotations
@@ -22,7 +30,13 @@ from typing import List, Optional
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
 from realhf.base.gcutil import freeze_startup_objects
-from realhf.base.net.http_server import listen_socket, make_server, serve_until_started
+from realhf.base.net import auth
+from realhf.base.net.http_server import (
+    generation_api_keys,
+    listen_socket,
+    make_server,
+    serve_until_started,
+)
 from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.http_app import DEFAULT_MAX_CONCURRENT_REQUESTS, create_app
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
@@ -72,6 +86,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default=None,
         help="CPU threads of the engine (torch and numba); default all cores",
     )
+    p.add_argument(
+        "--weights-root",
+        default=None,
+        help="directory under which /update_weights_from_disk may load weights (any other "
+        "path answers 403); default: no weight updates",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer key the generation routes (/generate, /v1/...) want, besides the run's "
+        "token; default: the run's token when --host is not loopback, none on loopback; "
+        "'' opens them wherever the server listens",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     return p.parse_args(argv)
 
@@ -118,6 +145,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if not (os.environ.get(auth.SECRET_FILE_ENV) or os.environ.get(auth.SECRET_ENV)):
+        logger.warning(
+            f"neither ${auth.SECRET_ENV} nor ${auth.SECRET_FILE_ENV} is set: this server made "
+            "a secret of its own, so no other process can call its control routes (pause, "
+            f"weight updates); set ${auth.SECRET_ENV} for the server and its clients alike"
+        )
     tokenizer = load_tokenizer(args.model_path)
     engine = load_engine(args.model_path, config, tokenizer=tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
@@ -127,6 +160,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         model_path=args.model_path,
         served_model_name=name,
         max_concurrent_requests=args.max_concurrent_requests,
+        weights_root=args.weights_root,
+        api_keys=generation_api_keys(args.api_key, args.host),
     )
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     try:

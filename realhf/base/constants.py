@@ -21,7 +21,8 @@ Run directory (``run_dir()``) = ``{fileroot}/{experiment}/{trial}/``::
 Weights that the trainer publishes for generation servers go to
 ``{fileroot}/.cache/{experiment}/{trial}/weights/{role}/v{version}``
 (:func:`weight_publication_dir`), outside the run dir so clearing the cache
-never touches results.
+never touches results.  A generation server loads weights from under
+:func:`weight_publication_root` only.
 
 The default name-resolve root is ``{fileroot}/name_resolve`` (see
 :mod:`realhf.base.name_resolve`).
@@ -55,6 +56,7 @@ __all__ = [
     "metrics_path",
     "progress_path",
     "cache_root",
+    "weight_publication_root",
     "weight_publication_dir",
     "name_resolve_root",
 ]
@@ -288,6 +290,15 @@ def cache_root() -> str:
     return os.path.join(get_fileroot(), ".cache")
 
 
+def weight_publication_root(experiment: Optional[str] = None, trial: Optional[str] = None) -> str:
+    """``{fileroot}/.cache/{experiment}/{trial}/weights``: every version of every role a run
+    publishes lies under it, and a generation server of the run loads weights from nowhere
+    else (``/update_weights_from_disk`` answers 403 for any other path)."""
+    return os.path.join(
+        cache_root(), experiment or experiment_name(), trial or trial_name(), "weights"
+    )
+
+
 def weight_publication_dir(
     role: str,
     version: int,
@@ -302,14 +313,7 @@ def weight_publication_dir(
         raise ValueError(f"role must be a non-empty name without '/', got {role!r}.")
     if not isinstance(version, int) or version < 0:
         raise ValueError(f"version must be a non-negative int, got {version!r}.")
-    return os.path.join(
-        cache_root(),
-        experiment or experiment_name(),
-        trial or trial_name(),
-        "weights",
-        role,
-        f"v{version}",
-    )
+    return os.path.join(weight_publication_root(experiment, trial), role, f"v{version}")
 
 
 def name_resolve_root() -> str:

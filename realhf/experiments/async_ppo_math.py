@@ -102,6 +102,16 @@ class GenServerOptions:
             "realhf.system.rollout.vllm_backend --make-venv)"
         },
     )
+    api_key: Optional[str] = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "bearer key of the servers' generation routes (/generate, /v1/...), like "
+            "vLLM's --api-key; empty = the run's token when a server listens beyond loopback, "
+            "none on loopback; \"''\" (quoted) = none anywhere; other = also accept this key "
+            "(external clients). Control routes always want the run's token"
+        },
+    )
 
     def __post_init__(self):
         if self.schedule_policy not in SCHEDULE_POLICIES:
@@ -315,6 +325,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             model_path=actor_path,
             backend={"sglang": "sglang", "vllm": "vllm"}.get(alloc.gen_backend, "builtin"),
             vllm_python=cfg.gen_server.vllm_python,
+            api_key=cfg.gen_server.api_key,
             max_running_requests=cfg.gen_server.max_running_requests,
             context_length=cfg.gen_server.context_length,
             dtype=cfg.actor.dtype,

@@ -55,12 +55,26 @@ def test_sampling_params_from_sglang_dict_and_greedy_rule():
         ({"frobnicate": 1}, "sampling_params.frobnicate=1 is invalid: unknown field"),
         ({"repetition_penalty": 1.2}, "not supported by the built-in engine"),
         ({"stop": ["\n"]}, "sampling_params.stop"),
+        # found by fuzzing (tests/impl/model/gen/test_http_fuzz.py): accepted before, they
+        # failed the engine's step (an int64 tensor or a generator seed) with a 500
+        ({"top_k": 2**63}, "use -1 for the whole vocabulary"),
+        ({"sampling_seed": 2**64}, "sampling_seed=18446744073709551616"),
+        ({"temperature": 10**400}, "temperature=1000"),
+        ({"temperature": float("nan")}, "temperature=nan"),
     ],
 )
 def test_bad_sampling_params_name_the_field(d, needle):
     with pytest.raises(InvalidRequestError, match=None) as info:
         SamplingParams.from_dict(d)
     assert needle in str(info.value)
+
+
+def test_temperature_and_top_p_are_stored_as_floats():
+    # an integer temperature of 2**63 (valid JSON) reached a torch tensor as an int64 and
+    # overflowed it; as a float it is a (very flat) temperature like any other
+    sp = SamplingParams.from_dict({"temperature": 2**63, "top_p": 1})
+    assert (sp.temperature, sp.top_p) == (float(2**63), 1.0)
+    assert isinstance(sp.temperature, float) and isinstance(sp.top_p, float)
 
 
 def test_seeds_of_samples_are_distinct_and_stable():

@@ -14,6 +14,8 @@ import pytest
 import requests
 
 from realhf.apps.serve import READY_LINE, main
+from realhf.base.net import auth
+from realhf.base.net.http_server import auth_headers
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -74,10 +76,15 @@ def test_serve_process_end_to_end(tmp_path):
             "4",
             "--context-length",
             "128",
+            "--weights-root",
+            str(tmp_path / "weights"),
+            "--api-key",
+            "sk-test",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, auth.SECRET_ENV: auth.run_secret().hex()},  # this process's secret
     )
     try:
         deadline = time.monotonic() + 120
@@ -90,20 +97,31 @@ def test_serve_process_end_to_end(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
         url = f"http://127.0.0.1:{port}"
         assert requests.get(url + "/health", timeout=10).status_code == 200
+        key = {"Authorization": "Bearer sk-test"}
+        body = {"text": "Compute 1+2.", "sampling_params": {"max_new_tokens": 4}}
+        assert requests.post(url + "/generate", json=body, timeout=60).status_code == 401
         d = requests.post(
-            url + "/generate",
-            json={
-                "text": "Compute 1+2.",
-                "sampling_params": {"max_new_tokens": 4},
-                "return_logprob": True,
-            },
-            timeout=60,
+            url + "/generate", json={**body, "return_logprob": True}, headers=key, timeout=60
         ).json()
         assert len(d["meta_info"]["output_token_logprobs"]) == len(d["output_ids"]) <= 4
         assert isinstance(d["text"], str)
-        r = requests.post(url + "/generate", json={"input_ids": [1] * 200}, timeout=60)
+        r = requests.post(url + "/generate", json={"input_ids": [1] * 200}, headers=key, timeout=60)
         assert r.status_code == 400
-        assert requests.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == "m"
+        models = requests.get(url + "/v1/models", headers=auth_headers(), timeout=10).json()
+        assert models["data"][0]["id"] == "m"  # the run's token is a key too
+        # control routes: the run's token only (the api key is for generation)
+        assert requests.post(url + "/pause_generation", headers=key, timeout=10).status_code == 401
+        r = requests.post(url + "/pause_generation", headers=auth_headers(), timeout=10)
+        assert r.status_code == 200
+        r = requests.post(
+            url + "/update_weights_from_disk",
+            json={"model_path": model},
+            headers=auth_headers(),
+            timeout=10,
+        )
+        assert r.status_code == 403 and str(tmp_path / "weights") in r.json()["message"]
+        r = requests.post(url + "/continue_generation", headers=auth_headers(), timeout=10)
+        assert r.status_code == 200
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

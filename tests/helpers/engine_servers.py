@@ -1,12 +1,23 @@
 """Built-in generation servers in the test process: two tiny model versions, a server over
-HTTP (``ServerThread``), and greedy references to compare what a server generates with."""
+HTTP (``ServerThread``), greedy references to compare what a server generates with, and a
+client on the same host without the run's secret (:func:`as_another_run`).
+
+The servers load weight updates from anywhere (``weights_root="/"``) unless told otherwise:
+the tests using them are about the protocol, not about where weights may come from
+(tests/impl/model/gen/test_http_auth.py is)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import requests
 import torch
 from tiny_models import make_tiny_hf_model
 
+from realhf.base.net import auth
 from realhf.base.net.http_server import ServerThread
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.gen import EngineConfig, GenerationEngine
@@ -34,7 +45,7 @@ def two_model_versions(root) -> dict:
     return out
 
 
-def engine_server(model_dir, load_weights=None) -> ServerThread:
+def engine_server(model_dir, load_weights=None, weights_root="/") -> ServerThread:
     """A started server of the built-in engine (``.engine`` is the engine); ``load_weights``
     replaces how a weight update loads a directory (to inject faults)."""
     cfg = EngineConfig(max_running_requests=4, context_length=256, num_threads=1)
@@ -46,7 +57,7 @@ def engine_server(model_dir, load_weights=None) -> ServerThread:
             model, cfg, eos_token_ids=[EOS], pad_token_id=PAD, load_weights=load_weights
         )
     engine.start()
-    srv = ServerThread(create_app(engine)).start()
+    srv = ServerThread(create_app(engine, weights_root=weights_root)).start()
     srv.engine = engine
     return srv
 
@@ -79,3 +90,34 @@ def generate_greedy(url, prompt, n):
         timeout=60,
     )
     return r.json()["output_ids"]
+
+
+_ANOTHER_RUN = """
+import json, sys
+import requests
+from realhf.base.net.http_server import auth_headers
+url, calls = sys.argv[1], json.loads(sys.argv[2])
+out = []
+for method, path, body in calls:
+    for headers in ({}, auth_headers()):
+        r = requests.request(method, url + path, json=body, headers=headers, timeout=30)
+        out.append(r.status_code)
+print(json.dumps(out))
+"""
+
+
+def as_another_run(url, calls):
+    """What the server at ``url`` answers ``calls`` (``[(method, path, body)]``) sent from a
+    process of the same host without this run's secret: each call once with no token, once
+    with the token of the secret that process makes itself (another run's).  Returns the
+    statuses, two per call, in order."""
+    env = {k: v for k, v in os.environ.items() if k not in (auth.SECRET_ENV, auth.SECRET_FILE_ENV)}
+    p = subprocess.run(
+        [sys.executable, "-c", _ANOTHER_RUN, url, json.dumps(calls)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)

@@ -25,7 +25,7 @@ import pytest
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.api.core.rollout_api import AllocateReply, parse_message
 from realhf.api.core.rollout_config import GenerationServerConfig, GserverManagerConfig
-from realhf.base.net.http_server import RequestLimit, ServerThread
+from realhf.base.net.http_server import RequestLimit, ServerThread, auth_headers
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
 from realhf.impl.model.gen.loading import load_engine
@@ -115,7 +115,8 @@ async def _until(cond, timeout: float, what: str):
 
 
 def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    # with the run's token, as the run's own clients (the manager's routes want it)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=auth_headers())
 
 
 async def _post(session, url, body):

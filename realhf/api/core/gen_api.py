@@ -91,6 +91,21 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+def _as_float(x: Any) -> float:
+    """``x`` as a float; NaN for what is no number (or an integer too large for a float)."""
+    if not _is_num(x):
+        return float("nan")
+    try:
+        return float(x)
+    except OverflowError:
+        return float("nan")
+
+
+#: Integers the engine puts into int64 tensors and generators must fit 64 bits; a larger one
+#: (JSON has no bound) would fail the engine's step, and with it the other requests of the step.
+_INT64_MAX = 2**63 - 1
+
+
 # SGLang sampling fields that we accept only at their neutral value: a client
 # that sends the default must keep working, one that relies on the feature must
 # hear that it is missing rather than get silently different samples.
@@ -155,12 +170,18 @@ class SamplingParams:
                 self.min_new_tokens,
                 f"must not exceed max_new_tokens={self.max_new_tokens}",
             )
-        if not _is_num(self.temperature) or not (0.0 <= self.temperature < float("inf")):
+        # Stored as floats: an integer one (JSON has no bound) must not reach a tensor as is.
+        temperature, top_p = _as_float(self.temperature), _as_float(self.top_p)
+        if not 0.0 <= temperature < float("inf"):
             raise _bad("temperature", self.temperature, "use a finite number >= 0 (0 = greedy)")
-        if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+        if not 0.0 < top_p <= 1.0:
             raise _bad("top_p", self.top_p, "use a number in (0, 1]")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
         if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k != -1):
             raise _bad("top_k", self.top_k, "use -1 (whole vocabulary) or an integer >= 1")
+        if self.top_k > _INT64_MAX:
+            raise _bad("top_k", self.top_k, "use -1 for the whole vocabulary")
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "use an integer >= 1")
         ids = self.stop_token_ids
@@ -171,8 +192,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "use true or false")
-        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
-            raise _bad("sampling_seed", self.sampling_seed, "use an integer or null")
+        if self.sampling_seed is not None and (
+            not _is_int(self.sampling_seed) or not -_INT64_MAX - 1 <= self.sampling_seed < 2**64
+        ):
+            raise _bad(
+                "sampling_seed",
+                self.sampling_seed,
+                "use an integer in [-2**63, 2**64) or null",
+            )
 
     @property
     def greedy(self) -> bool:

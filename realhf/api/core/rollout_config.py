@@ -65,7 +65,10 @@ class GenerationServerConfig:
         host: address to listen on; None = this host's IP.
         port: TCP port; 0 picks a free one.
         max_running_requests, context_length, dtype, device, seed, num_threads,
-            request_timeout_s: the built-in engine's settings (``EngineConfig``).
+            request_timeout_s: the built-in engine's settings (``EngineConfig``).  With
+            ``backend=vllm`` all but ``device`` apply too (``num_threads``: vLLM's OpenMP
+            threads); vLLM places itself (its CPU build on the CPU, its CUDA build on the
+            GPUs of ``CUDA_VISIBLE_DEVICES``), so ``device`` must stay ``auto`` there.
         sglang_args: extra ``SGLangConfig`` fields for the SGLang backend.
         vllm_python: the interpreter that runs vLLM (backend ``vllm``); empty = this one
             when it imports vllm, else ``~/.cache/realhf/venvs/vllm-cpu`` (made once by
@@ -77,6 +80,19 @@ class GenerationServerConfig:
             routes are never refused).  A waiting request holds about 46 KB with short
             prompts, so the default keeps them under 200 MB; raise it when rollouts x group
             size per server exceed it.
+        api_key: what the generation routes (``/generate``, ``/v1/...``) of the built-in and
+            vLLM backends want as ``Authorization: Bearer``, like vLLM's ``--api-key``.
+            None (default): the run's token when the server listens beyond loopback (so no
+            one else on the network generates on the run's servers), none on loopback;
+            ``""``: none wherever it listens (a trusted network only); any other string: a
+            key for external clients (e.g. an OpenAI client of your own), accepted besides
+            the run's token, which the run's own clients send (refused with ``sglang``,
+            which would show it on its command line).  Control routes (pause, weight
+            updates, ...) always want the run's token, whatever this says.
+        weights_root: the directory ``/update_weights_from_disk`` may load from (anything
+            else, ``..`` and symlinks out of it included, is answered 403); None = the
+            run's publication directory (``constants.weight_publication_root``), where the
+            trainer publishes every version.
         health_timeout_s: most seconds to wait for the server to answer ``/health``.
         registration_ttl_s: keepalive TTL of its ``names.gen_servers`` entry: the manager
             stops routing to a server whose entry expired.
@@ -98,6 +114,8 @@ class GenerationServerConfig:
     vllm_python: str = ""
     vllm_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     max_concurrent_requests: int = 4096
+    api_key: Optional[str] = dataclasses.field(default=None, repr=False)  # kept out of logs
+    weights_root: Optional[str] = None
     health_timeout_s: float = 600.0
     registration_ttl_s: float = 10.0
     poll_interval_s: float = 0.5
@@ -116,12 +134,32 @@ class GenerationServerConfig:
         ck.integer(self, "max_concurrent_requests", 1)
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ck.bad("dtype", self.dtype, "use float32, bfloat16 or float16")
+        if self.backend is GenerationBackend.VLLM and self.device != "auto":
+            # Refused rather than dropped: a server on another device than the one asked
+            # for shows only as a slow or out-of-memory run.
+            raise ck.bad(
+                "device",
+                self.device,
+                "backend=vllm places itself (the CPU build on the CPU, a CUDA build on the "
+                "GPUs of CUDA_VISIBLE_DEVICES): leave device='auto' and choose the GPU with "
+                "CUDA_VISIBLE_DEVICES",
+            )
         if not isinstance(self.sglang_args, Mapping):
             raise ck.bad("sglang_args", self.sglang_args, "use a mapping of SGLangConfig fields")
         if not isinstance(self.vllm_args, Mapping):
             raise ck.bad("vllm_args", self.vllm_args, "use a mapping of VLLMConfig fields")
         if not isinstance(self.vllm_python, str):
             raise ck.bad("vllm_python", self.vllm_python, "give a path to a python executable")
+        if self.api_key is not None and not isinstance(self.api_key, str):
+            raise ck.bad(
+                "api_key", type(self.api_key).__name__, "use a string, '' (no key) or None (auto)"
+            )
+        if self.weights_root is not None and (
+            not isinstance(self.weights_root, str) or not self.weights_root
+        ):
+            raise ck.bad(
+                "weights_root", self.weights_root, "give a directory, or None for the run's"
+            )
         ck.seconds(
             self,
             "request_timeout_s",

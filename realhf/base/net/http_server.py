@@ -18,6 +18,13 @@ One helper for every HTTP service of the system (generation servers, the gserver
   :class:`RequestLimit`; beyond the bound a request is answered ``503`` at once, with
   ``Retry-After`` and a JSON reason, before its body is read (uvicorn's own
   ``limit_concurrency`` also counts idle keep-alive connections and answers in plain text).
+- **authentication**: a route that changes a run's state or reveals its internals wants the
+  run's token (:func:`require_run_token`, a FastAPI dependency); a generation route wants
+  the app's api key when it has one (:func:`require_api_key`, :func:`generation_api_keys`:
+  on by default when the server listens beyond loopback).  Either answers ``401`` otherwise.
+  The run's own clients send :func:`auth_headers`.  Health checks and metrics stay open:
+  they change nothing and reveal load figures only, and a load balancer or Prometheus
+  must be able to read them without the run's secret.
 
 :class:`ServerThread` runs a server in a daemon thread with its own event loop;
 :func:`serve_until_started` starts one on the running loop (for a process whose main job is
@@ -27,16 +34,19 @@ serving, or for a service whose other tasks share the loop).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import socket
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import httptools  # noqa: F401  (uvicorn runs it: http="httptools" below)
 import uvicorn
+from fastapi import HTTPException, Request
 
 from realhf.base import logging
+from realhf.base.net import auth
 
 logger = logging.getLogger("http_server", "system")
 
@@ -47,6 +57,13 @@ __all__ = [
     "OVERLOADED_RETRY_AFTER_S",
     "StartupError",
     "RequestLimit",
+    "auth_headers",
+    "is_loopback",
+    "generation_api_keys",
+    "bearer_refusal",
+    "run_token_refusal",
+    "require_run_token",
+    "require_api_key",
     "listen_socket",
     "make_server",
     "serve_until_started",
@@ -161,6 +178,132 @@ class _RequestLimitMiddleware:
             await self.app(scope, receive, send)
         finally:
             limit.in_flight -= 1
+
+
+# ---- authentication ---------------------------------------------------------------
+
+
+def auth_headers() -> Dict[str, str]:
+    """``{"Authorization": "Bearer <the run's token>"}``: what the run's own clients send to
+    its HTTP servers (control routes need it; generation routes accept it as an api key)."""
+    return {"Authorization": f"Bearer {auth.http_token()}"}
+
+
+def is_loopback(host: Optional[str]) -> bool:
+    """Whether a server listening on ``host`` can be reached from this machine only.
+
+    ``""`` and ``0.0.0.0`` listen everywhere; a host name counts as loopback only when every
+    address it resolves to is (``localhost`` usually; a name that does not resolve does not).
+    """
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def generation_api_keys(api_key: Optional[str], host: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """The keys a server's generation routes accept (``None``: they are open).
+
+    ``api_key`` as in ``GenerationServerConfig.api_key``: ``None`` is the default — the run's
+    token on a server that listens beyond loopback (anyone on the network could generate
+    otherwise), open on loopback (only this machine's users, who reach the run's files
+    anyway); ``""`` opens them wherever the server listens; any other string is a key that
+    external clients may send, and the run's token stays accepted so that the run's own
+    clients need not know it.
+    """
+    if api_key == "":
+        return None
+    if api_key is None:
+        return None if is_loopback(host) else (auth.http_token(),)
+    return (auth.http_token(), api_key)
+
+
+def _bearer_matches(authorization: Optional[str], keys: Sequence[str]) -> bool:
+    # Every key is compared (no early exit): the time taken says nothing about which matched.
+    ok = False
+    for key in keys:
+        ok |= auth.bearer_ok(authorization, key)
+    return ok
+
+
+def bearer_refusal(
+    authorization: Optional[str], keys: Optional[Sequence[str]], what: str
+) -> Optional[str]:
+    """Why a request with this ``Authorization`` header is refused, or None if it may pass.
+
+    ``keys`` are the accepted bearer tokens (None or empty: no check); ``what`` names what
+    the route wants (for the message).  The message says how to get in, never a key.
+    """
+    if not keys or _bearer_matches(authorization, keys):
+        return None
+    got = "no Authorization header" if not authorization else "a wrong or malformed token"
+    return (
+        f"{what} is required ({got}): send 'Authorization: Bearer <token>'; the run's own "
+        "processes send realhf.base.net.auth.http_token(), derived from the run's secret "
+        f"(${auth.SECRET_FILE_ENV} or ${auth.SECRET_ENV}); a process started without that "
+        "secret, or with another run's, is refused"
+    )
+
+
+def _unauthorized(message: str) -> HTTPException:
+    # FastAPI answers it as {"detail": message}, the shape of its own 4xx answers.
+    return HTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def run_token_refusal(request: Request) -> Optional[HTTPException]:
+    """The 401 for a request without the run's token, None for one with it.
+
+    What :func:`require_run_token` raises; an app's handler of malformed bodies calls it
+    first, because FastAPI parses a JSON body before it runs the route's dependencies, and
+    a request without the token must learn nothing about what its body should be.
+    """
+    why = bearer_refusal(
+        request.headers.get("authorization"), (auth.http_token(),), "this run's token"
+    )
+    return None if why is None else _unauthorized(f"{request.method} {request.url.path}: {why}")
+
+
+async def _check_run_token(request: Request) -> None:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool.
+    refused = run_token_refusal(request)
+    if refused is not None:
+        raise refused
+
+
+async def _check_api_key(request: Request) -> None:
+    keys = getattr(request.app.state, "api_keys", None)
+    why = bearer_refusal(request.headers.get("authorization"), keys, "this server's api key")
+    if why is not None:
+        raise _unauthorized(f"{request.method} {request.url.path}: {why}")
+
+
+def require_run_token() -> Any:
+    """A FastAPI dependency (``APIRouter(dependencies=[require_run_token()])``): the request
+    must carry the run's token (:func:`auth_headers`), else ``401`` with the reason.
+
+    For every route that changes a run's state or reveals its internals (pause, weight
+    updates, rollout allocation, status): without it anyone who reaches the port could
+    stall the run or load weights of their choosing.
+    """
+    import fastapi
+
+    return fastapi.Depends(_check_run_token)
+
+
+def require_api_key() -> Any:
+    """A FastAPI dependency for generation routes: when the app has keys
+    (``app.state.api_keys``, from :func:`generation_api_keys`; None or unset: open), the
+    request must carry one of them as a bearer token, else ``401``."""
+    import fastapi
+
+    return fastapi.Depends(_check_api_key)
 
 
 def fastapi_app(**kwargs):

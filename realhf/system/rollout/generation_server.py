@@ -15,7 +15,9 @@ waits until ``/health`` answers, and registers its URL under ``names.gen_servers
 keepalive TTL (so the gserver manager stops routing to it soon after it dies).  While
 running it checks that the backend is alive (a dead backend fails the worker, naming it) and
 ends (COMPLETED) when ``names.experiment_status`` leaves RUNNING.  Weight updates and
-pauses come from the gserver manager over HTTP.
+pauses come from the gserver manager over HTTP, with the run's token; the server loads
+weights from under ``weights_root`` only (the run's publication directory by default), and
+its generation routes want ``api_key`` (see :class:`GenerationServerConfig`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from realhf.api.core.rollout_config import GenerationBackend, GenerationServerCo
 from realhf.base import constants, name_resolve, names, worker_faults
 from realhf.base.gcutil import freeze_startup_objects
 from realhf.base.net import network
-from realhf.base.net.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread, generation_api_keys
 from realhf.system.rollout.sglang_launcher import (
     ServerProcess,
     SGLangConfig,
@@ -130,10 +132,19 @@ class GenerationServer(Worker):
             model_path=config.model_path,
             served_model_name=self.worker_name.replace("/", "-"),
             max_concurrent_requests=config.max_concurrent_requests,
+            weights_root=self._weights_root(config),
+            api_keys=generation_api_keys(config.api_key, host),
         )
         url = self._serve(app, host, config)
         freeze_startup_objects()  # the collector walks only what serving makes
         return url
+
+    def _weights_root(self, config: GenerationServerConfig) -> str:
+        """Where weight updates may load from: the configured root, else the run's
+        publication directory (where the trainer publishes every version)."""
+        return config.weights_root or constants.weight_publication_root(
+            self.experiment_name, self.trial_name
+        )
 
     def _serve(self, app, host: str, config: GenerationServerConfig) -> str:
         """Serve ``app`` (our servers' protocol) on ``host:config.port``; its URL."""
@@ -147,6 +158,14 @@ class GenerationServer(Worker):
         return self.http.url
 
     def _start_sglang(self, config: GenerationServerConfig, host: str) -> str:
+        if config.api_key:
+            # SGLang takes its key on its command line, which every user of the machine can
+            # read: refused rather than leaked or silently ignored.
+            raise ValueError(
+                "GenerationServerConfig.api_key is not supported with backend='sglang' "
+                "(SGLang reads its key from its command line, visible to every local user); "
+                "use backend='builtin' or 'vllm', or leave api_key unset"
+            )
         port = config.port or network.find_free_port(host=host)
         cfg = SGLangConfig(
             model_path=config.model_path,
@@ -185,6 +204,9 @@ class GenerationServer(Worker):
             cfg.served_model_name,
             stop_token_ids=stops,
             request_timeout_s=config.request_timeout_s,
+            weights_root=self._weights_root(config),
+            api_keys=generation_api_keys(config.api_key, host),
+            max_concurrent_requests=config.max_concurrent_requests,
         )
         return self._serve(app, host, config)
 

@@ -26,6 +26,7 @@ import urllib.request
 from typing import Dict, List, Optional, Tuple
 
 from realhf.base.distributed import proc_group
+from realhf.base.net import auth
 
 _DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _POLICIES = ("lpm", "random", "fcfs", "dfs-weight", "lof")
@@ -225,7 +226,8 @@ class ServerProcess:
         self.command = list(command)
         self.url = url
         self.log_path = log_path
-        self.env = dict(os.environ, **(env or {}))
+        # The server shares this process's run secret (its control routes want the token).
+        self.env = {**os.environ, **auth.child_env(), **(env or {})}
         self.process: Optional[subprocess.Popen] = None
 
     def start(self, health_timeout: float = 600.0):

@@ -34,6 +34,20 @@ Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m
   so interruption, resubmission of partial rollouts, staleness accounting and failure
   handling work unchanged.  A vLLM that stops answering makes the adapter answer 502 on
   ``/generate`` and 503 on ``/health``: the manager then drops the server as it drops ours.
+  A ``/generate`` whose sequence fails is answered at once and its other sequences are
+  cancelled (their connections to vLLM close, so vLLM stops decoding them).  As on the
+  built-in server, at most ``max_concurrent_requests`` requests are in flight (more are
+  answered 503 with ``Retry-After``; health, metrics and control routes never are), and
+  ``gen_server.num_threads`` sets vLLM's OpenMP threads; ``gen_server.device`` is refused
+  (vLLM places itself).
+
+Authentication is the built-in server's (:mod:`realhf.impl.model.gen.http_app`): the control
+routes want the run's token, ``/generate`` the server's api key when it has one, weight
+updates load from under ``weights_root`` only.  The adapter runs in the generation server's
+process and knows the token itself; vLLM, in its own venv, gets it as ``VLLM_API_KEY``
+(environment, not its command line, which every local user can read) and the adapter sends it.
+vLLM checks it on ``/v1/...`` only: its dev-mode routes (``/pause``, ``/collective_rpc``) stay
+open to local users of the machine, as vLLM serves them on loopback.
 """
 
 from __future__ import annotations
@@ -42,12 +56,11 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import aiohttp
 import fastapi
@@ -62,9 +75,17 @@ from realhf.api.core.gen_api import (
 )
 from realhf.api.core.rollout_config import GenerationServerConfig
 from realhf.base import logging
-from realhf.base.net import network
-from realhf.base.net.http_server import CLIENT_KEEPALIVE_S, SERVER_KEEPALIVE_S
-from realhf.impl.model.gen.weight_update import PauseGate
+from realhf.base.net import auth, network
+from realhf.base.net.http_server import (
+    CLIENT_KEEPALIVE_S,
+    SERVER_KEEPALIVE_S,
+    RequestLimit,
+    auth_headers,
+    require_api_key,
+    require_run_token,
+)
+from realhf.impl.model.gen.weight_update import PauseGate, WeightPathRefused, allowed_weight_path
+from realhf.system.rollout.manager.routing import metric_samples
 from realhf.system.rollout.sglang_launcher import ServerProcess
 
 logger = logging.getLogger("vllm_backend", "system")
@@ -166,6 +187,9 @@ class VLLMConfig:
         kv_cache_gib: KV cache of the CPU build (``VLLM_CPU_KVCACHE_SPACE``).
         enforce_eager: no CUDA graphs / torch.compile (the CPU build needs it; on a GPU set
             it false for speed, at a longer start).
+        num_threads: OpenMP threads of vLLM's workers (``OMP_NUM_THREADS``, with the CPU
+            build's core pinning off: the run's other processes share the cores); None
+            leaves vLLM's default (the CPU build pins one thread to each core it may use).
         extra_args: appended to the command line verbatim.
     """
 
@@ -179,6 +203,7 @@ class VLLMConfig:
     seed: int = 1
     kv_cache_gib: float = 1.0
     enforce_eager: bool = True
+    num_threads: Optional[int] = None
     extra_args: Tuple[str, ...] = ()
 
     @property
@@ -197,6 +222,7 @@ def server_config(gen: GenerationServerConfig, name: str) -> VLLMConfig:
         max_model_len=gen.context_length,
         max_num_seqs=gen.max_running_requests,
         seed=gen.seed,
+        num_threads=gen.num_threads,
     )
     allowed = {f.name for f in dataclasses.fields(VLLMConfig)} - set(base)
     unknown = sorted(set(gen.vllm_args) - allowed)
@@ -240,8 +266,14 @@ class VLLMServer(ServerProcess):
             # adapter does, or it closes one just as the adapter reuses it ("Server
             # disconnected"); the same rule as for our own servers.
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(int(SERVER_KEEPALIVE_S)),
+            # vLLM's --api-key, from the environment: the adapter sends the run's token.
+            "VLLM_API_KEY": auth.http_token(),
             "DO_NOT_TRACK": "1",
         }
+        if config.num_threads is not None:
+            # "nobind": the CPU build would otherwise pin a thread to every core it may
+            # use, whatever OMP_NUM_THREADS says (GPU builds ignore the variable).
+            env.update(OMP_NUM_THREADS=str(config.num_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
         super().__init__(
             "vLLM", build_command(config, python), config.url, log_path=log_path, env=env
         )
@@ -303,10 +335,18 @@ def _to_output(
     )
 
 
+#: How a tied input embedding is named in an HF checkpoint, by family: Llama, Qwen, Mistral
+#: and the like (``model.embed_tokens``), GPT-2 (``transformer.wte``; checkpoints of the
+#: original release drop the ``transformer.`` prefix).  vLLM names the output head of all of
+#: them ``lm_head``.
+TIED_EMBEDDINGS = ("embed_tokens.weight", "wte.weight")
+OUTPUT_HEAD = "lm_head.weight"
+
+
 def tied_head_view(path: str, root: str) -> str:
     """``path``, or for a model with tied input/output embeddings a directory under ``root``
-    that links ``path``'s files and adds ``lm_head.weight`` (a copy of the input embedding)
-    as a shard of its own.
+    that links ``path``'s files and adds ``lm_head.weight`` (a copy of the input embedding,
+    :data:`TIED_EMBEDDINGS`) as a shard of its own.
 
     vLLM 0.32 reloads weights from disk layer by layer; a tied ``lm_head`` gets no tensor of
     its own from an HF checkpoint (which stores the embedding once), so vLLM keeps the *old*
@@ -336,26 +376,78 @@ def tied_head_view(path: str, root: str) -> str:
     for shard in shards:
         with safe_open(os.path.join(path, shard), "pt") as f:
             for key in f.keys():
-                if key.endswith("embed_tokens.weight"):
+                if key == OUTPUT_HEAD:  # saved although tied: vLLM loads it as it is
+                    return path
+                if _is_embedding_name(key):
                     embed = f.get_tensor(key)
-        if embed is not None:
-            break
     if embed is None:
-        raise RuntimeError(f"{path}: tied embeddings but no *embed_tokens.weight in {shards}")
+        raise RuntimeError(
+            f"{path}: config.json ties the input and output embeddings but no shard of "
+            f"{shards} holds an input embedding named *{' or *'.join(TIED_EMBEDDINGS)}; "
+            "publish the checkpoint with save_pretrained, or add the family's name to "
+            "vllm_backend.TIED_EMBEDDINGS"
+        )
     view = tempfile.mkdtemp(prefix="tied_head_", dir=root)
     for name in os.listdir(path):
         if name != index_name:
             os.symlink(os.path.join(os.path.abspath(path), name), os.path.join(view, name))
-    save_file({"lm_head.weight": embed.contiguous()}, os.path.join(view, "lm_head.safetensors"))
+    save_file({OUTPUT_HEAD: embed.contiguous()}, os.path.join(view, "lm_head.safetensors"))
     if index:
-        index["weight_map"]["lm_head.weight"] = "lm_head.safetensors"
+        index["weight_map"][OUTPUT_HEAD] = "lm_head.safetensors"
         with open(os.path.join(view, index_name), "w", encoding="utf-8") as f:
             json.dump(index, f)
     return view
 
 
+def _is_embedding_name(key: str) -> bool:
+    # The whole module name: "transformer.wte.weight" or "wte.weight", not "xwte.weight".
+    return any(key == name or key.endswith("." + name) for name in TIED_EMBEDDINGS)
+
+
 class _VLLMDown(Exception):
     pass
+
+
+#: The built-in server's default bound (``GenerationServerConfig.max_concurrent_requests``).
+DEFAULT_MAX_CONCURRENT_REQUESTS = 4096
+
+#: Routes the adapter serves whatever its load, as the built-in server does: a refused health
+#: check or metrics read would get a busy server declared dead, a refused pause or weight
+#: update would fail the run.
+ADAPTER_UNLIMITED_PATHS = (
+    "/health",
+    "/metrics",
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weights_from_disk",
+)
+
+#: How long a failed ``/generate`` waits for its cancelled sequences to let go of vLLM.
+CANCEL_WAIT_S = 10.0
+#: Sequences (prompts x n) one /generate may ask for: the built-in engine's default queue
+#: bound (``EngineConfig.max_queued_requests``), so both backends refuse the same requests.
+MAX_SEQUENCES_PER_REQUEST = 100_000
+
+
+async def _all_or_none(coros: List[Any]) -> List[Any]:
+    """The results of ``coros``, run at once; at the first failure (or when the caller is
+    cancelled) the others are cancelled before it is raised.
+
+    A plain ``asyncio.gather`` raises the first failure and leaves the rest running: each
+    sequence of the batch kept vLLM decoding it to its token budget for an answer nobody
+    would read.  A cancelled sequence closes its connection, and vLLM aborts it.
+    """
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+        for t in tasks:  # a second failure is the first one's echo: not logged as unread
+            if t.done() and not t.cancelled():
+                t.exception()
+        raise
 
 
 def create_adapter_app(
@@ -365,11 +457,16 @@ def create_adapter_app(
     stop_token_ids: Tuple[int, ...] = (),
     request_timeout_s: float = 3600.0,
     control_timeout_s: float = 600.0,
+    weights_root: Optional[str] = None,
+    api_keys: Optional[Sequence[str]] = None,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
 ) -> fastapi.FastAPI:
     """The adapter in front of the vLLM server at ``vllm_url`` (see the module docstring).
 
     ``stop_token_ids`` are the model's EOS / pad ids: a ``stop`` finish that vLLM reports
-    without a matched id ended on one of them.
+    without a matched id ended on one of them.  ``weights_root``, ``api_keys`` and
+    ``max_concurrent_requests`` (``gen_server.max_concurrent_requests``: requests in flight,
+    more are answered 503) as in :func:`realhf.impl.model.gen.http_app.create_app`.
     """
     # The weight-update protocol's rules for which answers keep their tokens (one
     # implementation for every backend: realhf.impl.model.gen.weight_update).
@@ -380,7 +477,8 @@ def create_adapter_app(
     @contextlib.asynccontextmanager
     async def lifespan(app):
         state["session"] = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
+            headers=auth_headers(),  # vLLM's VLLM_API_KEY (see VLLMServer)
         )
         state["views"] = tempfile.mkdtemp(prefix="realhf_vllm_views_")
         try:
@@ -390,6 +488,10 @@ def create_adapter_app(
             shutil.rmtree(state["views"], ignore_errors=True)
 
     app = fastapi.FastAPI(lifespan=lifespan)
+    app.state.api_keys = tuple(api_keys) if api_keys else None
+    app.state.request_limit = RequestLimit(
+        max_concurrent_requests, ADAPTER_UNLIMITED_PATHS, name="the vLLM adapter"
+    ).install(app)
 
     async def call(method: str, path: str, timeout: float, **kw) -> Tuple[int, Any]:
         try:
@@ -429,7 +531,7 @@ def create_adapter_app(
             ticket, _to_output(data["choices"][0], rid, len(ids), stop_ids, loop.time() - t0)
         )
 
-    @app.post("/generate")
+    @app.post("/generate", dependencies=[require_api_key()])
     async def generate(request: fastapi.Request):
         try:
             batch = parse_generate_body(await request.json())
@@ -440,10 +542,21 @@ def create_adapter_app(
                 {"error": "the vllm adapter takes input_ids only (the rollouts send token ids)"},
                 status_code=400,
             )
+        n_seqs = sum(sp.n for sp in batch.sampling)
+        if n_seqs > MAX_SEQUENCES_PER_REQUEST:
+            # Checked before expanding: n comes from the client, and expanding n = 2**63
+            # would hold the event loop for good.
+            return JSONResponse(
+                {
+                    "error": f"the request asks for {n_seqs} sequences (prompts x n); the "
+                    f"adapter takes at most {MAX_SEQUENCES_PER_REQUEST} per request"
+                },
+                status_code=400,
+            )
         reqs = batch.requests(batch.prompts)
         try:
-            outs = await asyncio.gather(
-                *(one(list(r.input_ids), r.sampling, r.rid) for group in reqs for r in group)
+            outs = await _all_or_none(
+                [one(list(r.input_ids), r.sampling, r.rid) for group in reqs for r in group]
             )
         except _Refused as e:
             code = 400 if 400 <= e.status < 500 else 502
@@ -465,22 +578,30 @@ def create_adapter_app(
             )
         return JSONResponse({"success": True, "message": f"vLLM {path}: ok"})
 
-    @app.post("/pause_generation")
+    @app.post("/pause_generation", dependencies=[require_run_token()])
     async def pause_generation():
         gate.pause()  # first: from here on /generate admits nothing until the resume
         return await control("/pause", params={"mode": "abort"})
 
-    @app.post("/continue_generation")
+    @app.post("/continue_generation", dependencies=[require_run_token()])
     async def continue_generation():
         reply = await control("/resume")
         if reply.status_code == 200:
             gate.resume()
         return reply
 
-    @app.post("/update_weights_from_disk")
+    @app.post("/update_weights_from_disk", dependencies=[require_run_token()])
     async def update_weights_from_disk(request: fastapi.Request):
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError as e:  # not JSON (json.JSONDecodeError, UnicodeDecodeError)
+            return JSONResponse({"success": False, "message": f"body is not JSON: {e}"}, 400)
         path = body.get("model_path") if isinstance(body, dict) else None
+        if isinstance(path, str):  # refused before anything is looked up on disk
+            try:
+                path = allowed_weight_path(path, weights_root)
+            except WeightPathRefused as e:
+                return JSONResponse({"success": False, "message": str(e)}, 403)
         if not isinstance(path, str) or not os.path.isdir(path):
             return JSONResponse(
                 {"success": False, "message": f"model_path {path!r} is not a directory"}, 400
@@ -516,7 +637,12 @@ def create_adapter_app(
             status, text = await call("GET", "/metrics", 10.0)
         except _VLLMDown as e:
             return PlainTextResponse(str(e), status_code=503)
-        return PlainTextResponse(sglang_metrics(text if isinstance(text, str) else ""))
+        if status != 200:
+            return PlainTextResponse(f"vLLM /metrics answered {status}: {text}", 502)
+        try:
+            return PlainTextResponse(sglang_metrics(text if isinstance(text, str) else ""))
+        except ValueError as e:  # the pool keeps its estimate of this server's load
+            return PlainTextResponse(f"vLLM /metrics: {e}", status_code=502)
 
     return app
 
@@ -527,34 +653,35 @@ class _Refused(Exception):
         self.status, self.data = status, data
 
 
-_KV_TOKENS = re.compile(r'kv_cache_size_tokens="(\d+)"')
-
-
 def sglang_metrics(vllm_text: str) -> str:
     """vLLM's ``/metrics`` (Prometheus text) as the SGLang gauges the manager's load-based
     policies read: running and queued requests, and KV-cache tokens in use (vLLM reports a
-    usage fraction; ``cache_config_info`` carries the cache size in tokens)."""
-    m: Dict[str, float] = {}
-    kv_tokens = 0.0
-    for line in vllm_text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        if name == "vllm:cache_config_info":
-            found = _KV_TOKENS.search(name_labels)
-            kv_tokens = float(found.group(1)) if found else kv_tokens
-            continue
-        try:
-            m[name] = m.get(name, 0.0) + float(value)  # label sets of one name summed
-        except ValueError:
-            continue
-    usage = m.get("vllm:kv_cache_usage_perc", 0.0)
+    usage fraction per engine; ``cache_config_info`` carries the cache size in tokens).
+    Read with the manager's own parser (:func:`~.manager.routing.metric_samples`): the
+    values of a name's label sets are summed there and here alike.
+
+    Raises:
+        ValueError: ``vllm_text`` is not Prometheus text.
+    """
+    samples = metric_samples(vllm_text)
+    sizes = {
+        s.labels.get("engine"): float(s.labels["kv_cache_size_tokens"])
+        for s in samples
+        if s.name == "vllm:cache_config_info" and "kv_cache_size_tokens" in s.labels
+    }
+    any_size = max(sizes.values(), default=0.0)  # one cache_config_info for every engine
+    total: Dict[str, float] = {}
+    usages, used_tokens = [], 0.0
+    for s in samples:
+        total[s.name] = total.get(s.name, 0.0) + s.value
+        if s.name == "vllm:kv_cache_usage_perc":
+            usages.append(s.value)
+            used_tokens += s.value * sizes.get(s.labels.get("engine"), any_size)
     lines = [
-        f"sglang:num_running_reqs {m.get('vllm:num_requests_running', 0.0)}",
-        f"sglang:num_queue_reqs {m.get('vllm:num_requests_waiting', 0.0)}",
-        f"sglang:token_usage {usage}",
-        f"sglang:num_used_tokens {usage * kv_tokens}",
+        f"sglang:num_running_reqs {total.get('vllm:num_requests_running', 0.0)}",
+        f"sglang:num_queue_reqs {total.get('vllm:num_requests_waiting', 0.0)}",
+        f"sglang:token_usage {sum(usages) / len(usages) if usages else 0.0}",
+        f"sglang:num_used_tokens {used_tokens}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -55,3 +55,20 @@ def test_config_names_are_validated_into_enums():
 def test_bad_fields_are_named_with_the_fix(make, needle):
     with pytest.raises(ValueError, match=needle):
         make()
+
+
+def test_a_device_the_vllm_backend_would_not_use_is_refused_before_launch():
+    # vLLM places itself; the server used to start wherever vLLM chose, silently.
+    with pytest.raises(ValueError, match=r"device='cuda:1' is invalid: backend=vllm places"):
+        GenerationServerConfig(model_path="/m", backend="vllm", device="cuda:1")
+    assert GenerationServerConfig(model_path="/m", backend="vllm").device == "auto"
+    assert GenerationServerConfig(model_path="/m", device="cuda:1").device == "cuda:1"
+
+
+def test_api_key_stays_out_of_reprs_and_bad_auth_options_are_refused():
+    cfg = GenerationServerConfig(model_path="/m", api_key="sk-secret", weights_root="/w")
+    assert "sk-secret" not in repr(cfg) and cfg.api_key == "sk-secret"
+    with pytest.raises(ValueError, match=r"api_key='int' is invalid"):
+        GenerationServerConfig(model_path="/m", api_key=5)
+    with pytest.raises(ValueError, match=r"weights_root='' is invalid"):
+        GenerationServerConfig(model_path="/m", weights_root="")

@@ -11,6 +11,7 @@ from tiny_models import make_tiny_hf_model
 
 from realhf.api.core.rollout_config import GenerationBackend, GenerationServerConfig
 from realhf.base import name_resolve, names
+from realhf.base.net.http_server import auth_headers
 from realhf.system.rollout.generation_server import resolve_backend
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
 
@@ -45,8 +46,9 @@ def test_serves_registers_and_stops_with_the_experiment(memory_name_resolve, tri
             timeout=30,
         )
         assert len(r.json()["meta_info"]["output_token_logprobs"]) == 3
-        assert requests.post(w.url + "/pause_generation", timeout=10).json()["status"] == "ok"
-        assert requests.post(w.url + "/continue_generation", timeout=10).json()["status"] == "ok"
+        for step in ("pause_generation", "continue_generation"):
+            r = requests.post(f"{w.url}/{step}", headers=auth_headers(), timeout=10)
+            assert r.json()["status"] == "ok"
         name_resolve.add(names.experiment_status("exp", trial), "RUNNING")
         for _ in range(3):
             assert not w.step().completed

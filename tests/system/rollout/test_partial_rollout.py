@@ -4,6 +4,7 @@ behind a real gserver manager: chunking, interruption by a weight update, resubm
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
@@ -66,7 +67,8 @@ def server(model_dirs):
     engine = load_engine(
         model_dirs[0], EngineConfig(max_running_requests=8, context_length=512, num_threads=1)
     ).start()
-    srv = ServerThread(create_app(engine)).start()
+    # weight updates load the versions of model_dirs, which share one directory
+    srv = ServerThread(create_app(engine, weights_root=os.path.dirname(model_dirs[0]))).start()
     srv.engine = engine
     yield srv
     srv.stop()

@@ -22,7 +22,8 @@ from realhf.api.core.rollout_api import TRAJECTORY_KEYS, Trajectory
 from realhf.api.core.rollout_config import GserverManagerConfig, RolloutWorkerConfig
 from realhf.api.core.system_api import WorkerInformation
 from realhf.base import name_resolve, names
-from realhf.base.net.http_server import ServerThread
+from realhf.base.net import auth
+from realhf.base.net.http_server import ServerThread, auth_headers
 from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app
@@ -73,7 +74,8 @@ def server(model_dir):
     engine = load_engine(
         model_dir, EngineConfig(max_running_requests=16, context_length=512, num_threads=1)
     ).start()
-    srv = ServerThread(create_app(engine)).start()
+    # weight updates reload model_dir itself (the manager's weight_dir below)
+    srv = ServerThread(create_app(engine, weights_root=os.path.dirname(model_dir))).start()
     srv.engine = engine
     yield srv
     srv.stop()
@@ -83,7 +85,9 @@ def server(model_dir):
 def _manager(server, model_dir, trial, *, B, eta, concurrency, lease_ttl_s=30.0):
     # The server is shared by the module: an earlier test's manager may have stopped in the
     # middle of a weight update, leaving it paused (every generation would then wait).
-    requests.post(f"{server.url}/continue_generation", timeout=10).raise_for_status()
+    requests.post(
+        f"{server.url}/continue_generation", headers=auth_headers(), timeout=10
+    ).raise_for_status()
     progress = Progress()
     cfg = GserverManagerConfig(
         n_servers=1,
@@ -293,11 +297,14 @@ def test_killing_a_rollout_worker_releases_its_rollouts(tmp_path, trial, server,
                 ),
                 f,
             )
+        auth.run_secret()  # the child inherits this process's secret: it is of this run
         child = subprocess.Popen([sys.executable, "-c", _CHILD, nr_root, trial, cfg_path])
         try:
             deadline = time.monotonic() + 90
             while time.monotonic() < deadline:
-                st = requests.get(service.url + "/status", timeout=10).json()
+                st = requests.get(
+                    service.url + "/status", headers=auth_headers(), timeout=10
+                ).json()
                 if st["running"] >= 3:
                     break
                 assert child.poll() is None, "the rollout worker process exited early"
@@ -307,7 +314,9 @@ def test_killing_a_rollout_worker_releases_its_rollouts(tmp_path, trial, server,
             child.wait(10)
             killed_at = time.monotonic()
             while time.monotonic() - killed_at < 10:
-                st = requests.get(service.url + "/status", timeout=10).json()
+                st = requests.get(
+                    service.url + "/status", headers=auth_headers(), timeout=10
+                ).json()
                 if st["running"] == 0:
                     break
                 time.sleep(0.1)

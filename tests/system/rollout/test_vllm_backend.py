@@ -26,7 +26,7 @@ from realhf.api.core.allocation import parse_allocation_mode
 from realhf.api.core.rollout_config import GenerationBackend, GenerationServerConfig
 from realhf.base import name_resolve, names
 from realhf.base.net import network
-from realhf.base.net.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread, auth_headers
 from realhf.impl.model import ReaLModel
 from realhf.system.rollout import vllm_backend
 from realhf.system.rollout.manager.routing import parse_metrics
@@ -68,7 +68,7 @@ def _perturbed_copy(src, dst, seed):
 
 
 def _post(url, path, body, timeout=120):
-    r = requests.post(url + path, json=body, timeout=timeout)
+    r = requests.post(url + path, json=body, headers=auth_headers(), timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -104,6 +104,7 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
         max_running_requests=16,
         health_timeout_s=240,
         vllm_python=vllm_python,
+        weights_root=str(tmp_path),  # where this test publishes the new weights
     )
     try:
         url = w.url
@@ -173,7 +174,9 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
             assert torch.allclose(lps, _recompute(new, p, ids, 1.0), atol=1e-3)
             assert not torch.allclose(lps, _recompute(old, p, ids, 1.0), atol=1e-2)
         bad = requests.post(
-            url + "/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")}
+            url + "/update_weights_from_disk",
+            json={"model_path": str(tmp_path / "nope")},
+            headers=auth_headers(),
         )
         assert bad.status_code == 400 and "not a directory" in bad.json()["message"]
 
@@ -204,7 +207,9 @@ def test_the_adapter_reports_an_unreachable_vllm():
         assert r.status_code == 502 and dead in r.json()["error"]
         r = requests.post(http.url + "/generate", json={"text": "hi"}, timeout=30)
         assert r.status_code == 400 and "input_ids only" in r.json()["error"]
-        r = requests.post(http.url + "/pause_generation", json={}, timeout=30)
+        r = requests.post(
+            http.url + "/pause_generation", json={}, headers=auth_headers(), timeout=30
+        )
         assert r.status_code == 502 and not r.json()["success"]
     finally:
         http.stop()
@@ -274,3 +279,210 @@ def test_tied_head_view_adds_the_output_head_and_leaves_untied_models_alone(tmp_
     cfg = json.loads((untied / "config.json").read_text())
     (untied / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=False)))
     assert vllm_backend.tied_head_view(str(untied), str(tmp_path)) == str(untied)
+
+
+def test_tied_head_view_finds_gpt2s_wte_under_either_name(tmp_path):
+    """GPT-2 ties ``lm_head`` to ``transformer.wte`` (``wte`` in checkpoints of the original
+    release): the view must add its head too, or vLLM keeps serving the old one."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from tiny_models import make_tiny_hf_model
+
+    gpt2 = make_tiny_hf_model("gpt2", tmp_path / "gpt2")
+    weights = load_file(os.path.join(gpt2, "model.safetensors"))
+    assert "lm_head.weight" not in weights  # tied: stored once, as the input embedding
+    old_style = shutil.copytree(gpt2, tmp_path / "old_style")
+    save_file(
+        {k.removeprefix("transformer."): v for k, v in weights.items()},
+        str(old_style / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+    for path, embedding in ((gpt2, "transformer.wte.weight"), (str(old_style), "wte.weight")):
+        view = vllm_backend.tied_head_view(path, str(tmp_path))
+        assert view != path
+        with safe_open(os.path.join(view, "lm_head.safetensors"), "pt") as f:
+            head = f.get_tensor("lm_head.weight")
+        assert torch.equal(head, weights["transformer.wte.weight"]), embedding
+    # A tied checkpoint that stores its head anyway is served as it is.
+    head = {"lm_head.weight": weights["transformer.wte.weight"].clone()}
+    save_file({**weights, **head}, str(old_style / "model.safetensors"))
+    assert vllm_backend.tied_head_view(str(old_style), str(tmp_path)) == str(old_style)
+    # One with no embedding of a known name is refused, naming what was looked for.
+    save_file({"h.0.ln_1.weight": torch.ones(64)}, str(old_style / "model.safetensors"))
+    with pytest.raises(RuntimeError, match=r"no shard .* \*embed_tokens.weight or \*wte"):
+        vllm_backend.tied_head_view(str(old_style), str(tmp_path))
+
+
+class _FakeVLLM:
+    """A stand-in for vLLM's ``/v1/completions`` behind a real HTTP server: prompt ``[1]``
+    fails (500) after ``fail_after_s``; any other prompt answers after ``slow_s``, or stops
+    early, recording ``"cancelled"``, when its client goes away."""
+
+    def __init__(self, slow_s: float, fail_after_s: float = 0.5):
+        import asyncio
+        import time
+
+        import fastapi
+        from fastapi.responses import JSONResponse
+
+        self.events = []
+        app = fastapi.FastAPI()
+
+        async def completions(request):  # a plain Starlette route: it is handed the request
+            body = await request.json()
+            if body["prompt"] == [1]:
+                await asyncio.sleep(fail_after_s)  # the others are decoding by now
+                return JSONResponse({"error": "a test fault"}, status_code=500)
+            self.events.append("started")
+            deadline = time.monotonic() + slow_s
+            while time.monotonic() < deadline:
+                if await request.is_disconnected():
+                    self.events.append("cancelled")
+                    return JSONResponse({}, status_code=499)
+                await asyncio.sleep(0.02)
+            self.events.append("finished")
+            choice = {"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}}
+            return JSONResponse({"choices": [{**choice, "finish_reason": "length"}]})
+
+        async def health(request):
+            return JSONResponse({})
+
+        app.router.add_route("/v1/completions", completions, methods=["POST"])
+        app.router.add_route("/health", health, methods=["GET"])
+
+        self.http = ServerThread(app, host="127.0.0.1", port=0).start(timeout=30)
+
+    def wait_for(self, event: str, n: int, timeout: float) -> bool:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.events.count(event) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self.events.count(event) >= n
+
+
+def _adapter(vllm_url, **kw):
+    app = vllm_backend.create_adapter_app(vllm_url, "policy", stop_token_ids=(EOS,), **kw)
+    return ServerThread(app, host="127.0.0.1", port=0).start(timeout=30)
+
+
+def _generate_body(prompts, max_new_tokens=4):
+    return {"input_ids": prompts, "sampling_params": {"max_new_tokens": max_new_tokens}}
+
+
+def test_a_failed_sequence_cancels_the_rest_of_its_generate_call():
+    """One sequence of a batch fails: the answer is a 502 at once, and the others are
+    cancelled (vLLM sees their connections close) instead of decoding to their budget."""
+    vllm = _FakeVLLM(slow_s=60.0)
+    adapter = _adapter(vllm.http.url)
+    try:
+        r = requests.post(adapter.url + "/generate", json=_generate_body([[2], [3], [1]]))
+        assert r.status_code == 502 and "a test fault" in r.json()["error"]
+        assert vllm.events.count("started") == 2
+        assert vllm.wait_for("cancelled", 2, timeout=10), vllm.events
+        assert "finished" not in vllm.events
+    finally:
+        adapter.stop()
+        vllm.http.stop()
+
+
+def test_the_adapter_refuses_oversized_and_malformed_bodies_with_a_400(monkeypatch):
+    """n from the client is bounded before the batch is expanded (n = 2**63 would hold the
+    event loop for good), and a weight update whose body is not JSON is a 400, not a 500."""
+    monkeypatch.setattr(vllm_backend, "MAX_SEQUENCES_PER_REQUEST", 4)
+    vllm = _FakeVLLM(slow_s=0.0)
+    adapter = _adapter(vllm.http.url)
+    try:
+        for n in (5, 2**63):
+            body = {"input_ids": [[2]], "sampling_params": {"max_new_tokens": 1, "n": n}}
+            r = requests.post(adapter.url + "/generate", json=body, timeout=10)
+            assert r.status_code == 400 and "at most 4" in r.json()["error"], r.text
+        assert vllm.events == [], "nothing reached vLLM"
+        body = {"input_ids": [[2], [3]], "sampling_params": {"max_new_tokens": 1, "n": 2}}
+        assert requests.post(adapter.url + "/generate", json=body, timeout=30).status_code == 200
+        r = requests.post(
+            adapter.url + "/update_weights_from_disk",
+            data=b"{not json",
+            headers=auth_headers(),
+            timeout=10,
+        )
+        assert r.status_code == 400 and "not JSON" in r.json()["message"], r.text
+    finally:
+        adapter.stop()
+        vllm.http.stop()
+
+
+def test_the_adapter_bounds_its_requests_in_flight_as_the_builtin_server_does():
+    """gen_server.max_concurrent_requests: beyond it /generate is answered 503 with
+    Retry-After at once; health and control routes are never refused."""
+    vllm = _FakeVLLM(slow_s=1.5)
+    adapter = _adapter(vllm.http.url, max_concurrent_requests=1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(
+                requests.post, adapter.url + "/generate", json=_generate_body([[2]]), timeout=30
+            )
+            assert vllm.wait_for("started", 1, timeout=10)
+            r = requests.post(adapter.url + "/generate", json=_generate_body([[3]]), timeout=10)
+            assert r.status_code == 503 and r.headers["Retry-After"]
+            assert "max_concurrent_requests=1" in r.json()["error"]["message"]
+            assert requests.get(adapter.url + "/health", timeout=10).status_code == 200
+            assert first.result(timeout=30).status_code == 200
+        assert requests.post(
+            adapter.url + "/generate", json=_generate_body([[3]]), timeout=30
+        ).json()[0]["output_ids"] == [5]
+    finally:
+        adapter.stop()
+        vllm.http.stop()
+
+
+def test_num_threads_reaches_vllm_as_its_openmp_threads():
+    gen = GenerationServerConfig(model_path="/m", backend="vllm", num_threads=3)
+    cfg = vllm_backend.server_config(gen, "g")
+    env = vllm_backend.VLLMServer(cfg, python="p", log_path="/tmp/x.log").env
+    assert cfg.num_threads == 3 and env["OMP_NUM_THREADS"] == "3"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # else the CPU build pins all cores
+    cfg = vllm_backend.server_config(GenerationServerConfig(model_path="/m", backend="vllm"), "g")
+    env = vllm_backend.VLLMServer(cfg, python="p", log_path="/tmp/x.log").env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_python):
+    """A GPT-2 model (``lm_head`` tied to ``transformer.wte``) served by vLLM takes a weight
+    update whole: its answers' log-probs are then the new weights', output head included
+    (the update used to be refused: no ``embed_tokens`` in the checkpoint)."""
+    from tiny_models import make_tiny_hf_model
+    from transformers import AutoModelForCausalLM
+
+    v0 = make_tiny_hf_model(
+        "gpt2", tmp_path / "v0", n_embd=128, n_head=2, vocab_size=268, eos_token_id=EOS
+    )  # head_dim 64: a size vLLM's CPU attention supports
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(ASSETS, name), v0)
+    v1 = _perturbed_copy(v0, tmp_path / "v1", seed=3)
+    cfg = vllm_backend.VLLMConfig(
+        model_path=v0, port=network.find_free_port(host="127.0.0.1"), max_model_len=128,
+        num_threads=1,
+    )  # fmt: skip
+    server = vllm_backend.VLLMServer(cfg, python=vllm_python, log_path=str(tmp_path / "v.log"))
+    server.start(health_timeout=240)
+    adapter = _adapter(cfg.url, weights_root=str(tmp_path))
+    try:
+        reply = _post(adapter.url, "/update_weights_from_disk", {"model_path": v1})
+        assert reply["success"], reply
+        prompt = [5, 6, 7, 8]
+        (out,) = _generate(adapter.url, [prompt], temperature=0.0, ignore_eos=True)
+        ids = out["output_ids"]
+        lps = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+        with torch.no_grad():
+            for path, close in ((v1, True), (v0, False)):
+                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+                logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+                ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+                assert torch.allclose(lps, ref, atol=1e-3) is close, (path, lps, ref)
+    finally:
+        adapter.stop()
+        server.stop()

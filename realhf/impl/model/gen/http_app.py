@@ -1,10 +1,17 @@
 """HTTP front of the built-in engine: SGLang's native API and OpenAI-compatible routes.
 
-Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
+Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`), by who may call
+them (see *Authentication* below):
+
+Generation routes (the app's api key, when it has one):
 
 - ``POST /generate`` — ``input_ids`` or ``text``, ``sampling_params``,
   ``return_logprob``; answers ``{text?, output_ids, meta_info}`` (a list for a
   batch input or ``n > 1``).
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI); ``GET /v1/models``.
+
+Control routes (the run's token):
+
 - ``POST /pause_generation`` — aborts every running and queued request (their
   callers get partial outputs with ``finish_reason.type == "abort"``); until
   ``POST /continue_generation``, ``/generate`` answers at once as aborted with no tokens
@@ -12,17 +19,26 @@ Routes (SGLang names and response shapes, see :mod:`realhf.api.core.gen_api`):
   Which ``/generate`` answers keep their tokens across a pause follows the weight-update
   protocol's rules (:class:`~.weight_update.PauseGate`).
 - ``POST /update_weights_from_disk {model_path}`` — ``{success, message,
-  num_paused_requests}``; 400 when loading fails.
+  num_paused_requests}``; 403 when ``model_path`` is not under the server's publication
+  directory (``weights_root``), 400 when loading fails.
 - ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
   (there is no prefix cache to flush; kept for protocol compatibility).
-- ``POST /abort_request {rid}``; ``GET /health`` (and ``/health_generate``);
-  ``GET /get_model_info``; ``GET /get_server_info`` (limits, engine stats, HTTP requests
-  in flight and refused); ``GET /v1/models``;
-  ``GET /metrics`` (Prometheus text: ``sglang:num_running_reqs``,
-  ``sglang:num_used_tokens``, ``sglang:num_queue_reqs``, ``sglang:token_usage``,
-  ``sglang:gen_throughput``, ``sglang:max_total_num_tokens`` and token/request
-  counters).
-- ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI).
+- ``POST /abort_request {rid}``; ``GET /get_model_info``; ``GET /get_server_info`` (limits,
+  engine stats, HTTP requests in flight and refused).
+
+Open routes: ``GET /health`` (and ``/health_generate``); ``GET /metrics`` (Prometheus text:
+``sglang:num_running_reqs``, ``sglang:num_used_tokens``, ``sglang:num_queue_reqs``,
+``sglang:token_usage``, ``sglang:gen_throughput``, ``sglang:max_total_num_tokens`` and
+token/request counters).
+
+Authentication: a control route answers 401 unless the request carries
+``Authorization: Bearer <the run's token>``
+(:func:`~realhf.base.net.http_server.require_run_token`): pausing a server or loading weights
+of one's choosing must not be open to whoever reaches the port.  The generation routes want
+one of ``api_keys`` as a bearer token when the app has any (``GenerationServerConfig.api_key``:
+by default the run's token when the server listens beyond loopback, none on loopback), as
+vLLM's ``--api-key``.  Health and metrics stay open: they change nothing and reveal load
+figures only, and the manager and monitoring read them.
 
 Without a tokenizer, ``text`` inputs and OpenAI text prompts/chat are answered
 with 400 and responses carry no ``text`` field. Invalid requests get 400 with
@@ -34,13 +50,14 @@ that outlives the engine's ``request_timeout_s`` is aborted and answered with
 504; a failed engine step 500 with the error. A client that disconnects does
 not abort its request (it runs to its budget; ``/abort_request`` stops it).
 
-Layout: one :class:`fastapi.APIRouter` per group of routes — ``native_router`` (SGLang's
-serving and read-only routes), ``control_router`` (pause, continue, weight update, cache
-flush: what the gserver manager calls around a weight update) and ``openai_router`` (``/v1``; bodies
-parsed and answers shaped by :mod:`.openai_api`). The routers hold no state: handlers reach
-the engine through the :data:`Served` dependency (``app.state.served``), so one set of
-routers serves any number of apps, and :func:`create_app` only builds the app and includes
-them.
+Layout: one :class:`fastapi.APIRouter` per group of routes and of callers — ``native_router``
+(``/generate``), ``openai_router`` (``/v1``; bodies parsed and answers shaped by
+:mod:`.openai_api`), both behind the api key; ``control_router`` (pause, continue, weight
+update, cache flush, abort, information: what the gserver manager calls around a weight
+update), behind the run's token; ``open_router`` (health, metrics). The routers hold no state:
+handlers reach the engine through the :data:`Served` dependency (``app.state.served``), so one
+set of routers serves any number of apps, and :func:`create_app` only builds the app and
+includes them.
 """
 
 from __future__ import annotations
@@ -48,7 +65,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Annotated, Any, Dict, List, Optional
+from typing import Annotated, Any, Dict, List, Optional, Sequence
 
 import fastapi
 import orjson
@@ -60,11 +77,17 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
     parse_generate_body,
 )
-from realhf.base.net.http_server import RequestLimit, fastapi_app
+from realhf.base.net.http_server import (
+    RequestLimit,
+    bearer_refusal,
+    fastapi_app,
+    require_api_key,
+    require_run_token,
+)
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
-from realhf.impl.model.gen.weight_update import PauseGate
+from realhf.impl.model.gen.weight_update import PauseGate, WeightPathRefused, allowed_weight_path
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:
@@ -130,16 +153,36 @@ async def _json_body(request: fastapi.Request) -> Any:
 
 
 class _Served:
-    """What every route reaches through ``app.state.served``: the engine and its names."""
+    """What every route reaches through ``app.state.served``: the engine, its names, and the
+    directory weight updates may load from."""
 
-    def __init__(self, engine: GenerationEngine, tokenizer, model_path: str, served_model_name):
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer,
+        model_path: str,
+        served_model_name,
+        weights_root: Optional[str] = None,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = served_model_name
+        self.weights_root = weights_root
         self.timeout = engine.config.request_timeout_s
         #: the weight-update protocol's rules for /generate (see :mod:`.weight_update`)
         self.gate = PauseGate()
+
+    def check_size(self, n_sequences: int) -> None:
+        """A request must fit the engine's queue: one that never could is a 400, before it
+        is expanded into ``n_sequences`` engine requests (``n`` comes from the client, and
+        expanding ``n = 2**63`` would hold the event loop for good)."""
+        limit = self.engine.config.max_queued_requests
+        if n_sequences > limit:
+            raise InvalidRequestError(
+                f"the request asks for {n_sequences} sequences (prompts x n); this server "
+                f"queues at most {limit} (max_queued_requests): send fewer at a time"
+            )
 
     async def run(self, groups: List[List[GenerateRequest]]) -> List[List[GenerateOutput]]:
         """Submit every request of ``groups`` and wait for all; outputs keep the grouping."""
@@ -217,7 +260,7 @@ def _handle_errors(openai: bool):
 
 
 # ---------------------------------------------------------------- SGLang serving routes
-native_router = fastapi.APIRouter()
+native_router = fastapi.APIRouter(dependencies=[require_api_key()])
 
 
 @native_router.api_route("/generate", methods=["POST", "PUT"])
@@ -225,6 +268,7 @@ native_router = fastapi.APIRouter()
 async def generate(request: fastapi.Request, served: _Served):
     tokenizer = served.tokenizer
     batch = parse_generate_body(await _json_body(request))
+    served.check_size(sum(sp.n for sp in batch.sampling))
     if batch.texts is not None:
         if tokenizer is None:
             raise InvalidRequestError(
@@ -251,57 +295,27 @@ async def generate(request: fastapi.Request, served: _Served):
     return _json(results if batch.returns_list else results[0])
 
 
-@native_router.post("/abort_request")
-@_handle_errors(openai=False)
-async def abort_request(request: fastapi.Request, served: _Served):
-    body = await _json_body(request)
-    if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
-        raise InvalidRequestError('send {"rid": "<request id>"}')
-    found = await asyncio.to_thread(served.engine.abort, body["rid"])
-    return {"success": found}
+# ---------------------------------------------------------------- open routes
+# No token: they change nothing and reveal load figures only; the manager's health checks and
+# a monitoring scraper read them.
+open_router = fastapi.APIRouter()
 
 
-@native_router.get("/health")
-@native_router.get("/health_generate")
+@open_router.get("/health")
+@open_router.get("/health_generate")
 async def health(served: Served):
     return Response(status_code=200 if served.engine.alive else 503)
 
 
-@native_router.get("/get_model_info")
-async def get_model_info(served: Served):
-    return {
-        "model_path": served.model_path,
-        "tokenizer_path": served.model_path if served.tokenizer is not None else None,
-        "is_generation": True,
-        "weight_version": str(served.engine.weight_version),
-    }
-
-
-@native_router.get("/get_server_info")
-async def get_server_info(request: fastapi.Request, served: Served):
-    engine = served.engine
-    return {
-        "model_path": served.model_path,
-        "served_model_name": served.served_model_name,
-        "context_length": engine.context_length,
-        "max_running_requests": engine.config.max_running_requests,
-        "max_total_num_tokens": engine.cache.n_slots * engine.cache.slot_len,
-        "decode_attention": engine.decode_impl,
-        "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
-        "stats": engine.stats(),
-        "http": request.app.state.request_limit.stats(),
-    }
-
-
-@native_router.get("/metrics")
+@open_router.get("/metrics")
 async def metrics(served: Served):
     return PlainTextResponse(prometheus_text(served.engine.stats(), served.served_model_name))
 
 
 # ---------------------------------------------------------------- control routes
 # The gserver manager's ServerPool calls pause -> update_weights_from_disk -> continue on every
-# server after each training step (SGLang's names and answers).
-control_router = fastapi.APIRouter()
+# server after each training step (SGLang's names and answers).  All want the run's token.
+control_router = fastapi.APIRouter(dependencies=[require_run_token()])
 
 
 @control_router.post("/pause_generation")
@@ -331,6 +345,12 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
     extra = set(body) - {"model_path", "load_format", "abort_all_requests", "weight_version"}
     if extra:
         raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    try:
+        path = allowed_weight_path(body["model_path"], served.weights_root)
+    except WeightPathRefused as e:
+        return JSONResponse(
+            {"success": False, "message": str(e), "num_paused_requests": 0}, status_code=403
+        )
     paused = 0
     abort_all = bool(body.get("abort_all_requests"))
     try:
@@ -339,7 +359,7 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
             # continue) in one call, with the gate's rules for what overlapped it.
             served.gate.pause()
             paused = len(await asyncio.to_thread(engine.pause))
-        version = await asyncio.to_thread(engine.update_weights_from_disk, body["model_path"])
+        version = await asyncio.to_thread(engine.update_weights_from_disk, path)
     except Exception as e:  # a bad checkpoint must not take the server down
         return JSONResponse(
             {
@@ -372,9 +392,45 @@ async def flush_cache(served: Served):
     )
 
 
+@control_router.post("/abort_request")
+@_handle_errors(openai=False)
+async def abort_request(request: fastapi.Request, served: _Served):
+    body = await _json_body(request)
+    if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+        raise InvalidRequestError('send {"rid": "<request id>"}')
+    found = await asyncio.to_thread(served.engine.abort, body["rid"])
+    return {"success": found}
+
+
+@control_router.get("/get_model_info")
+async def get_model_info(served: Served):
+    return {
+        "model_path": served.model_path,
+        "tokenizer_path": served.model_path if served.tokenizer is not None else None,
+        "is_generation": True,
+        "weight_version": str(served.engine.weight_version),
+    }
+
+
+@control_router.get("/get_server_info")
+async def get_server_info(request: fastapi.Request, served: Served):
+    engine = served.engine
+    return {
+        "model_path": served.model_path,
+        "served_model_name": served.served_model_name,
+        "context_length": engine.context_length,
+        "max_running_requests": engine.config.max_running_requests,
+        "max_total_num_tokens": engine.cache.n_slots * engine.cache.slot_len,
+        "decode_attention": engine.decode_impl,
+        "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
+        "stats": engine.stats(),
+        "http": request.app.state.request_limit.stats(),
+    }
+
+
 # ---------------------------------------------------------------- OpenAI routes
 # Bodies are parsed and answers shaped by openai_api; these routes only run the engine.
-openai_router = fastapi.APIRouter(prefix="/v1")
+openai_router = fastapi.APIRouter(prefix="/v1", dependencies=[require_api_key()])
 
 
 @openai_router.get("/models")
@@ -396,6 +452,7 @@ async def models(served: Served):
 async def completions(request: fastapi.Request, served: _Served):
     tokenizer = served.tokenizer
     prompts, sp, logprobs = openai_api.completion_prompts(await _json_body(request), tokenizer)
+    served.check_size(len(prompts) * sp.n)
     groups = [
         [GenerateRequest(input_ids=tuple(p), sampling=sp.for_sample(j)) for j in range(sp.n)]
         for p in prompts
@@ -411,6 +468,7 @@ async def completions(request: fastapi.Request, served: _Served):
 async def chat_completions(request: fastapi.Request, served: _Served):
     tokenizer = served.tokenizer
     ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
+    served.check_size(sp.n)
     group = [GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)]
     outs = await served.run([group])
     return _json(openai_api.chat_response(outs[0], served.served_model_name, tokenizer, logprobs))
@@ -436,7 +494,19 @@ class _HotRoutes:
         if handler is None or scope["method"] != "POST":
             return await self.app(scope, receive, send)
         request = fastapi.Request(scope, receive)
-        response = await handler(request, scope["app"].state.served)
+        state = scope["app"].state
+        # The routers' require_api_key(), which this shortcut skips, in the same words.
+        why = bearer_refusal(
+            request.headers.get("authorization"), state.api_keys, "this server's api key"
+        )
+        if why is not None:
+            response = JSONResponse(
+                {"detail": f"POST {scope['path']}: {why}"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        else:
+            response = await handler(request, state.served)
         await response(scope, receive, send)
 
 
@@ -447,19 +517,27 @@ def create_app(
     model_path: str = "",
     served_model_name: str = "default",
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    weights_root: Optional[str] = None,
+    api_keys: Optional[Sequence[str]] = None,
 ) -> fastapi.FastAPI:
     """A FastAPI app serving ``engine`` (which the caller starts and closes).
 
     At most ``max_concurrent_requests`` requests of the serving routes are in flight; more
     are answered 503 with a reason (``app.state.request_limit`` counts them).
+    ``/update_weights_from_disk`` loads directories under ``weights_root`` only (None: no
+    weight updates; in a run, :func:`~realhf.base.constants.weight_publication_root`).
+    The generation routes want one of ``api_keys`` as a bearer token (None or empty: open;
+    :func:`~realhf.base.net.http_server.generation_api_keys` makes them from a config);
+    the control routes always want the run's token.
     """
     app = fastapi_app(title="realhf generation server")
-    app.state.served = _Served(engine, tokenizer, model_path, served_model_name)
+    app.state.served = _Served(engine, tokenizer, model_path, served_model_name, weights_root)
+    app.state.api_keys = tuple(api_keys) if api_keys else None
     app.add_middleware(_HotRoutes)  # added first: inside the request limit
     app.state.request_limit = RequestLimit(
         max_concurrent_requests, UNLIMITED_PATHS, name="the generation server"
     ).install(app)
-    for router in (native_router, control_router, openai_router):
+    for router in (native_router, control_router, openai_router, open_router):
         app.include_router(router)
     return app
 

@@ -36,23 +36,33 @@ So every token a server returns was made by the weights of the version the clien
 when it scheduled the request — on the built-in engine and the vLLM adapter, which apply the
 gate.  SGLang's own server has no gate: a request that races the pause there can run on the new
 weights under the old version (rule 1's window: between a schedule and the pause).
+
+**Who may ask.** The three steps are control routes: the client sends the run's token
+(:func:`~realhf.base.net.http_server.auth_headers`) and a server answers 401 without it.  A
+server loads only directories under its publication root (:func:`allowed_weight_path`; in a
+run :func:`~realhf.base.constants.weight_publication_root`): even a holder of the token cannot
+make it read, say, another user's checkpoint it happens to be able to read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Awaitable, Callable, Optional
 
 import aiohttp
 
 from realhf.api.core.gen_api import FinishReason, FinishType, GenerateOutput
+from realhf.base.net.http_server import auth_headers
 
 __all__ = [
     "UPDATE_STEPS",
     "WeightUpdateError",
     "ServerGone",
+    "WeightPathRefused",
     "update_server",
+    "allowed_weight_path",
     "PauseGate",
 ]
 
@@ -78,6 +88,36 @@ class WeightUpdateError(RuntimeError):
 
 class ServerGone(Exception):
     """A server cannot be reached at all during an update (it died)."""
+
+
+class WeightPathRefused(ValueError):
+    """A weight update named a directory outside the server's publication root (HTTP 403)."""
+
+
+def allowed_weight_path(model_path: str, root: Optional[str]) -> str:
+    """``model_path`` with every symlink resolved, if it lies under ``root``; else
+    :class:`WeightPathRefused` naming the root.
+
+    Both sides are resolved first, so neither ``..`` nor a symlink inside the root that
+    points elsewhere gets out; the caller loads the resolved path, so a link swapped after
+    the check changes nothing.  ``root`` None: the server takes no weight updates at all.
+    """
+    if not root:
+        raise WeightPathRefused(
+            "this server takes no weight updates: it was started without a publication "
+            "directory (GenerationServerConfig.weights_root, `realhf.apps.serve --weights-root`)"
+        )
+    if "\0" in model_path:  # realpath would raise ValueError on it
+        raise WeightPathRefused(f"model_path {model_path!r} is no path: it holds a NUL byte")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(model_path) if model_path else ""
+    if not real or os.path.commonpath([real, real_root]) != real_root:
+        raise WeightPathRefused(
+            f"model_path {model_path!r} is outside this server's publication directory "
+            f"{real_root!r} (after resolving symlinks: {real!r}); publish the weights under "
+            "it (in a run: constants.weight_publication_dir)"
+        )
+    return real
 
 
 async def update_server(
@@ -110,7 +150,10 @@ async def update_server(
 async def _continue_quietly(session: aiohttp.ClientSession, url: str, timeout_s: float) -> None:
     try:
         async with session.post(
-            f"{url}/continue_generation", json={}, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            f"{url}/continue_generation",
+            json={},
+            headers=auth_headers(),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as r:
             await r.read()
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -131,7 +174,10 @@ async def _step(
     body = {"model_path": path} if step == "update_weights_from_disk" else {}
     try:
         async with session.post(
-            f"{url}/{step}", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            f"{url}/{step}",
+            json=body,
+            headers=auth_headers(),  # control routes answer 401 without the run's token
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as r:
             status, text = r.status, await r.text()
     except asyncio.TimeoutError:

@@ -4,7 +4,8 @@ Every call has a timeout; its errors name the manager's URL and the endpoint.  T
 endpoints and their messages are listed in :mod:`realhf.system.rollout.manager.service`.
 A call the manager refused for load (503 with ``Retry-After``: it was not processed) is sent
 again after a growing, jittered pause until the call's timeout, then fails as
-:class:`ManagerUnavailable`.
+:class:`ManagerUnavailable`.  Every request carries the run's token (the manager's routes and
+the generation servers' want it; see :func:`~realhf.base.net.http_server.auth_headers`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from realhf.api.core.rollout_api import (
     ServerFailureReport,
     parse_message,
 )
-from realhf.base.net.http_server import CLIENT_KEEPALIVE_S
+from realhf.base.net.http_server import CLIENT_KEEPALIVE_S, auth_headers
 from realhf.system.rollout.manager.routing import NoServerAvailable
 from realhf.system.rollout.staleness import RolloutNotRunning
 
@@ -53,6 +54,8 @@ class UncappedSession:
 
     No cap because requests may be held open on purpose (held /finish_rollout calls,
     one generate request per running group member) and must never queue behind each other.
+    Its requests carry the run's token: the manager wants it, and so do the generation
+    routes of a server that listens beyond loopback.
     """
 
     _session: Optional[aiohttp.ClientSession] = None
@@ -61,7 +64,7 @@ class UncappedSession:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
-            self._session = aiohttp.ClientSession(connector=connector)
+            self._session = aiohttp.ClientSession(connector=connector, headers=auth_headers())
         return self._session
 
     async def close(self) -> None:
@@ -113,6 +116,11 @@ class ManagerClient(UncappedSession):
                 raise RolloutNotRunning(message)
             if status == 503:
                 raise NoServerAvailable(message)
+            if status == 401:
+                raise PermissionError(
+                    f"gserver manager at {self.url} refused {path}: {message}; this process "
+                    "does not hold the run's secret (started outside the launcher?)"
+                )
             raise RuntimeError(
                 f"gserver manager at {self.url}: {path} answered HTTP {status}: {message}"
             )

@@ -16,6 +16,11 @@ GET  /status                                      counters, servers, HTTP load
 GET  /health                                      200
 =========================  =====================  ======================  ====================
 
+Every route but ``/health`` wants the run's token (``Authorization: Bearer``,
+:func:`~realhf.base.net.http_server.require_run_token`) and answers 401 without it: allocating
+and finishing rollouts drives the run's data, and ``/status`` lists its servers and counters.
+``/health`` stays open (it says "ok" and nothing else) for probes that hold no secret.
+
 Bodies are validated by FastAPI against the pydantic message classes: a malformed one gets
 400 naming every wrong field (type, tuple item, range, unknown or missing field).  Errors
 of the manager map to statuses through exception handlers: :class:`RolloutNotRunning` 409,
@@ -40,6 +45,7 @@ import contextlib
 from typing import Annotated, Any, Callable, Optional
 
 import fastapi
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -53,7 +59,14 @@ from realhf.api.core.rollout_api import (
     describe_errors,
 )
 from realhf.base import logging
-from realhf.base.net.http_server import RequestLimit, ServerThread, StartupError, fastapi_app
+from realhf.base.net.http_server import (
+    RequestLimit,
+    ServerThread,
+    StartupError,
+    fastapi_app,
+    require_run_token,
+    run_token_refusal,
+)
 from realhf.system.rollout.manager.routing import NoServerAvailable
 from realhf.system.rollout.manager.state import GserverManager
 from realhf.system.rollout.staleness import RolloutNotRunning
@@ -100,6 +113,7 @@ def create_manager_app(
     ).install(app)
     _add_error_handlers(app)
     app.include_router(router)
+    app.include_router(open_router)
     return app
 
 
@@ -132,10 +146,14 @@ def _lifespan(manager: GserverManager, on_exit):
 
 
 def _add_error_handlers(app: fastapi.FastAPI) -> None:
-    """Errors to statuses: bad bodies 400, rollout not running 409, no live server 503."""
+    """Errors to statuses: bad bodies 400 (401 without the run's token), rollout not running
+    409, no live server 503."""
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: fastapi.Request, e: RequestValidationError):
+        refused = run_token_refusal(request)  # see run_token_refusal: JSON is parsed first
+        if refused is not None:
+            return await http_exception_handler(request, refused)
         return _error(400, describe_errors(_BODIES.get(request.url.path, "request"), e.errors()))
 
     @app.exception_handler(MessageError)
@@ -159,7 +177,9 @@ Manager = Annotated[GserverManager, fastapi.Depends(_manager)]
 
 # Handlers are `async def` on purpose: the manager is not thread-safe, and FastAPI runs
 # sync handlers in a thread pool; on the loop they run between its background steps.
-router = fastapi.APIRouter()
+router = fastapi.APIRouter(dependencies=[require_run_token()])
+#: routes without the token (see the module docstring)
+open_router = fastapi.APIRouter()
 
 
 @router.post("/allocate_rollout")
@@ -193,7 +213,7 @@ async def status(request: fastapi.Request, manager: Manager):
     return {**manager.status(), "http": request.app.state.request_limit.stats()}
 
 
-@router.get("/health")
+@open_router.get("/health")
 async def health():
     return {"status": "ok"}
 

@@ -4,6 +4,7 @@ weights."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import threading
 import time
@@ -14,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from realhf.base.net.http_server import ServerThread
+from realhf.base.net.http_server import ServerThread, auth_headers
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app, prometheus_text
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
@@ -35,13 +36,25 @@ def tokenizer(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tokenizer):
+def weights_root(model_dir, model_dir_b):
+    """Where the server may load weights from: the directory holding both test models."""
+    return os.path.commonpath([model_dir, model_dir_b])
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tokenizer, weights_root):
     engine = load_engine(
         model_dir,
         EngineConfig(max_running_requests=MAX_RUNNING, context_length=400),
         tokenizer=tokenizer,
     ).start()
-    app = create_app(engine, tokenizer=tokenizer, model_path=model_dir, served_model_name="tiny")
+    app = create_app(
+        engine,
+        tokenizer=tokenizer,
+        model_path=model_dir,
+        served_model_name="tiny",
+        weights_root=weights_root,
+    )
     srv = ServerThread(app).start()
     srv.engine = engine
     yield srv
@@ -61,7 +74,8 @@ def bare_server(model_dir_no_tokenizer):
 
 
 def post(srv, path, body, timeout=60):
-    return requests.post(srv.url + path, json=body, timeout=timeout)
+    """POST as the run's own clients do (control routes want the run's token)."""
+    return requests.post(srv.url + path, json=body, headers=auth_headers(), timeout=timeout)
 
 
 def greedy_params(n, **kw):
@@ -133,6 +147,10 @@ def test_generate_text_batch_and_n(server, model, tokenizer):
         ),
         ({"input_ids": [1, 99999]}, "outside the vocabulary"),
         ({"input_ids": [1], "stream": True}, "streaming"),
+        # found by fuzzing: n = 2**63 was expanded into engine requests one by one, holding
+        # the event loop for good; a request larger than the queue could never run anyway
+        ({"input_ids": [1], "sampling_params": {"n": 2**63}}, "queues at most 100000"),
+        ({"input_ids": [[1]] * 2, "sampling_params": {"n": 60000}}, "asks for 120000"),
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle):
@@ -181,8 +199,9 @@ def test_health_models_metrics_info(server):
     ):
         assert re.search(rf'^sglang:{name}{{model_name="tiny"}} [0-9.e+-]+$', text, re.M), name
     assert "# TYPE sglang:num_used_tokens gauge" in text
-    assert requests.get(server.url + "/get_model_info", timeout=10).json()["is_generation"] is True
-    assert requests.post(server.url + "/flush_cache", timeout=10).status_code == 200
+    info = requests.get(server.url + "/get_model_info", headers=auth_headers(), timeout=10)
+    assert info.json()["is_generation"] is True
+    assert post(server, "/flush_cache", None).status_code == 200
 
 
 def test_prometheus_text_counts():
@@ -297,7 +316,7 @@ def test_rollout_protocol_chunks_and_resubmission_after_pause(server, model):
     assert max(abs(a - b) for a, b in zip(lps, lps2)) < 1e-4
 
 
-def test_update_weights_from_disk(server, model_dir, model_dir_b):
+def test_update_weights_from_disk(server, model_dir, model_dir_b, weights_root):
     prompt = [8, 9, 10]
     body = {"input_ids": prompt, "sampling_params": greedy_params(8, ignore_eos=True)}
     assert post(server, "/pause_generation", {}).status_code == 200
@@ -308,8 +327,11 @@ def test_update_weights_from_disk(server, model_dir, model_dir_b):
         assert post(server, "/generate", body).json()["output_ids"] == reference_greedy(
             load(model_dir_b), prompt, 8
         )
-        r = post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+        missing = os.path.join(weights_root, "no-such-dir")
+        r = post(server, "/update_weights_from_disk", {"model_path": missing})
         assert r.status_code == 400 and r.json()["success"] is False and r.json()["message"]
+        r = post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
+        assert r.status_code == 403 and weights_root in r.json()["message"]
         assert post(server, "/update_weights_from_disk", {"path": "x"}).status_code == 400
     finally:
         assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()[

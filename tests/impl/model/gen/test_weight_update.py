@@ -13,6 +13,7 @@ from engine_servers import engine_server, generate_greedy, greedy, stop_servers,
 
 from realhf.api.core.gen_api import FinishReason, GenerateOutput
 from realhf.base.net import network
+from realhf.base.net.http_server import auth_headers
 from realhf.impl.model.gen.weight_update import (
     PauseGate,
     ServerGone,
@@ -64,7 +65,7 @@ async def _update(url, version, path, timeout=30.0):
 
 
 def _post(url, route, body=None):
-    return requests.post(f"{url}/{route}", json=body or {}, timeout=30)
+    return requests.post(f"{url}/{route}", json=body or {}, headers=auth_headers(), timeout=30)
 
 
 def test_the_sequence_moves_a_server_to_the_new_weights_and_leaves_it_serving(dirs):
@@ -110,5 +111,66 @@ def test_generate_while_paused_is_answered_at_once_as_aborted_with_no_tokens(dir
         assert bad.status_code == 400
         assert _post(srv.url, "continue_generation").status_code == 200
         assert len(_post(srv.url, "generate", body).json()["output_ids"]) == 4
+    finally:
+        stop_servers(srv)
+
+
+def test_a_chunk_that_reaches_a_paused_server_is_sent_again_under_the_new_version(dirs):
+    """The review's race on the built-in engine: a chunk scheduled under version 0 reaches
+    the server just after the pause of an update. Held until the continue, it ran on the new
+    weights while its rollout recorded version 0. The gate answers it at once as aborted
+    with no tokens, so the rollout schedules it again and records the version that made it."""
+    import threading
+    import time
+
+    from realhf.api.core.model_api import GenerationHyperparameters
+    from realhf.api.core.rollout_api import GenerateGroupRequest, ScheduleReply
+    from realhf.system.rollout.partial_rollout import PartialRolloutManager
+
+    prompt = (10, 11, 12)
+    assert greedy(dirs["v0"], prompt, 6) != greedy(dirs["v1"], prompt, 6)  # else proves nothing
+    srv = engine_server(dirs["v0"])
+    updated = threading.Event()
+
+    def finish_update():
+        time.sleep(0.3)  # the chunk reaches the paused server meanwhile
+        assert _post(srv.url, "update_weights_from_disk", {"model_path": dirs["v1"]}).ok
+        assert _post(srv.url, "continue_generation").ok
+        updated.set()
+
+    class RacingManager:
+        """Schedules the first chunk under version 0 and pauses the server right after, as
+        an update that begins then would; later chunks wait for the update, as the
+        manager's do, and are told version 1."""
+
+        calls = 0
+
+        async def schedule(self, req):
+            self.calls += 1
+            if self.calls == 1:
+                assert (await asyncio.to_thread(_post, srv.url, "pause_generation")).ok
+                threading.Thread(target=finish_update, daemon=True).start()
+                return ScheduleReply(srv.url, 0)
+            assert await asyncio.to_thread(updated.wait, 60)
+            return ScheduleReply(srv.url, 1)
+
+        async def report_failure(self, url, error):
+            return {"dead": False}
+
+    async def rollout():
+        prm = PartialRolloutManager(RacingManager(), request_timeout_s=60)
+        try:
+            gconfig = GenerationHyperparameters(n=1, max_new_tokens=6, greedy=True)
+            return await prm.generate_member("r0", GenerateGroupRequest("q", prompt, gconfig), 0)
+        finally:
+            await prm.close()
+
+    try:
+        m = asyncio.run(rollout())
+        # Every token is the new weights' and recorded as theirs (held and run after the
+        # continue, the chunk came back as version 0's). The empty first answer still counts
+        # as the start: an older start only makes the staleness bound stricter.
+        assert list(m.output_ids) == greedy(dirs["v1"], prompt, 6)
+        assert (m.version_start, m.version_end, m.n_interrupted) == (0, 1, 1)
     finally:
         stop_servers(srv)

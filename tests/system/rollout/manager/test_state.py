@@ -32,6 +32,7 @@ from realhf.api.core.rollout_api import (
 )
 from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
 from realhf.base.net import network
+from realhf.base.net.http_server import auth_headers
 from realhf.impl.model.gen.weight_update import WeightUpdateError
 from realhf.system.rollout.manager import server_pool
 from realhf.system.rollout.manager.client import ManagerClient
@@ -244,7 +245,7 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
         while service.call(lambda: m.version) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert all(generate_greedy(s.url, prompt, 6) == ref_b for s in servers)
-        status = requests.get(service.url + "/status", timeout=10).json()
+        status = requests.get(service.url + "/status", headers=auth_headers(), timeout=10).json()
         assert status["version"] == 1 and all(s["version"] == 1 for s in status["servers"].values())
         progress.v = 2
         while service.call(lambda: m.version) < 2 and time.monotonic() < deadline:
@@ -286,7 +287,7 @@ def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, mo
         deadline = time.monotonic() + 30
         seen_out = False
         while time.monotonic() < deadline:
-            st = requests.get(service.url + "/status", timeout=10).json()
+            st = requests.get(service.url + "/status", headers=auth_headers(), timeout=10).json()
             srv = st["servers"][flaky.url]
             if not srv["live"]:
                 seen_out = True
@@ -347,9 +348,19 @@ def test_http_errors_are_typed(dirs):
         try:
             with pytest.raises(RolloutNotRunning):
                 await client.schedule(ScheduleRequest("ghost", 3, 4))
-            r = requests.post(service.url + "/allocate_rollout", json={"worker": "w"}, timeout=10)
+            r = requests.post(
+                service.url + "/allocate_rollout",
+                json={"worker": "w"},
+                headers=auth_headers(),
+                timeout=10,
+            )
             assert r.status_code == 400 and "incarnation" in r.json()["error"]["message"]
-            r = requests.post(service.url + "/schedule_request", json={"rollout_id": 3}, timeout=10)
+            r = requests.post(
+                service.url + "/schedule_request",
+                json={"rollout_id": 3},
+                headers=auth_headers(),
+                timeout=10,
+            )
             assert r.status_code == 400
             adm = await client.allocate("w", "i")
             assert adm.success and (await client.heartbeat("w", "i")).n_rollouts == 1
@@ -372,8 +383,9 @@ def test_http_bodies_are_validated_completely_and_errors_name_the_field(dirs):
     )
     service = ManagerService(m).start(60)
 
-    def post(path, body=None, **kw):
-        r = requests.post(service.url + path, json=body, timeout=10, **kw)
+    def post(path, body=None, headers=None, **kw):
+        headers = {**auth_headers(), **(headers or {})}
+        r = requests.post(service.url + path, json=body, headers=headers, timeout=10, **kw)
         return r.status_code, r.json()["error"]["message"] if r.status_code != 200 else r.json()
 
     try:
@@ -591,7 +603,12 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
         name_resolve.add(names.model_version("exp", trial, "actor"), "1")
         name_resolve.add(names.training_samples("exp", trial), "2")
         deadline = time.monotonic() + 20
-        while requests.get(f"http://{addr}/status", timeout=5).json()["version"] < 1:
+        while (
+            requests.get(f"http://{addr}/status", headers=auth_headers(), timeout=5).json()[
+                "version"
+            ]
+            < 1
+        ):
             w.step()
             assert time.monotonic() < deadline
         assert generate_greedy(srv.url, (7, 8, 9), 5) == greedy(dirs["v1"], (7, 8, 9), 5)
@@ -612,7 +629,9 @@ def test_manager_worker_publishes_updates_saves_and_resumes(
             w2 = make()
             try:
                 addr2 = name_resolve.get(names.gen_server_manager("exp", trial))
-                return requests.get(f"http://{addr2}/status", timeout=5).json()
+                return requests.get(
+                    f"http://{addr2}/status", headers=auth_headers(), timeout=5
+                ).json()
             finally:
                 w2._exit_hook()
 
