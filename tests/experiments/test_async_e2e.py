@@ -18,6 +18,7 @@ import time
 import psutil
 import pytest
 import quickstart_runs
+from run_attacker import RunProbe
 
 pytestmark = pytest.mark.slow
 
@@ -51,15 +52,28 @@ def _check_trained(run, n_steps):
 
 
 def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
-    r = subprocess.run(
+    """Also the run's security, as a same-host attacker without its secret sees it (one run
+    serves both: a second would double this test's minutes): every socket of every process
+    listens on loopback, and forged ZMQ messages and unauthenticated control calls sent while
+    it trains change nothing."""
+    evil = tmp_path / "pwned"
+    proc = subprocess.Popen(
         _cmd(tmp_path, "exp_ctrl.benchmark_steps=4", "exp_ctrl.eval_freq_steps=4"),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=400,
         cwd=ROOT,
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    spec = f"file://{tmp_path / 'name_resolve'}"
+    probe = RunProbe(proc, spec, "async-ppo-math", "run0", str(evil)).start()
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+        probe.join()
+    assert proc.returncode == 0, out[-6000:]
     run = tmp_path / "async-ppo-math" / "run0"
+    _check_attacks_changed_nothing(run, probe, evil)
     start, *rows = quickstart_runs.rows(run / "metrics.jsonl")
     # Step 0: the evaluation before training (exp_ctrl.eval_at_start, on by default here).
     assert start["step"] == 0 and "eval/greedy_acc" in start
@@ -86,6 +100,22 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     log = (run / "logs" / "gserver_manager_0.log").read_text()
     pushed = [int(v) for v in re.findall(r"weights of version (\d+) on 1 servers", log)]
     assert pushed == sorted(set(pushed)) and {2, 3} & set(pushed), pushed
+
+
+def _check_attacks_changed_nothing(run, probe, evil):
+    ports = {(ip, port) for _, ip, port in probe.listening}
+    assert len(ports) >= 8, f"the probe saw too few sockets to prove anything: {probe.listening}"
+    assert {ip for ip, _ in ports} == {"127.0.0.1"}, sorted(probe.listening)
+    # Every kind of ZMQ socket got forgeries: worker control, request/reply, push/pull.
+    kinds = {k.split("/run0/")[1].split("/")[0] for k in probe.zmq_attacked}
+    assert len(kinds) == 3 and len(probe.zmq_attacked) >= 5, probe.zmq_attacked
+    assert not evil.exists(), "a forged message was unpickled"
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))
+    assert "without this run's MAC" in logs, "the drops were logged"
+    # Control routes without the token: refused, the run went on (it finished, above).
+    assert probe.http_answers and {c for _, c in probe.http_answers} <= {401, 403}, (
+        probe.http_answers
+    )
 
 
 def test_multi_turn_agent_trains_on_whole_conversations(tmp_path):
