@@ -334,6 +334,13 @@ class RequestClient:
                 self._send(p.handler, _Ping(), zmq.NOBLOCK, waiting_for=what)
             except zmq.Again:  # its queue is full: connected, just busy
                 pass
+            except ConnectionError:
+                # A handler that answered and then exited (a "stop") is gone from the
+                # ROUTER's routing table possibly before its answer was read: read what
+                # is queued, and call it lost only if the answer is not there.
+                self._drain()
+                if rid not in self._replies and not (syn and rid in self._syns):
+                    raise
 
     def post(self, payload: Payload) -> str:
         """Send one request without syn/ack; return its request id."""

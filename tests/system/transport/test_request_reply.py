@@ -295,3 +295,29 @@ def test_busy_live_handler_is_not_mistaken_for_a_dead_one(trial):
     finally:
         server.close()
         client.close()
+
+
+def test_a_handler_that_answered_and_exited_is_not_called_lost(trial):
+    """The race CI met once: a handler answers "stop" and exits; the ROUTER forgets it
+    before its answer is read, so the liveness ping fails. That is not a lost handler while
+    its answer is queued: the wait gets the answer."""
+    client = RequestClient(EXP, trial, "s", ["w/0"], wait=False, reply_timeout=10)
+
+    def serve():
+        server = ReplyServer(EXP, trial, "s", "w/0", connect_timeout=5)
+        req = server.poll(timeout=10)
+        server.reply(req, "bye")
+        server.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        client.wait_for_handlers(10)
+        [rid] = client.request(["w/0"], "stop")
+        t.join(10)
+        time.sleep(0.5)  # the ROUTER has seen the handler go; its answer is still unread
+        # The ping gather sends between two reads, made deterministic: it must not raise.
+        client._check_alive([rid])
+        assert client.gather([rid], timeout=5)[0].data == "bye"
+    finally:
+        client.close()
