@@ -100,6 +100,8 @@ setup(
         "omegaconf",
         "numpy",
         "psutil",
+        # forked worker processes show their own command line in ps and /proc (forkserver)
+        "setproctitle",
         "rich",
         # the math verifier (it brings sympy, which only it uses)
         "math-verify",

@@ -22,6 +22,7 @@ import psutil
 import pytest
 
 from realhf.base.net import auth, network
+from realhf.scheduler import forkserver
 
 # Test scaffolding shared across folders (tiny random HF models, the dag-test experiment)
 # lives in tests/helpers/, outside the product.  Spawned ranks inherit sys.path; launched
@@ -138,11 +139,14 @@ def no_leftover_processes():
     Processes that existed before the test (e.g. the session's etcd) are ignored.
     Call the yielded function to check earlier, inside the test.
     """
-    before = set(_descendants())
+    # The session's fork server (realhf.scheduler.forkserver) outlives the launches that
+    # use it; the processes it forks are its children and are checked.
+    before = set(_descendants()) | set(forkserver.shared_pids())
 
     def check(timeout: float = 10.0):
         deadline = time.monotonic() + timeout
         while True:
+            before.update(forkserver.shared_pids())  # those a launch in the test started
             left = {pid: p for pid, p in _descendants().items() if pid not in before}
             if not left or time.monotonic() > deadline:
                 break

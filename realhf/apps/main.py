@@ -41,7 +41,7 @@ from realhf.base import constants, logging, name_resolve, names
 from realhf.base.storage import recover
 from realhf.base.storage.atomic_file import write_atomic
 from realhf.experiments.registry import get_quickstart_exp
-from realhf.scheduler import LaunchError, launcher
+from realhf.scheduler import LaunchError, forkserver, launcher
 from realhf.scheduler.local import JobFailure
 
 logger = logging.getLogger("main")
@@ -149,6 +149,8 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
         print(f"{name}: {refused}", file=sys.stderr)
         return 2
     os.makedirs(run_dir, exist_ok=True)
+    if cfg.mode == "local":  # its imports overlap the build below (realhf.scheduler.forkserver)
+        forkserver.prestart()
     # Written before anything runs, so a run that fails still records the
     # config it failed with; a recovered attempt reuses the same directory.
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:

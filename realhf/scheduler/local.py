@@ -6,7 +6,9 @@ group holds it and everything it spawns), writes its stdout/stderr to
 or interpreter exit kills every group it started: SIGINT/SIGTERM first, then
 SIGKILL after a grace period.  Nothing it launched outlives it, short of the
 launcher itself being SIGKILLed (then ``realhf.apps.remote`` processes die
-with it: they ask the kernel for a parent-death signal).
+with it: they ask the kernel for a parent-death signal).  Those processes are forked
+from the launcher's fork server (:mod:`realhf.scheduler.forkserver`), which has imported
+torch & co. once and exits when the launcher does; any other command is executed.
 
 :func:`launch_experiment` is the whole local launch: build the command lines
 of ``python -m realhf.apps.remote`` for the controller and for every worker
@@ -23,12 +25,13 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names
 from realhf.base.distributed import proc_group
 from realhf.base.net import auth
+from realhf.scheduler import forkserver
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJob
 
 logger = logging.getLogger("local_scheduler", "system")
@@ -57,7 +60,8 @@ class Job(LaunchedJob):
     index: int
     cmd: List[str]
     log_path: str
-    popen: subprocess.Popen
+    #: the process: a Popen, or a child of the fork server that behaves like one
+    popen: Union[subprocess.Popen, forkserver.ForkedProcess]
     #: set when the scheduler stopped it as a straggler after a successful run
     stopped_as_straggler: bool = False
     #: the process environment (a restart reuses it)
@@ -114,6 +118,8 @@ class LocalScheduler(JobSet):
         self._next_gpu = 0
         self.jobs: List[Job] = []
         self._lock = threading.Lock()
+        #: fork realhf processes from the shared fork server (off: REALHF_FORKSERVER=0)
+        self.fork = forkserver.enabled()
         self.stop_at_exit()
 
     # ---- submit ---------------------------------------------------------
@@ -173,8 +179,16 @@ class LocalScheduler(JobSet):
             logger.debug(f"started {job.name} pid {job.pid}: {' '.join(argv)}")
         return new
 
-    @staticmethod
-    def _popen(argv: Sequence[str], log_path: str, env: Mapping[str, str]) -> subprocess.Popen:
+    def _popen(self, argv: Sequence[str], log_path: str, env: Mapping[str, str]):
+        # realhf's own processes are forked from a server that has imported torch and
+        # co. once (see realhf.scheduler.forkserver); anything else is executed.
+        server = forkserver.shared(env) if self.fork and forkserver.forkable(argv) else None
+        if server is not None and server.can_fork(argv, env):
+            try:
+                return server.spawn(argv, env, log_path)
+            except forkserver.ForkServerError as e:
+                logger.warning(f"{e}; starting processes with subprocess from now on")
+                self.fork = False
         with open(log_path, "ab") as log:
             return subprocess.Popen(
                 argv,

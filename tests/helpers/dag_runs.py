@@ -14,17 +14,20 @@ import dag_test_experiment as dag_test
 import psutil
 
 from realhf.api.core.system_api import make_experiment
+from realhf.scheduler import forkserver
 from realhf.scheduler.local import JobFailure, launch_experiment
 
 EXP = "dag-test"
 
 
 def _children():
+    """Live descendants, not counting the fork servers (they serve every launch of the
+    session; what they fork is counted)."""
     return {
         p.pid
         for p in psutil.Process().children(recursive=True)
         if p.status() != psutil.STATUS_ZOMBIE
-    }
+    } - set(forkserver.shared_pids())
 
 
 def launch(root, trial, **kw):

@@ -1,0 +1,486 @@
+"""Start the processes of a local run by forking one pre-imported Python process.
+
+Every realhf process imports torch, numba and transformers before it does anything: about
+3.4 s of CPU on a 2-core VM, paid once per process, so a seven-process async run spent
+more CPU importing than training (``py-spy record --subprocesses`` of a 2-step
+async-ppo-math: 24 of 46 CPU seconds).  The fork server imports those libraries once,
+then forks a child per process: the child sets its session, environment and log file,
+runs ``python -m MODULE ARGS`` in place, and pays ~0.5 s for realhf's own modules.
+
+What a child inherits, and why it is the same as a fresh interpreter for us:
+
+* only *third-party* modules are imported before the fork (:data:`PRELOAD`); realhf's own
+  modules, which read ``REALHF_*`` at import, are imported by the child under its own
+  environment.  The server starts with the launcher's environment, and a process whose
+  environment differs from it in anything but ``REALHF_*`` and ``CUDA_VISIBLE_DEVICES``
+  (read at first CUDA use) is started by ``subprocess`` instead (:meth:`ForkServer.can_fork`);
+* the server runs no torch op and starts no thread before forking (OpenBLAS's pool, made
+  at numpy's import, re-forms after a fork), so no lock is held in the child;
+* numpy's global RNG is reseeded from the OS in the child, as a fresh process would be.
+
+Protocol: the launcher writes one JSON request per line to the server's stdin and reads
+JSON lines from a pipe the server got as ``argv[1]``: ``{"ready"}`` once the imports are
+done, ``{"pid"}`` (or ``{"error"}``) per request, ``{"exited", "rc"}`` when the server reaps
+a child.  Only the launcher holds the pipes: nothing listens.  When the launcher dies or
+closes the server, the server sees end-of-file and exits, and its children (which ask
+for a parent-death signal, see ``realhf.apps.remote``) die with it, as they would with
+the launcher.  ``REALHF_FORKSERVER=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Mapping, Optional, Sequence
+
+# Imported by the server too, where no logger is made: realhf's loggers read the
+# environment when made, and the children must make theirs under their own.
+from realhf.base import logging
+
+__all__ = [
+    "ForkServer",
+    "ForkedProcess",
+    "ForkServerError",
+    "enabled",
+    "forkable",
+    "prestart",
+    "shared",
+    "shared_pids",
+]
+
+#: libraries every realhf process imports; a missing one is skipped
+PRELOAD = (
+    "numpy",
+    "torch",
+    # torch.optim.Optimizer imports dynamo on first use (~1.7 s here)
+    "torch._dynamo",
+    "numba",
+    "transformers",
+    "safetensors.torch",
+    "zmq",
+    "pydantic",
+    "fastapi",
+    "uvicorn",
+    "aiohttp",
+)
+#: transformers attributes resolved at preload (its top level imports lazily)
+_TRANSFORMERS_ATTRS = ("AutoTokenizer", "PreTrainedTokenizerFast", "AutoConfig")
+#: modules whose ``python -m`` command lines may be forked instead of executed
+FORKABLE_MODULES = frozenset({"realhf.apps.remote"})
+#: environment variables a forked child may have that the server did not: ours (read by
+#: realhf's modules, which the child imports itself) and pytest's per-test ones
+_CHILD_ONLY_PREFIXES = ("REALHF_", "PYTEST_")
+_CHILD_ONLY_KEYS = frozenset({"CUDA_VISIBLE_DEVICES"})
+#: a child whose fate is unknown because the server that reaped it is gone
+LOST_RC = 255
+ENV_SWITCH = "REALHF_FORKSERVER"
+
+
+def forkable(argv: Sequence[str], modules: Optional[frozenset] = None) -> bool:
+    """Whether ``argv`` is ``python -m`` of one of ``modules`` (default
+    :data:`FORKABLE_MODULES`), run by this interpreter."""
+    modules = FORKABLE_MODULES if modules is None else modules
+    return len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in modules
+
+
+class ForkServerError(RuntimeError):
+    """The fork server cannot start a process (it is gone, or did not become ready)."""
+
+
+def enabled() -> bool:
+    """Whether local launches fork their processes (Linux, unless ``REALHF_FORKSERVER=0``)."""
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+# ---- the server process ---------------------------------------------------------------
+
+
+def _preload(names: Sequence[str]) -> Dict[str, str]:
+    """Import ``names``; the ones that failed, with why."""
+    skipped = {}
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as e:  # an optional dependency; the child imports what it needs
+            skipped[name] = repr(e)
+            continue
+        if name == "transformers":
+            for attr in _TRANSFORMERS_ATTRS:
+                getattr(mod, attr, None)
+    return skipped
+
+
+def _write(fd: int, msg: dict) -> None:
+    data = (json.dumps(msg) + "\n").encode()
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _exit_code(status: int) -> int:
+    """A waitpid status as Popen reports it (negative: killed by that signal)."""
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def _serve(reply_fd: int) -> Optional[dict]:
+    """Fork a child per request; return the request in the child, None at end-of-file."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake select()
+    children = set()
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0, wake_r], [], [])
+        if wake_r in readable:
+            os.read(wake_r, 4096)
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            _write(reply_fd, {"exited": pid, "rc": _exit_code(status)})
+        if 0 not in readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return None  # the launcher closed us or died
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            try:
+                pid = os.fork()
+            except OSError as e:
+                _write(reply_fd, {"error": f"fork failed: {e}"})
+                continue
+            if pid == 0:
+                for fd in (0, reply_fd, wake_r, wake_w):
+                    os.close(fd)
+                return request
+            children.add(pid)
+            _write(reply_fd, {"pid": pid})
+
+
+def _become(request: dict) -> None:
+    """In the child: leave the server's session, signals, environment and output."""
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    devnull = os.open(os.devnull, os.O_RDONLY)  # fd 0: the server's stdin was closed
+    if devnull != 0:
+        os.dup2(devnull, 0)
+        os.close(devnull)
+    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    env = dict(request["env"])
+    env["REALHF_PARENT_PID"] = str(os.getppid())  # the server: it is our parent now
+    os.environ.clear()
+    os.environ.update(env)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # a fresh process would have its own state
+    if "setproctitle" in sys.modules:  # ps and /proc/PID/cmdline show the child's command
+        command = [sys.executable, "-m", request["module"], *request["args"]]
+        sys.modules["setproctitle"].setproctitle(" ".join(command))
+    sys.argv = [request["module"], *request["args"]]
+
+
+def main() -> None:
+    reply_fd = int(sys.argv[1])
+    t0 = time.monotonic()
+    skipped = _preload(sys.argv[2:])
+    try:
+        import setproctitle
+
+        # Its first call claims the memory of argv and the environment, which it can only
+        # do while the environment is the one the process started with: here, not in a
+        # child that has replaced it.
+        setproctitle.setproctitle(setproctitle.getproctitle())
+    except ImportError:
+        pass
+    _write(reply_fd, {"ready": True, "skipped": skipped, "seconds": time.monotonic() - t0})
+    request = _serve(reply_fd)
+    if request is None:
+        return
+    _become(request)
+    import runpy
+
+    # Runs as `python -m MODULE` would; its SystemExit ends this interpreter normally
+    # (non-daemon threads joined, atexit hooks run, streams flushed).
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+
+
+# ---- the launcher's side --------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A child of the fork server, watched like a :class:`subprocess.Popen`.
+
+    The server reaps it and reports its exit code; ``poll``/``wait``/``returncode``
+    behave as Popen's (negative: killed by that signal).
+    """
+
+    def __init__(self, server: "ForkServer", pid: int, args: List[str]):
+        self._server = server
+        self.pid = pid
+        self.args = args
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None and self._server.lost:
+            # Its exit went with the server; a process that is gone is reported lost.
+            if not os.path.exists(f"/proc/{self.pid}"):
+                self.returncode = LOST_RC
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._server._exited:
+            while self.poll() is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                self._server._exited.wait(0.1 if left is None else min(left, 0.1))
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """A pre-imported server process that forks ``python -m realhf.apps.remote`` processes.
+
+    The server's own output is discarded (what it could print is what its imports print);
+    modules it could not import are logged here at debug level.
+
+    Args:
+        env: its environment (default ``os.environ``), with ``PYTHONUNBUFFERED=1`` unless
+            set: the children's stdio is the server's.
+        preload: the modules it imports before forking.
+        ready_timeout: how long :meth:`spawn` waits for the imports to finish.
+        reply_timeout: how long one fork may take to be acknowledged.
+    """
+
+    def __init__(
+        self,
+        env: Optional[Mapping[str, str]] = None,
+        *,
+        preload: Sequence[str] = PRELOAD,
+        ready_timeout: float = 300.0,
+        reply_timeout: float = 30.0,
+    ):
+        self.ready_timeout = ready_timeout
+        self.reply_timeout = reply_timeout
+        self.env = _server_env(os.environ if env is None else env)
+        self.cwd = os.getcwd()
+        self.lost = False
+        #: modules whose ``python -m`` may be forked (default :data:`FORKABLE_MODULES`)
+        self.modules: Optional[frozenset] = None
+        self._children: Dict[int, ForkedProcess] = {}
+        self._replies: List[dict] = []
+        self._ready = False
+        self._cond = threading.Condition()
+        self._exited = threading.Condition()
+        self._spawn_lock = threading.Lock()
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "realhf.scheduler.forkserver", str(rep_w), *preload],
+            stdin=req_r,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=self.env,
+            pass_fds=(rep_w,),
+            start_new_session=True,
+        )
+        os.close(req_r)
+        os.close(rep_w)
+        self._requests = os.fdopen(req_w, "wb", buffering=0)
+        self._reader = threading.Thread(
+            target=self._read_replies, args=(rep_r,), name="forkserver-replies", daemon=True
+        )
+        self._reader.start()
+
+    def _read_replies(self, fd: int) -> None:
+        with os.fdopen(fd, "rb") as f:
+            for line in f:
+                msg = json.loads(line)
+                if "exited" in msg:
+                    with self._exited:
+                        child = self._children.pop(msg["exited"], None)
+                        if child is not None:
+                            child.returncode = msg["rc"]
+                        self._exited.notify_all()
+                    continue
+                with self._cond:
+                    if msg.get("ready"):
+                        self._ready = True
+                        logging.getLogger("forkserver", "system").debug(
+                            f"fork server {self.proc.pid} ready after {msg['seconds']:.1f}s; "
+                            f"not preloaded: {msg['skipped'] or 'none'}"
+                        )
+                    else:
+                        self._replies.append(msg)
+                    self._cond.notify_all()
+        with self._cond, self._exited:
+            self.lost = True
+            self._cond.notify_all()
+            self._exited.notify_all()
+
+    def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+        """Whether ``argv`` run with ``env`` may be forked from this server: it is
+        ``python -m`` of a forkable module, from the same directory, and its environment
+        differs from the server's only in variables no preloaded library reads at import."""
+        if self.lost or not forkable(argv, self.modules) or os.getcwd() != self.cwd:
+            return False
+        return not self.env_difference(env)
+
+    def env_difference(self, env: Mapping[str, str]) -> List[str]:
+        """The variables of ``env`` that differ from the server's and that a preloaded
+        library might have read at import (a child with any of them is executed)."""
+        return sorted(
+            key
+            for key in set(env) | set(self.env)
+            if env.get(key) != self.env.get(key)
+            and not (key in _CHILD_ONLY_KEYS or key.startswith(_CHILD_ONLY_PREFIXES))
+        )
+
+    def _wait_for(self, predicate, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                if self.lost:
+                    raise ForkServerError(f"the fork server (pid {self.proc.pid}) exited {what}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ForkServerError(
+                        f"the fork server (pid {self.proc.pid}) did not answer within "
+                        f"{timeout:.0f}s {what}"
+                    )
+                self._cond.wait(left)
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> ForkedProcess:
+        """Fork ``argv`` (``python -m MODULE ARGS``, see :meth:`can_fork`) with ``env``,
+        its stdout/stderr appended to ``log_path``, in a session of its own."""
+        request = {"module": argv[2], "args": list(argv[3:]), "env": dict(env), "log": log_path}
+        open(log_path, "ab").close()  # an unwritable log fails here, as Popen's would
+        with self._spawn_lock:
+            if self.lost:
+                raise ForkServerError(f"the fork server (pid {self.proc.pid}) exited")
+            self._wait_for(lambda: self._ready, self.ready_timeout, "while importing its libraries")
+            try:
+                self._requests.write((json.dumps(request) + "\n").encode())
+            except OSError as e:
+                raise ForkServerError(f"the fork server (pid {self.proc.pid}) exited: {e}") from e
+
+            def reply():
+                return self._replies.pop(0) if self._replies else None
+
+            msg = self._wait_for(reply, self.reply_timeout, f"to fork {' '.join(argv[2:5])}")
+            if "error" in msg:
+                raise ForkServerError(msg["error"])
+            child = ForkedProcess(self, msg["pid"], list(argv))
+            with self._exited:
+                self._children[child.pid] = child
+            return child
+
+    def close(self, timeout: float = 10.0) -> None:
+        """End the server (its children are the launcher's to stop first)."""
+        try:
+            self._requests.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _server_env(env: Mapping[str, str]) -> Dict[str, str]:
+    env = dict(env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _key(env: Mapping[str, str]) -> tuple:
+    """What a server must share with a child: its directory and every variable that is not
+    the child's own."""
+    own = {
+        k: v
+        for k, v in _server_env(env).items()
+        if not (k in _CHILD_ONLY_KEYS or k.startswith(_CHILD_ONLY_PREFIXES))
+    }
+    return os.getcwd(), tuple(sorted(own.items()))
+
+
+_shared: Dict[tuple, ForkServer] = {}
+_shared_lock = threading.Lock()
+
+
+def shared(env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
+    """This process's fork server for children with environment ``env`` (default
+    ``os.environ``) in the current directory, started on first use; None when
+    :func:`enabled` is false.
+
+    A process keeps one server per environment it launches with (a long-lived launcher such
+    as a test session changes its own): starting one closes those that have no children.
+    """
+    if not enabled():
+        return None
+    key = _key(os.environ if env is None else env)
+    with _shared_lock:
+        server = _shared.get(key)
+        if server is not None and not server.lost:
+            return server
+        for k, other in list(_shared.items()):
+            if other.lost or not other._children:
+                other.close()
+                del _shared[k]
+        server = _shared[key] = ForkServer(os.environ if env is None else env)
+        atexit.register(server.close)
+        return server
+
+
+def shared_pids() -> List[int]:
+    """The pids of this process's fork servers (they outlive the launches that use them)."""
+    return [s.proc.pid for s in list(_shared.values()) if not s.lost]
+
+
+def prestart() -> None:
+    """Start the fork server for ``os.environ`` now, so that its imports overlap the
+    caller's own work."""
+    shared()
+
+
+if __name__ == "__main__":
+    main()

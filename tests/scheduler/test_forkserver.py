@@ -1,0 +1,146 @@
+"""The fork server: children that behave like freshly executed processes, watched like Popens."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from realhf.scheduler import forkserver
+from realhf.scheduler.local import LocalScheduler
+
+pytestmark = pytest.mark.slow  # the server imports torch & co. (~6 s)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = forkserver.ForkServer()
+    s.modules = frozenset({"forked_probe"})
+    yield s
+    s.close()
+
+
+def _argv(out, code=0, *extra):
+    return [sys.executable, "-m", "forked_probe", str(out), str(code), *extra]
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def test_a_child_sees_its_own_argv_env_session_and_log(server, tmp_path):
+    out, log = tmp_path / "a.json", tmp_path / "a.log"
+    argv = _argv(out, 3)
+    env = _env(REALHF_PROBE_X="seven")
+    assert server.can_fork(argv, env)
+    p = server.spawn(argv, env, str(log))
+    assert p.wait(timeout=30) == 3 and p.returncode == 3 and p.poll() == 3
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(out), "3"] and seen["main"] == "__main__"
+    assert seen["pid"] == p.pid and seen["sid"] == p.pid and seen["pgid"] == p.pid
+    assert seen["ppid"] == server.proc.pid and seen["parent_env"] == str(server.proc.pid)
+    assert seen["env_x"] == "seven" and seen["torch_preloaded"] and seen["stdin"] == ""
+    assert "probe says hello" in log.read_text()
+    assert seen["cmdline"] == " ".join(argv)  # what ps shows
+
+
+def test_children_get_their_own_numpy_random_state(server, tmp_path):
+    seen = []
+    for i in range(2):
+        out = tmp_path / f"{i}.json"
+        assert server.spawn(_argv(out), _env(), str(tmp_path / "log")).wait(30) == 0
+        seen.append(json.loads(out.read_text())["np_random"])
+    assert seen[0] != seen[1]
+
+
+def test_signals_timeouts_and_concurrent_children(server, tmp_path):
+    slow = [
+        server.spawn(_argv(tmp_path / f"s{i}.json", 0, "sleep", "60"), _env(), str(tmp_path / "l"))
+        for i in range(3)
+    ]
+    with pytest.raises(subprocess.TimeoutExpired):
+        slow[0].wait(timeout=0.3)
+    assert all(p.poll() is None for p in slow)
+    slow[1].kill()
+    os.killpg(slow[2].pid, signal.SIGTERM)  # its own process group, as Popen's sessions
+    slow[0].terminate()
+    assert [p.wait(timeout=30) for p in slow] == [-signal.SIGTERM, -signal.SIGKILL, -signal.SIGTERM]
+
+
+def test_what_cannot_be_forked_is_refused(server, tmp_path):
+    out = tmp_path / "x.json"
+    assert not server.can_fork([sys.executable, "-c", "pass"], _env())
+    assert not server.can_fork(["/bin/sleep", "1"], _env())
+    assert not server.can_fork([sys.executable, "-m", "json.tool"], _env())  # not forkable
+    # a variable a preloaded library may read at import: the child would not see it
+    assert not server.can_fork(_argv(out), _env(OMP_NUM_THREADS="1"))
+    env = _env()
+    del env["PATH"]
+    assert not server.can_fork(_argv(out), env)
+    # variables that no preloaded library reads are the child's own
+    assert server.can_fork(_argv(out), _env(REALHF_ANYTHING="1", CUDA_VISIBLE_DEVICES="0"))
+
+
+def test_a_lost_server_is_an_error_and_its_children_are_reported_lost(tmp_path):
+    s = forkserver.ForkServer(preload=())
+    s.modules = frozenset({"forked_probe"})
+    child = s.spawn(_argv(tmp_path / "c.json", 0, "sleep", "60"), _env(), str(tmp_path / "c.log"))
+    s.proc.kill()
+    s.proc.wait()
+    deadline = time.monotonic() + 10
+    while not s.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert s.lost and not s.can_fork(_argv(tmp_path / "d.json"), _env())
+    with pytest.raises(forkserver.ForkServerError, match="exited"):
+        s.spawn(_argv(tmp_path / "d.json"), _env(), str(tmp_path / "d.log"))
+    assert child.poll() is None  # still running: only its parent is gone
+    os.kill(child.pid, signal.SIGKILL)
+    assert child.wait(timeout=10) == forkserver.LOST_RC
+    s.close()
+
+
+def test_closing_the_server_ends_it(tmp_path):
+    s = forkserver.ForkServer(preload=("numpy",))
+    s.close(timeout=30)
+    assert s.proc.returncode == 0
+
+
+def test_local_scheduler_forks_what_it_can_and_stops_it(
+    tmp_path, monkeypatch, no_leftover_processes
+):
+    monkeypatch.setattr(
+        forkserver, "FORKABLE_MODULES", forkserver.FORKABLE_MODULES | {"forked_probe"}
+    )
+    sched = LocalScheduler(str(tmp_path / "run"))
+    out = tmp_path / "p.json"
+    (job,) = sched.submit("probe", _argv(out, 0, "sleep", "60"))
+    (plain,) = sched.submit("plain", [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert isinstance(job.popen, forkserver.ForkedProcess)
+    assert isinstance(plain.popen, subprocess.Popen)
+    deadline = time.monotonic() + 30
+    while not out.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert json.loads(out.read_text())["env_x"] is None
+    assert job.returncode is None
+    sched.stop_all(grace=5)
+    assert job.returncode == -signal.SIGTERM and plain.returncode == -signal.SIGTERM
+    assert "probe says hello" in open(job.log_path).read()
+
+
+def test_a_launcher_whose_environment_changed_gets_a_server_for_it(monkeypatch):
+    first = forkserver.shared()
+    assert forkserver.shared() is first
+    monkeypatch.setenv("REALHF_ANYTHING", "1")  # the children's own: the same server
+    assert forkserver.shared() is first
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # set by the launcher's own process group
+    second = forkserver.shared()
+    assert second is not first and second.env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert first.proc.poll() is not None  # it had no children: closed
+    assert forkserver.shared_pids() == [second.proc.pid]
