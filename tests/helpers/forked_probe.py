@@ -11,7 +11,7 @@ import numpy as np
 
 if __name__ == "__main__":
     out, code = sys.argv[1], int(sys.argv[2])
-    with open(out, "w") as f:
+    with open(out + ".tmp", "w") as f:  # renamed when complete: tests poll for OUT
         json.dump(
             {
                 "argv": sys.argv[1:],
@@ -29,6 +29,7 @@ if __name__ == "__main__":
             },
             f,
         )
+    os.replace(out + ".tmp", out)
     print("probe says hello", flush=True)
     if len(sys.argv) > 4 and sys.argv[3] == "sleep":
         time.sleep(float(sys.argv[4]))

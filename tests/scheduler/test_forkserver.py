@@ -120,16 +120,18 @@ def test_local_scheduler_forks_what_it_can_and_stops_it(
     )
     sched = LocalScheduler(str(tmp_path / "run"))
     out = tmp_path / "p.json"
-    (job,) = sched.submit("probe", _argv(out, 0, "sleep", "60"))
-    (plain,) = sched.submit("plain", [sys.executable, "-c", "import time; time.sleep(60)"])
-    assert isinstance(job.popen, forkserver.ForkedProcess)
-    assert isinstance(plain.popen, subprocess.Popen)
-    deadline = time.monotonic() + 30
-    while not out.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert json.loads(out.read_text())["env_x"] is None
-    assert job.returncode is None
-    sched.stop_all(grace=5)
+    try:
+        (job,) = sched.submit("probe", _argv(out, 0, "sleep", "60"))
+        (plain,) = sched.submit("plain", [sys.executable, "-c", "import time; time.sleep(60)"])
+        assert isinstance(job.popen, forkserver.ForkedProcess)
+        assert isinstance(plain.popen, subprocess.Popen)
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(out.read_text())["env_x"] is None
+        assert job.returncode is None
+    finally:
+        sched.stop_all(grace=5)
     assert job.returncode == -signal.SIGTERM and plain.returncode == -signal.SIGTERM
     assert "probe says hello" in open(job.log_path).read()
 
