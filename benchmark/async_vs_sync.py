@@ -184,7 +184,7 @@ class CpuSampler(threading.Thread):
                 return
             for proc in procs:
                 try:
-                    cmd, t = proc.cmdline(), proc.cpu_times()
+                    cmd, t = " ".join(proc.cmdline()).split(), proc.cpu_times()
                 except psutil.Error:
                     continue
                 kind = "launcher"

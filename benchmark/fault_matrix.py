@@ -293,7 +293,7 @@ class _Run:
             return out
         for p in kids:
             try:
-                argv = p.cmdline()
+                argv = " ".join(p.cmdline()).split()  # a forked worker's title: one word
             except psutil.Error:
                 continue
             if "realhf.apps.remote" in argv and worker_type in argv and "worker" in argv:

@@ -82,6 +82,10 @@ _CHILD_ONLY_KEYS = frozenset({"CUDA_VISIBLE_DEVICES"})
 #: a child whose fate is unknown because the server that reaped it is gone
 LOST_RC = 255
 ENV_SWITCH = "REALHF_FORKSERVER"
+# The server's modules to import come through its environment, not its argv: a child's
+# title (setproctitle) replaces argv's memory, and one shorter than the server's argv is
+# shown NUL-padded, which psutil and `ps -o args` read as a single word.
+_PRELOAD_ENV = "REALHF_FORKSERVER_PRELOAD"
 
 
 def forkable(argv: Sequence[str], modules: Optional[frozenset] = None) -> bool:
@@ -204,7 +208,7 @@ def _become(request: dict) -> None:
 def main() -> None:
     reply_fd = int(sys.argv[1])
     t0 = time.monotonic()
-    skipped = _preload(sys.argv[2:])
+    skipped = _preload([m for m in os.environ.pop(_PRELOAD_ENV, "").split(",") if m])
     try:
         import setproctitle
 
@@ -311,11 +315,11 @@ class ForkServer:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "realhf.scheduler.forkserver", str(rep_w), *preload],
+            [sys.executable, "-m", "realhf.scheduler.forkserver", str(rep_w)],
             stdin=req_r,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env=self.env,
+            env={**self.env, _PRELOAD_ENV: ",".join(preload)},
             pass_fds=(rep_w,),
             start_new_session=True,
         )

@@ -109,7 +109,7 @@ def worker_processes(proc, worker_type: str) -> List[psutil.Process]:
     out = []
     for p in psutil.Process(proc.pid).children(recursive=True):
         try:
-            argv = p.cmdline()
+            argv = " ".join(p.cmdline()).split()  # a forked worker's title may be one word
         except psutil.Error:
             continue
         if "realhf.apps.remote" in argv and worker_type in argv:

@@ -71,7 +71,7 @@ class RunProbe:
         for p in _processes(self.popen.pid):
             try:
                 conns = p.net_connections(kind="inet")
-                name = " ".join(p.cmdline()[-4:])
+                name = " ".join(" ".join(p.cmdline()).split()[-4:])
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             for c in conns:

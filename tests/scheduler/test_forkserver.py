@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from realhf.scheduler import forkserver
@@ -130,6 +131,8 @@ def test_local_scheduler_forks_what_it_can_and_stops_it(
             time.sleep(0.05)
         assert json.loads(out.read_text())["env_x"] is None
         assert job.returncode is None
+        # what ps and psutil show: the command, word by word
+        assert psutil.Process(job.pid).cmdline() == job.cmd
     finally:
         sched.stop_all(grace=5)
     assert job.returncode == -signal.SIGTERM and plain.returncode == -signal.SIGTERM
