@@ -307,6 +307,8 @@ class ForkServer:
         #: modules whose ``python -m`` may be forked (default :data:`FORKABLE_MODULES`)
         self.modules: Optional[frozenset] = None
         self._children: Dict[int, ForkedProcess] = {}
+        #: the argv of the request in flight (one at a time, under ``_spawn_lock``)
+        self._spawning: List[str] = []
         self._replies: List[dict] = []
         self._ready = False
         self._cond = threading.Condition()
@@ -335,6 +337,13 @@ class ForkServer:
         with os.fdopen(fd, "rb") as f:
             for line in f:
                 msg = json.loads(line)
+                if "pid" in msg:
+                    # Registered here, before the next line is read: the server may report
+                    # the child's exit right after its pid, before spawn() wakes up.
+                    with self._exited:
+                        child = ForkedProcess(self, msg["pid"], self._spawning)
+                        self._children[child.pid] = child
+                    msg["child"] = child
                 if "exited" in msg:
                     with self._exited:
                         child = self._children.pop(msg["exited"], None)
@@ -401,6 +410,7 @@ class ForkServer:
             if self.lost:
                 raise ForkServerError(f"the fork server (pid {self.proc.pid}) exited")
             self._wait_for(lambda: self._ready, self.ready_timeout, "while importing its libraries")
+            self._spawning = list(argv)
             try:
                 self._requests.write((json.dumps(request) + "\n").encode())
             except OSError as e:
@@ -412,10 +422,7 @@ class ForkServer:
             msg = self._wait_for(reply, self.reply_timeout, f"to fork {' '.join(argv[2:5])}")
             if "error" in msg:
                 raise ForkServerError(msg["error"])
-            child = ForkedProcess(self, msg["pid"], list(argv))
-            with self._exited:
-                self._children[child.pid] = child
-            return child
+            return msg["child"]
 
     def close(self, timeout: float = 10.0) -> None:
         """End the server (its children are the launcher's to stop first)."""

@@ -107,6 +107,25 @@ def test_a_lost_server_is_an_error_and_its_children_are_reported_lost(tmp_path):
     s.close()
 
 
+def test_a_child_that_exits_before_spawn_returns_is_still_reaped(tmp_path, monkeypatch):
+    s = forkserver.ForkServer(preload=())
+    s.modules = frozenset({"forked_probe"})
+    wait_for = s._wait_for
+
+    def slow_to_wake(predicate, timeout, what):  # the launcher's thread is descheduled
+        value = wait_for(predicate, timeout, what)
+        if what.startswith("to fork"):
+            time.sleep(1.5)
+        return value
+
+    monkeypatch.setattr(s, "_wait_for", slow_to_wake)
+    out = tmp_path / "q.json"
+    child = s.spawn(_argv(out, 7), _env(), str(tmp_path / "q.log"))
+    assert out.exists()  # it ran and exited while spawn() slept
+    assert child.wait(timeout=10) == 7
+    s.close()
+
+
 def test_closing_the_server_ends_it(tmp_path):
     s = forkserver.ForkServer(preload=("numpy",))
     s.close(timeout=30)
