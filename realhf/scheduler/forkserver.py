@@ -377,12 +377,8 @@ class ForkServer:
     def env_difference(self, env: Mapping[str, str]) -> List[str]:
         """The variables of ``env`` that differ from the server's and that a preloaded
         library might have read at import (a child with any of them is executed)."""
-        return sorted(
-            key
-            for key in set(env) | set(self.env)
-            if env.get(key) != self.env.get(key)
-            and not (key in _CHILD_ONLY_KEYS or key.startswith(_CHILD_ONLY_PREFIXES))
-        )
+        mine, theirs = _inherited(self.env), _inherited(env)
+        return sorted(key for key in set(mine) | set(theirs) if mine.get(key) != theirs.get(key))
 
     def _wait_for(self, predicate, timeout: float, what: str):
         deadline = time.monotonic() + timeout
@@ -425,13 +421,18 @@ class ForkServer:
             return msg["child"]
 
     def close(self, timeout: float = 10.0) -> None:
-        """End the server (its children are the launcher's to stop first)."""
+        """End the server (its children are the launcher's to stop first).
+
+        A server still importing has forked nothing and would read the end of its input
+        only once done: it is killed at once rather than waited for."""
         try:
             self._requests.close()
         except OSError:
             pass
+        with self._cond:
+            ready = self._ready
         try:
-            self.proc.wait(timeout)
+            self.proc.wait(timeout if ready else 0)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -443,19 +444,29 @@ def _server_env(env: Mapping[str, str]) -> Dict[str, str]:
     return env
 
 
-def _key(env: Mapping[str, str]) -> tuple:
-    """What a server must share with a child: its directory and every variable that is not
-    the child's own."""
-    own = {
+def _inherited(env: Mapping[str, str]) -> Dict[str, str]:
+    """The part of ``env`` a forked child takes from its server: every variable but the
+    child's own (a preloaded library may have read it at import)."""
+    return {
         k: v
         for k, v in _server_env(env).items()
         if not (k in _CHILD_ONLY_KEYS or k.startswith(_CHILD_ONLY_PREFIXES))
     }
-    return os.getcwd(), tuple(sorted(own.items()))
 
 
 _shared: Dict[tuple, ForkServer] = {}
 _shared_lock = threading.Lock()
+
+
+def _close_shared() -> None:
+    with _shared_lock:
+        servers = list(_shared.values())
+        _shared.clear()
+    for server in servers:
+        server.close()
+
+
+atexit.register(_close_shared)
 
 
 def shared(env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
@@ -468,18 +479,19 @@ def shared(env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
     """
     if not enabled():
         return None
-    key = _key(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    key = (os.getcwd(), tuple(sorted(_inherited(env).items())))
+    idle = []
     with _shared_lock:
         server = _shared.get(key)
-        if server is not None and not server.lost:
-            return server
-        for k, other in list(_shared.items()):
-            if other.lost or not other._children:
-                other.close()
-                del _shared[k]
-        server = _shared[key] = ForkServer(os.environ if env is None else env)
-        atexit.register(server.close)
-        return server
+        if server is None or server.lost:
+            for k, other in list(_shared.items()):
+                if other.lost or not other._children:
+                    idle.append(_shared.pop(k))
+            server = _shared[key] = ForkServer(env)
+    for other in idle:  # outside the lock: closing waits for the process
+        other.close()
+    return server
 
 
 def shared_pids() -> List[int]:

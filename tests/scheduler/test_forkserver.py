@@ -128,8 +128,14 @@ def test_a_child_that_exits_before_spawn_returns_is_still_reaped(tmp_path, monke
 
 def test_closing_the_server_ends_it(tmp_path):
     s = forkserver.ForkServer(preload=("numpy",))
+    s._wait_for(lambda: s._ready, 60, "while importing")
     s.close(timeout=30)
     assert s.proc.returncode == 0
+    # one still importing (a launch that fails while building) is not waited for
+    s = forkserver.ForkServer(preload=forkserver.PRELOAD)
+    t0 = time.monotonic()
+    s.close(timeout=30)
+    assert time.monotonic() - t0 < 2 and s.proc.returncode == -signal.SIGKILL
 
 
 def test_local_scheduler_forks_what_it_can_and_stops_it(
