@@ -144,6 +144,8 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
+            # `make test` runs on two workers
+            "pytest-xdist",
             "openai",
             "requests",
             "tokenizers",

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 
-import psutil
 import pytest
 import torch
 
@@ -14,7 +13,6 @@ from realhf.api.cli_parser import parse_config
 from realhf.api.core.dfg import build_graph
 from realhf.apps import quickstart
 from realhf.experiments.registry import get_quickstart_exp
-from realhf.scheduler import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,9 +52,9 @@ EXPECTED = {
 
 
 @pytest.fixture
-def nothing_runs(tmp_path, monkeypatch):
+def nothing_runs(tmp_path, monkeypatch, no_leftover_processes):
     """Run in an empty ``tmp_path``; fail if anything launches; check that nothing was
-    written there and no child process is left."""
+    written there and (``no_leftover_processes``) that no child process is left."""
     import realhf.apps.main
     import realhf.scheduler
 
@@ -69,13 +67,7 @@ def nothing_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     yield tmp_path / "fileroot"
     assert list(tmp_path.iterdir()) == []
-    # the session's fork server, if an earlier test started one, is not this test's
-    left = [
-        p
-        for p in psutil.Process().children(recursive=True)
-        if p.pid not in forkserver.shared_pids()
-    ]
-    assert left == []
+    no_leftover_processes(timeout=0)
 
 
 def _dry_run(capsys, *args) -> str:

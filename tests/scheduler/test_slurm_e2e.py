@@ -10,7 +10,7 @@ import json
 import pytest
 import quickstart_runs as qs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 PPO = [
     "train_batch_size=4",
