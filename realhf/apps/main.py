@@ -190,11 +190,8 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
                     trial,
                     run_dir=run_dir,
                     name_resolve_spec=spec,
-                    experiment_type=name,
-                    experiment_args={"cfg": cfg},
-                    # The controller process gets the config, not the compiled
-                    # workers: importing the builder's module registers the
-                    # experiment there, and it rebuilds the run from `cfg`.
+                    # The controller runs this experiment_cfg (pickled in the run dir);
+                    # every process imports the builder's module and the plugins.
                     imports=list(dict.fromkeys([qs.build.__module__, *imports])),
                     timeout=timeout,
                     fileroot=fileroot,

@@ -3,7 +3,7 @@
 Launchers (``realhf.scheduler.local``, later Slurm/Ray) run::
 
     python -m realhf.apps.remote controller --experiment E --trial R \\
-        [--experiment-type NAME] [--experiment-args ARGS.pkl] [--summary OUT.json] \\
+        --experiment-config RUN_DIR/experiment.pkl [--summary OUT.json] \\
         [--import MODULE ...] [--name-resolve SPEC] [--timeout S]
     python -m realhf.apps.remote worker --type T --index I --experiment E --trial R \\
         [--import MODULE ...] [--name-resolve SPEC]
@@ -14,9 +14,9 @@ default ``$REALHF_NAME_RESOLVE``, else the file backend under the file root.
 (the built-in worker types of ``realhf.system.worker.base.BUILTIN_WORKER_MODULES`` are
 found without it).
 
-The controller rebuilds the experiment registered as ``--experiment-type``
-(default ``--experiment``) with the keyword arguments pickled in
-``--experiment-args`` and runs it (:class:`realhf.system.worker.controller.Controller`);
+The controller runs the experiment its launcher built and pickled to
+``--experiment-config`` (:class:`realhf.system.worker.controller.Controller`): it is not
+built twice (a build reads and checks the dataset, ~2 s for rw);
 it exits 0 on success, 1 when workers failed (its log and ``--summary`` name
 them and why), 3 (``STOPPED_EXIT_CODE``) when stopped on request.  A worker builds its
 registered type and serves control until told to exit; it exits 0 after ``exit``, 1 after
@@ -82,15 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("controller", help="configure, start and watch the workers")
     common(c)
     c.add_argument(
-        "--experiment-type",
-        default=None,
-        help="registered experiment to build (default: --experiment)",
-    )
-    c.add_argument(
-        "--experiment-args",
+        "--experiment-config",
         default=None,
         metavar="PATH",
-        help="pickle of the keyword arguments of the experiment factory",
+        help="the built ExperimentConfig, pickled (launchers write RUN_DIR/experiment.pkl)",
     )
     c.add_argument("--summary", default=None, metavar="PATH", help="write the outcome as JSON here")
     c.add_argument("--poll-interval", type=float, default=1.0)
@@ -154,17 +149,29 @@ def _setup(args) -> None:
             raise SystemExit(f"realhf.apps.remote: --import {module}: {e}") from e
 
 
-def run_controller(args) -> int:
-    """Build the experiment, run it, report; 0 on success, 1 on failure."""
-    kwargs = {}
-    if args.experiment_args:
-        with open(args.experiment_args, "rb") as f:
-            kwargs = pickle.load(f)
-    exp_type = args.experiment_type or args.experiment
+def _load_experiment(path: Optional[str]) -> system_api.ExperimentConfig:
+    where = "realhf.apps.remote controller"
+    if not path:
+        raise SystemExit(
+            f"{where}: --experiment-config PATH is required: the pickled ExperimentConfig a "
+            "launcher writes to RUN_DIR/experiment.pkl (see realhf.scheduler.local.prepare_trial)."
+        )
     try:
-        experiment = system_api.make_experiment(exp_type, **kwargs)
-    except (ValueError, TypeError) as e:  # unknown name or bad factory arguments
-        raise SystemExit(f"realhf.apps.remote controller: {e}") from e
+        with open(path, "rb") as f:
+            experiment = pickle.load(f)  # the run directory's own file, written by the launch
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+        raise SystemExit(f"{where}: cannot load --experiment-config {path}: {e}") from e
+    if not isinstance(experiment, system_api.ExperimentConfig):
+        raise SystemExit(
+            f"{where}: --experiment-config {path} holds a {type(experiment).__name__}, "
+            "not an ExperimentConfig."
+        )
+    return experiment
+
+
+def run_controller(args) -> int:
+    """Load the experiment, run it, report; 0 on success, 1 on failure."""
+    experiment = _load_experiment(args.experiment_config)
     controller = Controller(
         args.experiment,
         args.trial,

@@ -136,7 +136,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             run_dir=run_dir,
             fileroot=fileroot,
             name_resolve_spec=spec,
-            experiment_args=exp_args,
             imports=[smoke_exp.__name__],
             timeout=args.timeout,
         )

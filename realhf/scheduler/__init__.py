@@ -1,7 +1,7 @@
 """Launchers: run an experiment's controller and workers locally, on Ray or through SLURM.
 
 Every launcher module has a ``launch_experiment(experiment, experiment_name, trial_name, *,
-run_dir, name_resolve_spec, experiment_type, experiment_args, imports, timeout, fileroot,
+run_dir, name_resolve_spec, imports, timeout, fileroot,
 options)`` with the contract of :func:`realhf.scheduler.local.launch_experiment`: it runs
 ``python -m realhf.apps.remote`` for the controller and every worker, waits, stops
 everything it started, returns exit codes by job name and raises

@@ -37,7 +37,7 @@ from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJ
 logger = logging.getLogger("local_scheduler", "system")
 
 #: where in the run dir the launcher pickles the experiment args for the controller
-EXPERIMENT_ARGS_FILE = "experiment_args.pkl"
+EXPERIMENT_FILE = "experiment.pkl"
 
 __all__ = [
     "Job",
@@ -273,8 +273,7 @@ def remote_controller_cmd(
     experiment_name: str,
     trial_name: str,
     *,
-    experiment_type: Optional[str] = None,
-    experiment_args_path: Optional[str] = None,
+    experiment_path: Optional[str] = None,
     summary_path: Optional[str] = None,
     imports: Sequence[str] = (),
     extra: Sequence[str] = (),
@@ -290,10 +289,8 @@ def remote_controller_cmd(
         "--trial",
         trial_name,
     ]
-    if experiment_type:
-        cmd += ["--experiment-type", experiment_type]
-    if experiment_args_path:
-        cmd += ["--experiment-args", experiment_args_path]
+    if experiment_path:
+        cmd += ["--experiment-config", experiment_path]
     if summary_path:
         cmd += ["--summary", summary_path]
     for m in imports:
@@ -306,18 +303,16 @@ def launch_controller_cmd(
     experiment_name: str,
     trial_name: str,
     *,
-    experiment_type: Optional[str] = None,
     imports: Sequence[str] = (),
     extra: Sequence[str] = (),
 ) -> List[str]:
-    """:func:`remote_controller_cmd` of a launch: the experiment args that
+    """:func:`remote_controller_cmd` of a launch: the experiment that
     :func:`prepare_trial` writes to ``run_dir``, the outcome to
     ``{run_dir}/controller_summary.json``."""
     return remote_controller_cmd(
         experiment_name,
         trial_name,
-        experiment_type=experiment_type,
-        experiment_args_path=os.path.join(run_dir, EXPERIMENT_ARGS_FILE),
+        experiment_path=os.path.join(run_dir, EXPERIMENT_FILE),
         summary_path=os.path.join(run_dir, "controller_summary.json"),
         imports=imports,
         extra=extra,
@@ -329,9 +324,10 @@ def prepare_trial(
     name_resolve_spec: str,
     experiment_name: str,
     trial_name: str,
-    experiment_args: Optional[dict],
+    experiment: ExperimentConfig,
 ) -> None:
-    """Clear the trial's name-resolve keys; pickle ``experiment_args`` into ``run_dir``."""
+    """Clear the trial's name-resolve keys; pickle ``experiment`` into ``run_dir`` for the
+    controller (which then runs what the launcher checked, without building it again)."""
     # Start from a clean trial: stale keys of an earlier run (e.g. the ERROR
     # status a failed worker leaves behind) would mislead the new one.
     repo = name_resolve.from_spec(name_resolve_spec)
@@ -340,8 +336,8 @@ def prepare_trial(
     finally:
         repo.close()
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, EXPERIMENT_ARGS_FILE), "wb") as f:
-        pickle.dump(dict(experiment_args or {}), f)
+    with open(os.path.join(run_dir, EXPERIMENT_FILE), "wb") as f:
+        pickle.dump(experiment, f)
 
 
 def launch_experiment(
@@ -351,8 +347,6 @@ def launch_experiment(
     *,
     run_dir: str,
     name_resolve_spec: str,
-    experiment_type: Optional[str] = None,
-    experiment_args: Optional[dict] = None,
     imports: Sequence[str] = (),
     controller_extra: Sequence[str] = (),
     worker_extra: Sequence[str] = (),
@@ -363,11 +357,10 @@ def launch_experiment(
 ) -> Dict[str, int]:
     """Run ``experiment`` locally: controller + every worker, wait, stop all.
 
-    The trial's name-resolve keys are cleared first.  The controller rebuilds
-    ``experiment`` from ``experiment_type`` (default
-    ``experiment_name``) and ``experiment_args`` (pickled to
-    ``{run_dir}/experiment_args.pkl``); ``imports`` are modules that register
-    the experiment and its worker types.  The controller's outcome is written
+    The trial's name-resolve keys are cleared first.  The controller runs
+    ``experiment`` itself (pickled to ``{run_dir}/experiment.pkl``); ``imports`` are
+    modules every process imports first (they register worker types, interfaces and
+    the classes the experiment names).  The controller's outcome is written
     to ``{run_dir}/controller_summary.json``.  ``fileroot`` becomes the
     processes' ``$REALHF_FILEROOT``.  Returns exit codes by job name.
 
@@ -375,7 +368,7 @@ def launch_experiment(
         JobFailure, TimeoutError, KeyboardInterrupt: see
             :meth:`realhf.scheduler.jobs.JobSet.wait`.
     """
-    prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment_args)
+    prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment)
     penv = {"REALHF_NAME_RESOLVE": name_resolve_spec, "REALHF_DIE_WITH_PARENT": "1"}
     # One machine: every socket of the run listens on loopback (unless the user pinned
     # another address), and the run gets a fresh secret (see realhf.base.net.auth).
@@ -393,7 +386,6 @@ def launch_experiment(
             run_dir,
             experiment_name,
             trial_name,
-            experiment_type=experiment_type,
             imports=imports,
             extra=controller_extra,
         ),

@@ -315,8 +315,6 @@ def launch_experiment(
     *,
     run_dir: str,
     name_resolve_spec: str,
-    experiment_type: Optional[str] = None,
-    experiment_args: Optional[dict] = None,
     imports: Sequence[str] = (),
     controller_extra: Sequence[str] = (),
     worker_extra: Sequence[str] = (),
@@ -352,7 +350,7 @@ def launch_experiment(
             experiment.scheduling_of(t).gpu * len(experiment.workers[t]) for t in types
         )
         check_capacity({"CPU": wanted_cpus, **({"GPU": wanted_gpus} if wanted_gpus else {})})
-        prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment_args)
+        prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment)
         penv = _forwarded_env(options)
         penv.update({"REALHF_NAME_RESOLVE": name_resolve_spec, "REALHF_DIE_WITH_PARENT": "1"})
         # The run's secret: a 0600 file in the run directory, which every node must see
@@ -368,7 +366,6 @@ def launch_experiment(
                 run_dir,
                 experiment_name,
                 trial_name,
-                experiment_type=experiment_type,
                 imports=imports,
                 extra=controller_extra,
             )

@@ -347,8 +347,6 @@ def launch_experiment(
     *,
     run_dir: str,
     name_resolve_spec: str,
-    experiment_type: Optional[str] = None,
-    experiment_args: Optional[dict] = None,
     imports: Sequence[str] = (),
     controller_extra: Sequence[str] = (),
     worker_extra: Sequence[str] = (),
@@ -360,7 +358,7 @@ def launch_experiment(
     """Run ``experiment`` through SLURM: controller + every worker, wait, cancel all.
 
     The contract of :func:`realhf.scheduler.local.launch_experiment` (name-resolve keys
-    cleared, ``experiment_args`` pickled to ``{run_dir}/experiment_args.pkl``, the
+    cleared, ``experiment`` pickled to ``{run_dir}/experiment.pkl``, the
     controller's outcome in ``{run_dir}/controller_summary.json``, logs in
     ``{run_dir}/logs/{type}_{index}.log``), with ``options`` (``cfg.slurm``) saying
     where and how.  ``run_dir`` must be on a file system every node sees.
@@ -389,7 +387,6 @@ def launch_experiment(
         run_dir,
         experiment_name,
         trial_name,
-        experiment_type=experiment_type,
         imports=imports,
         extra=controller_extra,
     )
@@ -403,7 +400,7 @@ def launch_experiment(
     )
     sched = SlurmScheduler(run_dir, opts, f"realhf:{experiment_name}:{trial_name}", penv)
     partition = sched.check_fits(groups)
-    prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment_args)
+    prepare_trial(run_dir, name_resolve_spec, experiment_name, trial_name, experiment)
     # Stale task states of an earlier attempt in this run dir would read as this one's.
     shutil.rmtree(sched.state_dir, ignore_errors=True)
     # Ctrl-C/SIGTERM between two sbatch calls must not leave the first jobs queued.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -31,7 +32,11 @@ def _remote(tmp_path, *args):
             ["worker", "--type", "smoke_model", "--index", "-1", "-e", "x", "-f", "y"],
             "--index must be >= 0",
         ),
-        (["controller", "-e", "nope", "-f", "y"], "No experiment registered as 'nope'"),
+        (["controller", "-e", "x", "-f", "y"], "--experiment-config PATH is required"),
+        (
+            ["controller", "-e", "x", "-f", "y", "--experiment-config", "/no/such.pkl"],
+            "cannot load --experiment-config /no/such.pkl",
+        ),
         (
             ["controller", "-e", "bad/name", "-f", "y"],
             "experiment name 'bad/name' may not contain '/'",
@@ -72,3 +77,11 @@ def test_missing_required_arguments_print_usage(tmp_path):
         "the following arguments are required: --experiment/-e, --trial/-f, --index/-i"
         in out.stderr
     )
+
+
+def test_an_experiment_config_that_is_not_one_is_refused(tmp_path):
+    path = tmp_path / "experiment.pkl"
+    path.write_bytes(pickle.dumps({"cfg": "the old keyword arguments"}))
+    out = _remote(tmp_path, "controller", "-e", "x", "-f", "y", "--experiment-config", str(path))
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr
+    assert f"--experiment-config {path} holds a dict, not an ExperimentConfig" in out.stderr

@@ -91,7 +91,6 @@ def _launch_in_thread(tmp_path, trial, controller_extra=(), **exp_kwargs):
                 trial,
                 run_dir=str(run_dir),
                 name_resolve_spec=spec,
-                experiment_args=kwargs,
                 imports=[smoke_exp.__name__],
                 timeout=90,
                 scheduler=sched,

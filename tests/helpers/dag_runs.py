@@ -42,7 +42,6 @@ def launch(root, trial, **kw):
             trial,
             run_dir=str(run_dir),
             name_resolve_spec=f"file://{root / 'name_resolve'}",
-            experiment_args=kw,
             imports=[dag_test.__name__],
             timeout=240,
             fileroot=str(root),

@@ -16,7 +16,7 @@ worker when that global step's ``train`` starts (failure injection for recovery 
 ``layout`` (``"dXpYmZ"``) lays the model workers out as a trainer layout (default: one
 data-parallel rank per worker).
 
-    python -m realhf.apps.remote controller --experiment-type dag-test ...   (via a launcher)
+    launch_experiment(make_experiment("dag-test", ...), "dag-test", trial, ...)
 """
 
 from __future__ import annotations

@@ -80,7 +80,6 @@ def _launch(tmp_path, trial, options, spec, **exp_kwargs):
                 trial,
                 run_dir=str(run_dir),
                 name_resolve_spec=spec,
-                experiment_args=kwargs,
                 imports=[smoke_exp.__name__],
                 timeout=90,
                 fileroot=str(tmp_path),

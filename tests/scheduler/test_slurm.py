@@ -170,7 +170,6 @@ def _launch(cluster, tmp_path, trial, *, options=None, **exp_kwargs):
         trial,
         run_dir=str(run_dir),
         name_resolve_spec=f"file://{tmp_path / 'name_resolve'}",
-        experiment_args=kwargs,
         imports=[smoke_exp.__name__],
         timeout=90,
         fileroot=str(tmp_path),
@@ -340,7 +339,7 @@ _LAUNCH_AND_WAIT = textwrap.dedent(
     try:
         launch_experiment(
             system_api.make_experiment("smoke", **kw), "smoke", "sigterm", run_dir=run_dir,
-            name_resolve_spec="file://" + root + "/name_resolve", experiment_args=kw,
+            name_resolve_spec="file://" + root + "/name_resolve",
             imports=[smoke.__name__], timeout=90, fileroot=root,
             options=SlurmConfig(slurm_conf=conf),
         )
