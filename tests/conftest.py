@@ -120,20 +120,22 @@ def etcd_server():
 
 # ---- order: the longest-running modules first ----
 
-# `make test` runs the suite on two xdist workers with `--dist worksteal`: each worker starts
-# on a contiguous half of this order, and one that runs dry takes half of what the other has
-# left, from its end.  Modules that start an engine or a cluster (up to 4 min each) go first,
-# so none of them starts last while the other worker idles; the order is otherwise pytest's,
-# and modules stay contiguous (their fixtures are set up once).  No result depends on it.
-_HEAVY_FIRST = ("vllm", "ray", "slurm", "slow")
+# `make test` runs the suite on xdist workers with `--dist loadfile --no-loadscope-reorder`:
+# whole modules (their fixtures set up once) are handed out in this order to whichever
+# worker is free.  Longest first keeps a 4-minute module from starting last while the other
+# workers idle: modules that start vLLM, then Ray or SLURM, then those with more slow tests
+# (each one a multi-process run).  No result depends on the order.
+_HEAVY_FIRST = ("vllm", "ray", "slurm")
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {}
+    rank, slow = {}, {}
     for item in items:
         marks = [i for i, m in enumerate(_HEAVY_FIRST) if item.get_closest_marker(m)]
         rank[item.path] = min([rank.get(item.path, len(_HEAVY_FIRST)), *marks])
-    items.sort(key=lambda item: rank[item.path])  # stable: modules keep their order
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+    # stable: pytest's order among equals, and within each module
+    items.sort(key=lambda item: (rank[item.path], -slow[item.path]))
 
 
 # ---- multi-process tests: nothing we launch may outlive a test ----
