@@ -423,6 +423,28 @@ def test_file_backend_leaves_no_lock_behind_and_keeps_its_files_private(tmp_path
         repo.close()
 
 
+def test_file_backend_remakes_a_parent_another_process_pruned_meanwhile(tmp_path, monkeypatch):
+    """Seen under load: a process made ``shared/`` for ``shared/key``'s lock, another one
+    releasing its own key pruned the empty ``shared/``, and making ``key`` in it failed."""
+    repo = name_resolve.make_repository("file", root=str(tmp_path / "nr"))
+    real_mkdir, pruned = os.mkdir, []
+
+    def mkdir(d, mode=0o777):
+        parent = os.path.dirname(d)
+        if d.endswith(os.path.join("shared", "key")) and not pruned and os.path.isdir(parent):
+            pruned.append(parent)
+            os.rmdir(parent)  # the other process's _prune, between our two mkdirs
+        return real_mkdir(d, mode)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    try:
+        with repo._locked("shared/key"):
+            assert os.path.isdir(tmp_path / "nr" / "shared" / "key")
+        assert pruned
+    finally:
+        repo.close()
+
+
 @pytest.mark.slow
 def test_file_backend_lock_stays_exclusive_while_its_file_comes_and_goes(tmp_path):
     """Every release of a key with no entry removes its lock file; processes that opened

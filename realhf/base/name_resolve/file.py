@@ -146,15 +146,18 @@ class FileNameRecordRepository(NameRecordRepository):
 
     def _makedirs(self, d: str) -> None:
         """``os.makedirs(d, exist_ok=True)``, each directory it makes mode DIR_MODE (makedirs
-        gives missing parents the default mode)."""
-        try:
-            os.mkdir(d, DIR_MODE)
-        except FileExistsError:
-            return
-        except FileNotFoundError:
-            self._makedirs(os.path.dirname(d))
-            with contextlib.suppress(FileExistsError):
+        gives missing parents the default mode).
+
+        Another process releasing a key prunes directories that are empty: a parent made
+        here can be gone again before ``d`` is made in it, and is then made again."""
+        while True:
+            try:
                 os.mkdir(d, DIR_MODE)
+                return
+            except FileExistsError:
+                return
+            except FileNotFoundError:
+                self._makedirs(os.path.dirname(d))
 
     def _dir(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
