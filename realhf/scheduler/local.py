@@ -36,7 +36,7 @@ from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJ
 
 logger = logging.getLogger("local_scheduler", "system")
 
-#: where in the run dir the launcher pickles the experiment args for the controller
+#: where in the run dir the launcher pickles the built experiment for the controller
 EXPERIMENT_FILE = "experiment.pkl"
 
 __all__ = [
