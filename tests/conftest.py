@@ -120,7 +120,8 @@ def etcd_server():
 
 # ---- order: the longest-running modules first ----
 
-# `make test` runs the suite on xdist workers with `--dist loadfile --no-loadscope-reorder`:
+# `make test TEST_WORKERS=N` runs the suite on xdist workers with `--dist loadfile
+# --no-loadscope-reorder`:
 # whole modules (their fixtures set up once) are handed out in this order to whichever
 # worker is free.  Longest first keeps a 4-minute module from starting last while the other
 # workers idle: modules that start vLLM, then Ray or SLURM, then those with more slow tests
