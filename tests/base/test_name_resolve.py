@@ -633,3 +633,17 @@ def test_add_race_has_exactly_one_winner(repo, spec, root):
     assert sorted(outcomes) == ["LOST"] * (n_procs - 1) + ["WON"]
     assert repo.get(f"{root}/leader") == f"proc{outcomes.index('WON')}"
     repo.clear_subtree(root)
+
+
+def test_a_keepalive_that_runs_late_is_logged_with_the_main_threads_stack(caplog):
+    from realhf.base.name_resolve import _repository as repo
+
+    now = time.monotonic()
+    on_time = repo._Owned(token=None, delete_on_exit=True, ttl=6.0, next_refresh=now - 1.5)
+    repo._warn_if_late("k/on-time", on_time, now)
+    assert "late" not in caplog.text  # within a third of the TTL: the schedule's slack
+    late = repo._Owned(token=None, delete_on_exit=True, ttl=6.0, next_refresh=now - 3.0)
+    repo._warn_if_late("k/late", late, now)
+    assert "'k/late' ran 3.0s late (TTL 6s)" in caplog.text
+    # the main thread's stack says what the process was busy with
+    assert "test_a_keepalive_that_runs_late_is_logged" in caplog.text

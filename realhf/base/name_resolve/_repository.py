@@ -20,8 +20,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
+import sys
 import threading
 import time
+import traceback
 import uuid
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -121,6 +123,25 @@ def _outage_tolerance() -> float:
             "may retry while the store is unreachable (a number >= 0)"
         )
     return value
+
+
+def _warn_if_late(key: str, owned: "_Owned", now: float) -> None:
+    """Log when a refresh runs so late that readers may have seen the entry expire.
+
+    Refreshes are due every ttl/3; one that runs more than a third of the TTL late means
+    this process could not run its keepalive thread for that long (the host overloaded,
+    or a C call holding the GIL).  The main thread's stack at this moment is the best
+    clue to which.
+    """
+    late = now - owned.next_refresh
+    if owned.ttl is None or late <= owned.ttl / 3:
+        return
+    main = sys._current_frames().get(threading.main_thread().ident)
+    where = "".join(traceback.format_stack(main)[-6:]) if main is not None else "(unknown)"
+    logger.warning(
+        f"keepalive of name-resolve key {key!r} ran {late:.1f}s late (TTL {owned.ttl:g}s): "
+        f"this process was stalled; its main thread is now at:\n{where}"
+    )
 
 
 class NameRecordRepository(abc.ABC):
@@ -473,6 +494,8 @@ class NameRecordRepository(abc.ABC):
                 ]
             # Refresh outside the lock, for the same reason as in reset().
             for key, owned in due:
+                if failing_since is None:  # in an outage, lateness is the store's
+                    _warn_if_late(key, owned, now)
                 failed = False
                 try:
                     alive = self._refresh(key, owned.token, owned.ttl)
@@ -485,8 +508,9 @@ class NameRecordRepository(abc.ABC):
                         # A restarted store gives leases only about one TTL from its start:
                         # refresh every entry now, not on the schedule of the outage.
                         with self._owned_lock:
+                            due_now = time.monotonic()  # due now, not late
                             for o in self._owned.values():
-                                o.next_refresh = 0.0
+                                o.next_refresh = min(o.next_refresh, due_now)
                 except Exception as e:  # transient: retry soon, entry may survive
                     if failing_since is None:  # once per outage, not once per key and try
                         failing_since = time.monotonic()
