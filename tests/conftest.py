@@ -37,6 +37,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HELPERS, os.environ.get("
 # processes of a launch do.  Launched runs get a secret file of their own.
 auth.child_env()
 
+# Under pytest-xdist each worker sandboxes code in uids of its own, so test_hostile's
+# host-wide "no sandbox process outlived the run" check sees only its own worker's runs.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and "REALHF_SANDBOX_UID_BASE" not in os.environ:
+    _slots = int(os.environ.get("REALHF_SANDBOX_SLOTS", "16"))
+    os.environ["REALHF_SANDBOX_UID_BASE"] = str(61000 + _slots * int(_XDIST_WORKER[2:]))
+
 # Fixtures that start real engines, for every test module (see each helper's docstring).
 from restartable_etcd import restartable_etcd  # noqa: E402,F401
 from slurm_cluster import slurm_cluster  # noqa: E402,F401
@@ -130,6 +137,8 @@ _HEAVY_FIRST = ("vllm", "ray", "slurm")
 
 
 def pytest_collection_modifyitems(config, items):
+    if not _XDIST_WORKER:
+        return  # one process: the order is the files' own, as a reader expects
     rank, slow = {}, {}
     for item in items:
         marks = [i for i, m in enumerate(_HEAVY_FIRST) if item.get_closest_marker(m)]
