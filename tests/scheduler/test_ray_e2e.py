@@ -50,29 +50,6 @@ def _node_tags(run_dir):
     return {w: tag[v["node_id"]] for w, v in placement["workers"].items()}
 
 
-def test_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
-    # Custom node resources place the model workers on node2 and the master on node1.
-    proc = _start(
-        cluster,
-        tmp_path,
-        "ppo-math",
-        "allocation_mode=d2p1m1",
-        "ray.cpus_per_worker=0.5",
-        "ray.worker_resources.model_worker=node2:0.5",
-        "ray.worker_resources.master_worker=node1:0.5",
-        "exp_ctrl.benchmark_steps=2",
-        "exp_ctrl.eval_freq_steps=2",
-    )
-    out = qs.finish(proc)
-    run = tmp_path / "ppo-math" / "t"
-    assert qs.steps(run) == [0, 1, 2]  # step 0: the evaluation before training
-    # The launcher's console follows the run whatever the launcher.
-    assert "ppo-math: step 2/2 |" in out and "ppo-math: run summary" in out
-    tags = _node_tags(run)
-    assert tags["model_worker/0"] == tags["model_worker/1"] == "node2"
-    assert tags["master_worker/0"] == "node1"
-
-
 def test_async_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
     proc = _start(
         cluster,
@@ -91,21 +68,27 @@ def test_async_ppo_math_on_two_nodes(cluster, tmp_path, no_leftover_processes):
     assert set(_node_tags(run).values()) == {"node1", "node2"}
 
 
-def test_ray_killed_worker_is_recovered_and_every_step_trained_once(
+def test_ppo_math_on_two_nodes_recovers_a_killed_worker_and_trains_every_step_once(
     cluster, tmp_path, no_leftover_processes
 ):
+    # Custom node resources place the model workers on node2 and the master on node1;
+    # the placement holds again for the second attempt.
     proc = _start(
         cluster,
         tmp_path,
         "ppo-math",
+        "allocation_mode=d2p1m1",
+        "ray.cpus_per_worker=0.5",
+        "ray.worker_resources.model_worker=node2:0.5",
+        "ray.worker_resources.master_worker=node1:0.5",
         "recover_mode=auto",
         "exp_ctrl.ckpt_freq_steps=1",
         "exp_ctrl.benchmark_steps=6",
-        "eval=false",
+        "exp_ctrl.eval_freq_steps=6",
     )
     run = tmp_path / "ppo-math" / "t"
     with qs.killed_on_error(proc):
-        qs.wait_for_steps(proc, run, 2)
+        qs.wait_for_steps(proc, run, 3)  # the evaluation at step 0, then steps 1 and 2
         kill = (
             "import ray; ray.init(address=%r, log_to_driver=False); "
             "ray.kill(ray.get_actor('ppo-math/t/model_worker/0', namespace='realhf'))"
@@ -114,4 +97,9 @@ def test_ray_killed_worker_is_recovered_and_every_step_trained_once(
         subprocess.run([sys.executable, "-c", kill], check=True, timeout=120, capture_output=True)
     out = qs.finish(proc)
     assert "attempt 2/2" in out and "recovering from the last checkpoint" in out
-    assert qs.steps(run) == [1, 2, 3, 4, 5, 6]
+    assert qs.steps(run) == [0, 1, 2, 3, 4, 5, 6]  # step 0: the evaluation before training
+    # The launcher's console follows the run whatever the launcher.
+    assert "ppo-math: step 6/6 |" in out and "ppo-math: run summary" in out
+    tags = _node_tags(run)
+    assert tags["model_worker/0"] == tags["model_worker/1"] == "node2"
+    assert tags["master_worker/0"] == "node1"

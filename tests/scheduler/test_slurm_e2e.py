@@ -32,26 +32,6 @@ def _nodes(run_dir, prefix):
     return {w: v["node"] for w, v in workers.items() if w.startswith(prefix)}
 
 
-def test_ppo_math_spreads_over_both_nodes(slurm_cluster, tmp_path, no_leftover_processes):
-    # 3 CPUs per model worker on 4-CPU nodes: the two replicas cannot share a node.
-    proc = _start(
-        slurm_cluster,
-        tmp_path,
-        "ppo-math",
-        "allocation_mode=d2p1m1",
-        "slurm.worker_cpus.model_worker=3",
-        "exp_ctrl.benchmark_steps=2",
-        "exp_ctrl.eval_freq_steps=2",
-    )
-    out = qs.finish(proc)
-    run = tmp_path / "ppo-math" / "t"
-    assert qs.steps(run) == [0, 1, 2]  # step 0: the evaluation before training
-    # The launcher's console follows the run whatever the launcher.
-    assert "ppo-math: step 2/2 |" in out and "ppo-math: run summary" in out
-    assert sorted(_nodes(run, "model_worker").values()) == ["node1", "node2"]
-    assert slurm_cluster.queue() == []
-
-
 def test_async_ppo_math_over_slurm(slurm_cluster, tmp_path, no_leftover_processes):
     proc = _start(
         slurm_cluster,
@@ -72,25 +52,32 @@ def test_async_ppo_math_over_slurm(slurm_cluster, tmp_path, no_leftover_processe
     assert slurm_cluster.queue() == []
 
 
-def test_cancelled_worker_job_is_recovered_and_every_step_trained_once(
+def test_ppo_math_spreads_over_both_nodes_and_recovers_a_cancelled_worker_job(
     slurm_cluster, tmp_path, no_leftover_processes
 ):
+    # 3 CPUs per model worker on 4-CPU nodes: the two replicas cannot share a node.
     proc = _start(
         slurm_cluster,
         tmp_path,
         "ppo-math",
+        "allocation_mode=d2p1m1",
+        "slurm.worker_cpus.model_worker=3",
         "recover_mode=auto",
         "exp_ctrl.ckpt_freq_steps=1",
         "exp_ctrl.benchmark_steps=6",
-        "eval=false",
+        "exp_ctrl.eval_freq_steps=6",
     )
     run = tmp_path / "ppo-math" / "t"
     with qs.killed_on_error(proc):
-        qs.wait_for_steps(proc, run, 2)
+        qs.wait_for_steps(proc, run, 3)  # the evaluation at step 0, then steps 1 and 2
+        assert sorted(_nodes(run, "model_worker").values()) == ["node1", "node2"]
         with open(run / "placement.json") as f:
             job = json.load(f)["jobs"]["model_worker"]["job_id"]
         slurm_cluster.run("scancel", job)
     out = qs.finish(proc)
     assert "attempt 2/2" in out and "recovering from the last checkpoint" in out
-    assert qs.steps(run) == [1, 2, 3, 4, 5, 6]
+    assert qs.steps(run) == [0, 1, 2, 3, 4, 5, 6]  # step 0: the evaluation before training
+    # The launcher's console follows the run whatever the launcher.
+    assert "ppo-math: step 6/6 |" in out and "ppo-math: run summary" in out
+    assert sorted(_nodes(run, "model_worker").values()) == ["node1", "node2"]
     assert slurm_cluster.queue() == []
