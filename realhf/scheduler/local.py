@@ -31,6 +31,7 @@ from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import logging, name_resolve, names
 from realhf.base.distributed import proc_group
 from realhf.base.net import auth
+from realhf.base.storage.atomic_file import write_atomic
 from realhf.scheduler import forkserver
 from realhf.scheduler.jobs import CONTROLLER_TYPE, JobFailure, JobSet, LaunchedJob
 
@@ -336,8 +337,8 @@ def prepare_trial(
     finally:
         repo.close()
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, EXPERIMENT_FILE), "wb") as f:
-        pickle.dump(experiment, f)
+    # Atomic: a relaunch into the same run dir never leaves the controller half a file.
+    write_atomic(os.path.join(run_dir, EXPERIMENT_FILE), pickle.dumps(experiment))
 
 
 def launch_experiment(
