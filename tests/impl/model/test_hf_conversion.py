@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -36,6 +37,30 @@ def test_logits_match_hf(family, tiny_hf_dir, packed_batch):
     with torch.no_grad():
         diff = (ours(ids, cu) - hf_logits_one_by_one(load_hf(path), ids, cu)).abs().max()
     assert diff <= TOL
+
+
+def test_llama3_rope_scaling_matches_hf_and_round_trips(tmp_path, packed_batch):
+    """Llama 3.1/3.2's RoPE scaling: an original context of 8 makes every branch of it
+    (stretched, kept, blended wavelengths) matter at these lengths."""
+    scaling = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8)  # fmt: skip
+    path = make_tiny_hf_model(
+        "llama", tmp_path / "hf", rope_parameters={**scaling, "rope_theta": 10000.0}
+    )
+    ids, cu, seqlens = packed_batch
+    assert max(seqlens) > 8
+    ours = ReaLModel.from_hf(path).eval()
+    assert ours.config.rope_scaling == {k: float(v) for k, v in scaling.items() if k != "rope_type"}
+    hf = load_hf(path)
+    with torch.no_grad():
+        assert (ours(ids, cu) - hf_logits_one_by_one(hf, ids, cu)).abs().max() <= TOL
+        plain = ReaLModel(dataclasses.replace(ours.config, rope_scaling=None))
+        plain.load_state_dict(ours.state_dict())
+        assert (plain.eval()(ids, cu) - ours(ids, cu)).abs().max() > 1e-3  # it mattered
+    ours.save_hf(tmp_path / "ours")
+    again = ReaLModel.from_hf(tmp_path / "ours")
+    assert again.config == ours.config
+    assert load_hf(tmp_path / "ours").config.rope_parameters["rope_type"] == "llama3"
 
 
 def test_mistral_sliding_window_matches_hf(tiny_hf_dir, packed_batch):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
+
+from realhf.impl.model.modules.rotary import LLAMA3_ROPE_KEYS, SUPPORTED_ROPE_SCALING
 
 
 class CheckpointError(ValueError):
@@ -52,23 +54,37 @@ def activation_to_hf(name: str, family: str) -> str:
     return name
 
 
-def rope_theta_from_hf(hf, source: str) -> float:
-    """RoPE base from a transformers config; only un-scaled RoPE is supported."""
+def rope_from_hf(hf, source: str) -> Tuple[float, Optional[Dict[str, float]]]:
+    """RoPE base and scaling (None, or llama3's) from a transformers config."""
     # transformers 5 keeps RoPE settings in rope_parameters; older configs have
     # rope_scaling and a top-level rope_theta. Either may be present.
     params = getattr(hf, "rope_parameters", None) or {}
     legacy = getattr(hf, "rope_scaling", None) or {}
+    scaling = None
     for d in (params, legacy):
         kind = d.get("rope_type", d.get("type", "default")) if isinstance(d, dict) else None
-        if kind not in ("default", None):
+        if kind == "llama3":
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in d]
+            if missing:
+                raise UnsupportedCheckpoint(f"{source}: llama3 RoPE scaling without {missing}")
+            scaling = {k: float(d[k]) for k in LLAMA3_ROPE_KEYS}
+        elif kind not in ("default", None):
             raise UnsupportedCheckpoint(
                 f"{source}: rope type {kind!r} (rope_parameters/rope_scaling) is not "
-                "supported; ReaLModel implements the default (unscaled) RoPE only"
+                f"supported; ReaLModel implements plain RoPE and the scalings "
+                f"{SUPPORTED_ROPE_SCALING}"
             )
     theta = params.get("rope_theta") if isinstance(params, dict) else None
     if theta is None:
         theta = getattr(hf, "rope_theta", None) or 10000.0
-    return float(theta)
+    return float(theta), scaling
+
+
+def rope_to_hf(cfg) -> Dict[str, Any]:
+    """transformers' ``rope_parameters`` of a ReaLModelConfig."""
+    if cfg.rope_scaling is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, **cfg.rope_scaling}
 
 
 def hf_extra_from(hf) -> Dict[str, Any]:

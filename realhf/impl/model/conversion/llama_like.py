@@ -19,7 +19,8 @@ from realhf.impl.model.conversion.hf_config import (
     activation_from_hf,
     activation_to_hf,
     hf_extra_from,
-    rope_theta_from_hf,
+    rope_from_hf,
+    rope_to_hf,
 )
 from realhf.impl.model.conversion.rules import WeightRule, copy_rule
 from realhf.impl.model.nn.model_config import ReaLModelConfig
@@ -39,6 +40,7 @@ def config_from_hf(family: str, hf, source: str) -> ReaLModelConfig:
     else:
         qkv_bias, o_bias = attn_bias, attn_bias
     window = _sliding_window_from_hf(family, hf, source)
+    rope_theta, rope_scaling = rope_from_hf(hf, source)
     return ReaLModelConfig(
         family=family,
         n_layers=hf.num_hidden_layers,
@@ -49,7 +51,8 @@ def config_from_hf(family: str, hf, source: str) -> ReaLModelConfig:
         intermediate_dim=hf.intermediate_size,
         vocab_size=hf.vocab_size,
         n_positions=hf.max_position_embeddings,
-        rope_theta=rope_theta_from_hf(hf, source),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         layer_norm_epsilon=hf.rms_norm_eps,
         layer_norm_type="rms",
         activation=activation_from_hf(hf.hidden_act, "hidden_act", source),
@@ -97,7 +100,7 @@ def config_to_hf(cfg: ReaLModelConfig) -> Dict[str, Any]:
         max_position_embeddings=cfg.n_positions,
         rms_norm_eps=cfg.layer_norm_epsilon,
         tie_word_embeddings=cfg.tied_embedding,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=rope_to_hf(cfg),
         initializer_range=cfg.init_std,
     )
     if cfg.family in ("llama", "qwen3"):

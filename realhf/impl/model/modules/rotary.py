@@ -8,17 +8,42 @@ are rotated as (x1, x2) -> (x1*cos - x2*sin, x2*cos + x1*sin), with frequency
 
 from __future__ import annotations
 
-from typing import Tuple
+import math
+from typing import Mapping, Optional, Tuple
 
 import torch
 
+#: the RoPE scalings implemented (``rope_type`` of HuggingFace's rope_parameters)
+SUPPORTED_ROPE_SCALING = ("llama3",)
+#: the keys of a llama3 scaling
+LLAMA3_ROPE_KEYS = (
+    "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
+)  # fmt: skip
 
-def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
-    """Inverse frequencies ``[head_dim // 2]`` in float32."""
+
+def rope_inv_freq(
+    head_dim: int, theta: float, device=None, scaling: Optional[Mapping[str, float]] = None
+) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]`` in float32.
+
+    ``scaling``: a llama3 RoPE scaling (Llama 3.1/3.2's ``rope_scaling``, keys
+    :data:`LLAMA3_ROPE_KEYS`): wavelengths longer than the original context divided by
+    ``low_freq_factor`` are stretched ``factor`` times, those shorter than it divided by
+    ``high_freq_factor`` kept, and the band between interpolated smoothly.
+    """
     # An int64 arange cast to float32, as HuggingFace does: a floating arange would take
     # torch's default dtype, which may be a half type, and round the frequencies.
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
-    return 1.0 / (theta ** (exponents / head_dim))
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, context = (float(scaling[k]) for k in LLAMA3_ROPE_KEYS)
+    wavelen = 2 * math.pi / inv_freq
+    stretched = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    between = (wavelen >= context / high) & (wavelen <= context / low)
+    blended = (1 - smooth) * stretched / factor + smooth * stretched
+    return torch.where(between, blended, stretched)
 
 
 def rope_cos_sin(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from realhf.impl.model.modules.rotary import LLAMA3_ROPE_KEYS
+
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 SUPPORTED_NORMS = ("rms", "layer")
@@ -42,6 +44,8 @@ class ReaLModelConfig:
         vocab_size: embedding rows / LM-head outputs.
         n_positions: maximum position (rope cache / learned position rows).
         rope_theta: RoPE base; unused with ``abs_position_embedding``.
+        rope_scaling: None (plain RoPE) or a llama3 scaling: a dict of
+            ``rotary.LLAMA3_ROPE_KEYS`` (Llama 3.1/3.2 checkpoints).
         layer_norm_epsilon: epsilon of every norm.
         layer_norm_type: ``"rms"`` (llama-likes) or ``"layer"`` (gpt2).
         activation: MLP activation, one of ``SUPPORTED_ACTIVATIONS``
@@ -73,6 +77,7 @@ class ReaLModelConfig:
     vocab_size: int
     n_positions: int = 2048
     rope_theta: float = 10000.0
+    rope_scaling: Optional[Dict[str, float]] = None
     layer_norm_epsilon: float = 1e-6
     layer_norm_type: str = "rms"
     activation: str = "silu"
@@ -120,6 +125,10 @@ class ReaLModelConfig:
             _fail("layer_norm_epsilon", self.layer_norm_epsilon, "must be > 0")
         if not self.abs_position_embedding and not self.rope_theta > 0:
             _fail("rope_theta", self.rope_theta, "must be > 0 for RoPE models")
+        if self.rope_scaling is not None:
+            keys = set(LLAMA3_ROPE_KEYS)
+            if not isinstance(self.rope_scaling, dict) or set(self.rope_scaling) != keys:
+                _fail("rope_scaling", self.rope_scaling, f"use None or a dict of {sorted(keys)}")
         if self.sliding_window is not None and (
             not isinstance(self.sliding_window, int) or self.sliding_window <= 0
         ):

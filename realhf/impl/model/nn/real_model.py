@@ -281,7 +281,10 @@ class ReaLModel(nn.Module):
         dev = position_ids.device
         if dev not in self._inv_freq_cache:
             self._inv_freq_cache[dev] = rope_inv_freq(
-                self.config.head_dim, self.config.rope_theta, device=dev
+                self.config.head_dim,
+                self.config.rope_theta,
+                device=dev,
+                scaling=self.config.rope_scaling,
             )
         return rope_cos_sin(position_ids, self._inv_freq_cache[dev], self.dtype)
 
