@@ -278,6 +278,21 @@ class VLLMServer(ServerProcess):
             "vLLM", build_command(config, python), config.url, log_path=log_path, env=env
         )
         self.config = config
+        self.rpc_dir: Optional[str] = None
+
+    def start(self, health_timeout: float = 600.0):
+        # vLLM's processes talk over ZMQ ipc sockets it names in $VLLM_RPC_BASE_PATH (/tmp
+        # by default) and never removes: a private directory (0700), removed on stop().
+        # Not the run dir: a unix socket's path must stay under 108 bytes.
+        self.rpc_dir = self.env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="realhf-vllm-")
+        return super().start(health_timeout)
+
+    def stop(self, timeout: float = 30.0) -> Optional[int]:
+        try:
+            return super().stop(timeout)
+        finally:
+            if self.rpc_dir is not None:
+                shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- the adapter

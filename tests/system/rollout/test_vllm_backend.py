@@ -16,6 +16,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import stat
 
 import pytest
 import requests
@@ -483,6 +484,9 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
                 logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
                 ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
                 assert torch.allclose(lps, ref, atol=1e-3) is close, (path, lps, ref)
+        # vLLM's ipc sockets are in a private directory, which stop() removes
+        assert os.listdir(server.rpc_dir) and stat.S_IMODE(os.stat(server.rpc_dir).st_mode) == 0o700
     finally:
         adapter.stop()
         server.stop()
+    assert not os.path.exists(server.rpc_dir)
