@@ -239,7 +239,15 @@ def test_overwrite_replaces_the_earlier_run(tmp_path, launches):
 # ---- the real thing: the no-argument ppo-math, short, in a pipe and in a terminal ------
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]")
-SHORT = ["exp_ctrl.benchmark_steps=3", "exp_ctrl.eval_freq_steps=3"]
+# Small steps: these tests are about what the console shows, not what the run learns.
+SHORT = [
+    "exp_ctrl.benchmark_steps=3",
+    "exp_ctrl.eval_freq_steps=3",
+    "train_batch_size=4",
+    "ppo.group_size=2",
+    "ppo.gen.max_new_tokens=4",
+    "dataset.eval_max_new_tokens=4",
+]
 
 
 def _check_summary(out: str, run_dir) -> None:
