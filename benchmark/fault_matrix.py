@@ -239,10 +239,13 @@ def _log_times(run_dir: str, out: str, after: float) -> List[float]:
 
 
 def _rows(path: str) -> List[dict]:
+    """The complete lines of a JSON-lines file a live run may be appending to."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        # A line without its newline is still being written (or was cut by a kill, which
+        # the run drops on resume): not a record yet.
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 class _Run:
