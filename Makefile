@@ -17,13 +17,11 @@ install:
 	@$(PYTHON) -c "import ninja" 2>/dev/null || $(PIP) install ninja
 	$(PIP) install --no-build-isolation -e ".[test]"
 
-# TEST_WORKERS=N runs the suite on N pytest-xdist workers: whole modules go to a free
-# worker, longest first (tests/conftest.py orders them). End-to-end tests wait on sockets
-# and subprocesses, so one at a time keeps two cores 0.94 busy (37 min here) and three
-# ~1.5 (24 min). It is not yet the default: under that load a busy model worker missed its
-# heartbeat once (reported LOST), and test_hostile's host-wide check saw another module's
-# sandbox processes. The unit tests (test-fast) run on two workers.
-TEST_WORKERS ?= 0
+# The suite runs on TEST_WORKERS pytest-xdist workers (0: one process): whole modules go
+# to a free worker, longest first (tests/conftest.py orders them). End-to-end tests wait on
+# sockets and subprocesses, so one process keeps two cores 0.94 busy (37 min here) and
+# three workers ~1.9 (24 min). Each worker sandboxes code under uids of its own.
+TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 # $(call workers,N,OPTIONS): pytest-xdist's -n N and OPTIONS; nothing (one process) for N=0
 workers = $(if $(filter 0,$(1)),,-n $(1) $(2))
