@@ -16,7 +16,7 @@ collectives over the tensor-parallel group.  The places (Megatron-style):
 - :meth:`~LocalHooks.head_weight`: replicated weights applied to this rank's heads only
   (qwen3's per-head q/k norms) get their gradients summed over ranks;
 - :meth:`~LocalHooks.token_log_probs`: log-softmax of vocabulary-sharded logits at given
-  labels, without gathering the ``[T, vocab]`` logits;
+  labels, without gathering the ``[T, vocab]`` logits or copying them to float32;
 - :meth:`~LocalHooks.token_entropy`: entropy of the softmax of vocabulary-sharded logits,
   likewise.
 
@@ -27,11 +27,12 @@ local shard shapes and the flat buffer holds only the local shard.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from realhf.impl.model.modules import vocab_chunked
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 __all__ = ["LocalHooks", "LOCAL"]
@@ -73,17 +74,23 @@ class LocalHooks:
         """A replicated weight applied per head to this rank's heads, as used in forward."""
         return w
 
-    def token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """``log_softmax(logits)[i, labels[i]]`` for float ``logits [N, V_local]``."""
-        # gather - logsumexp avoids materialising a second [N, V] log-softmax tensor.
-        return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    def token_log_probs(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        rows: Optional[torch.Tensor] = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """float32 ``[N]``: ``log_softmax(logits[rows] / temperature)[i, labels[i]]`` for
+        ``logits [T, V_local]`` in the model's dtype (rows None: all of them), a block of
+        rows at a time (:mod:`realhf.impl.model.modules.vocab_chunked`)."""
+        return vocab_chunked.token_log_probs(logits, labels, rows=rows, temperature=temperature)
 
-    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy ``[N]`` of ``softmax(logits)`` for float ``logits [N, V_local]``."""
-        # H = logsumexp(z) - sum_v p_v z_v, without a second [N, V] log-softmax tensor.
-        lse = torch.logsumexp(logits, dim=-1)
-        p = torch.exp(logits - lse.unsqueeze(-1))
-        return lse - (p * logits).sum(-1)
+    def token_entropy(
+        self, logits: torch.Tensor, rows: Optional[torch.Tensor] = None, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """float32 ``[N]``: entropy of ``softmax(logits[rows] / temperature)``, likewise."""
+        return vocab_chunked.token_entropy(logits, rows=rows, temperature=temperature)
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[N, V]`` from this rank's ``[N, V_local]`` (for

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from realhf.impl.model.modules import vocab_chunked
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.parallel_hooks import LocalHooks
 from realhf.impl.model.nn.real_model import ReaLModel
@@ -53,8 +54,6 @@ __all__ = [
     "shard_tensor",
     "unshard_tensor",
     "shard_model",
-    "vocab_parallel_log_probs",
-    "vocab_parallel_entropy",
 ]
 
 
@@ -242,87 +241,6 @@ class _SumGrad(torch.autograd.Function):
         return _all_reduce(g.contiguous().clone(), ctx.group), None
 
 
-class _VocabParallelLogProbs(torch.autograd.Function):
-    """``log_softmax(logits)[labels]`` over vocabulary-sharded logits.
-
-    Forward: global max, global sum of exponentials and the label's logit (held by one
-    rank) — three all-reduces of ``[N]`` vectors, never ``[N, V]``.  Backward: the local
-    slice of ``onehot - softmax``, scaled by the output gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, start, group):
-        n_local = logits.shape[-1]
-        lmax = logits.max(dim=-1).values
-        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - lmax.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(-1)
-        _all_reduce(sum_exp, group)
-        local = labels - start
-        mine = (local >= 0) & (local < n_local)
-        idx = torch.where(mine, local, torch.zeros_like(local))
-        picked = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
-        picked = torch.where(mine, picked, torch.zeros_like(picked))
-        _all_reduce(picked, group)
-        ctx.save_for_backward(exp, sum_exp, idx, mine)
-        return picked - sum_exp.log()
-
-    @staticmethod
-    def backward(ctx, g):
-        exp, sum_exp, idx, mine = ctx.saved_tensors
-        grad = -(exp / sum_exp.unsqueeze(-1))
-        grad.scatter_add_(-1, idx.unsqueeze(-1), mine.to(grad.dtype).unsqueeze(-1))
-        return grad * g.unsqueeze(-1), None, None, None
-
-
-class _VocabParallelEntropy(torch.autograd.Function):
-    """Entropy of softmax(z) over logits z split by vocabulary over ``group``.
-
-    With the global max m, S = sum_v e^(z_v - m) and W = sum_v e^(z_v - m)(z_v - m) (both
-    all-reduced), H = log S - W / S. Its gradient is local: dH/dz_v = -p_v (z_v - E_p[z]),
-    and z_v - E_p[z] = (z_v - m) - W / S, so backward needs no collective.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, group):
-        lmax = logits.max(dim=-1).values
-        dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - lmax.unsqueeze(-1)
-        exp = shifted.exp()
-        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
-        _all_reduce(sums, group)
-        sum_exp, mean_shifted = sums[0], sums[1] / sums[0]
-        ctx.save_for_backward(exp, shifted, sum_exp, mean_shifted)
-        return sum_exp.log() - mean_shifted
-
-    @staticmethod
-    def backward(ctx, g):
-        exp, shifted, sum_exp, mean_shifted = ctx.saved_tensors
-        p = exp / sum_exp.unsqueeze(-1)
-        return -p * (shifted - mean_shifted.unsqueeze(-1)) * g.unsqueeze(-1), None
-
-
-def vocab_parallel_entropy(logits: torch.Tensor, group) -> torch.Tensor:
-    """Entropy ``[N]`` of the softmax of logits ``[N, V/m]`` sharded by vocabulary over the
-    tensor-parallel ``group``."""
-    return _VocabParallelEntropy.apply(logits, group)
-
-
-def vocab_parallel_log_probs(
-    logits: torch.Tensor, labels: torch.Tensor, start: int, group
-) -> torch.Tensor:
-    """Log-probabilities ``[N]`` of ``labels`` under logits sharded by vocabulary.
-
-    Args:
-        logits: ``[N, V/m]`` float logits of this rank's vocabulary rows ``[start, start+V/m)``.
-        labels: ``[N]`` token ids (global).
-        start: first vocabulary row of this rank.
-        group: the tensor-parallel group.
-    """
-    return _VocabParallelLogProbs.apply(logits, labels, start, group)
-
-
 # ---- the hooks ------------------------------------------------------------------------
 
 
@@ -393,16 +311,20 @@ class TensorParallel(LocalHooks):
         # Also for a copied kv head: each copy's gradient comes from different query heads.
         return w if self.size == 1 else _SumGrad.apply(w, self.group)
 
-    def token_log_probs(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def token_log_probs(self, logits, labels, rows=None, temperature=1.0):
         if self.size == 1:
-            return super().token_log_probs(logits, labels)
+            return super().token_log_probs(logits, labels, rows, temperature)
         start = self.rank * logits.shape[-1]
-        return vocab_parallel_log_probs(logits, labels, start, self.group)
+        return vocab_chunked.token_log_probs(
+            logits, labels, rows=rows, temperature=temperature, start=start, group=self.group
+        )
 
-    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+    def token_entropy(self, logits, rows=None, temperature=1.0):
         if self.size == 1:
-            return super().token_entropy(logits)
-        return vocab_parallel_entropy(logits, self.group)
+            return super().token_entropy(logits, rows, temperature)
+        return vocab_chunked.token_entropy(
+            logits, rows=rows, temperature=temperature, group=self.group
+        )
 
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         if self.size == 1:

@@ -107,11 +107,9 @@ def gather_packed_shifted_log_probs(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_cu_seqlens(cu_seqlens, total=input_ids.shape[0])
     idx = shift_one_indices(cu_seqlens)
-    lg = logits[idx].float()
-    if temperature != 1.0:
-        lg = lg / temperature
     labels = input_ids[idx + 1].long()
-    return (tp or LOCAL).token_log_probs(lg, labels)
+    # The logits stay in the model's dtype: rows are read a block at a time in float32.
+    return (tp or LOCAL).token_log_probs(logits, labels, rows=idx, temperature=temperature)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

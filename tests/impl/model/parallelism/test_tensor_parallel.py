@@ -85,16 +85,22 @@ class _FakeTP(TensorParallel):
         super().__init__(object() if m > 1 else None, m, r)
 
 
-_ENTROPY_CHILD = """
+_VOCAB_CHILD = """
 import json, sys, torch, torch.distributed as dist
+from realhf.impl.model.modules import vocab_chunked
 from realhf.impl.model.parallelism.tensor_parallel import TensorParallel
 rank, init_file = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-full = torch.randn(5, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
+full = torch.randn(7, 12, generator=torch.Generator().manual_seed(0)) * 3
 local = full[:, rank * 6 : (rank + 1) * 6].clone().requires_grad_(True)
-h = TensorParallel(dist.group.WORLD, 2, rank).token_entropy(local)
-(h * torch.arange(1.0, 6.0, dtype=torch.float64)).sum().backward()
-print(json.dumps({"h": h.tolist(), "grad": local.grad.tolist()}))
+rows, labels = torch.tensor([6, 0, 3, 4, 1]), torch.tensor([0, 11, 5, 6, 7])
+vocab_chunked.BLOCK_BYTES = 48  # two rows of 6 entries a block: three blocks per call
+tp = TensorParallel(dist.group.WORLD, 2, rank)
+h = tp.token_entropy(local, rows=rows, temperature=0.7)
+lp = tp.token_log_probs(local, labels, rows=rows, temperature=0.7)
+w = torch.arange(1.0, 6.0)
+((h * w).sum() + (lp * w.flip(0)).sum()).backward()
+print(json.dumps({"h": h.tolist(), "lp": lp.tolist(), "grad": local.grad.tolist()}))
 dist.destroy_process_group()
 from realhf.base import shutdown
 shutdown.hard_exit(0)
@@ -102,16 +108,16 @@ shutdown.hard_exit(0)
 
 
 @pytest.mark.slow
-def test_vocab_parallel_entropy_equals_the_unsharded_one(tmp_path):
+def test_vocab_parallel_log_probs_and_entropy_equal_the_unsharded_ones(tmp_path):
+    """Logits split by vocabulary over two gloo ranks, read in blocks of rows: log-probs,
+    entropies and gradients equal a plain log-softmax of the whole logits."""
     import json
     import subprocess
     import sys
 
-    from realhf.impl.model.nn.parallel_hooks import LOCAL
-
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _ENTROPY_CHILD, str(r), str(tmp_path / "init")],
+            [sys.executable, "-c", _VOCAB_CHILD, str(r), str(tmp_path / "init")],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -123,14 +129,13 @@ def test_vocab_parallel_entropy_equals_the_unsharded_one(tmp_path):
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         outs.append(json.loads(out.strip().splitlines()[-1]))
-    full = torch.randn(5, 12, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 3
-    full.requires_grad_(True)
-    h = LOCAL.token_entropy(full)
-    p = torch.softmax(full.detach(), -1)
-    torch.testing.assert_close(h.detach(), -(p * p.log()).sum(-1))
-    (h * torch.arange(1.0, 6.0, dtype=torch.float64)).sum().backward()
+    full = (torch.randn(7, 12, generator=torch.Generator().manual_seed(0)) * 3).requires_grad_()
+    rows, labels = torch.tensor([6, 0, 3, 4, 1]), torch.tensor([0, 11, 5, 6, 7])
+    logp = torch.log_softmax(full[rows] / 0.7, -1)
+    h, lp = -(logp.exp() * logp).sum(-1), logp.gather(-1, labels[:, None])[:, 0]
+    w = torch.arange(1.0, 6.0)
+    ((h * w).sum() + (lp * w.flip(0)).sum()).backward()
     for r, o in enumerate(outs):
-        torch.testing.assert_close(torch.tensor(o["h"], dtype=torch.float64), h.detach())
-        torch.testing.assert_close(
-            torch.tensor(o["grad"], dtype=torch.float64), full.grad[:, r * 6 : (r + 1) * 6]
-        )
+        torch.testing.assert_close(torch.tensor(o["h"]), h.detach())
+        torch.testing.assert_close(torch.tensor(o["lp"]), lp.detach())
+        torch.testing.assert_close(torch.tensor(o["grad"]), full.grad[:, r * 6 : (r + 1) * 6])

@@ -173,10 +173,8 @@ def shifted_entropy(
     at every position that predicts a token of its sequence (the shifted layout of
     :func:`~realhf.impl.model.utils.functional.gather_packed_shifted_log_probs`, ``tp``
     likewise: vocabulary-sharded logits are reduced over the tensor-parallel group)."""
-    lg = logits[tk.shift_one_indices(cu_seqlens)].float()
-    if temperature != 1.0:
-        lg = lg / temperature
-    return (tp or LOCAL).token_entropy(lg)
+    rows = tk.shift_one_indices(cu_seqlens)
+    return (tp or LOCAL).token_entropy(logits, rows=rows, temperature=temperature)
 
 
 class PPOActorInterface(ModelInterface):

@@ -1,0 +1,180 @@
+"""Log-probabilities and entropies over a large vocabulary without a ``[T, V]`` fp32 tensor.
+
+The model's logits ``[T, V]`` (V up to ~152k) stay in the model's dtype; these functions
+read them a block of rows at a time, in float32, so the extra memory is one block
+(:data:`BLOCK_BYTES`, 64 MiB by default: ~110 rows of a 152k vocabulary) instead of the
+2-3 fp32 copies of the whole tensor that ``logits.float()`` and a log-softmax make (at 8k
+tokens and 152k entries each copy is ~5 GB).  Backward recomputes the softmax block by block
+from the saved logits and writes the gradient in the logits' dtype.
+
+Both work on vocabulary-sharded logits too (``group``: the tensor-parallel group, each rank
+holding ``[T, V/m]`` from vocabulary row ``start``): per block, the row maxima and the sums
+are all-reduced (vectors of the block's length, never ``[T, V]``), and the gradients are
+local.  Every rank must call with the same rows, so that the collectives pair up.
+
+Math, for the tempered logits z = logits / temperature of one row, p = softmax(z),
+lse = log sum_v exp z_v:
+- log-prob of label y: z_y - lse;  d/dz = onehot(y) - p;
+- entropy: H = lse - sum_v p_v z_v;  d/dz = -p (z - E_p[z]);
+and d/dlogits = d/dz / temperature.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BLOCK_BYTES", "token_log_probs", "token_entropy"]
+
+#: the float32 working memory of one block of rows (bytes)
+BLOCK_BYTES = 64 << 20
+
+
+def _block_rows(n_vocab_local: int, block_bytes: int) -> int:
+    return max(1, block_bytes // (4 * max(1, n_vocab_local)))
+
+
+def _rows_of(logits: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int):
+    return logits[s:e] if rows is None else logits[rows[s:e]]
+
+
+def _max_and_sum(z: torch.Tensor, group) -> tuple:
+    """Row maxima m and sum_v exp(z_v - m) of a block, over the whole (sharded) vocabulary."""
+    m = z.max(dim=-1).values
+    if group is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    return m, (z - m.unsqueeze(-1)).exp()
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def _write_grad(grad: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int, block):
+    if rows is None:
+        grad[s:e] = block.to(grad.dtype)
+    else:
+        grad[rows[s:e]] = block.to(grad.dtype)
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, rows, labels, temperature, start, group, block_bytes):
+        n = labels.shape[0]
+        n_local = logits.shape[-1]
+        local = labels.long() - start
+        mine = (local >= 0) & (local < n_local)  # this rank holds the label's row
+        idx = torch.where(mine, local, torch.zeros_like(local))
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        step = _block_rows(n_local, block_bytes)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            z = _rows_of(logits, rows, s, e).float() / temperature
+            m, ex = _max_and_sum(z, group)
+            sums = _all_reduce(ex.sum(-1), group)
+            picked = z.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1)
+            picked = _all_reduce(torch.where(mine[s:e], picked, torch.zeros_like(picked)), group)
+            lse[s:e] = m + sums.log()
+            out[s:e] = picked - lse[s:e]
+        ctx.save_for_backward(logits, rows, idx, mine, lse)
+        ctx.temperature, ctx.block_bytes = temperature, block_bytes
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, rows, idx, mine, lse = ctx.saved_tensors
+        t = ctx.temperature
+        grad = torch.zeros_like(logits)
+        n = lse.shape[0]
+        step = _block_rows(logits.shape[-1], ctx.block_bytes)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            z = _rows_of(logits, rows, s, e).float() / t
+            block = -(z - lse[s:e].unsqueeze(-1)).exp()  # -p
+            block.scatter_add_(-1, idx[s:e].unsqueeze(-1), mine[s:e].float().unsqueeze(-1))
+            _write_grad(grad, rows, s, e, block * (g[s:e] / t).unsqueeze(-1))
+        return grad, None, None, None, None, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, rows, temperature, group, block_bytes):
+        n = logits.shape[0] if rows is None else rows.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        mean_z = torch.empty_like(out)  # E_p[z]
+        step = _block_rows(logits.shape[-1], block_bytes)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            z = _rows_of(logits, rows, s, e).float() / temperature
+            m, ex = _max_and_sum(z, group)
+            sums = _all_reduce(torch.stack([ex.sum(-1), (ex * z).sum(-1)]), group)
+            lse[s:e] = m + sums[0].log()
+            mean_z[s:e] = sums[1] / sums[0]
+            out[s:e] = lse[s:e] - mean_z[s:e]
+        ctx.save_for_backward(logits, rows, lse, mean_z)
+        ctx.temperature, ctx.block_bytes = temperature, block_bytes
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, rows, lse, mean_z = ctx.saved_tensors
+        t = ctx.temperature
+        grad = torch.zeros_like(logits)
+        n = lse.shape[0]
+        step = _block_rows(logits.shape[-1], ctx.block_bytes)
+        for s in range(0, n, step):
+            e = min(n, s + step)
+            z = _rows_of(logits, rows, s, e).float() / t
+            p = (z - lse[s:e].unsqueeze(-1)).exp()
+            block = -p * (z - mean_z[s:e].unsqueeze(-1)) * (g[s:e] / t).unsqueeze(-1)
+            _write_grad(grad, rows, s, e, block)
+        return grad, None, None, None, None
+
+
+def token_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    rows: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    start: int = 0,
+    group=None,
+    block_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """``log_softmax(logits[rows] / temperature)[i, labels[i]]``: float32 ``[N]``.
+
+    Args:
+        logits: ``[T, V_local]`` in any float dtype (kept, not copied, for backward).
+        labels: ``[N]`` token ids (global vocabulary ids).
+        rows: ``[N]`` distinct row indices into ``logits`` (None: all T rows, N = T).
+        temperature: the logits are divided by it.
+        start, group: this rank's first vocabulary row and the tensor-parallel group when
+            ``logits`` is sharded by vocabulary (None: the whole vocabulary is here).
+        block_bytes: float32 working memory per block of rows (None: :data:`BLOCK_BYTES`).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    block = BLOCK_BYTES if block_bytes is None else block_bytes
+    return _TokenLogProbs.apply(logits, rows, labels, float(temperature), start, group, block)
+
+
+def token_entropy(
+    logits: torch.Tensor,
+    *,
+    rows: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    group=None,
+    block_bytes: Optional[int] = None,
+) -> torch.Tensor:
+    """Entropy of ``softmax(logits[rows] / temperature)`` per row: float32 ``[N]``
+    (arguments as for :func:`token_log_probs`)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    block = BLOCK_BYTES if block_bytes is None else block_bytes
+    return _TokenEntropy.apply(logits, rows, float(temperature), group, block)
