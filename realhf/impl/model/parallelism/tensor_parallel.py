@@ -23,8 +23,9 @@ Why hand-written rather than ``torch.distributed.tensor`` parallel styles: ReaLM
 every local parameter as a view into one flat buffer (so gradients all-reduce, the optimizer
 and parameter reallocation work on intervals), and DTensor parameters cannot be views of a
 shared local buffer; the handful of collectives below (Megatron's f / g operators, a
-vocabulary-parallel embedding and log-softmax) is all tensor parallelism needs, and every
-one of them has an exact single-device reference in the tests.
+vocabulary-parallel embedding; the log-softmax's are in
+:mod:`realhf.impl.model.modules.vocab_chunked`, shared with one device) is all tensor
+parallelism needs, and every one of them has an exact single-device reference in the tests.
 
 Gradients: replicated parameters get identical gradients on every rank (their inputs'
 gradients are summed by ``copy_in``; qwen3's per-head q/k norms, applied to local heads
