@@ -36,16 +36,21 @@ def _block_rows(n_vocab_local: int, block_bytes: int) -> int:
     return max(1, block_bytes // (4 * max(1, n_vocab_local)))
 
 
-def _rows_of(logits: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int):
-    return logits[s:e] if rows is None else logits[rows[s:e]]
+def _block(logits: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int, t: float):
+    """Rows s:e (of ``rows``, or of the logits) as a fresh float32 block, divided by t."""
+    if rows is None:
+        z = logits[s:e].to(torch.float32, copy=True)
+    else:  # indexing copies already
+        z = logits[rows[s:e]].to(torch.float32)
+    return z.div_(t) if t != 1.0 else z
 
 
-def _max_and_sum(z: torch.Tensor, group) -> tuple:
-    """Row maxima m and sum_v exp(z_v - m) of a block, over the whole (sharded) vocabulary."""
+def _row_max(z: torch.Tensor, group) -> torch.Tensor:
+    """Row maxima of a block over the whole (sharded) vocabulary."""
     m = z.max(dim=-1).values
     if group is not None:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    return m, (z - m.unsqueeze(-1)).exp()
+    return m
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -61,6 +66,10 @@ def _write_grad(grad: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int
         grad[rows[s:e]] = block.to(grad.dtype)
 
 
+# The loops work in place on one float32 block: each block is read from the logits once
+# per pass, and every elementwise step reuses its memory (memory traffic is the cost).
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, rows, labels, temperature, start, group, block_bytes):
@@ -74,11 +83,11 @@ class _TokenLogProbs(torch.autograd.Function):
         step = _block_rows(n_local, block_bytes)
         for s in range(0, n, step):
             e = min(n, s + step)
-            z = _rows_of(logits, rows, s, e).float() / temperature
-            m, ex = _max_and_sum(z, group)
-            sums = _all_reduce(ex.sum(-1), group)
+            z = _block(logits, rows, s, e, temperature)
             picked = z.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1)
             picked = _all_reduce(torch.where(mine[s:e], picked, torch.zeros_like(picked)), group)
+            m = _row_max(z, group)
+            sums = _all_reduce(z.sub_(m.unsqueeze(-1)).exp_().sum(-1), group)
             lse[s:e] = m + sums.log()
             out[s:e] = picked - lse[s:e]
         ctx.save_for_backward(logits, rows, idx, mine, lse)
@@ -94,10 +103,11 @@ class _TokenLogProbs(torch.autograd.Function):
         step = _block_rows(logits.shape[-1], ctx.block_bytes)
         for s in range(0, n, step):
             e = min(n, s + step)
-            z = _rows_of(logits, rows, s, e).float() / t
-            block = -(z - lse[s:e].unsqueeze(-1)).exp()  # -p
-            block.scatter_add_(-1, idx[s:e].unsqueeze(-1), mine[s:e].float().unsqueeze(-1))
-            _write_grad(grad, rows, s, e, block * (g[s:e] / t).unsqueeze(-1))
+            gt = g[s:e].float() / t
+            z = _block(logits, rows, s, e, t)
+            z.sub_(lse[s:e].unsqueeze(-1)).exp_().mul_(-gt.unsqueeze(-1))  # -p g/t
+            z.scatter_add_(-1, idx[s:e].unsqueeze(-1), (mine[s:e] * gt).unsqueeze(-1))
+            _write_grad(grad, rows, s, e, z)
         return grad, None, None, None, None, None, None
 
 
@@ -111,11 +121,13 @@ class _TokenEntropy(torch.autograd.Function):
         step = _block_rows(logits.shape[-1], block_bytes)
         for s in range(0, n, step):
             e = min(n, s + step)
-            z = _rows_of(logits, rows, s, e).float() / temperature
-            m, ex = _max_and_sum(z, group)
-            sums = _all_reduce(torch.stack([ex.sum(-1), (ex * z).sum(-1)]), group)
+            z = _block(logits, rows, s, e, temperature)
+            m = _row_max(z, group)
+            z.sub_(m.unsqueeze(-1))  # z - m
+            ex = z.exp()
+            sums = _all_reduce(torch.stack([ex.sum(-1), ex.mul_(z).sum(-1)]), group)
             lse[s:e] = m + sums[0].log()
-            mean_z[s:e] = sums[1] / sums[0]
+            mean_z[s:e] = m + sums[1] / sums[0]
             out[s:e] = lse[s:e] - mean_z[s:e]
         ctx.save_for_backward(logits, rows, lse, mean_z)
         ctx.temperature, ctx.block_bytes = temperature, block_bytes
@@ -130,10 +142,10 @@ class _TokenEntropy(torch.autograd.Function):
         step = _block_rows(logits.shape[-1], ctx.block_bytes)
         for s in range(0, n, step):
             e = min(n, s + step)
-            z = _rows_of(logits, rows, s, e).float() / t
-            p = (z - lse[s:e].unsqueeze(-1)).exp()
-            block = -p * (z - mean_z[s:e].unsqueeze(-1)) * (g[s:e] / t).unsqueeze(-1)
-            _write_grad(grad, rows, s, e, block)
+            z = _block(logits, rows, s, e, t)
+            p = (z - lse[s:e].unsqueeze(-1)).exp_()
+            z.sub_(mean_z[s:e].unsqueeze(-1)).mul_(p).mul_((-g[s:e].float() / t).unsqueeze(-1))
+            _write_grad(grad, rows, s, e, z)
         return grad, None, None, None, None
 
 
