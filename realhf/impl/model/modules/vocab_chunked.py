@@ -32,8 +32,10 @@ __all__ = ["BLOCK_BYTES", "token_log_probs", "token_entropy"]
 BLOCK_BYTES = 64 << 20
 
 
-def _block_rows(n_vocab_local: int, block_bytes: int) -> int:
-    return max(1, block_bytes // (4 * max(1, n_vocab_local)))
+def _spans(n: int, n_vocab_local: int, block_bytes: int):
+    """(start, end) of the blocks of rows of n rows: as many rows as fit in block_bytes."""
+    step = max(1, block_bytes // (4 * max(1, n_vocab_local)))
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
 def _block(logits: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int, t: float):
@@ -80,9 +82,7 @@ class _TokenLogProbs(torch.autograd.Function):
         idx = torch.where(mine, local, torch.zeros_like(local))
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        step = _block_rows(n_local, block_bytes)
-        for s in range(0, n, step):
-            e = min(n, s + step)
+        for s, e in _spans(n, n_local, block_bytes):
             z = _block(logits, rows, s, e, temperature)
             picked = z.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1)
             picked = _all_reduce(torch.where(mine[s:e], picked, torch.zeros_like(picked)), group)
@@ -100,9 +100,7 @@ class _TokenLogProbs(torch.autograd.Function):
         t = ctx.temperature
         grad = torch.zeros_like(logits)
         n = lse.shape[0]
-        step = _block_rows(logits.shape[-1], ctx.block_bytes)
-        for s in range(0, n, step):
-            e = min(n, s + step)
+        for s, e in _spans(n, logits.shape[-1], ctx.block_bytes):
             gt = g[s:e].float() / t
             z = _block(logits, rows, s, e, t)
             z.sub_(lse[s:e].unsqueeze(-1)).exp_().mul_(-gt.unsqueeze(-1))  # -p g/t
@@ -118,9 +116,7 @@ class _TokenEntropy(torch.autograd.Function):
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         mean_z = torch.empty_like(out)  # E_p[z]
-        step = _block_rows(logits.shape[-1], block_bytes)
-        for s in range(0, n, step):
-            e = min(n, s + step)
+        for s, e in _spans(n, logits.shape[-1], block_bytes):
             z = _block(logits, rows, s, e, temperature)
             m = _row_max(z, group)
             z.sub_(m.unsqueeze(-1))  # z - m
@@ -139,9 +135,7 @@ class _TokenEntropy(torch.autograd.Function):
         t = ctx.temperature
         grad = torch.zeros_like(logits)
         n = lse.shape[0]
-        step = _block_rows(logits.shape[-1], ctx.block_bytes)
-        for s in range(0, n, step):
-            e = min(n, s + step)
+        for s, e in _spans(n, logits.shape[-1], ctx.block_bytes):
             z = _block(logits, rows, s, e, t)
             p = (z - lse[s:e].unsqueeze(-1)).exp_()
             z.sub_(mean_z[s:e].unsqueeze(-1)).mul_(p).mul_((-g[s:e].float() / t).unsqueeze(-1))
