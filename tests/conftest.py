@@ -21,6 +21,7 @@ import urllib.request
 import psutil
 import pytest
 
+from functioncall.code import uid_slots
 from realhf.base.net import auth, network
 from realhf.scheduler import forkserver
 
@@ -41,8 +42,9 @@ auth.child_env()
 # host-wide "no sandbox process outlived the run" check sees only its own worker's runs.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw") and "REALHF_SANDBOX_UID_BASE" not in os.environ:
-    _slots = int(os.environ.get("REALHF_SANDBOX_SLOTS", "16"))
-    os.environ["REALHF_SANDBOX_UID_BASE"] = str(61000 + _slots * int(_XDIST_WORKER[2:]))
+    _uids = uid_slots.uid_range()  # the whole range, then this worker's share after it
+    _share = _uids.start + len(_uids) * int(_XDIST_WORKER[2:])
+    os.environ["REALHF_SANDBOX_UID_BASE"] = str(_share)
 
 # Fixtures that start real engines, for every test module (see each helper's docstring).
 from restartable_etcd import restartable_etcd  # noqa: E402,F401
@@ -127,8 +129,7 @@ def etcd_server():
 
 # ---- order: the longest-running modules first ----
 
-# `make test TEST_WORKERS=N` runs the suite on xdist workers with `--dist loadfile
-# --no-loadscope-reorder`:
+# `make test` runs the suite on xdist workers with `--dist loadfile --no-loadscope-reorder`:
 # whole modules (their fixtures set up once) are handed out in this order to whichever
 # worker is free.  Longest first keeps a 4-minute module from starting last while the other
 # workers idle: modules that start vLLM, then Ray or SLURM, then those with more slow tests

@@ -26,23 +26,33 @@ _LOCK_DIR = "/tmp/realhf-sandbox-locks"
 _SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 
 
+#: the sandbox uids when $REALHF_SANDBOX_UID_BASE / $REALHF_SANDBOX_SLOTS are not set
+DEFAULT_UID_BASE, DEFAULT_SLOTS = 61000, 16
+
+
+def uid_range() -> range:
+    """The uids sandboxed runs may take (from the environment, else the defaults)."""
+    base = int(os.environ.get("REALHF_SANDBOX_UID_BASE", str(DEFAULT_UID_BASE)))
+    slots = int(os.environ.get("REALHF_SANDBOX_SLOTS", str(DEFAULT_SLOTS)))
+    if base < 1000 or slots < 1:
+        raise ValueError(
+            f"REALHF_SANDBOX_UID_BASE={base} / REALHF_SANDBOX_SLOTS={slots}: need a base "
+            ">= 1000 of uids no account uses and at least one slot"
+        )
+    return range(base, base + slots)
+
+
 class UidSlot:
     """A dedicated uid held (by flock) for the length of one run."""
 
     def __init__(self, wait_s: float = 120.0):
-        base = int(os.environ.get("REALHF_SANDBOX_UID_BASE", "61000"))
-        slots = int(os.environ.get("REALHF_SANDBOX_SLOTS", "16"))
-        if base < 1000 or slots < 1:
-            raise ValueError(
-                f"REALHF_SANDBOX_UID_BASE={base} / REALHF_SANDBOX_SLOTS={slots}: need a base "
-                ">= 1000 of uids no account uses and at least one slot"
-            )
+        uids = uid_range()
         # Root-only lock files: a sandboxed program (which in rlimit mode can
         # write to /tmp) must not be able to open, and so hold, a slot's lock.
         os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
         deadline = time.monotonic() + wait_s
         while True:
-            for uid in range(base, base + slots):
+            for uid in uids:
                 if _uid_has_account(uid):
                     continue  # never borrow a real account's uid
                 fd = os.open(
@@ -59,7 +69,7 @@ class UidSlot:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"waited {wait_s:.0f}s for a free sandbox uid in {base}..{base + slots - 1} "
+                    f"waited {wait_s:.0f}s for a free sandbox uid in {uids.start}..{uids.stop - 1} "
                     "(all held by other runs); raise REALHF_SANDBOX_SLOTS or run fewer at once"
                 )
             time.sleep(0.05)

@@ -15,14 +15,14 @@ import pytest
 
 from functioncall.code import verify
 from functioncall.code.sandbox import SandboxLimits, run_python
+from functioncall.code.uid_slots import uid_range
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root to switch uid"),
 ]
 
-UID_BASE = int(os.environ.get("REALHF_SANDBOX_UID_BASE", "61000"))
-UID_RANGE = range(UID_BASE, UID_BASE + int(os.environ.get("REALHF_SANDBOX_SLOTS", "16")))
+UID_RANGE = uid_range()
 LIMITS = SandboxLimits(wall_timeout_s=2, max_processes=8, memory_mb=512, max_file_mb=8)
 
 
