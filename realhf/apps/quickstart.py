@@ -23,8 +23,20 @@ GPUs, and the resolved config as YAML, then exits: nothing is launched or writte
 
 from __future__ import annotations
 
-import importlib
 import sys
+
+if __name__ == "__main__":
+    # First of all, before realhf's other modules: import torch & co. here and fork the
+    # run's fork server from this process, so that a local run imports them once, not
+    # twice (realhf.scheduler.forkserver.start_early).  Not for what launches nothing.
+    _args = sys.argv[1:]
+    if _args and not {"-h", "--help", "--dry-run"} & set(_args):
+        if not any(a.startswith("mode=") and a != "mode=local" for a in _args):
+            from realhf.scheduler import forkserver as _forkserver
+
+            _forkserver.start_early()
+
+import importlib
 from typing import List, Optional, Tuple
 
 from realhf.api.cli_parser import ConfigError, format_help, parse_config

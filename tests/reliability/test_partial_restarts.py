@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import signal
 
+import psutil
 import pytest
 import quickstart_runs as qs
 
@@ -42,10 +43,15 @@ def test_lost_server_and_hung_rollout_worker_are_replaced_while_the_trainer_runs
     run = tmp_path / "async-ppo-math" / "t"
     with qs.killed_on_error(proc):
         qs.wait_for_steps(proc, run, 3)
-        trainer = {
-            p.pid for t in ("master_worker", "model_worker") for p in qs.worker_processes(proc, t)
-        }
+        trainer_types = ("master_worker", "model_worker")
+        trainer = {p.pid for t in trainer_types for p in qs.worker_processes(proc, t)}
         (server,) = qs.worker_processes(proc, "generation_server")
+        # every worker was forked from the fork server the launcher forked from itself
+        # (realhf.scheduler.forkserver.start_early), not from a server of its own
+        workers = [p for t in trainer_types for p in qs.worker_processes(proc, t)]
+        (fork_server,) = {p.ppid() for p in workers + [server]}
+        assert psutil.Process(fork_server).ppid() == proc.pid
+        assert "(forked by the launcher)" in " ".join(psutil.Process(fork_server).cmdline())
         server.send_signal(signal.SIGKILL)
         qs.wait_for_steps(proc, run, 6)
         (rollout,) = qs.worker_processes(proc, "rollout_worker")

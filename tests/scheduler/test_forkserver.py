@@ -174,3 +174,71 @@ def test_a_launcher_whose_environment_changed_gets_a_server_for_it(monkeypatch):
     assert second is not first and second.env["GLOO_SOCKET_IFNAME"] == "lo"
     assert first.proc.poll() is not None  # it had no children: closed
     assert forkserver.shared_pids() == [second.proc.pid]
+
+
+_EARLY = """
+import json, os, sys
+from realhf.scheduler import forkserver
+
+server = forkserver.start_early()
+import realhf.base.constants  # the launcher goes on importing realhf's modules
+import torch
+
+out, log = sys.argv[1], sys.argv[2]
+server.modules = frozenset({"forked_probe"})
+env = dict(os.environ, REALHF_PROBE_X="seven")
+argv = [sys.executable, "-m", "forked_probe", out, "3", "sleep", "30"]
+assert server.can_fork(argv, env), server.env_difference(env)
+child = server.spawn(argv, env, log)
+print(json.dumps({"server": server.proc.pid, "child": child.pid,
+                  "shared": forkserver.shared() is server}), flush=True)
+sys.stdin.readline()  # the test has looked at the running child
+child.kill()
+print(json.dumps({"rc": child.wait(30)}), flush=True)
+"""
+
+
+def test_a_launcher_forks_its_server_from_itself(tmp_path, no_leftover_processes):
+    out, log = tmp_path / "e.json", tmp_path / "e.log"
+    helpers = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([helpers, os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _EARLY, str(out), str(log)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        started = json.loads(launcher.stdout.readline())
+        deadline = time.monotonic() + 30
+        while not out.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen = json.loads(out.read_text())
+        server = psutil.Process(started["server"])
+        assert server.ppid() == launcher.pid and started["shared"]
+        assert "realhf.scheduler.forkserver (forked by the launcher)" in " ".join(server.cmdline())
+        assert seen["ppid"] == server.pid and seen["parent_env"] == str(server.pid)
+        assert seen["sid"] == seen["pid"] == started["child"] and seen["env_x"] == "seven"
+        assert seen["torch_preloaded"] and seen["stdin"] == ""
+        # written unbuffered, as in a fresh process, though the launcher's stdout is a pipe
+        assert "probe is sleeping" in log.read_text()
+        launcher.stdin.write("\n")
+        launcher.stdin.flush()
+        assert json.loads(launcher.stdout.readline())["rc"] == -signal.SIGKILL
+        assert launcher.wait(timeout=30) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    psutil.wait_procs([server], timeout=10)  # the launcher's exit closed it
+    assert not server.is_running()
+
+
+def test_no_early_server_once_realhf_modules_are_imported():
+    code = (
+        "import realhf.base.constants\n"
+        "from realhf.scheduler import forkserver\n"
+        "assert forkserver.start_early() is None and not forkserver.shared_pids()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
