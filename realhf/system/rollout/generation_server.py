@@ -219,10 +219,18 @@ class GenerationServer(Worker):
             return "its HTTP thread exited"
         for server in self._server_processes():
             if server.process.poll() is not None:
-                return (
+                problem = (
                     f"the {server.name} process exited with code {server.process.returncode} "
                     f"(log: {server.log_path})"
                 )
+                # Now, not in the exit hook: the launcher may SIGKILL this worker to restart
+                # it, and what the server left (its children, vLLM's socket directory) would
+                # stay behind.
+                try:
+                    server.stop(timeout=5.0)
+                except TimeoutError as e:
+                    problem += f"; {e}"
+                return problem
         return None
 
     def _server_processes(self) -> List[ServerProcess]:

@@ -181,7 +181,10 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
         )
         assert bad.status_code == 400 and "not a directory" in bad.json()["message"]
 
-        # a killed vLLM fails the worker, naming it
+        # a killed vLLM fails the worker, naming it, and what it left is removed at once
+        # (the launcher may SIGKILL the worker to restart it: no exit hook then)
+        rpc_dir = w.vllm.rpc_dir
+        assert rpc_dir is not None and os.path.isdir(rpc_dir)
         w.vllm.process.kill()
         w.vllm.process.wait(30)
         assert requests.get(url + "/health", timeout=10).status_code == 503
@@ -190,6 +193,7 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
         assert read_status("exp", trial, "generation_server/0") == WorkerStatus.ERROR
         err = read_error("exp", trial, "generation_server/0").message
         assert url in err and "the vLLM process exited" in err, err
+        assert not os.path.exists(rpc_dir)
     finally:
         w._exit_hook()
 
