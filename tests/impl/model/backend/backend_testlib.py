@@ -74,7 +74,14 @@ def optimizer_config(**kw) -> OptimizerConfig:
 
 
 def dp_rank_main(
-    rank: int, world: int, init_file: str, out_file: str, n_steps: int, shards, max_tokens: int
+    rank: int,
+    world: int,
+    init_file: str,
+    out_file: str,
+    n_steps: int,
+    shards,
+    max_tokens: int,
+    dtype: torch.dtype = torch.float32,
 ):
     """Train on this rank's shard for ``n_steps`` steps; rank 0 saves the flat weights."""
     dist.init_process_group(
@@ -86,7 +93,7 @@ def dp_rank_main(
     )
     try:
         torch.set_num_threads(1)
-        engine = TrainEngine(tiny_model(), optimizer_config())
+        engine = TrainEngine(tiny_model().to(dtype), optimizer_config())
         full = batch()
         local = full.select_items(shards[rank])
         spec = MicroBatchSpec(max_tokens_per_mb=max_tokens)
@@ -94,7 +101,8 @@ def dp_rank_main(
         for _ in range(n_steps):
             stats.append(engine.train_batch(local, spec, lm_loss, lm_weight))
         if rank == 0:
-            torch.save({"flat": engine.model.flat_params.clone(), "stats": stats}, out_file)
+            flat = engine.model.flat_params if engine.master is None else engine.master
+            torch.save({"flat": flat.clone(), "stats": stats}, out_file)
     finally:
         dist.destroy_process_group()
     from realhf.base import shutdown

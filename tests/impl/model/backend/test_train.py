@@ -11,6 +11,7 @@ from backend_testlib import batch, dp_rank_main, lm_loss, lm_weight, optimizer_c
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.impl.model.backend import TrainEngine
+from realhf.impl.model.nn.flat_param import flat_view
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
 WHOLE = MicroBatchSpec()
@@ -158,27 +159,137 @@ def test_rejects_a_non_realmodel():
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path):
+@pytest.mark.parametrize(
+    "dtype, tol",
+    # bf16: the ranks' micro-batches differ from one rank's, so their bf16 matmuls round
+    # differently, and Adam turns the sign of a tiny noisy gradient into a full lr step:
+    # after 3 steps at lr 1e-2 the fp32 master weights differ by 2.8% of the distance
+    # they moved (measured); a lost or doubled rank's gradient would be ~100%
+    [(torch.float32, 1e-5), (torch.bfloat16, 0.1)],
+)
+def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path, dtype, tol):
     """Uneven shards (3 vs 5 sequences, different token counts) and a token budget that
     gives the ranks different natural micro-batch counts: the synced split and the
-    global token-mean scaling must make 2-rank DP equal to 1-rank training."""
+    global token-mean scaling must make 2-rank DP equal to 1-rank training (a bf16 model's
+    fp32 gradients are what is reduced)."""
     n_steps, max_tokens = 3, 16
     shards = [[0, 2, 5], [1, 3, 4, 6, 7]]
     out = str(tmp_path / "rank0.pt")
     mp.spawn(
         dp_rank_main,
-        args=(2, str(tmp_path / "init"), out, n_steps, shards, max_tokens),
+        args=(2, str(tmp_path / "init"), out, n_steps, shards, max_tokens, dtype),
         nprocs=2,
         join=True,
     )
     dp = torch.load(out)
 
-    engine = TrainEngine(tiny_model(), optimizer_config())
+    engine = TrainEngine(tiny_model().to(dtype), optimizer_config())
     spec = MicroBatchSpec(max_tokens_per_mb=max_tokens)
     single = [engine.train_batch(batch(), spec, lm_loss, lm_weight) for _ in range(n_steps)]
-    assert (dp["flat"] - engine.model.flat_params).abs().max() <= 1e-5
+    mine = engine.model.flat_params if engine.master is None else engine.master
     assert not torch.equal(dp["flat"], tiny_model().flat_params)
+    if dtype == torch.float32:
+        assert (dp["flat"] - mine).abs().max() <= tol
+    else:  # relative to how far training moved the weights (a lost rank would be ~1)
+        assert (dp["flat"] - mine).norm() <= tol * (mine - tiny_model().flat_params).norm()
+    rel = 1e-5 if dtype == torch.float32 else 1e-2
     for s_dp, s_one in zip(dp["stats"], single):
-        assert s_dp["loss"] == pytest.approx(s_one["loss"], rel=1e-5)
+        assert s_dp["loss"] == pytest.approx(s_one["loss"], rel=rel)
         assert s_dp["n_tokens"] == s_one["n_tokens"]
-        assert s_dp["grad_norm"] == pytest.approx(s_one["grad_norm"], rel=1e-4)
+        assert s_dp["grad_norm"] == pytest.approx(s_one["grad_norm"], rel=10 * rel)
+
+
+# ---- mixed precision: a bf16 model trains fp32 master weights ----------------------------
+
+
+def _bf16_engine(**opt):
+    return TrainEngine(tiny_model().to(torch.bfloat16), optimizer_config(**opt))
+
+
+def test_bf16_model_keeps_fp32_master_weights_gradient_and_adam_state():
+    engine = _bf16_engine()
+    assert engine.master.dtype == engine.master_grad.dtype == torch.float32
+    assert engine.model.dtype == engine.flat_grad.dtype == torch.bfloat16
+    engine.train_batch(batch(), MicroBatchSpec(max_tokens_per_mb=14), lm_loss, lm_weight)
+    for p, state in engine.optimizer.state.items():
+        assert p.dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    # the model holds the master weights rounded to bf16
+    assert torch.equal(engine.model.flat_params, engine.master.to(torch.bfloat16))
+    assert engine.flat_grad.abs().sum() == 0 and engine.master_grad.abs().sum() > 0
+    assert TrainEngine(tiny_model(), optimizer_config()).master is None  # fp32: none needed
+
+
+def test_bf16_gradients_accumulate_in_fp32_across_micro_batches():
+    """The fp32 gradient of a bf16 model is the sum of its micro-batches' gradients, each
+    rounded to bf16 once: not a running bf16 sum."""
+    engine = _bf16_engine()
+    spec = MicroBatchSpec(max_tokens_per_mb=14)
+    engine.train_batch(batch(), spec, lm_loss, lm_weight)
+    mbs = batch().split(spec)[0]
+    total = sum(lm_weight(mb) for mb in mbs)
+    model = tiny_model().to(torch.bfloat16)
+    ref = torch.zeros(model.flat_params.numel())
+    for mb in mbs:
+        model.zero_grad()
+        loss, _ = lm_loss(model(mb.data["packed_input_ids"], mb.cu_seqlens("packed_input_ids")), mb)
+        (loss * (lm_weight(mb) / total)).backward()
+        for name, p in model.named_parameters():  # in the flat buffer's layout
+            flat_view(ref, model.param_spec[name]).add_(p.grad.float())
+    torch.testing.assert_close(engine.master_grad, ref, rtol=0, atol=0)
+
+
+def test_bf16_updates_below_half_an_ulp_are_kept_by_the_master_weights():
+    """At lr 1e-5 every Adam update (~lr) is far below half a bf16 ulp of weights of size
+    ~0.02 (2**-13 ~ 1.2e-4): plain bf16 AdamW would never move; the master weights
+    accumulate them and the rounded model follows."""
+    engine = _bf16_engine(lr=1e-5, weight_decay=0.0)
+    start_master = engine.master.clone()
+    start = engine.model.flat_params.clone()
+    for _ in range(30):
+        engine.train_batch(batch(), WHOLE, lm_loss, lm_weight)
+    moved = (engine.master - start_master).abs()
+    assert moved.max() > 2e-4  # 30 steps of ~1e-5
+    assert not torch.equal(engine.model.flat_params, start)
+    # the same steps on plain bf16 AdamW (no master) leave most weights where they were
+    plain = tiny_model().to(torch.bfloat16)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-5, weight_decay=0.0)
+    b = batch()
+    ids, cu = b.data["packed_input_ids"], b.cu_seqlens("packed_input_ids")
+    for _ in range(30):
+        opt.zero_grad()
+        lm_loss(plain(ids, cu), b)[0].backward()
+        opt.step()
+    big = start.float().abs() > 0.01
+    lost = (plain.flat_params == start)[big].float().mean()
+    kept = (engine.model.flat_params == start)[big].float().mean()
+    assert lost > 0.9 and kept < lost - 0.3, (lost, kept)
+
+
+def test_bf16_state_dict_restores_the_master_weights_exactly():
+    spec = MicroBatchSpec(max_tokens_per_mb=20)
+    batches = [batch(seed=s) for s in range(4)]
+    a = _bf16_engine()
+    for b in batches[:2]:
+        a.train_batch(b, spec, lm_loss, lm_weight)
+    buf = io.BytesIO()  # a snapshot: the optimizer's state_dict holds live tensors
+    torch.save({"weights": a.model.flat_params.clone(), "engine": a.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf)
+    assert saved["engine"]["master"].dtype == torch.float32
+    rest_a = [a.train_batch(b, spec, lm_loss, lm_weight) for b in batches[2:]]
+    b_engine = TrainEngine(tiny_model(seed=7).to(torch.bfloat16), optimizer_config())
+    b_engine.model.load_flat(saved["weights"])
+    b_engine.load_state_dict(saved["engine"])
+    rest_b = [b_engine.train_batch(b, spec, lm_loss, lm_weight) for b in batches[2:]]
+    assert torch.equal(a.master, b_engine.master) and rest_a == rest_b
+
+
+def test_weights_loaded_into_a_bf16_model_are_not_overwritten_by_stale_masters():
+    engine = _bf16_engine()
+    engine.train_batch(batch(), WHOLE, lm_loss, lm_weight)
+    new = tiny_model(seed=3).to(torch.bfloat16).flat_params
+    engine.model.load_flat(new)  # e.g. a reload of the role's weights
+    engine.train_batch(batch(), WHOLE, lm_loss, lm_weight, version_steps=0)
+    # one step from the loaded weights, not from the old master copy
+    step = (engine.model.flat_params.float() - new.float()).abs().max()
+    assert step < 0.05, step
