@@ -24,6 +24,8 @@ ARGS = [
     f"exp_ctrl.benchmark_steps={STEPS}",
     f"exp_ctrl.eval_freq_steps={STEPS}",
     "worker_timeout=240",
+    # no vLLM worker process (the default's three processes are test_vllm_backend's)
+    "gen_server.vllm_single_process=true",
 ]
 
 
@@ -46,7 +48,10 @@ def test_async_ppo_math_on_vllm_learns_within_the_bound_and_survives_a_killed_se
     with qs.killed_on_error(proc):
         qs.wait_for_steps(proc, run, 5, timeout=300)  # the eval at step 0, then 4 steps
         (server,) = qs.worker_processes(proc, "generation_server")
-        _vllm_of(server).kill()
+        vllm = _vllm_of(server)
+        names = [p.name() for p in vllm.children(recursive=True)]
+        assert "VLLM::EngineCore" in names and "VLLM::Worker" not in names, names
+        vllm.kill()
         out = qs.finish(proc, timeout=700)
     qs.check_trained(run, STEPS, B, ETA)
     rows = qs.rows(run / "metrics.jsonl")

@@ -13,6 +13,7 @@ when vLLM cannot be reached.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import os
 import shutil
@@ -235,6 +236,13 @@ def test_backend_and_allocation_and_command():
     assert cmd[cmd.index("--max-model-len") + 1] == "256"
     server = vllm_backend.VLLMServer(cfg, python="/venv/bin/python", log_path="/tmp/x.log")
     assert server.env["VLLM_SERVER_DEV_MODE"] == "1"  # /pause, /collective_rpc, ...
+    assert "--distributed-executor-backend" not in cmd
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in server.env
+    one = dataclasses.replace(cfg, single_process=True)
+    cmd = vllm_backend.build_command(one, "/venv/bin/python")
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    server = vllm_backend.VLLMServer(one, python="/venv/bin/python", log_path="/tmp/x.log")
+    assert server.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 VLLM_METRICS = """\
