@@ -304,3 +304,47 @@ def test_inference_divides_logits_by_the_temperature(make_model, pa_sample):
     with torch.no_grad():
         ref = gather_packed_shifted_log_probs(model.module.model(ids, cu), cu, ids, temperature=0.5)
     torch.testing.assert_close(out.data["logprobs"], ref)
+
+
+def _biggest_allocation(fn) -> int:
+    with torch.profiler.profile(profile_memory=True) as prof:
+        fn()
+    return max(e.cpu_memory_usage for e in prof.events())
+
+
+@pytest.mark.slow
+def test_a_152k_vocabulary_step_never_holds_float32_logits(tmp_path, tokenizer, pa_sample):
+    """Qwen2.5's vocabulary (151,936) on a one-layer bf16 model: the largest single
+    allocation of the log-prob inference and of a PPO train step is about the bf16 logits
+    (or their gradient), never a float32 [T, V] copy (log-softmax, its gradient), which is
+    twice that."""
+    from tiny_models import make_tiny_hf_model
+
+    from realhf.api.cli_args import OptimizerConfig
+    from realhf.api.core.data_api import MicroBatchSpec
+    from realhf.api.core.model_api import FinetuneSpec
+    from realhf.impl.model import ReaLModel
+    from realhf.impl.model.backend import TrainEngine
+
+    V = 151936
+    path = make_tiny_hf_model(
+        "qwen2", tmp_path / "m", vocab_size=V, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, seed=3,
+    )  # fmt: skip
+    net = ReaLModel.from_hf(path).to(torch.bfloat16)
+    ft = FinetuneSpec(total_train_epochs=1, dataset_size=64, train_batch_size=4)
+    engine = TrainEngine(net, OptimizerConfig(lr=1e-3, weight_decay=0.0), ft)
+    model = Model("actor", engine, tokenizer, device="cpu")
+    actor = PPOActorInterface(disable_value=True, kl_ctl=0.0, ppo_n_minibatches=1)
+    pairs = [(f"Compute {a}+{b}, then add {c}.", f"\\boxed{{{a + b + c}}}") for a, b, c in
+             [(12, 30, 7), (5, 61, 19), (40, 2, 88), (9, 9, 9)] * 2]  # fmt: skip
+    whole = MicroBatchSpec()  # one micro-batch: its logits are [T, V]
+    data = on_policy(actor, model, pa_sample(pairs), rewards=[1.0, -1.0] * 4)
+    actor.train_step(model, data, whole)  # Adam's moments are made at the first step
+    T = data.data["packed_input_ids"].numel()
+    # Measured: 1.03x the bf16 logits; a float32 log-softmax of them in place of the
+    # vocabulary-chunked one: 1.93x (a float32 [T, V] is 2x, less the shifted-out rows).
+    bound = 1.5 * T * V * 2
+    assert T >= 150 and bound > 2 * V * 32 * 4  # above the head's own fp32 master weights
+    assert _biggest_allocation(lambda: actor.inference(model, data, whole)) < bound
+    assert _biggest_allocation(lambda: actor.train_step(model, data, whole)) < bound
