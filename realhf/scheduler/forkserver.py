@@ -631,8 +631,9 @@ _EARLY_MODULES = frozenset(
 
 
 def start_early() -> Optional[ForkServer]:
-    """Make this process's fork server (for ``os.environ``) by importing :data:`PRELOAD`
-    here and forking: a launcher that imports torch & co. itself then pays for them once,
+    """Make this process's fork server (for ``os.environ``) by importing
+    :data:`LAUNCHER_IMPORTS` here and forking (the server imports the rest of
+    :data:`PRELOAD`): a launcher that imports torch & co. itself then pays for them once,
     not once more in a server of its own (~5 s of CPU per run on a 2-core VM).
 
     Call it first thing in a launcher's ``__main__``, before realhf's other modules and
