@@ -526,7 +526,10 @@ class Worker:
         control.send(ControlReply(self.worker_name, req.command, result=result))
 
     def _check_controller(self) -> None:
-        if self.controller_watch_interval is None or self.worker_info is None:
+        # Not once an exit is decided: the controller removes its key as soon as every
+        # worker has answered its `exit`, which may be within the loop iteration that
+        # handled it (the run would end with exit code 1 after completing).
+        if self.controller_watch_interval is None or self.worker_info is None or self.exiting:
             return
         now = time.monotonic()
         if now < self._next_controller_check:

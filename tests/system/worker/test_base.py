@@ -258,3 +258,17 @@ def test_worker_exits_when_the_controller_is_gone(trial):
     name_resolve.delete(controller_key)
     w._check_controller()
     assert w.exit_code == 1
+
+
+def test_an_exit_received_is_not_undone_by_the_controller_leaving(trial):
+    """The controller removes its key once every worker answered `exit`: a worker that
+    checks it within the same loop iteration still exits with 0 (a completed run)."""
+    w = CountWorker(EXP, trial, "test_count", 0, controller_watch_interval=0.0)
+    controller_key = names.worker_status(EXP, trial, "controller/0")
+    name_resolve.add(controller_key, "RUNNING")
+    w.handle_control("configure", worker_info=_info(trial), config=CountConfig(n=10**6))
+    w.handle_control("start")
+    w.handle_control("exit")
+    name_resolve.delete(controller_key)
+    w._check_controller()
+    assert w.exit_code == 0
