@@ -23,7 +23,9 @@ from typing import List
 logger = logging.getLogger(__name__)
 
 _LOCK_DIR = "/tmp/realhf-sandbox-locks"
-_SHARED_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+#: the world-writable directories (``find / -xdev -type d -perm -0002``, and the tmpfs ones):
+#: where a sandbox uid can create files on the host, and where its leftovers are swept
+SHARED_WRITABLE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 
 
 #: the sandbox uids when $REALHF_SANDBOX_UID_BASE / $REALHF_SANDBOX_SLOTS are not set
@@ -158,7 +160,7 @@ def remove_files_of(uid: int) -> None:
     # itself, unlink removes a symlink and not its target, and rmtree (the
     # fd-based, symlink-attack-resistant version on Linux) removes links
     # inside a directory instead of descending through them.
-    for d in _SHARED_TMP_DIRS:
+    for d in SHARED_WRITABLE_DIRS:
         try:
             entries = list(os.scandir(d))
         except OSError:

@@ -12,16 +12,15 @@ import threading
 
 import pytest
 
-from functioncall.code import verify
+from functioncall.code import uid_slots, verify
 from functioncall.code.sandbox import SandboxLimits, run_python
-from functioncall.code.uid_slots import uid_range
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox needs root to switch uid"),
 ]
 
-UID_RANGE = uid_range()
+UID_RANGE = uid_slots.uid_range()
 LIMITS = SandboxLimits(wall_timeout_s=2, max_processes=8, memory_mb=512, max_file_mb=8)
 
 
@@ -41,16 +40,11 @@ def sandbox_procs():
     return out
 
 
-#: where a uid of its own can create files on this host: the world-writable directories
-#: (``find / -xdev -type d -perm -0002``); under them, whatever it made is its own
-WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
-
-
 def sandbox_files():
     """Every file or directory a sandbox uid of this worker owns: what a run left on the
     host's disks (its rlimit-mode work directory included), however deep."""
     out = []
-    for top in WRITABLE:
+    for top in uid_slots.SHARED_WRITABLE_DIRS:  # where a uid of its own can write
         for root, dirs, files in os.walk(top, onerror=lambda e: None):
             for name in dirs + files:
                 path = os.path.join(root, name)
