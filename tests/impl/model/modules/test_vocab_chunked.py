@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from alloc_probe import biggest_allocation
 
 from realhf.impl.model.modules import vocab_chunked as vc
 
@@ -43,12 +44,6 @@ def test_blocks_equal_the_full_computation_with_gradients(dtype, t):
     assert not a.grad[others].any()  # rows not asked for get no gradient
 
 
-def _biggest_allocation(fn) -> int:
-    with torch.profiler.profile(profile_memory=True) as prof:
-        fn()
-    return max(e.cpu_memory_usage for e in prof.events())
-
-
 def test_no_float32_copy_of_the_logits_only_blocks():
     """bf16 logits [1024, 8192]: a float32 copy would be 32 MiB.  Forward allocates one
     block's worth (2 MiB blocks); backward the gradient itself, in bf16 (16 MiB)."""
@@ -61,8 +56,8 @@ def test_no_float32_copy_of_the_logits_only_blocks():
         out["lp"] = vc.token_log_probs(logits, labels, block_bytes=block)
         out["h"] = vc.token_entropy(logits, block_bytes=block)
 
-    assert _biggest_allocation(forward) <= block
-    assert _biggest_allocation(lambda: (out["lp"].sum() + out["h"].sum()).backward()) <= T * V * 2
+    assert biggest_allocation(forward) <= block
+    assert biggest_allocation(lambda: (out["lp"].sum() + out["h"].sum()).backward()) <= T * V * 2
     ref = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels[:, None])[:, 0]
     assert torch.allclose(out["lp"], ref, atol=1e-5)
 

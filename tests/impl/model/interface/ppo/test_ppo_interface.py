@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from alloc_probe import biggest_allocation
 from interface_testlib import MB, answer_logprob_sums, on_policy
 
 from realhf.api.core.model_api import Model
@@ -306,12 +307,6 @@ def test_inference_divides_logits_by_the_temperature(make_model, pa_sample):
     torch.testing.assert_close(out.data["logprobs"], ref)
 
 
-def _biggest_allocation(fn) -> int:
-    with torch.profiler.profile(profile_memory=True) as prof:
-        fn()
-    return max(e.cpu_memory_usage for e in prof.events())
-
-
 @pytest.mark.slow
 def test_a_152k_vocabulary_step_never_holds_float32_logits(tmp_path, tokenizer, pa_sample):
     """Qwen2.5's vocabulary (151,936) on a one-layer bf16 model: the largest single
@@ -346,5 +341,5 @@ def test_a_152k_vocabulary_step_never_holds_float32_logits(tmp_path, tokenizer, 
     # vocabulary-chunked one: 1.93x (a float32 [T, V] is 2x, less the shifted-out rows).
     bound = 1.5 * T * V * 2
     assert T >= 150 and bound > 2 * V * 32 * 4  # above the head's own fp32 master weights
-    assert _biggest_allocation(lambda: actor.inference(model, data, whole)) < bound
-    assert _biggest_allocation(lambda: actor.train_step(model, data, whole)) < bound
+    assert biggest_allocation(lambda: actor.inference(model, data, whole)) < bound
+    assert biggest_allocation(lambda: actor.train_step(model, data, whole)) < bound
