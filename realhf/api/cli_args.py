@@ -63,6 +63,13 @@ class OptimizerConfig:
     gradient_clipping: float = field(
         default=1.0, metadata={"help": "max global grad norm; 0 disables clipping"}
     )
+    zero_stage: int = field(
+        default=0,
+        metadata={
+            "help": "1: shard the fp32 master weights and Adam state over the data-parallel "
+            "ranks (ZeRO-1: 1/d of 8-12 bytes per parameter each); 0: every rank holds all"
+        },
+    )
 
     def __post_init__(self):
         _check(self.lr > 0, f"optimizer.lr must be > 0, got {self.lr}")
@@ -85,6 +92,11 @@ class OptimizerConfig:
         )
         _check(
             0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optimizer.beta1/beta2 must be in [0, 1)"
+        )
+        _check(
+            self.zero_stage in (0, 1),
+            f"optimizer.zero_stage={self.zero_stage!r}; use 0 (no sharding) or 1 (shard the "
+            "optimizer state over data-parallel ranks); stages 2 and 3 are not implemented",
         )
 
 

@@ -28,6 +28,11 @@ gradient 2, master 4, fp32 gradient 4, Adam 8) -- more than fp32 at rest, for ma
 bf16 speed and activations of half the size.  Without master weights an update smaller
 than half a bf16 ulp of its weight (a relative change below ~2**-9) would be lost.
 
+ZeRO-1 (``optimizer.zero_stage=1``): the master weights and Adam moments are sharded over
+the data-parallel group (:mod:`realhf.impl.model.backend.zero`); the gradient is
+reduce-scattered instead of all-reduced, so after a step each rank's ``p.grad`` holds its own
+(unaveraged) gradient and only its shard's average lives in ``engine.zero.grad``.
+
 Parallel layouts (``grid=``): gradients are averaged over the grid's data group only; under
 tensor parallelism the loss function gets vocabulary-sharded logits (pass ``engine.tp`` to the
 log-prob helpers); under pipeline parallelism the micro-batches run with the 1F1B schedule
@@ -54,6 +59,7 @@ from realhf.base import logging
 from realhf.base.distributed import dist_util
 from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
+from realhf.impl.model.backend.zero import ShardedAdamW, shard_size
 from realhf.impl.model.nn.flat_param import flat_intervals, flat_view
 
 logger = logging.getLogger("train_engine")
@@ -147,28 +153,47 @@ class TrainEngine(InferenceEngine):
         self.lr_schedule = LRSchedule.from_config(
             self.config, None if ft_spec is None else ft_spec.total_train_steps
         )
-        self._bind_grad_buffer()
-        self._bind_master()
-        decay, no_decay = [], []
-        for p in self._optimized_params():
-            (decay if p.dim() >= 2 else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": self.config.weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
-        self.optimizer = torch.optim.AdamW(
-            groups,
-            lr=self.lr_schedule(0),
-            betas=(self.config.beta1, self.config.beta2),
-            eps=self.config.eps,
-        )
+        sharded = self.config.zero_stage == 1
+        numel = model.flat_params.numel()
+        # ZeRO-1 reduce-scatters the gradient: its buffer is padded to d equal shards.
+        padded = shard_size(numel, self.dp_size) * self.dp_size if sharded else numel
+        self._bind_grad_buffer(padded)
+        self._bind_master(padded, sharded)
+        self._zero: Optional[ShardedAdamW] = None
+        if sharded:
+            self._zero = ShardedAdamW(
+                model.flat_params,
+                model.param_spec,
+                [n for n, _ in model.named_parameters()],
+                self.config,
+                self.dp_group,
+                self.dp_size,
+                self.dp_rank,
+            )
+            self.optimizer = self._zero.optimizer
+        else:
+            decay, no_decay = [], []
+            for p in self._optimized_params():
+                (decay if p.dim() >= 2 else no_decay).append(p)
+            groups = [{"params": decay, "weight_decay": self.config.weight_decay}]
+            if no_decay:
+                groups.append({"params": no_decay, "weight_decay": 0.0})
+            self.optimizer = torch.optim.AdamW(
+                groups,
+                lr=self.lr_schedule(0),
+                betas=(self.config.beta1, self.config.beta2),
+                eps=self.config.eps,
+            )
         self.n_steps = 0  # train_batch calls (optimizer steps attempted)
         self.n_skipped = 0  # steps skipped for a non-finite grad norm or no tokens
 
     # ------------------------------------------------------------------ gradients
-    def _bind_grad_buffer(self) -> None:
-        """Point every ``p.grad`` at its slice of one zeroed flat buffer."""
+    def _bind_grad_buffer(self, padded: int) -> None:
+        """Point every ``p.grad`` at its slice of one zeroed flat buffer (of ``padded``
+        elements, of which the model's ``N`` are used)."""
         m = self.model
-        self.flat_grad = torch.zeros_like(m.flat_params)
+        self._grad_storage = m.flat_params.new_zeros(padded)
+        self.flat_grad = self._grad_storage[: m.flat_params.numel()]
         self._grad_views: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
         for name, p in m.named_parameters():
             view = flat_view(self.flat_grad, m.param_spec[name])
@@ -186,22 +211,28 @@ class TrainEngine(InferenceEngine):
             None if len(counted) == len(m.param_spec) else flat_intervals(m.param_spec, counted)
         )
 
-    def _bind_master(self) -> None:
+    def _bind_master(self, padded: int, sharded: bool) -> None:
         """fp32 master weights and gradient for a model in a lower precision (see the module
-        docstring); none for an fp32 model."""
+        docstring); none for an fp32 model.  Under ZeRO-1 the master weights are sharded
+        (:mod:`~realhf.impl.model.backend.zero`) and :attr:`master` is None."""
         m = self.model
         self.master: Optional[torch.Tensor] = None
         self.master_grad: Optional[torch.Tensor] = None
         self._master_params: List[torch.nn.Parameter] = []
-        if m.flat_params.dtype == torch.float32:
+        self._low_precision = m.flat_params.dtype != torch.float32
+        if not self._low_precision:
+            return
+        # The fp32 buffer is what is reduced (padded like the low-precision one).
+        self._grad_storage = torch.zeros(padded, dtype=torch.float32, device=m.flat_params.device)
+        self.master_grad = self._grad_storage[: m.flat_params.numel()]
+        self._mark_published()
+        if sharded:
             return
         self.master = m.flat_params.detach().float()
-        self.master_grad = torch.zeros_like(self.master)
         for name, _ in m.named_parameters():  # in the model's order, as AdamW had them
             mp = torch.nn.Parameter(flat_view(self.master, m.param_spec[name]))
             mp.grad = flat_view(self.master_grad, m.param_spec[name])
             self._master_params.append(mp)
-        self._mark_published()
 
     def _optimized_params(self) -> List[torch.nn.Parameter]:
         """What AdamW updates: the master weights, or the model's own."""
@@ -209,8 +240,28 @@ class TrainEngine(InferenceEngine):
 
     @property
     def grad(self) -> torch.Tensor:
-        """The flat gradient that is reduced, clipped and applied (fp32 with master weights)."""
+        """The flat gradient that is reduced, clipped and applied (fp32 with master weights).
+
+        Under ZeRO-1 it is reduced into :attr:`zero`'s shard, which is clipped and applied."""
         return self.flat_grad if self.master_grad is None else self.master_grad
+
+    @property
+    def zero(self) -> Optional[ShardedAdamW]:
+        """The ZeRO-1 sharded optimizer (``optimizer.zero_stage=1``), else None."""
+        return self._zero
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: Adam moments and fp32 master weights
+        (its shard of them under ZeRO-1)."""
+        if self._zero is not None:
+            return self._zero.state_bytes()
+        moments = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        return moments + (0 if self.master is None else self.master.numel() * 4)
 
     def _accumulate_master_grad(self) -> None:
         """Add the model's low-precision gradient into the fp32 buffer and zero it."""
@@ -229,14 +280,27 @@ class TrainEngine(InferenceEngine):
         since the last step (weights loaded into the model): the master copy would otherwise
         overwrite them at the next step."""
         m = self.model
-        if self.master is None or self._published == (id(m.flat_params), m.flat_params._version):
+        if not self._low_precision or self._published == (
+            id(m.flat_params),
+            m.flat_params._version,
+        ):
             return
         logger.info("the model's weights changed outside training; master weights follow them")
-        self.master.copy_(m.flat_params)
+        if self._zero is not None:
+            self._zero.load_weights_from_model()
+        else:
+            self.master.copy_(m.flat_params)
         self._mark_published()
 
     def grad_norm(self) -> float:
         """The global L2 norm of the (already data-parallel averaged) gradient."""
+        if self._zero is not None:  # each rank has its shard: sum the squares over ranks
+            sq = self._zero.norm_sq(self._norm_intervals)
+            if self.dp_size > 1:
+                sq = dist_util.all_reduce_(sq, dist.ReduceOp.SUM, self.dp_group)
+            if self._norm_group is not None:
+                sq = dist_util.all_reduce_(sq, dist.ReduceOp.SUM, self._norm_group)
+            return float(sq.sum().sqrt())
         grad = self.grad
         if self._norm_intervals is None:
             sq = torch.linalg.vector_norm(grad.float()).square()
@@ -313,7 +377,9 @@ class TrainEngine(InferenceEngine):
         else:
             keys, partial = self._forward_backward(mbs, weights, total, loss_fn)
         reduced = self._all_reduce(partial.cpu())  # [loss, *stats], global weighted means
-        if self.dp_size > 1:
+        if self._zero is not None:
+            self._zero.reduce(self._grad_storage)
+        elif self.dp_size > 1:
             self._all_reduce(self.grad)
             self.grad.div_(self.dp_size)
         step = self.n_steps if version_steps is None else int(version_steps)
@@ -446,11 +512,16 @@ class TrainEngine(InferenceEngine):
             skipped = True
         else:
             clip = self.config.gradient_clipping
+            applied = self.grad if self._zero is None else self._zero.grad
             if clip > 0 and grad_norm > clip:
-                self.grad.mul_(clip / (grad_norm + 1e-6))
-            for g in self.optimizer.param_groups:
-                g["lr"] = lr
-            self.optimizer.step()
+                applied.mul_(clip / (grad_norm + 1e-6))
+            if self._zero is not None:
+                self._zero.step(lr)
+                self._mark_published()
+            else:
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
+                self.optimizer.step()
             if self.master is not None:
                 with torch.no_grad():
                     self.model.flat_params.copy_(self.master)
@@ -462,14 +533,19 @@ class TrainEngine(InferenceEngine):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> Dict[str, Any]:
         """Optimizer moments and step counters (the weights are saved as an HF directory),
-        and the fp32 master weights if there are any (the HF directory holds them rounded)."""
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "n_steps": self.n_steps,
-            "n_skipped": self.n_skipped,
-        }
-        if self.master is not None:
-            state["master"] = self.master.detach().clone()
+        and the fp32 master weights if there are any (the HF directory holds them rounded).
+
+        The layout does not depend on ZeRO or the data-parallel size: under ZeRO-1 this is
+        a collective that assembles the whole state on every rank (see
+        :meth:`ShardedAdamW.full_state`)."""
+        if self._zero is not None:
+            optimizer, master = self._zero.full_state()
+        else:
+            optimizer = self.optimizer.state_dict()
+            master = None if self.master is None else self.master.detach().clone()
+        state = {"optimizer": optimizer, "n_steps": self.n_steps, "n_skipped": self.n_skipped}
+        if master is not None:
+            state["master"] = master
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -477,18 +553,24 @@ class TrainEngine(InferenceEngine):
         missing = {"optimizer", "n_steps", "n_skipped"} - set(state)
         if missing:
             raise KeyError(f"TrainEngine.load_state_dict: state lacks {sorted(missing)}")
-        self.optimizer.load_state_dict(state["optimizer"])
         self.n_steps = int(state["n_steps"])
         self.n_skipped = int(state["n_skipped"])
+        master = state.get("master")
+        if master is not None and master.numel() != self.model.flat_params.numel():
+            raise ValueError(
+                f"TrainEngine.load_state_dict: master weights of {master.numel()} elements "
+                f"for a model of {self.model.flat_params.numel()}"
+            )
+        if self._zero is not None:
+            self._zero.load_full_state(state["optimizer"], master)
+            if self._low_precision:
+                self._zero.gather_weights()
+                self._mark_published()
+            return
+        self.optimizer.load_state_dict(state["optimizer"])
         if self.master is not None:
             # A state saved without master weights (an fp32 run) starts them from the model.
-            master = state.get("master", self.model.flat_params)
-            if master.numel() != self.master.numel():
-                raise ValueError(
-                    f"TrainEngine.load_state_dict: master weights of {master.numel()} elements "
-                    f"for a model of {self.master.numel()}"
-                )
             with torch.no_grad():
-                self.master.copy_(master)
+                self.master.copy_(self.model.flat_params if master is None else master)
                 self.model.flat_params.copy_(self.master)
             self._mark_published()

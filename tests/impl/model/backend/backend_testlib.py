@@ -4,6 +4,7 @@ that ``torch.multiprocessing.spawn`` can pickle it)."""
 
 from __future__ import annotations
 
+import copy
 import datetime
 
 import torch
@@ -82,8 +83,15 @@ def dp_rank_main(
     shards,
     max_tokens: int,
     dtype: torch.dtype = torch.float32,
+    opt=None,
 ):
-    """Train on this rank's shard for ``n_steps`` steps; rank 0 saves the flat weights."""
+    """Train on this rank's shard for ``n_steps`` steps; rank 0 saves the flat weights (fp32
+    master weights where there are any), the step statistics, the engine's state dict and
+    its optimizer bytes.
+
+    Then a fresh engine on a copy of the model loads that state dict and both take one more
+    step: rank 0 also saves both engines' weights after it (a resumed run continues exactly).
+    """
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
@@ -93,16 +101,35 @@ def dp_rank_main(
     )
     try:
         torch.set_num_threads(1)
-        engine = TrainEngine(tiny_model().to(dtype), optimizer_config())
+        engine = TrainEngine(tiny_model().to(dtype), optimizer_config(**(opt or {})))
         full = batch()
         local = full.select_items(shards[rank])
         spec = MicroBatchSpec(max_tokens_per_mb=max_tokens)
         stats = []
         for _ in range(n_steps):
             stats.append(engine.train_batch(local, spec, lm_loss, lm_weight))
+        state = engine.state_dict()  # every rank: a collective under ZeRO
+        flat = state.get("master", engine.model.flat_params).float().clone()
+        resumed = TrainEngine(tiny_model().to(dtype), optimizer_config(**(opt or {})))
+        with torch.no_grad():
+            resumed.model.flat_params.copy_(engine.model.flat_params)
+        # A copy, as from a checkpoint file: the state dict references the live moments.
+        resumed.load_state_dict(copy.deepcopy(state))
+        after = []
+        for e in (engine, resumed):
+            e.train_batch(local, spec, lm_loss, lm_weight)
+            after.append(e.model.flat_params.float().clone())
         if rank == 0:
-            flat = engine.model.flat_params if engine.master is None else engine.master
-            torch.save({"flat": flat.clone(), "stats": stats}, out_file)
+            torch.save(
+                {
+                    "flat": flat,
+                    "stats": stats,
+                    "state": state,
+                    "opt_bytes": engine.optimizer_state_bytes(),
+                    "after": after,
+                },
+                out_file,
+            )
     finally:
         dist.destroy_process_group()
     from realhf.base import shutdown

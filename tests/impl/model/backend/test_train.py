@@ -1,6 +1,7 @@
 """TrainEngine: token-mean loss scaling, data-parallel equivalence over 2 gloo ranks,
 skipped steps, clipping, learning rates and exact resumption from state_dict."""
 
+import copy
 import io
 
 import pytest
@@ -159,6 +160,7 @@ def test_rejects_a_non_realmodel():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [0, 1])
 @pytest.mark.parametrize(
     "dtype, tol",
     # bf16: the ranks' micro-batches differ from one rank's, so their bf16 matmuls round
@@ -167,17 +169,20 @@ def test_rejects_a_non_realmodel():
     # they moved (measured); a lost or doubled rank's gradient would be ~100%
     [(torch.float32, 1e-5), (torch.bfloat16, 0.1)],
 )
-def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path, dtype, tol):
+def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path, dtype, tol, zero_stage):
     """Uneven shards (3 vs 5 sequences, different token counts) and a token budget that
     gives the ranks different natural micro-batch counts: the synced split and the
     global token-mean scaling must make 2-rank DP equal to 1-rank training (a bf16 model's
-    fp32 gradients are what is reduced)."""
+    fp32 gradients are what is reduced).  With ZeRO-1 (optimizer state sharded over the
+    two ranks) the same holds, each rank holds half the optimizer state, and its
+    checkpoint is the one-rank engine's: it resumes on one rank without ZeRO."""
     n_steps, max_tokens = 3, 16
     shards = [[0, 2, 5], [1, 3, 4, 6, 7]]
     out = str(tmp_path / "rank0.pt")
+    opt = {"zero_stage": zero_stage}
     mp.spawn(
         dp_rank_main,
-        args=(2, str(tmp_path / "init"), out, n_steps, shards, max_tokens, dtype),
+        args=(2, str(tmp_path / "init"), out, n_steps, shards, max_tokens, dtype, opt),
         nprocs=2,
         join=True,
     )
@@ -197,6 +202,67 @@ def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path, dtype, tol):
         assert s_dp["loss"] == pytest.approx(s_one["loss"], rel=rel)
         assert s_dp["n_tokens"] == s_one["n_tokens"]
         assert s_dp["grad_norm"] == pytest.approx(s_one["grad_norm"], rel=10 * rel)
+
+    # A resumed engine on the same ranks continues exactly where the trained one goes.
+    continued, resumed = dp["after"]
+    assert torch.equal(continued, resumed)
+    full = engine.optimizer_state_bytes()
+    if zero_stage == 0:
+        assert dp["opt_bytes"] == full
+        return
+    # ZeRO-1: rank 0 holds its half of the moments (and of the fp32 master weights).
+    assert full / 2 <= dp["opt_bytes"] <= full / 2 + 64
+    # The sharded state has the one-rank layout: one rank without ZeRO resumes from it.
+    ref = engine.state_dict()
+    got = dp["state"]
+    assert [g["params"] for g in got["optimizer"]["param_groups"]] == [
+        g["params"] for g in ref["optimizer"]["param_groups"]
+    ]
+    assert got["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
+    one = TrainEngine(tiny_model().to(dtype), optimizer_config())
+    with torch.no_grad():
+        one.model.flat_params.copy_(dp["flat"])
+    one.load_state_dict(got)
+    assert one.n_steps == n_steps
+    one.train_batch(batch(), spec, lm_loss, lm_weight)
+    engine.train_batch(batch(), spec, lm_loss, lm_weight)
+    a, b = one.model.flat_params.float(), engine.model.flat_params.float()
+    if dtype == torch.float32:
+        assert (a - b).abs().max() <= tol
+    else:
+        assert (a - b).norm() <= tol * (b - tiny_model().flat_params).norm()
+
+
+def test_zero1_on_one_rank_is_plain_adamw_and_checkpoints_interchange():
+    """With one rank the shard is the whole buffer: ZeRO-1 steps equal plain AdamW, and
+    each engine resumes from the other's state dict."""
+    spec = MicroBatchSpec(max_tokens_per_mb=16)
+    plain = TrainEngine(tiny_model(), optimizer_config())
+    zero = TrainEngine(tiny_model(), optimizer_config(zero_stage=1))
+    assert zero.zero is not None and plain.zero is None
+    for _ in range(3):
+        s_plain = plain.train_batch(batch(), spec, lm_loss, lm_weight)
+        s_zero = zero.train_batch(batch(), spec, lm_loss, lm_weight)
+        assert s_zero["grad_norm"] == pytest.approx(s_plain["grad_norm"], rel=1e-6)
+    assert (zero.model.flat_params - plain.model.flat_params).abs().max() <= 1e-6
+    assert zero.optimizer_state_bytes() == plain.optimizer_state_bytes()
+    for src, dst_cfg in ((plain, {"zero_stage": 1}), (zero, {})):
+        dst = TrainEngine(tiny_model(), optimizer_config(**dst_cfg))
+        with torch.no_grad():
+            dst.model.flat_params.copy_(src.model.flat_params)
+        dst.load_state_dict(copy.deepcopy(src.state_dict()))
+        ref = TrainEngine(tiny_model(), optimizer_config(**({} if dst_cfg else {"zero_stage": 1})))
+        with torch.no_grad():
+            ref.model.flat_params.copy_(src.model.flat_params)
+        ref.load_state_dict(copy.deepcopy(src.state_dict()))
+        dst.train_batch(batch(), spec, lm_loss, lm_weight)
+        ref.train_batch(batch(), spec, lm_loss, lm_weight)
+        assert (dst.model.flat_params - ref.model.flat_params).abs().max() <= 1e-6
+
+
+def test_zero_stage_other_than_0_or_1_is_refused():
+    with pytest.raises(ValueError, match="zero_stage=2.*not implemented"):
+        optimizer_config(zero_stage=2)
 
 
 # ---- mixed precision: a bf16 model trains fp32 master weights ----------------------------
