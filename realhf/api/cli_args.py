@@ -246,6 +246,13 @@ class BaseExperimentConfig:
             "calls (memory for speed); false frees it after each call and refills it next time"
         },
     )
+    memory_check: bool = field(
+        default=True,
+        metadata={
+            "help": "refuse a local run whose estimated memory (printed by --dry-run) exceeds "
+            "what this host has available, before anything starts"
+        },
+    )
     recover_mode: str = field(default="disabled", metadata={"help": f"one of {RECOVER_MODES}"})
     recover_retries: int = field(
         default=1, metadata={"help": "restarts after a failure when recover_mode=auto"}

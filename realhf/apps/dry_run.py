@@ -5,7 +5,8 @@
 
 Prints the compiled dataflow graph (every MFC, and which MFC's outputs feed which), each
 MFC's model, interface, type and parallel layout, the worker processes the launcher would
-start (GPUs per process where CUDA is present) and the resolved config as YAML.
+start (GPUs per process where CUDA is present), the memory each would need
+(:mod:`realhf.experiments.memory_plan`) and the resolved config as YAML.
 
 Building an experiment only reads the model and dataset files to check them, so a dry run
 launches nothing and writes nothing: no run directory, no ``config.yaml``, no name-resolve
@@ -23,6 +24,7 @@ from realhf.api.core.allocation import parse_allocation_mode
 from realhf.api.core.dfg import DataFlowGraph, build_graph
 from realhf.api.core.system_api import ExperimentConfig
 from realhf.base import constants
+from realhf.experiments import memory_plan
 
 FORMATS = ("text", "mermaid")
 
@@ -54,6 +56,8 @@ def describe(name: str, cfg, exp: ExperimentConfig, fmt: str = "text") -> str:
         *_mfc_table(master),
         "",
         *_placement(name, cfg, exp),
+        "",
+        *memory_plan.report(memory_plan.estimate(cfg, exp), memory_plan.available_memory()),
         "",
         "# resolved config (config.yaml)",
         *to_yaml(cfg).rstrip().splitlines(),

@@ -40,6 +40,7 @@ from realhf.apps.remote import STOPPED_EXIT_CODE
 from realhf.base import constants, logging, name_resolve, names
 from realhf.base.storage import recover
 from realhf.base.storage.atomic_file import write_atomic
+from realhf.experiments import memory_plan
 from realhf.experiments.registry import get_quickstart_exp
 from realhf.scheduler import LaunchError, forkserver, launcher
 from realhf.scheduler.local import JobFailure
@@ -148,9 +149,15 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
     if refused:
         print(f"{name}: {refused}", file=sys.stderr)
         return 2
-    os.makedirs(run_dir, exist_ok=True)
     if cfg.mode == "local":  # its imports overlap the build below (realhf.scheduler.forkserver)
         forkserver.prestart()
+    try:
+        first_build = qs.build(cfg)
+        memory_plan.check_fits(name, cfg, first_build, qs.build)
+    except (ValueError, FileNotFoundError) as e:  # bad paths, rows, allocation, too big
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    os.makedirs(run_dir, exist_ok=True)
     # Written before anything runs, so a run that fails still records the
     # config it failed with; a recovered attempt reuses the same directory.
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -162,7 +169,7 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
     with RunConsole(name, run_dir) as console:
         for attempt in range(attempts):
             try:
-                experiment_cfg = qs.build(cfg)
+                experiment_cfg = first_build if attempt == 0 else qs.build(cfg)
             except (
                 ValueError,
                 FileNotFoundError,

@@ -85,6 +85,7 @@ def data_path(path: str, default: str, what: str) -> str:
 #: checked: a build loads each dataset once to fail early, and tests, sweeps and the
 #: launcher build the same experiment many times over files that did not change.
 _CHECKED_LENGTHS: Dict[tuple, int] = {}
+_LONGEST: Dict[str, int] = {}
 
 
 def checked_len(dataset_cls, path: str, tokenizer, **kwargs) -> int:
@@ -101,8 +102,16 @@ def checked_len(dataset_cls, path: str, tokenizer, **kwargs) -> int:
         tuple(sorted(kwargs.items())),
     )
     if key not in _CHECKED_LENGTHS:
-        _CHECKED_LENGTHS[key] = len(dataset_cls(path, tokenizer, **kwargs))
+        ds = dataset_cls(path, tokenizer, **kwargs)
+        _CHECKED_LENGTHS[key] = len(ds)
+        _LONGEST[path] = max(_LONGEST.get(path, 0), ds.longest())
     return _CHECKED_LENGTHS[key]
+
+
+def longest_item(path: str) -> Optional[int]:
+    """Tokens of the longest item of the dataset file ``path`` as :func:`checked_len`
+    loaded it (None if it was not loaded): what the memory estimate sizes a step by."""
+    return _LONGEST.get(path)
 
 
 def allocation(cfg: BaseExperimentConfig, decoupled: Optional[bool] = None) -> AllocationMode:

@@ -71,7 +71,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
     data = blocks.data_path(cfg.dataset.path, blocks.task_data(cfg.task, "sft"), "dataset.path")
     tok = blocks.load_tokenizer(path)
     try:  # load once here so malformed rows fail before any process starts
-        size = len(PromptAnswerDataset(data, tok, max_length=cfg.dataset.max_length))
+        size = blocks.checked_len(PromptAnswerDataset, data, tok, max_length=cfg.dataset.max_length)
     except DatasetError as e:
         raise blocks.ExperimentSetupError(str(e)) from None
     eval_ds = None

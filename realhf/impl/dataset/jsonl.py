@@ -78,5 +78,15 @@ class ItemDataset:
     def __len__(self) -> int:
         return len(self.items)
 
+    def longest(self) -> int:
+        """Tokens of the longest item (all its sequences, e.g. both answers of a pair)."""
+        return max(
+            (
+                max(sum(sum(seqs) for seqs in lens) for lens in item.seqlens.values())
+                for item in self.items
+            ),
+            default=0,
+        )
+
     def __getitem__(self, i: int):
         return self.items[i]

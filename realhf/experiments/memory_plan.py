@@ -1,0 +1,387 @@
+"""How much memory each process of a run needs, estimated before anything starts.
+
+``quickstart EXP --dry-run`` prints the estimate; a local run whose processes together
+would not fit in this host's memory is refused before launch, with the options that would
+make it fit (``memory_check=false`` skips the check).
+
+The estimate is analytic, per process, by kind of bytes:
+
+- ``weights``: parameters x bytes of the role's dtype, divided over the pipeline stages and
+  tensor shards of the layout (every role the worker hosts: actor, ref, critic, ...).
+- ``gradients``: one gradient in the model's dtype, plus the fp32 sum of a bf16/fp16 model.
+- ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
+  model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
+- ``activations``: what backward keeps of a training micro-batch: per token and layer
+  ``8h + 2kv + 4I`` values (norm inputs and outputs, q/k/v, attention output, the MLP's
+  gate, up and product), or the layer inputs only plus one layer's worth with gradient
+  checkpointing.
+- ``logits``: one micro-batch's ``[T, V/m]`` logits in the model's dtype, twice for training
+  (their gradient); log-probs and entropy are vocabulary-chunked, so nothing larger.
+- ``kv cache``: what generation writes (pages are resident only once written): the
+  sequences generated at once x their length x ``2 x layers x kv dim`` values.
+- ``runtime``: the interpreter, torch and the libraries (measured: ~0.6 GiB for a model
+  worker or generation server, less for the other processes).
+
+Micro-batches hold ``min(max_tokens_per_mb, tokens of the step on this data-parallel rank)``
+tokens; a step's sequences are taken at their longest (prompt limit + ``max_new_tokens``).
+It is an estimate: within ~25% of the measured peak on the shapes in ``benchmark/scale.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from realhf.api.core.dfg import ModelInterfaceType
+from realhf.api.core.system_api import ExperimentConfig
+
+GiB = 1024**3
+TERMS = ("weights", "gradients", "optimizer", "activations", "logits", "kv cache", "runtime")
+#: what a process costs before it holds any model (interpreter, torch, libraries)
+RUNTIME = {"model_worker": int(0.6 * GiB), "generation_server": int(0.6 * GiB)}
+RUNTIME_OTHER = int(0.25 * GiB)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: the longest sequence when a config does not say (tokens)
+DEFAULT_SEQ_LEN = 1024
+
+
+class MemoryPlanError(ValueError):
+    """A run's processes would not fit in this host's memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The sizes of a model that decide its memory."""
+
+    n_params: int
+    n_layers: int
+    hidden: int
+    intermediate: int
+    vocab: int
+    kv_dim: int  # key (= value) width: kv heads x head dim
+
+    @staticmethod
+    @functools.lru_cache(maxsize=16)
+    def of(path: str, is_critic: bool = False) -> "Shape":
+        """The shape of the HF model in ``path`` (its parameters counted without allocating
+        them: the model is built on the ``meta`` device)."""
+        from realhf.impl.model.conversion.hf import config_from_hf_dir
+        from realhf.impl.model.nn.real_model import ReaLModel
+
+        cfg = config_from_hf_dir(path, is_critic=is_critic)
+        model = ReaLModel(cfg, device="meta", is_critic=is_critic, init_weights=False)
+        return Shape(
+            n_params=model.flat_params.numel(),
+            n_layers=cfg.n_layers,
+            hidden=cfg.hidden_dim,
+            intermediate=cfg.intermediate_dim,
+            vocab=1 if is_critic else cfg.vocab_size,
+            kv_dim=cfg.kv_dim,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one step asks: ``seqs`` sequences (all answers) of up to ``seq_len`` tokens."""
+
+    seq_len: int
+    seqs: int
+
+    @staticmethod
+    def of(cfg, exp: Optional[ExperimentConfig] = None) -> "Workload":
+        """From an experiment config: the longest item of the training data as the builder
+        loaded it (else the prompt or length limit) plus ``max_new_tokens`` when answers
+        are generated; ``train_batch_size`` x ``group_size`` sequences."""
+        ds = getattr(cfg, "dataset", None)
+        ppo = getattr(cfg, "ppo", None)
+        gen = getattr(ppo, "gen", None)
+        longest = _longest_item(exp) if exp is not None else None
+        if gen is not None:
+            prompt = longest or getattr(ds, "max_prompt_len", None) or DEFAULT_SEQ_LEN
+            seq_len = prompt + gen.max_new_tokens
+        else:
+            seq_len = longest or getattr(ds, "max_length", None) or DEFAULT_SEQ_LEN
+        seqs = int(getattr(cfg, "train_batch_size", 1)) * int(getattr(ppo, "group_size", 1) or 1)
+        return Workload(seq_len=int(seq_len), seqs=seqs)
+
+
+def _longest_item(exp: ExperimentConfig) -> Optional[int]:
+    from realhf.experiments.building_blocks import longest_item
+
+    found = []
+    for workers in exp.workers.values():
+        for w in workers[:1]:
+            ds = getattr(w, "dataset", None)
+            path = getattr(ds, "args", {}).get("dataset_path") if ds is not None else None
+            if path and longest_item(path):
+                found.append(longest_item(path))
+    return max(found, default=None)
+
+
+@dataclasses.dataclass
+class ProcessEstimate:
+    """The estimated peak of each process of one kind (they are alike)."""
+
+    kind: str
+    count: int
+    terms: Dict[str, int]
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return sum(self.terms.values())
+
+
+def _layout(worker) -> Tuple[int, int, int]:
+    lay = getattr(worker, "layout", None)
+    if lay is None:
+        return 1, 1, 1
+    return lay.data, lay.pipe, lay.tensor
+
+
+def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
+    d, p, m = _layout(worker)
+    if getattr(worker, "layout", None) is None:
+        d = n_workers
+    terms = dict.fromkeys(TERMS, 0)
+    terms["runtime"] = RUNTIME["model_worker"]
+    calls: Dict[str, List] = {}
+    for mfc in worker.mfcs:
+        role = getattr(mfc.model_name, "role", str(mfc.model_name).split("@")[0])
+        calls.setdefault(role, []).append(mfc)
+    # Tokens per micro-batch: the step's tokens on this data-parallel rank, capped by the
+    # call's budget.
+    step_tokens = max(1, load.seqs * load.seq_len // d)
+    notes = []
+    for spec in worker.models:
+        shape = Shape.of(spec.path, spec.is_critic)
+        b = DTYPE_BYTES[spec.dtype]
+        n = shape.n_params / (p * m)
+        terms["weights"] += int(n * b)
+        types = {ModelInterfaceType(c.interface_type) for c in calls.get(spec.role, [])}
+        tokens = min(
+            [step_tokens]
+            + [
+                c.mb_spec.max_tokens_per_mb
+                for c in calls.get(spec.role, [])
+                if c.mb_spec is not None
+                and ModelInterfaceType(c.interface_type) != ModelInterfaceType.GENERATE
+            ]
+        )
+        layers = -(-shape.n_layers // p)
+        per_layer = 8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate
+        if spec.trainable:
+            terms["gradients"] += int(n * (b + (4 if b < 4 else 0)))
+            z = d if spec.optimizer_config.zero_stage == 1 else 1
+            terms["optimizer"] += int(n * (8 + (4 if b < 4 else 0)) / z)
+            if spec.gradient_checkpointing:
+                act = tokens * (layers * shape.hidden + per_layer) * b
+            else:
+                act = tokens * layers * per_layer * b
+            terms["activations"] = max(terms["activations"], int(act))
+        copies = 2 if spec.trainable else 1
+        terms["logits"] = max(terms["logits"], int(tokens * (shape.vocab / m) * b * copies))
+        if ModelInterfaceType.GENERATE in types:
+            kv = (load.seqs / d) * load.seq_len * 2 * layers * (shape.kv_dim / m) * b
+            terms["kv cache"] += int(kv)
+        notes.append(f"{spec.role} {shape.n_params / 1e6:.0f}M {spec.dtype}")
+    return ProcessEstimate("model_worker", n_workers, terms, ", ".join(notes))
+
+
+def _generation_server(server, load: Workload) -> ProcessEstimate:
+    shape = Shape.of(server.model_path)
+    b = DTYPE_BYTES.get(server.dtype, 4)
+    terms = dict.fromkeys(TERMS, 0)
+    terms["runtime"] = RUNTIME["generation_server"]
+    terms["weights"] = shape.n_params * b
+    slot_len = min(server.context_length or load.seq_len, load.seq_len)
+    running = min(server.max_running_requests, max(1, load.seqs))
+    terms["kv cache"] = int(running * slot_len * 2 * shape.n_layers * shape.kv_dim * b)
+    # Decoding holds [running, V] logits (prefill: the last position of each sequence only).
+    terms["logits"] = int(running * shape.vocab * 4)
+    return ProcessEstimate(
+        "generation_server", 1, terms, f"{shape.n_params / 1e6:.0f}M {server.dtype}"
+    )
+
+
+def estimate(cfg, exp: ExperimentConfig) -> List[ProcessEstimate]:
+    """The estimate of every kind of process of ``exp`` (built from ``cfg``)."""
+    load = Workload.of(cfg, exp)
+    out = []
+    for kind, workers in exp.workers.items():
+        if not workers:
+            continue
+        if kind == "model_worker":
+            out.append(_model_worker(workers[0], len(workers), load))
+        elif kind == "generation_server":
+            servers = [_generation_server(w, load) for w in workers]
+            servers[0].count = len(workers)
+            out.append(servers[0])
+        else:
+            terms = dict.fromkeys(TERMS, 0)
+            terms["runtime"] = RUNTIME_OTHER
+            out.append(ProcessEstimate(kind, len(workers), terms))
+    return out
+
+
+def host_total(estimates: Sequence[ProcessEstimate]) -> int:
+    """All processes together (a local run puts them on this host), plus the launcher."""
+    return sum(e.total * e.count for e in estimates) + RUNTIME_OTHER
+
+
+def available_memory() -> int:
+    """Bytes this host can give a new run now (``MemAvailable``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def report(estimates: Sequence[ProcessEstimate], available: Optional[int] = None) -> List[str]:
+    """The estimate as a table (GiB per process, by term) and the host total."""
+    rows = [("process", "count", *TERMS, "total", "")]
+    for e in estimates:
+        rows.append(
+            (
+                e.kind,
+                str(e.count),
+                *(_gib(e.terms[t]) for t in TERMS),
+                _gib(e.total),
+                e.note,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["memory estimate (GiB per process):"]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    total = host_total(estimates)
+    tail = f"  all processes: {_gib(total)} GiB"
+    if available is not None:
+        tail += f" of {_gib(available)} GiB available on this host"
+    return lines + [tail]
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def _model_fields(cfg, exp: ExperimentConfig) -> List[str]:
+    """The config's model fields (``actor``, ``ref``, ``model``, ...) the run uses: named
+    like a role of its model workers (``reward_model`` for ``reward``), or ``model`` when
+    the roles have other names (sft's ``default``)."""
+    from realhf.api.cli_args import ModelConfig
+
+    fields = [
+        f.name
+        for f in dataclasses.fields(cfg)
+        if isinstance(getattr(cfg, f.name, None), ModelConfig)
+    ]
+    roles = {spec.role for w in exp.workers.get("model_worker", [])[:1] for spec in w.models}
+    used = [f for f in fields if f in roles or f.removesuffix("_model") in roles]
+    return used or [f for f in fields if f == "model"]
+
+
+def _options(cfg, exp: ExperimentConfig) -> List[Tuple[str, Dict[str, object]]]:
+    """What may shrink a run, in the order they are tried: ``(label, overrides)``."""
+    roles = _model_fields(cfg, exp)
+    out: List[Tuple[str, Dict[str, object]]] = []
+    if any(getattr(cfg, r).dtype == "float32" for r in roles):
+        out.append(("bf16 weights", {f"{r}.dtype": "bfloat16" for r in roles}))
+    if any(not getattr(cfg, r).gradient_checkpointing for r in roles):
+        out.append(("gradient checkpointing", {f"{r}.gradient_checkpointing": True for r in roles}))
+    if any(getattr(cfg, r).optimizer.zero_stage == 0 for r in roles):
+        out.append(
+            (
+                "ZeRO-1 (shards over d of allocation_mode)",
+                {f"{r}.optimizer.zero_stage": 1 for r in roles},
+            )
+        )
+    if len(out) > 1:
+        combined: Dict[str, object] = {}
+        for _, o in out:
+            combined.update(o)
+        out.append(("all of the above", combined))
+    return out
+
+
+def with_overrides(cfg, overrides: Dict[str, object]):
+    """A copy of ``cfg`` with dotted ``key: value`` overrides set (for estimates only: the
+    copy's own checks do not run again)."""
+    import copy
+
+    cfg = copy.deepcopy(cfg)
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, last, value)
+    return cfg
+
+
+def check_fits(name: str, cfg, exp: ExperimentConfig, build, available: Optional[int] = None):
+    """Refuse a local run whose processes would not fit in ``available`` bytes (default:
+    this host's available memory now) with :class:`MemoryPlanError`.  ``build(cfg)`` is the
+    experiment's builder: the options that would fit are found by building with them."""
+    if getattr(cfg, "mode", "local") != "local" or not getattr(cfg, "memory_check", True):
+        return
+    estimates = estimate(cfg, exp)
+    need = host_total(estimates)
+    available = available_memory() if available is None else available
+    if need <= available:
+        return
+    lines = [
+        f"{name}: this run needs an estimated {_gib(need)} GiB, but this host has "
+        f"{_gib(available)} GiB available; nothing was started.",
+        *report(estimates, available),
+        "options (estimated total):",
+    ]
+    for label, overrides in _options(cfg, exp):
+        try:
+            cfg2 = with_overrides(cfg, overrides)
+            total = host_total(estimate(cfg2, build(cfg2)))
+            verdict = "fits" if total <= available else "does not fit"
+            args = " ".join(f"{k}={_arg(v)}" for k, v in overrides.items())
+            lines.append(f"  {label}: {_gib(total)} GiB, {verdict}  ({args})")
+        except ValueError as e:
+            lines.append(f"  {label}: not possible here ({e})")
+    budget = _fitting_token_budget(cfg, exp, build, available)
+    if budget is not None:
+        lines.append(f"  {budget[0]}: {_gib(budget[1])} GiB, fits  ({budget[2]})")
+    lines.append(
+        "  or a smaller train_batch_size or shorter answers; memory_check=false skips this check"
+    )
+    raise MemoryPlanError("\n".join(lines))
+
+
+#: token budgets per micro-batch tried when activations are what does not fit
+TOKEN_BUDGETS = (16384, 8192, 4096, 2048, 1024, 512, 256)
+
+
+def _fitting_token_budget(cfg, exp: ExperimentConfig, build, available: int):
+    """``(label, total, args)`` of the largest ``mb.max_tokens_per_mb`` (alone, or with every
+    other option) that fits, or None."""
+    mb = getattr(cfg, "mb", None)
+    if mb is None or not hasattr(mb, "max_tokens_per_mb"):
+        return None
+    options = _options(cfg, exp)
+    rest = options[-1][1] if options else {}
+    for extra, label in (
+        ({}, "fewer tokens per micro-batch"),
+        (rest, "all of the above and fewer tokens per micro-batch"),
+    ):
+        for budget in TOKEN_BUDGETS:
+            if budget >= mb.max_tokens_per_mb:
+                continue
+            overrides = {**extra, "mb.max_tokens_per_mb": budget}
+            try:
+                cfg2 = with_overrides(cfg, overrides)
+                total = host_total(estimate(cfg2, build(cfg2)))
+            except ValueError:
+                continue
+            if total <= available:
+                return label, total, " ".join(f"{k}={_arg(v)}" for k, v in overrides.items())
+    return None
+
+
+def _arg(v) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)

@@ -1,0 +1,127 @@
+"""The memory estimate before launch: its terms, the refusal of a run that cannot fit with
+the options that would, and what ``--dry-run`` shows."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from realhf.api.cli_parser import parse_config
+from realhf.apps import quickstart
+from realhf.experiments import memory_plan
+from realhf.experiments.building_blocks import TINY_MODEL
+from realhf.experiments.registry import get_quickstart_exp
+from realhf.impl.model.nn.real_model import ReaLModel
+
+GiB = memory_plan.GiB
+
+
+def _build(name, *args):
+    quickstart._load_experiments()  # registers the quickstart experiments
+    qs = get_quickstart_exp(name)
+    cfg = parse_config(qs.config_cls, list(args))
+    return qs, cfg, qs.build(cfg)
+
+
+def _worker(estimates, kind="model_worker"):
+    return next(e for e in estimates if e.kind == kind)
+
+
+def test_shape_counts_the_parameters_without_building_them():
+    shape = memory_plan.Shape.of(TINY_MODEL)
+    assert shape.n_params == ReaLModel.from_hf(TINY_MODEL).flat_params.numel()
+    assert memory_plan.Shape.of(TINY_MODEL, is_critic=True).vocab == 1
+
+
+@pytest.mark.parametrize(
+    "args, per_param",
+    [
+        # fp32: weights 4, gradient 4, Adam 8 bytes per parameter
+        ([], (4, 4, 8)),
+        # bf16: weights 2, gradient 2 + fp32 sum 4, master 4 + Adam 8
+        (["model.dtype=bfloat16"], (2, 6, 12)),
+        # ZeRO-1 over two replicas halves the master weights and Adam moments
+        (
+            ["model.dtype=bfloat16", "model.optimizer.zero_stage=1", "allocation_mode=d2p1m1"],
+            (2, 6, 6),
+        ),
+        # tensor parallelism divides everything over the shards
+        (["allocation_mode=d1p1m2"], (2, 2, 4)),
+    ],
+)
+def test_model_worker_terms_follow_dtype_zero_and_layout(args, per_param):
+    _, cfg, exp = _build("sft", *args)
+    n = memory_plan.Shape.of(TINY_MODEL).n_params
+    terms = _worker(memory_plan.estimate(cfg, exp)).terms
+    got = tuple(terms[t] for t in ("weights", "gradients", "optimizer"))
+    assert got == tuple(int(n * b) for b in per_param)
+
+
+def test_activations_shrink_with_checkpointing_and_token_budgets():
+    def acts(*args):
+        _, cfg, exp = _build("ppo-math", "train_batch_size=64", *args)
+        return _worker(memory_plan.estimate(cfg, exp)).terms["activations"]
+
+    full = acts()
+    assert acts("actor.gradient_checkpointing=true") < full / 2
+    assert acts("mb.max_tokens_per_mb=256") < full / 4
+    # answers twice as long: (nearly) twice the tokens per step
+    assert acts("ppo.gen.max_new_tokens=64") > 1.5 * acts("ppo.gen.max_new_tokens=32")
+
+
+def test_generation_servers_and_other_processes_are_counted():
+    _, cfg, exp = _build("async-ppo-math")
+    est = memory_plan.estimate(cfg, exp)
+    assert {e.kind for e in est} == set(exp.workers)
+    server = _worker(est, "generation_server")
+    assert server.terms["weights"] == memory_plan.Shape.of(TINY_MODEL).n_params * 4
+    assert server.terms["kv cache"] > 0
+    assert memory_plan.host_total(est) == sum(e.total * e.count for e in est) + (
+        memory_plan.RUNTIME_OTHER
+    )
+
+
+def test_a_run_that_cannot_fit_is_refused_with_the_options_that_would():
+    qs, cfg, exp = _build("ppo-math", "train_batch_size=64", "ppo.group_size=8")
+    need = memory_plan.host_total(memory_plan.estimate(cfg, exp))
+    memory_plan.check_fits("ppo-math", cfg, exp, qs.build, available=2 * need)  # fits
+    with pytest.raises(memory_plan.MemoryPlanError) as e:
+        memory_plan.check_fits("ppo-math", cfg, exp, qs.build, available=int(0.8 * need))
+    msg = str(e.value)
+    assert f"needs an estimated {need / GiB:.2f} GiB" in msg
+    assert "memory estimate (GiB per process)" in msg
+    # Each option is estimated by building the experiment with it.
+    assert "bf16 weights:" in msg and "actor.dtype=bfloat16" in msg
+    assert "gradient checkpointing:" in msg and "actor.gradient_checkpointing=true" in msg
+    assert "ref.dtype" not in msg  # only the roles the run has (no ref model without KL)
+    assert "fits  (" in msg  # at least one option would fit
+    assert "mb.max_tokens_per_mb=" in msg
+    # memory_check=false (or another launcher) skips the check
+    off = memory_plan.with_overrides(cfg, {"memory_check": False})
+    memory_plan.check_fits("ppo-math", off, exp, qs.build, available=1)
+
+
+def test_quickstart_refuses_before_creating_anything(tmp_path, capsys, no_leftover_processes):
+    # 4096 answers of 64k tokens each cannot fit on any machine this runs on.
+    args = [
+        "ppo-math",
+        f"fileroot={tmp_path}",
+        "train_batch_size=512",
+        "ppo.group_size=8",
+        "ppo.gen.max_new_tokens=65536",
+    ]
+    code = quickstart.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "needs an estimated" in err and "nothing was started" in err
+    assert not os.path.exists(tmp_path / "ppo-math"), os.listdir(tmp_path)
+    no_leftover_processes(timeout=30)
+
+
+def test_dry_run_prints_the_estimate(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert quickstart.main(["sft", f"fileroot={tmp_path}", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "memory estimate (GiB per process):" in out
+    assert "all processes:" in out and "available on this host" in out
