@@ -169,6 +169,7 @@ class TrainEngine(InferenceEngine):
                 self.dp_group,
                 self.dp_size,
                 self.dp_rank,
+                self._grad_storage,
             )
             self.optimizer = self._zero.optimizer
         else:
@@ -378,7 +379,7 @@ class TrainEngine(InferenceEngine):
             keys, partial = self._forward_backward(mbs, weights, total, loss_fn)
         reduced = self._all_reduce(partial.cpu())  # [loss, *stats], global weighted means
         if self._zero is not None:
-            self._zero.reduce(self._grad_storage)
+            self._zero.reduce()
         elif self.dp_size > 1:
             self._all_reduce(self.grad)
             self.grad.div_(self.dp_size)

@@ -54,6 +54,8 @@ class ShardedAdamW:
             ``named_parameters`` order); decides the layout of :meth:`full_state`.
         config: AdamW hyper-parameters.
         group, dp_size, dp_rank: the data-parallel group (None when ``dp_size`` is 1).
+        padded_grad: the engine's flat fp32 gradient buffer, padded to ``d * S`` elements:
+            what :meth:`reduce` reduce-scatters.
 
     For an fp32 model the shard's weights are the model's own (a view of ``flat_params``);
     for a lower precision they are an fp32 master copy of this rank's part.
@@ -68,6 +70,7 @@ class ShardedAdamW:
         group,
         dp_size: int,
         dp_rank: int,
+        padded_grad: torch.Tensor,
     ):
         self.flat_params = flat_params
         self.param_spec = param_spec
@@ -83,8 +86,13 @@ class ShardedAdamW:
         self.master = (
             flat[self.lo : self.hi].float() if self.has_master else flat[self.lo : self.hi]
         )
-        # The averaged gradient of the shard (padded to S: the reduce-scatter's output).
-        self.grad = torch.zeros(self.size, dtype=torch.float32, device=flat.device)
+        # The averaged gradient of the shard (padded to S: the reduce-scatter's output); on
+        # one rank the shard is the whole gradient buffer itself.
+        self.padded_grad = padded_grad
+        if dp_size == 1:
+            self.grad = padded_grad
+        else:
+            self.grad = torch.zeros(self.size, dtype=torch.float32, device=flat.device)
         self.pieces: List[Tuple[str, int, int, torch.nn.Parameter]] = []
         decay, no_decay = [], []
         for name in self.names:
@@ -108,13 +116,12 @@ class ShardedAdamW:
         )
 
     # ------------------------------------------------------------------ one step
-    def reduce(self, padded_grad: torch.Tensor) -> None:
-        """Average the whole fp32 gradient (``d * S`` elements) over the group into
-        :attr:`grad` (this rank's shard)."""
+    def reduce(self) -> None:
+        """Average the whole fp32 gradient (``padded_grad``: ``d * S`` elements) over the
+        group into :attr:`grad` (this rank's shard)."""
         if self.dp_size == 1:
-            self.grad.copy_(padded_grad[: self.size])
             return
-        dist.reduce_scatter_tensor(self.grad, padded_grad, group=self.group)
+        dist.reduce_scatter_tensor(self.grad, self.padded_grad, group=self.group)
         self.grad.div_(self.dp_size)
 
     def norm_sq(self, intervals: Optional[List[Tuple[int, int]]]) -> torch.Tensor:
