@@ -109,8 +109,12 @@ class ModelConfig:
         metadata={"help": "HuggingFace model directory; empty = the embedded tiny model"},
     )
     dtype: str = field(default="float32", metadata={"help": f"parameter dtype, one of {DTYPES}"})
-    gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "recompute activations in backward to save memory"}
+    gradient_checkpointing: Optional[bool] = field(
+        default=None,
+        metadata={
+            "help": "recompute activations in backward to save memory; empty: on only when "
+            "a local run would not fit in this host's memory without it (--dry-run says)"
+        },
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     offload: bool = field(
@@ -130,19 +134,28 @@ class MicroBatchConfig:
     """How one model function call cuts its batch into micro-batches."""
 
     n_mbs: int = field(default=1, metadata={"help": "minimum number of micro-batches"})
-    max_tokens_per_mb: int = field(
-        # 2**30: in effect no budget, so n_mbs alone decides the split unless a
-        # user sets a real limit.
-        default=1 << 30,
-        metadata={"help": "token budget per micro-batch (first-fit-decreasing)"},
+    max_tokens_per_mb: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "token budget per micro-batch (first-fit-decreasing); empty: none (n_mbs "
+            "alone decides), unless a local run would not fit in this host's memory: then "
+            "the largest power of two that fits (--dry-run says)"
+        },
     )
 
     def __post_init__(self):
         _check(self.n_mbs >= 1, f"n_mbs must be >= 1, got {self.n_mbs}")
         _check(
-            self.max_tokens_per_mb >= 1,
+            self.max_tokens_per_mb is None or self.max_tokens_per_mb >= 1,
             f"max_tokens_per_mb must be >= 1, got {self.max_tokens_per_mb}",
         )
+
+    @property
+    def spec(self):
+        """The :class:`~realhf.api.core.data_api.MicroBatchSpec` (no budget: ``2**30``)."""
+        from realhf.api.core.data_api import MicroBatchSpec
+
+        return MicroBatchSpec(n_mbs=self.n_mbs, max_tokens_per_mb=self.max_tokens_per_mb or 1 << 30)
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@
 Prints the compiled dataflow graph (every MFC, and which MFC's outputs feed which), each
 MFC's model, interface, type and parallel layout, the worker processes the launcher would
 start (GPUs per process where CUDA is present), the memory each would need
-(:mod:`realhf.experiments.memory_plan`) and the resolved config as YAML.
+(:mod:`realhf.apps.memory_plan`) and the resolved config as YAML.
 
 Building an experiment only reads the model and dataset files to check them, so a dry run
 launches nothing and writes nothing: no run directory, no ``config.yaml``, no name-resolve
@@ -23,8 +23,8 @@ from realhf.api.cli_parser import to_yaml
 from realhf.api.core.allocation import parse_allocation_mode
 from realhf.api.core.dfg import DataFlowGraph, build_graph
 from realhf.api.core.system_api import ExperimentConfig
+from realhf.apps import memory_plan
 from realhf.base import constants
-from realhf.experiments import memory_plan
 
 FORMATS = ("text", "mermaid")
 
@@ -46,8 +46,11 @@ _STREAM_NOTE = [
 ]
 
 
-def describe(name: str, cfg, exp: ExperimentConfig, fmt: str = "text") -> str:
-    """The dry-run report of quickstart experiment ``name``: ``cfg`` compiled into ``exp``."""
+def describe(
+    name: str, cfg, exp: ExperimentConfig, fmt: str = "text", chosen: Sequence[str] = ()
+) -> str:
+    """The dry-run report of quickstart experiment ``name``: ``cfg`` compiled into ``exp``
+    (``chosen``: what :func:`~realhf.apps.memory_plan.choose_unset` set)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; use one of {FORMATS}")
     master = exp.workers["master_worker"][0]
@@ -58,6 +61,7 @@ def describe(name: str, cfg, exp: ExperimentConfig, fmt: str = "text") -> str:
         *_placement(name, cfg, exp),
         "",
         *memory_plan.report(memory_plan.estimate(cfg, exp), memory_plan.available_memory()),
+        *(f"  chosen: {note}" for note in chosen),
         "",
         "# resolved config (config.yaml)",
         *to_yaml(cfg).rstrip().splitlines(),

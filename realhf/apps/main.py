@@ -35,12 +35,12 @@ from typing import List, Optional, Sequence
 
 from realhf.api.cli_args import RecoverMode
 from realhf.api.cli_parser import to_yaml
+from realhf.apps import memory_plan
 from realhf.apps.console import RunConsole, format_summary, summarize
 from realhf.apps.remote import STOPPED_EXIT_CODE
 from realhf.base import constants, logging, name_resolve, names
 from realhf.base.storage import recover
 from realhf.base.storage.atomic_file import write_atomic
-from realhf.experiments import memory_plan
 from realhf.experiments.registry import get_quickstart_exp
 from realhf.scheduler import LaunchError, forkserver, launcher
 from realhf.scheduler.local import JobFailure
@@ -152,7 +152,9 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
     if cfg.mode == "local":  # its imports overlap the build below (realhf.scheduler.forkserver)
         forkserver.prestart()
     try:
-        first_build = qs.build(cfg)
+        first_build, chosen = memory_plan.choose_unset(cfg, qs.build)
+        for note in chosen:
+            logger.info(f"{name}: {note}")
         memory_plan.check_fits(name, cfg, first_build, qs.build)
     except (ValueError, FileNotFoundError) as e:  # bad paths, rows, allocation, too big
         print(f"{name}: {e}", file=sys.stderr)

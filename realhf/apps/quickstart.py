@@ -41,7 +41,7 @@ from typing import List, Optional, Tuple
 
 from realhf.api.cli_parser import ConfigError, format_help, parse_config
 from realhf.api.core.registry import INTERFACES, RegistryError
-from realhf.apps import dry_run, plugins
+from realhf.apps import dry_run, memory_plan, plugins
 from realhf.experiments.registry import get_quickstart_exp, quickstart_experiments
 
 #: modules that register quickstart experiments
@@ -160,11 +160,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if fmt is not None:
         try:
-            experiment = qs.build(cfg)  # reads the model and data files; writes nothing
+            # reads the model and data files; writes nothing
+            experiment, chosen = memory_plan.choose_unset(cfg, qs.build)
         except (ValueError, FileNotFoundError) as e:
             print(f"{name}: {e}", file=sys.stderr)
             return 2
-        print(dry_run.describe(name, cfg, experiment, fmt))
+        print(dry_run.describe(name, cfg, experiment, fmt, chosen))
         return 0
     from realhf.apps import main as app_main
 

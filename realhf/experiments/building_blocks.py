@@ -309,7 +309,7 @@ def model_spec(
         critic_lm_logits=critic_lm_logits,
         trainable=trainable,
         optimizer=cfg.optimizer if trainable else None,
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing=bool(cfg.gradient_checkpointing),  # None: not chosen: off
         publish_weights=publish_weights,
         offload=cfg.offload,
     )

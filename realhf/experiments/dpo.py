@@ -163,7 +163,7 @@ def build_dpo(cfg: DPOConfig) -> ExperimentConfig:
         except DatasetError as e:
             raise blocks.ExperimentSetupError(str(e)) from None
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
-    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mb_spec = cfg.mb.spec
     mfcs = dpo_mfcs(cfg, mb_spec)
     models = [
         blocks.model_spec("actor", cfg.actor, actor_path, trainable=True),

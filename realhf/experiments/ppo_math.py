@@ -459,7 +459,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
-    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mb_spec = cfg.mb.spec
     mfcs = ppo_mfcs(cfg, mb_spec)
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
     models = model_specs(cfg, actor_path)

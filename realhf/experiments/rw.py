@@ -29,7 +29,6 @@ from realhf.api.cli_args import (
     ModelConfig,
     OptimizerConfig,
 )
-from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
@@ -131,7 +130,7 @@ def build_rw(cfg: RWConfig) -> ExperimentConfig:
     tok = blocks.load_tokenizer(path)
     train, eval_, size = checked_pairs(cfg, tok, train_split="pairs_rw_train")
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
-    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mb_spec = cfg.mb.spec
     mfcs = [
         MFCDef(
             name="rw_train",

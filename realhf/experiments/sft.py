@@ -19,7 +19,6 @@ from realhf.api.cli_args import (
     ModelConfig,
     OptimizerConfig,
 )
-from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction
@@ -81,7 +80,7 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
             "prompt_answer", dict(dataset_path=eval_path, max_length=cfg.dataset.max_length)
         )
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
-    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mb_spec = cfg.mb.spec
     mfcs = [
         MFCDef(
             name="trainDefault",

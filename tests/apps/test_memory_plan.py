@@ -8,8 +8,7 @@ import os
 import pytest
 
 from realhf.api.cli_parser import parse_config
-from realhf.apps import quickstart
-from realhf.experiments import memory_plan
+from realhf.apps import memory_plan, quickstart
 from realhf.experiments.building_blocks import TINY_MODEL
 from realhf.experiments.registry import get_quickstart_exp
 from realhf.impl.model.nn.real_model import ReaLModel
@@ -125,3 +124,51 @@ def test_dry_run_prints_the_estimate(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "memory estimate (GiB per process):" in out
     assert "all processes:" in out and "available on this host" in out
+
+
+def _need(name, *args):
+    qs, cfg, exp = _build(name, *args)
+    return memory_plan.host_total(memory_plan.estimate(cfg, exp))
+
+
+def test_unset_memory_options_stay_off_when_the_run_fits():
+    qs = get_quickstart_exp("ppo-math")
+    cfg = parse_config(qs.config_cls, ["train_batch_size=64"])
+    assert cfg.actor.gradient_checkpointing is None and cfg.mb.max_tokens_per_mb is None
+    exp, notes = memory_plan.choose_unset(cfg, qs.build, available=100 * GiB)
+    assert notes == []
+    assert cfg.actor.gradient_checkpointing is False and cfg.mb.max_tokens_per_mb is None
+    assert all(not s.gradient_checkpointing for s in exp.workers["model_worker"][0].models)
+
+
+def test_a_token_budget_is_chosen_before_checkpointing_when_the_run_would_not_fit():
+    quickstart._load_experiments()
+    qs = get_quickstart_exp("ppo-math")
+    full = _need("ppo-math", "train_batch_size=64")
+    small = _need("ppo-math", "train_batch_size=64", "mb.max_tokens_per_mb=2048")
+    cfg = parse_config(qs.config_cls, ["train_batch_size=64"])
+    exp, notes = memory_plan.choose_unset(cfg, qs.build, available=(full + small) // 2)
+    assert cfg.actor.gradient_checkpointing is False  # micro-batches were enough
+    budget = cfg.mb.max_tokens_per_mb
+    assert budget in memory_plan.TOKEN_BUDGETS and budget >= 2048
+    assert notes == [notes[0]] and f"mb.max_tokens_per_mb={budget} chosen" in notes[0]
+    train = next(m for m in exp.workers["model_worker"][0].mfcs if m.name == "actor_train")
+    assert train.mb_spec.max_tokens_per_mb == budget
+
+
+def test_checkpointing_is_turned_on_when_the_budget_was_given():
+    quickstart._load_experiments()
+    qs = get_quickstart_exp("ppo-math")
+    args = ["train_batch_size=64", "mb.max_tokens_per_mb=8192"]
+    off = _need("ppo-math", *args, "actor.gradient_checkpointing=false")
+    on = _need("ppo-math", *args, "actor.gradient_checkpointing=true")
+    assert on < off
+    cfg = parse_config(qs.config_cls, args)
+    exp, notes = memory_plan.choose_unset(cfg, qs.build, available=(on + off) // 2)
+    assert cfg.actor.gradient_checkpointing is True and cfg.mb.max_tokens_per_mb == 8192
+    assert len(notes) == 1 and "gradient checkpointing turned on for actor" in notes[0]
+    assert "critic" not in notes[0]  # only the run's models
+    # What a user set explicitly is never changed, even when the run does not fit.
+    cfg = parse_config(qs.config_cls, [*args, "actor.gradient_checkpointing=false"])
+    _, notes = memory_plan.choose_unset(cfg, qs.build, available=(on + off) // 2)
+    assert notes == [] and cfg.actor.gradient_checkpointing is False

@@ -2,7 +2,9 @@
 
 ``quickstart EXP --dry-run`` prints the estimate; a local run whose processes together
 would not fit in this host's memory is refused before launch, with the options that would
-make it fit (``memory_check=false`` skips the check).
+make it fit (``memory_check=false`` skips the check).  Before that, the memory options a
+config leaves empty are chosen (:func:`choose_unset`): ``mb.max_tokens_per_mb`` (no budget
+unless one is needed to fit) and each model's ``gradient_checkpointing`` (off unless needed).
 
 The estimate is analytic, per process, by kind of bytes:
 
@@ -17,8 +19,9 @@ The estimate is analytic, per process, by kind of bytes:
   checkpointing.
 - ``logits``: one micro-batch's ``[T, V/m]`` logits in the model's dtype, twice for training
   (their gradient); log-probs and entropy are vocabulary-chunked, so nothing larger.
-- ``kv cache``: what generation writes (pages are resident only once written): the
-  sequences generated at once x their length x ``2 x layers x kv dim`` values.
+- ``kv cache``: ``2 x layers x kv dim`` values per token: a trainer's generation sizes its
+  cache to the step's sequences (those generated at once x their length); a generation
+  server reserves and zero-fills ``max_running_requests x context_length`` tokens up front.
 - ``runtime``: the interpreter, torch and the libraries (measured: ~0.6 GiB for a model
   worker or generation server, less for the other processes).
 
@@ -60,6 +63,7 @@ class Shape:
     intermediate: int
     vocab: int
     kv_dim: int  # key (= value) width: kv heads x head dim
+    n_positions: int  # the longest context the model takes
 
     @staticmethod
     @functools.lru_cache(maxsize=16)
@@ -78,6 +82,7 @@ class Shape:
             intermediate=cfg.intermediate_dim,
             vocab=1 if is_critic else cfg.vocab_size,
             kv_dim=cfg.kv_dim,
+            n_positions=cfg.n_positions,
         )
 
 
@@ -87,6 +92,8 @@ class Workload:
 
     seq_len: int
     seqs: int
+    #: most sequences a trainer's generation runs at once (sync RL)
+    gen_concurrency: int = 1 << 30
 
     @staticmethod
     def of(cfg, exp: Optional[ExperimentConfig] = None) -> "Workload":
@@ -103,7 +110,8 @@ class Workload:
         else:
             seq_len = longest or getattr(ds, "max_length", None) or DEFAULT_SEQ_LEN
         seqs = int(getattr(cfg, "train_batch_size", 1)) * int(getattr(ppo, "group_size", 1) or 1)
-        return Workload(seq_len=int(seq_len), seqs=seqs)
+        running = getattr(ppo, "gen_max_running_requests", None) or seqs
+        return Workload(seq_len=int(seq_len), seqs=seqs, gen_concurrency=int(running))
 
 
 def _longest_item(exp: ExperimentConfig) -> Optional[int]:
@@ -183,7 +191,8 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
         copies = 2 if spec.trainable else 1
         terms["logits"] = max(terms["logits"], int(tokens * (shape.vocab / m) * b * copies))
         if ModelInterfaceType.GENERATE in types:
-            kv = (load.seqs / d) * load.seq_len * 2 * layers * (shape.kv_dim / m) * b
+            running = min(load.seqs / d, load.gen_concurrency)
+            kv = running * load.seq_len * 2 * layers * (shape.kv_dim / m) * b
             terms["kv cache"] += int(kv)
         notes.append(f"{spec.role} {shape.n_params / 1e6:.0f}M {spec.dtype}")
     return ProcessEstimate("model_worker", n_workers, terms, ", ".join(notes))
@@ -195,11 +204,11 @@ def _generation_server(server, load: Workload) -> ProcessEstimate:
     terms = dict.fromkeys(TERMS, 0)
     terms["runtime"] = RUNTIME["generation_server"]
     terms["weights"] = shape.n_params * b
-    slot_len = min(server.context_length or load.seq_len, load.seq_len)
-    running = min(server.max_running_requests, max(1, load.seqs))
-    terms["kv cache"] = int(running * slot_len * 2 * shape.n_layers * shape.kv_dim * b)
+    # The engine reserves and zero-fills every slot's whole context up front.
+    slots, slot_len = server.max_running_requests, server.context_length or shape.n_positions
+    terms["kv cache"] = int(slots * slot_len * 2 * shape.n_layers * shape.kv_dim * b)
     # Decoding holds [running, V] logits (prefill: the last position of each sequence only).
-    terms["logits"] = int(running * shape.vocab * 4)
+    terms["logits"] = int(min(slots, max(1, load.seqs)) * shape.vocab * 4)
     return ProcessEstimate(
         "generation_server", 1, terms, f"{shape.n_params / 1e6:.0f}M {server.dtype}"
     )
@@ -214,10 +223,10 @@ def estimate(cfg, exp: ExperimentConfig) -> List[ProcessEstimate]:
             continue
         if kind == "model_worker":
             out.append(_model_worker(workers[0], len(workers), load))
-        elif kind == "generation_server":
-            servers = [_generation_server(w, load) for w in workers]
-            servers[0].count = len(workers)
-            out.append(servers[0])
+        elif kind == "generation_server":  # every server serves the same model
+            server = _generation_server(workers[0], load)
+            server.count = len(workers)
+            out.append(server)
         else:
             terms = dict.fromkeys(TERMS, 0)
             terms["runtime"] = RUNTIME_OTHER
@@ -318,6 +327,72 @@ def with_overrides(cfg, overrides: Dict[str, object]):
     return cfg
 
 
+def choose_unset(cfg, build, available: Optional[int] = None):
+    """Fill in, in place, the memory options ``cfg`` leaves empty, and build the run:
+    ``(experiment, notes)``.
+
+    ``gradient_checkpointing`` (per model) and ``mb.max_tokens_per_mb`` left empty are off /
+    no budget, unless a local run (with ``memory_check``) would then not fit in
+    ``available`` bytes (default: this host's available memory): then checkpointing is
+    turned on for the models that left it empty, and if that is not enough the largest
+    power-of-two token budget that fits is set.  ``notes`` says what was chosen and why.
+    """
+    from realhf.api.cli_args import ModelConfig
+
+    unset = [
+        f.name
+        for f in dataclasses.fields(cfg)
+        if isinstance(getattr(cfg, f.name, None), ModelConfig)
+        and getattr(cfg, f.name).gradient_checkpointing is None
+    ]
+    for name in unset:
+        getattr(cfg, name).gradient_checkpointing = False
+    exp = build(cfg)
+    unset = [name for name in _model_fields(cfg, exp) if name in unset]  # the run's models
+    auto = getattr(cfg, "mode", "local") == "local" and getattr(cfg, "memory_check", True)
+    mb = getattr(cfg, "mb", None)
+    budget_unset = mb is not None and getattr(mb, "max_tokens_per_mb", 0) is None
+    if not auto or not (unset or budget_unset):
+        return exp, []
+    available = available_memory() if available is None else available
+    need = host_total(estimate(cfg, exp))
+    if need <= available:
+        return exp, []
+    why = f"without: {_gib(need)} GiB, {_gib(available)} GiB available"
+
+    def fits_with(ckpt: bool):
+        """The first fitting (checkpointing, budget) with checkpointing ``ckpt``, else None.
+        Micro-batches are tried before recomputation: they cost less time."""
+        for name in unset:
+            getattr(cfg, name).gradient_checkpointing = ckpt
+        budgets = [None] + list(TOKEN_BUDGETS if budget_unset else [])
+        for budget in budgets if ckpt else budgets[1:]:
+            if budget_unset:
+                mb.max_tokens_per_mb = budget
+            exp = build(cfg)
+            total = host_total(estimate(cfg, exp))
+            if total <= available:
+                return exp, total
+        return None
+
+    for ckpt in ([False] if budget_unset else []) + ([True] if unset else []):
+        found = fits_with(ckpt)
+        if found is not None:
+            exp, total = found
+            notes = []
+            if ckpt:
+                notes.append(f"gradient checkpointing turned on for {', '.join(unset)}")
+            if budget_unset and mb.max_tokens_per_mb is not None:
+                notes.append(f"mb.max_tokens_per_mb={mb.max_tokens_per_mb} chosen")
+            return exp, [f"{n} ({why}; with it: {_gib(total)} GiB)" for n in notes]
+    # Nothing fits: leave what was empty off, for check_fits to refuse with the options.
+    for name in unset:
+        getattr(cfg, name).gradient_checkpointing = False
+    if budget_unset:
+        mb.max_tokens_per_mb = None
+    return build(cfg), []
+
+
 def check_fits(name: str, cfg, exp: ExperimentConfig, build, available: Optional[int] = None):
     """Refuse a local run whose processes would not fit in ``available`` bytes (default:
     this host's available memory now) with :class:`MemoryPlanError`.  ``build(cfg)`` is the
@@ -370,7 +445,7 @@ def _fitting_token_budget(cfg, exp: ExperimentConfig, build, available: int):
         (rest, "all of the above and fewer tokens per micro-batch"),
     ):
         for budget in TOKEN_BUDGETS:
-            if budget >= mb.max_tokens_per_mb:
+            if budget >= (mb.max_tokens_per_mb or 1 << 30):
                 continue
             overrides = {**extra, "mb.max_tokens_per_mb": budget}
             try:
