@@ -34,7 +34,6 @@ from dataclasses import field
 from typing import Optional
 
 from realhf.api.cli_args import ExperimentControlConfig
-from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import (
     AgentAbstraction,
@@ -61,10 +60,16 @@ from realhf.experiments.ppo_math import (
     ppo_mfcs,
 )
 from realhf.experiments.registry import register_quickstart_exp
+from realhf.impl.model.conversion.hf import config_from_hf_dir
 from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
 
 #: How often the gserver manager asks the trainer for a new version (seconds).
 WEIGHT_POLL_INTERVAL_S = 0.2
+#: most KV slots a generation server gets by default (more rollouts wait in its queue)
+MAX_SERVER_SLOTS = 256
+#: context a multi-turn member's feedback or tool output adds per turn, at most (the tool's
+#: output is cut at 200 characters)
+FEEDBACK_TOKENS = 256
 
 
 def _tiny_async_ppo() -> PPOHyperparameters:
@@ -75,16 +80,21 @@ def _tiny_async_ppo() -> PPOHyperparameters:
 
 @dataclasses.dataclass
 class GenServerOptions:
-    max_running_requests: int = field(
-        default=256,
+    max_running_requests: Optional[int] = field(
+        default=None,
         metadata={
-            "help": "sequences one generation server decodes at once "
-            "(a batch of 32 prompts x 8 answers is 256)"
+            "help": "sequences one generation server decodes at once (each holds a KV slot "
+            "of context_length tokens); empty = the answers the run can have in flight "
+            "(max_concurrent_rollouts x group_size), at most 256"
         },
     )
     context_length: Optional[int] = field(
         default=None,
-        metadata={"help": "longest prompt + answer a server holds; empty = the model's limit"},
+        metadata={
+            "help": "longest prompt + answer a server holds; empty = what the run can ask "
+            "(dataset.max_prompt_len + max_turns x ppo.gen.max_new_tokens + 256 per feedback), "
+            "at most the model's limit"
+        },
     )
     num_threads: Optional[int] = field(
         default=None,
@@ -322,11 +332,22 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             f"train_batch_size={B} is larger than the dataset ({size} prompts); lower it"
         )
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, epoch_size, B)
-    mb_spec = MicroBatchSpec(n_mbs=cfg.mb.n_mbs, max_tokens_per_mb=cfg.mb.max_tokens_per_mb)
+    mb_spec = cfg.mb.spec
     mfcs = ppo_mfcs(cfg, mb_spec, include_gen=False)
     hp = cfg.ppo
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
 
+    # Each server reserves (and zero-fills) slots x context KV tokens up front: size them by
+    # what this run can ask, not by the model's limit (32k positions x 256 slots of a 0.5B
+    # model would be 192 GiB).
+    in_flight = (cfg.max_concurrent_rollouts or B) * hp.group_size
+    server_slots = cfg.gen_server.max_running_requests or min(MAX_SERVER_SLOTS, in_flight)
+    server_context = cfg.gen_server.context_length or min(
+        config_from_hf_dir(actor_path).n_positions,
+        cfg.dataset.max_prompt_len
+        + cfg.max_turns * hp.gen.max_new_tokens
+        + (cfg.max_turns - 1) * FEEDBACK_TOKENS,
+    )
     servers = [
         GenerationServerConfig(
             model_path=actor_path,
@@ -334,8 +355,8 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             vllm_python=cfg.gen_server.vllm_python,
             vllm_args={"single_process": True} if cfg.gen_server.vllm_single_process else {},
             api_key=cfg.gen_server.api_key,
-            max_running_requests=cfg.gen_server.max_running_requests,
-            context_length=cfg.gen_server.context_length,
+            max_running_requests=server_slots,
+            context_length=server_context,
             dtype=cfg.actor.dtype,
             seed=cfg.seed + i,  # servers must not sample identical streams
             num_threads=cfg.gen_server.num_threads or _threads(n_gen),

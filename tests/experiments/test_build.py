@@ -366,3 +366,47 @@ def test_an_interface_assuming_another_group_size_is_refused_at_build(init_model
     ]
     exp = build_ppo_math(parse_config(PPOMathConfig, base + ["ppo.group_size=8", *agreed]))
     assert vars(_worker_interface(exp, "actor_train")) == {"group_size": 8, "temperature": 1.0}
+
+
+def test_generation_servers_reserve_the_kv_the_run_can_ask_for(tmp_path):
+    """Empty gen_server.max_running_requests / context_length size a server's KV slots by
+    the run (answers in flight; longest prompt + answers + feedback), not by the model's
+    32k-position limit; set values are kept."""
+    import json
+
+    from realhf.experiments.async_ppo_math import (
+        FEEDBACK_TOKENS,
+        AsyncPPOMathConfig,
+        build_async_ppo_math,
+    )
+
+    # The embedded model (tokenizer included), claiming a real model's 32k positions (RoPE
+    # weights do not depend on them).
+    model = str(tmp_path / "m")
+    shutil.copytree(blocks.TINY_MODEL, model, ignore=shutil.ignore_patterns("data"))
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = 32768
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+
+    def server(*args):
+        exp = build_async_ppo_math(parse_config(AsyncPPOMathConfig, [f"actor.path={model}", *args]))
+        return exp.workers["generation_server"][0]
+
+    s = server("train_batch_size=4", "ppo.group_size=4", "ppo.gen.max_new_tokens=64")
+    assert s.max_running_requests == 16
+    assert s.context_length == 1024 + 64  # dataset.max_prompt_len + max_new_tokens
+    s = server(
+        "train_batch_size=4",
+        "ppo.group_size=4",
+        "max_concurrent_rollouts=8",
+        "max_turns=3",
+        "dataset.max_prompt_len=100",
+    )
+    assert s.max_running_requests == 32
+    assert s.context_length == 100 + 3 * 16 + 2 * FEEDBACK_TOKENS
+    s = server("train_batch_size=64", "ppo.group_size=8", "dataset.max_prompt_len=40000")
+    assert s.max_running_requests == 256 and s.context_length == 32768  # the caps
+    s = server("gen_server.max_running_requests=3", "gen_server.context_length=77")
+    assert (s.max_running_requests, s.context_length) == (3, 77)
