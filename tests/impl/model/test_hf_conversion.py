@@ -354,3 +354,42 @@ def test_mismatched_shape_names_file_and_parameter(tiny_hf_dir, tmp_path):
 def test_missing_config_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"config\.json: not found"):
         ReaLModel.from_hf(tmp_path)
+
+
+def test_safetensors_are_read_exactly_and_without_mapping_the_file(tmp_path):
+    """Every dtype, a scalar and an empty tensor read back equal to safetensors' own
+    reader; the file is never memory-mapped (its pages would count in the RSS); a
+    truncated file is named."""
+    from safetensors.torch import load_file, save_file
+
+    from realhf.impl.model.conversion.checkpoint import CheckpointReader
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(7, generator=g).bfloat16(),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "i64": torch.arange(6).reshape(2, 3),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    reader = CheckpointReader(str(tmp_path))
+    got = {key: reader.get(key) for key in tensors}
+    with open("/proc/self/maps") as f:
+        assert str(path) not in f.read()
+    ref = load_file(str(path))  # safetensors' own reader (which maps the file)
+    for key in tensors:
+        assert got[key].dtype == ref[key].dtype and torch.equal(got[key], ref[key]), key
+    # The tensor stored last loses its end.
+    last = max(
+        reader._open("model.safetensors").header.items(), key=lambda kv: kv[1]["data_offsets"][1]
+    )[0]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 2)
+    with pytest.raises(
+        ValueError, match=rf"model.safetensors: cannot read parameter '{last}'.*early"
+    ):
+        CheckpointReader(str(tmp_path)).get(last)

@@ -6,6 +6,13 @@ Reads ``model.safetensors``, sharded safetensors with
 at a time on demand (safetensors) or from a memory-mapped ``.bin``, so loading
 never holds a second full copy of the model.  Writes safetensors only, sharded
 with an index above ``max_shard_bytes``.
+
+Safetensors files are read with plain reads into fresh tensors, not memory-mapped
+(``safe_open``): the pages of a mapped file count in the process's RSS for as long as it
+is open, which after reading every tensor is the whole file -- one more copy of the model
+at the peak of a generation server loading new weights beside its KV cache (measured at
+the Qwen2.5-0.5B shape: +1.9 GB for an fp32 directory).  The format is an 8-byte header
+length, a JSON header of ``name -> dtype, shape, [start, end)``, then the data.
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ import os
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from realhf.impl.model.conversion.hf_config import CheckpointError
@@ -26,6 +32,10 @@ SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 WEIGHT_FILES = (SAFE_INDEX, SAFE_SINGLE, BIN_INDEX, BIN_SINGLE)
+#: default shard size of a save: a shard's tensors are materialised (and serialised) at
+#: once, so this bounds what a save adds to the process's memory (HF's own default of
+#: 5 GB would be a whole extra copy of a 1B model at the trainer's peak)
+SHARD_BYTES = 512 * 1024**2
 
 
 class CheckpointReader:
@@ -91,7 +101,7 @@ class CheckpointReader:
             path = self._path(fname)
             try:
                 if fname.endswith(".safetensors"):
-                    self._handles[fname] = safe_open(path, framework="pt", device="cpu")
+                    self._handles[fname] = SafetensorsFile(path)
                 else:
                     self._handles[fname] = _load_bin(path)
             except CheckpointError:
@@ -134,6 +144,56 @@ class CheckpointReader:
     def keys(self) -> Iterable[str]:
         """All stored tensor names."""
         return self.key_to_file.keys()
+
+
+#: safetensors dtype names
+_SAFE_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class SafetensorsFile:
+    """One safetensors file, each tensor read into a fresh tensor on demand (not mapped:
+    see the module docstring)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= os.path.getsize(path) - 8:
+                raise ValueError(f"header length {n} does not fit the file")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + n
+        self.header: Dict[str, dict] = header
+
+    def keys(self) -> Iterable[str]:
+        return self.header.keys()
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        info = self.header[key]
+        if info["dtype"] not in _SAFE_DTYPES:
+            raise ValueError(f"dtype {info['dtype']} is not supported")
+        t = torch.empty(info["shape"], dtype=_SAFE_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        if end - start != t.numel() * t.element_size():
+            raise ValueError(f"{end - start} bytes for a {info['dtype']} tensor of {info['shape']}")
+        if t.numel():
+            with open(self.path, "rb") as f:
+                f.seek(self.data_start + start)
+                got = f.readinto(t.reshape(-1).view(torch.uint8).numpy())
+            if got != end - start:
+                raise ValueError(f"the file ends {end - start - got} bytes early")
+        return t
 
 
 def _load_bin(path: str) -> Dict[str, torch.Tensor]:

@@ -14,11 +14,12 @@ import logging
 import math
 import os
 import shutil
-from typing import Any, Dict, Union
+from typing import Any, Dict, Optional, Union
 
 import torch
 
 from realhf.impl.model.conversion.checkpoint import (
+    SHARD_BYTES,
     CheckpointReader,
     remove_weight_files,
     write_safetensors,
@@ -160,7 +161,7 @@ def save(
     model_dir: Union[str, os.PathLike],
     *,
     tokenizer=None,
-    max_shard_bytes: int = 5 * 1024**3,
+    max_shard_bytes: Optional[int] = None,
 ) -> None:
     """Write ``model`` as a HuggingFace directory (see ``ReaLModel.save_hf``).
 
@@ -192,7 +193,7 @@ def save(
         (rule.hf_name, math.prod(rule.hf_shape) * elem, maker(rule))
         for rule in fam.weight_rules(cfg)
     ]
-    write_safetensors(model_dir, entries, max_shard_bytes)
+    write_safetensors(model_dir, entries, max_shard_bytes or SHARD_BYTES)
     hf_config.save_pretrained(model_dir)
     if tokenizer is not None:
         save_tokenizer(tokenizer, model_dir)

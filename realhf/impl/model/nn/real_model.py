@@ -443,15 +443,17 @@ class ReaLModel(nn.Module):
         model_dir: Union[str, os.PathLike],
         tokenizer=None,
         *,
-        max_shard_bytes: int = 5 * 1024**3,
+        max_shard_bytes: Optional[int] = None,
     ) -> None:
         """Write a HuggingFace directory (config.json + safetensors) that
         ``transformers`` loads (``AutoModelForCausalLM``, or
         ``AutoModelForTokenClassification`` with one label for a critic).
 
         ``tokenizer`` is a tokenizer object (saved with ``save_pretrained``) or a
-        directory whose tokenizer files are copied.  Under tensor parallelism this is a
-        collective of the tensor-parallel group and its rank 0 writes the whole model.
+        directory whose tokenizer files are copied.  ``max_shard_bytes``: weight file size
+        (None: :data:`~realhf.impl.model.conversion.checkpoint.SHARD_BYTES`).  Under tensor
+        parallelism this is a collective of the tensor-parallel group and its rank 0 writes
+        the whole model.
         """
         from realhf.impl.model.conversion import hf
 
