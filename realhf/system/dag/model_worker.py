@@ -281,7 +281,10 @@ class ModelWorker(Worker):
             # Every rank of the MFC's layout runs the call, so all reach this collective.
             stats.update(_export_stats(grid))
         if mfc.is_train and self.weights.specs[mfc.role].publish_weights:
+            t = time.monotonic()
             self.weights.publish(mfc.role, req.step.global_step + 1)
+            # The time from new weights to their publication (the servers' load is theirs).
+            stats["weights/publish_s"] = time.monotonic() - t
         return MFCReply(
             worker=self.worker_name,
             mfc_name=mfc.name,

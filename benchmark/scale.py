@@ -1,0 +1,410 @@
+"""Real model shapes on this machine: memory against the floor, time against the peaks.
+
+For each model shape (a random model of a released model's shape written by
+``python -m realhf.apps.make_model``, or the embedded tiny model as the reference) and
+each mode (sync ``ppo-math``, ``async-ppo-math``, ``sft``), one short quickstart run, and:
+
+- **memory**: the peak RSS of every worker process (``VmHWM``, polled from ``/proc``)
+  against what :mod:`realhf.apps.memory_plan` says it must hold (weights, gradients,
+  optimizer state, activations, logits, KV cache and the runtime): ``rss_over_floor``;
+- **time**: the step split from the run's ``trace.json`` (generation, inference, training;
+  in async runs the trainer's training and weight publication);
+- **training FLOP/s** (``6 x matmul parameters x trained tokens`` plus attention) against
+  this host's matmul peak, measured in this process in the run's dtype and threads:
+  ``train_flops_over_peak``;
+- **decode bytes/s** (weights and KV cache read per decode step, sync runs) against this
+  host's memory read bandwidth measured here: ``decode_over_roofline``.
+
+Run (the tiny model only: ~2 minutes; the 0.5B shape: ~5 minutes per mode on 2 cores)::
+
+    python benchmark/scale.py --shapes tiny,qwen2.5-0.5b --modes sync,sft
+    python benchmark/scale.py --shapes qwen2.5-0.5b --modes sync --scales 1,2,4
+
+The 0.5B-class shapes are made once under ``--models-dir`` (~1 GB each in bf16).  A table
+per run, then one JSON line with every figure and the host's CPU model and flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from realhf.api.cli_parser import parse_config  # noqa: E402
+from realhf.apps import memory_plan, quickstart  # noqa: E402
+from realhf.experiments.registry import get_quickstart_exp  # noqa: E402
+
+EXPERIMENTS = {"sync": "ppo-math", "async": "async-ppo-math", "sft": "sft"}
+#: the trace events (MFC names) of each part of a step
+PARTS = {
+    "generation": ("actor_gen",),
+    "inference": ("rew_inf", "ref_inf", "actor_inf", "critic_inf"),
+    "training": ("actor_train", "critic_train", "trainDefault"),
+}
+GiB = 1024**3
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="tiny,qwen2.5-0.5b")
+    p.add_argument("--modes", default="sync,async,sft")
+    p.add_argument("--scales", default="1", help="tokens per step x N (batch size x N)")
+    p.add_argument("--steps", type=int, default=2, help="steps per run (the last is timed)")
+    p.add_argument("--batch", type=int, default=4, help="prompts per step at scale 1")
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--answer-len", type=int, default=64, help="max_new_tokens; sft answers")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=0,
+        help="prompts of this many tokens (a written dataset); 0: the embedded task's (~10)",
+    )
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--extra", default="", help="more key=value overrides, space separated")
+    p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/realhf/shapes"))
+    p.add_argument("--timeout", type=float, default=1800)
+    return p.parse_args()
+
+
+# ---- this host's peaks ---------------------------------------------------------------
+
+
+def host_facts() -> dict:
+    model, flags = "", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                if line.startswith("flags") and not flags:
+                    flags = line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    keep = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c"))]
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "flags": keep,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
+
+
+def matmul_peak(dtype: torch.dtype, threads: int) -> float:
+    """FLOP/s of the best of several (2048 x 896) @ (896 x 4864) products (a 0.5B MLP)."""
+    torch.set_num_threads(threads)
+    a = torch.randn(2048, 896, dtype=dtype)
+    w = torch.randn(4864, 896, dtype=dtype)
+    torch.nn.functional.linear(a, w)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        best = min(best, time.perf_counter() - t)
+    return 2 * 2048 * 896 * 4864 / best
+
+
+def read_bandwidth(threads: int) -> float:
+    """Bytes/s of summing a 1 GiB tensor (reading memory, as decoding reads weights)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(GiB // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+# ---- one run -------------------------------------------------------------------------
+
+
+class PeakWatcher(threading.Thread):
+    """Polls ``VmHWM`` of the run's worker processes (by the trial on their command line)."""
+
+    def __init__(self, trial: str, interval: float = 0.25):
+        super().__init__(daemon=True)
+        self.trial, self.interval = trial, interval
+        self.peaks: Dict[str, int] = {}
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            for status in glob.glob("/proc/[0-9]*/status"):
+                pid_dir = os.path.dirname(status)
+                try:
+                    # Forked workers set their title: one string with spaces, not NUL-split.
+                    with open(os.path.join(pid_dir, "cmdline"), "rb") as f:
+                        args = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+                    if self.trial not in args or "--type" not in args:
+                        continue
+                    kind = args[args.index("--type") + 1]
+                    index = args[args.index("--index") + 1]
+                    with open(status) as f:
+                        hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
+                except (OSError, StopIteration, ValueError, IndexError):
+                    continue
+                key = f"{kind}/{index}"
+                self.peaks[key] = max(self.peaks.get(key, 0), hwm * 1024)
+            self.done.wait(self.interval)
+
+
+def model_dir(shape: str, models_dir: str) -> str:
+    if shape == "tiny":
+        from realhf.experiments.building_blocks import TINY_MODEL
+
+        return TINY_MODEL
+    path = os.path.join(models_dir, shape)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"making the {shape} shape in {path} (once)", flush=True)
+        subprocess.run(
+            [sys.executable, "-m", "realhf.apps.make_model", "--shape", shape, path], check=True
+        )
+    return path
+
+
+def write_data(args, workdir: str) -> Dict[str, str]:
+    """Math prompts of ``--prompt-len`` tokens (and sft answers of ``--answer-len``) of the
+    embedded tokenizer: arithmetic after filler text, so the reward can still be checked."""
+    from realhf.experiments.building_blocks import TINY_MODEL, load_tokenizer
+
+    tok = load_tokenizer(TINY_MODEL)
+
+    def text(n: int, tail: str = "") -> str:
+        ids = tok("1+2=3. " * n, add_special_tokens=False)["input_ids"]
+        need = n - len(tok(tail, add_special_tokens=False)["input_ids"])
+        return tok.decode(ids[: max(0, need)]) + tail
+
+    paths = {"math": os.path.join(workdir, "math.jsonl"), "sft": os.path.join(workdir, "sft.jsonl")}
+    with open(paths["math"], "w") as m, open(paths["sft"], "w") as f:
+        for i in range(256):
+            a, b = 10 + i % 90, 3 + i % 7
+            q = text(args.prompt_len, f" Compute {a}+{b}.")
+            m.write(
+                json.dumps({"query_id": str(i), "prompt": q, "solutions": [f"\\boxed{{{a + b}}}"]})
+                + "\n"
+            )
+            answer = text(args.answer_len - 6, f" \\boxed{{{a + b}}}")
+            f.write(json.dumps({"id": str(i), "prompt": q, "answer": answer}) + "\n")
+    return paths
+
+
+def run_args(args, mode: str, path: str, scale: int, data: Dict[str, str]) -> List[str]:
+    role = "model" if mode == "sft" else "actor"
+    out = [
+        f"{role}.path={path}",
+        f"{role}.dtype={args.dtype}",
+        f"train_batch_size={args.batch * scale * (args.group_size if mode == 'sft' else 1)}",
+        f"exp_ctrl.benchmark_steps={args.steps}",
+    ]
+    if mode != "sft":
+        out += [
+            f"ppo.group_size={args.group_size}",
+            f"ppo.gen.max_new_tokens={args.answer_len}",
+            "eval=false",
+        ]
+    if data:
+        out.append(f"dataset.path={data['sft' if mode == 'sft' else 'math']}")
+        if mode != "sft":
+            out.append(f"dataset.max_prompt_len={args.prompt_len + 16}")
+    return out + args.extra.split()
+
+
+def one_run(args, shape: str, mode: str, scale: int, workdir: str, data) -> dict:
+    path = model_dir(shape, args.models_dir)
+    name = EXPERIMENTS[mode]
+    trial = f"scale-{shape}-{mode}-x{scale}".replace(".", "_")
+    overrides = run_args(args, mode, path, scale, data)
+    overrides += [f"fileroot={workdir}", f"trial_name={trial}"]
+    qs = get_quickstart_exp(name)
+    cfg = parse_config(qs.config_cls, overrides)
+    estimates = {e.kind: e for e in memory_plan.estimate(cfg, qs.build(cfg))}
+
+    watcher = PeakWatcher(trial)
+    watcher.start()
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "realhf.apps.quickstart", name, *overrides],
+        capture_output=True,
+        text=True,
+        timeout=args.timeout,
+        cwd=workdir,
+    )
+    wall = time.monotonic() - t0
+    watcher.done.set()
+    watcher.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} {' '.join(overrides)} failed:\n{proc.stderr[-3000:]}")
+    run_dir = os.path.join(workdir, name, trial)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        metrics = [json.loads(line) for line in f]
+    with open(os.path.join(run_dir, "trace.json")) as f:
+        trace = json.load(f)
+    last = metrics[-1]
+    split = step_split(trace, last["step"], last)
+
+    memory = {}
+    for key, peak in sorted(watcher.peaks.items()):
+        est = estimates.get(key.split("/")[0])
+        if est is None or est.kind not in ("model_worker", "generation_server"):
+            continue
+        floor = est.total
+        memory[key] = {"peak_gib": peak / GiB, "floor_gib": floor / GiB, "over": peak / floor}
+    shape_info = memory_plan.Shape.of(path)
+    tokens = float(last.get("tokens", 0))
+    return {
+        "shape": shape,
+        "mode": mode,
+        "scale": scale,
+        "wall_s": wall,
+        "step_s": float(last.get("time", 0.0)),
+        "split_s": split,
+        "tokens": tokens,
+        "memory": memory,
+        "params": shape_info.n_params,
+        "shape_info": shape_info,
+        "cfg": cfg,
+        "last": last,
+    }
+
+
+def step_split(trace, step: int, last: dict) -> Dict[str, float]:
+    """Seconds of each part of the step from the trace (``timing/*`` metrics as fallback)."""
+    spans = [e for e in trace if e.get("ph") == "X"]
+    steps = [e for e in spans if e["name"] == f"step {step}"]
+    out: Dict[str, float] = {}
+    if steps:
+        s = steps[0]
+        inside = [e for e in spans if s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+        for part, names in PARTS.items():
+            out[part] = sum(e["dur"] for e in inside if e["name"] in names) / 1e6
+    for k, v in last.items():
+        if k.startswith("timing/") and k[7:] not in sum(PARTS.values(), ()):
+            out[k[7:]] = float(v)
+    published = [float(v) for k, v in last.items() if k.endswith("weights/publish_s")]
+    if published:
+        out["publication"] = sum(published)
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def train_flops(r: dict) -> Optional[float]:
+    """FLOPs of the step's training: 6 x matmul parameters x tokens (x sample reuse) plus
+    causal attention (``6 x 2 x L x q_dim x T x mean_ctx``)."""
+    s = r["shape_info"]
+    tokens = r["tokens"]
+    if not tokens:
+        return None
+    # Tied or not, each parameter matrix is one matmul (a tied embedding's lookup is free,
+    # its head product counted once); an untied embedding's lookup is counted too (~V x h
+    # of extra FLOPs, a few % at these shapes).
+    matmul_params = s.n_params
+    reuse = getattr(getattr(r["cfg"], "ppo", None), "sample_reuse", 1) or 1
+    seq = r["last"].get("actor_train/ppo/seq_len") or 128
+    attn = 6 * 2 * s.n_layers * s.hidden * tokens * seq / 2
+    return (6 * matmul_params * tokens + attn) * reuse
+
+
+def decode_bytes_per_s(r: dict, args) -> Optional[float]:
+    """Bytes the decode steps of the generation read per second: the weights once per step
+    and each running sequence's KV cache."""
+    gen = r["split_s"].get("generation")
+    if not gen:
+        return None
+    s = r["shape_info"]
+    b = memory_plan.DTYPE_BYTES[args.dtype]
+    n_seqs = args.batch * r["scale"] * args.group_size
+    steps = args.answer_len
+    weights = s.n_params * b * steps
+    kv_per_token = 2 * s.n_layers * s.kv_dim * b
+    kv = n_seqs * kv_per_token * steps * steps / 2  # the cache grows by a token per step
+    return (weights + kv) / gen
+
+
+def main():
+    args = parse_args()
+    quickstart._load_experiments()
+    threads = os.cpu_count() or 1
+    dtype = getattr(torch, args.dtype)
+    facts = host_facts()
+    peak = matmul_peak(dtype, threads)
+    bandwidth = read_bandwidth(threads)
+    print(
+        f"host: {facts['cpu']}, {facts['cores']} cores, {facts['torch_cpu_capability']}; "
+        f"matmul {args.dtype} {peak / 1e9:.0f} GFLOP/s, read {bandwidth / 1e9:.1f} GB/s",
+        flush=True,
+    )
+    results = []
+    with tempfile.TemporaryDirectory(prefix="realhf-scale-") as workdir:
+        data = write_data(args, workdir) if args.prompt_len else {}
+        for shape in args.shapes.split(","):
+            for mode in args.modes.split(","):
+                for scale in [int(x) for x in args.scales.split(",")]:
+                    r = one_run(args, shape, mode, scale, workdir, data)
+                    fl = train_flops(r) if mode != "async" else None
+                    t_train = r["split_s"].get("training")
+                    r["train_flops_over_peak"] = fl / t_train / peak if fl and t_train else None
+                    db = decode_bytes_per_s(r, args) if mode == "sync" else None
+                    r["decode_over_roofline"] = db / bandwidth if db else None
+                    r["tokens_per_train_s"] = r["tokens"] / t_train if t_train else None
+                    results.append(r)
+                    report(r)
+    rows = [{k: v for k, v in r.items() if k not in ("shape_info", "cfg", "last")} for r in results]
+    worst = {}
+    for r in results:
+        over = max((m["over"] for m in r["memory"].values()), default=None)
+        if over is not None:
+            key = r["mode"]
+            worst[key] = max(worst.get(key, 0.0), over)
+    flops = [r["train_flops_over_peak"] for r in results if r["train_flops_over_peak"]]
+    decode = [r["decode_over_roofline"] for r in results if r["decode_over_roofline"]]
+    print(
+        json.dumps(
+            {
+                "date": datetime.date.today().isoformat(),
+                "host": facts,
+                "dtype": args.dtype,
+                "matmul_peak_gflops": peak / 1e9,
+                "read_bandwidth_gbs": bandwidth / 1e9,
+                "rss_over_floor": worst,
+                "train_flops_over_peak": min(flops) if flops else None,
+                "decode_over_roofline": min(decode) if decode else None,
+                "runs": rows,
+            },
+            default=str,
+        )
+    )
+
+
+def report(r: dict) -> None:
+    split = ", ".join(f"{k} {v:.1f}s" for k, v in r["split_s"].items())
+    print(
+        f"\n{r['shape']} {r['mode']} x{r['scale']}: step {r['step_s']:.1f}s ({split}); "
+        f"{r['tokens']:.0f} tokens",
+        flush=True,
+    )
+    for key, m in r["memory"].items():
+        print(
+            f"  {key:22s} peak {m['peak_gib']:6.2f} GiB  floor {m['floor_gib']:6.2f} GiB  "
+            f"x{m['over']:.2f}"
+        )
+    for k in ("train_flops_over_peak", "decode_over_roofline"):
+        if r.get(k):
+            print(f"  {k}: {r[k]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
