@@ -36,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -140,6 +140,8 @@ class PeakWatcher(threading.Thread):
         super().__init__(daemon=True)
         self.trial, self.interval = trial, interval
         self.peaks: Dict[str, int] = {}
+        #: ``key -> [(unix time, RSS bytes), ...]``: where in the step the memory goes
+        self.samples: Dict[str, List[Tuple[float, int]]] = {}
         self.done = threading.Event()
 
     def run(self):
@@ -155,11 +157,14 @@ class PeakWatcher(threading.Thread):
                     kind = args[args.index("--type") + 1]
                     index = args[args.index("--index") + 1]
                     with open(status) as f:
-                        hwm = next(int(l.split()[1]) for l in f if l.startswith("VmHWM"))
-                except (OSError, StopIteration, ValueError, IndexError):
+                        fields = dict(l.split(":", 1) for l in f if l.startswith("Vm"))
+                    hwm = int(fields["VmHWM"].split()[0]) * 1024
+                    rss = int(fields["VmRSS"].split()[0]) * 1024
+                except (OSError, KeyError, ValueError, IndexError):
                     continue
                 key = f"{kind}/{index}"
-                self.peaks[key] = max(self.peaks.get(key, 0), hwm * 1024)
+                self.peaks[key] = max(self.peaks.get(key, 0), hwm)
+                self.samples.setdefault(key, []).append((time.time(), rss))
             self.done.wait(self.interval)
 
 
@@ -257,13 +262,20 @@ def one_run(args, shape: str, mode: str, scale: int, workdir: str, data) -> dict
     last = metrics[-1]
     split = step_split(trace, last["step"], last)
 
+    phases = phase_peaks(trace, watcher.samples)
     memory = {}
     for key, peak in sorted(watcher.peaks.items()):
         est = estimates.get(key.split("/")[0])
         if est is None or est.kind not in ("model_worker", "generation_server"):
             continue
         floor = est.total
-        memory[key] = {"peak_gib": peak / GiB, "floor_gib": floor / GiB, "over": peak / floor}
+        memory[key] = {
+            "peak_gib": peak / GiB,
+            "floor_gib": floor / GiB,
+            "over": peak / floor,
+            "estimate_gib": {t: v / GiB for t, v in est.terms.items() if v},
+            "sampled_peak_gib_by_call": phases.get(key, {}),
+        }
     shape_info = memory_plan.Shape.of(path)
     tokens = float(last.get("tokens", 0))
     return {
@@ -299,6 +311,22 @@ def step_split(trace, step: int, last: dict) -> Dict[str, float]:
     if published:
         out["publication"] = sum(published)
     return {k: v for k, v in out.items() if v > 0}
+
+
+def phase_peaks(trace, samples) -> Dict[str, Dict[str, float]]:
+    """The highest sampled RSS (GiB) of each worker during each kind of call of the trace
+    (its ``ts`` are microseconds of the Unix clock) and outside any call."""
+    spans = [e for e in trace if e.get("ph") == "X" and not e["name"].startswith("step ")]
+    out: Dict[str, Dict[str, float]] = {}
+    for key, points in samples.items():
+        best: Dict[str, float] = {}
+        for t, rss in points:
+            us = t * 1e6
+            names = [e["name"] for e in spans if e["ts"] <= us <= e["ts"] + e["dur"]] or ["other"]
+            for name in names:
+                best[name] = max(best.get(name, 0.0), rss / GiB)
+        out[key] = best
+    return out
 
 
 def train_flops(r: dict) -> Optional[float]:
@@ -401,6 +429,8 @@ def report(r: dict) -> None:
             f"  {key:22s} peak {m['peak_gib']:6.2f} GiB  floor {m['floor_gib']:6.2f} GiB  "
             f"x{m['over']:.2f}"
         )
+        calls = ", ".join(f"{k} {v:.2f}" for k, v in m["sampled_peak_gib_by_call"].items())
+        print(f"  {'':22s} sampled RSS peaks (GiB): {calls}")
     for k in ("train_flops_over_peak", "decode_over_roofline"):
         if r.get(k):
             print(f"  {k}: {r[k]:.2f}")

@@ -26,7 +26,8 @@ The estimate is analytic, per process, by kind of bytes:
   worker or generation server, less for the other processes).
 
 Micro-batches hold ``min(max_tokens_per_mb, tokens of the step on this data-parallel rank)``
-tokens; a step's sequences are taken at their longest (prompt limit + ``max_new_tokens``).
+tokens (a training call's, 1/``ppo_n_minibatches`` of them: it steps on each mini-batch in
+turn); a step's sequences are taken at their longest (prompt + ``max_new_tokens``).
 It is an estimate: within ~25% of the measured peak on the shapes in ``benchmark/scale.py``.
 """
 
@@ -94,6 +95,8 @@ class Workload:
     seqs: int
     #: most sequences a trainer's generation runs at once (sync RL)
     gen_concurrency: int = 1 << 30
+    #: optimizer steps a training call splits its batch into (PPO's mini-batches)
+    train_splits: int = 1
 
     @staticmethod
     def of(cfg, exp: Optional[ExperimentConfig] = None) -> "Workload":
@@ -111,7 +114,10 @@ class Workload:
             seq_len = longest or getattr(ds, "max_length", None) or DEFAULT_SEQ_LEN
         seqs = int(getattr(cfg, "train_batch_size", 1)) * int(getattr(ppo, "group_size", 1) or 1)
         running = getattr(ppo, "gen_max_running_requests", None) or seqs
-        return Workload(seq_len=int(seq_len), seqs=seqs, gen_concurrency=int(running))
+        splits = getattr(ppo, "ppo_n_minibatches", None) or 1
+        return Workload(
+            seq_len=int(seq_len), seqs=seqs, gen_concurrency=int(running), train_splits=int(splits)
+        )
 
 
 def _longest_item(exp: ExperimentConfig) -> Optional[int]:
@@ -168,15 +174,15 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
         n = shape.n_params / (p * m)
         terms["weights"] += int(n * b)
         types = {ModelInterfaceType(c.interface_type) for c in calls.get(spec.role, [])}
-        tokens = min(
-            [step_tokens]
-            + [
-                c.mb_spec.max_tokens_per_mb
-                for c in calls.get(spec.role, [])
-                if c.mb_spec is not None
-                and ModelInterfaceType(c.interface_type) != ModelInterfaceType.GENERATE
-            ]
-        )
+        budgets = [
+            c.mb_spec.max_tokens_per_mb
+            for c in calls.get(spec.role, [])
+            if c.mb_spec is not None
+            and ModelInterfaceType(c.interface_type) != ModelInterfaceType.GENERATE
+        ]
+        tokens = min([step_tokens] + budgets)
+        # A training call steps the optimizer on each of its mini-batches in turn.
+        train_tokens = min([max(1, step_tokens // load.train_splits)] + budgets)
         layers = -(-shape.n_layers // p)
         per_layer = 8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate
         if spec.trainable:
@@ -184,12 +190,16 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             z = d if spec.optimizer_config.zero_stage == 1 else 1
             terms["optimizer"] += int(n * (8 + (4 if b < 4 else 0)) / z)
             if spec.gradient_checkpointing:
-                act = tokens * (layers * shape.hidden + per_layer) * b
+                act = train_tokens * (layers * shape.hidden + per_layer) * b
             else:
-                act = tokens * layers * per_layer * b
+                act = train_tokens * layers * per_layer * b
             terms["activations"] = max(terms["activations"], int(act))
-        copies = 2 if spec.trainable else 1
-        terms["logits"] = max(terms["logits"], int(tokens * (shape.vocab / m) * b * copies))
+            # the logits of a training micro-batch and their gradient
+            logits = 2 * train_tokens * (shape.vocab / m) * b
+            terms["logits"] = max(terms["logits"], int(logits))
+        if types - {ModelInterfaceType.TRAIN_STEP, ModelInterfaceType.GENERATE}:
+            logits = tokens * (shape.vocab / m) * b  # an inference call's logits
+            terms["logits"] = max(terms["logits"], int(logits))
         if ModelInterfaceType.GENERATE in types:
             running = min(load.seqs / d, load.gen_concurrency)
             kv = running * load.seq_len * 2 * layers * (shape.kv_dim / m) * b

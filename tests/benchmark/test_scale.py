@@ -73,3 +73,16 @@ def test_written_prompts_and_answers_have_the_asked_lengths(tmp_path):
         assert row["prompt"].rstrip(".").split()[-1].count("+") == 1  # ends with the question
     n = len(tok(sft[0]["answer"], add_special_tokens=False)["input_ids"])
     assert 50 <= n <= 70, n
+
+
+def test_rss_samples_are_attributed_to_the_calls_they_fall_in():
+    trace = [
+        {"name": "step 1", "ph": "X", "ts": 0, "dur": 10_000_000},
+        {"name": "actor_gen", "ph": "X", "ts": 1_000_000, "dur": 2_000_000},
+        {"name": "actor_train", "ph": "X", "ts": 5_000_000, "dur": 4_000_000},
+    ]
+    g = scale.GiB
+    samples = {"model_worker/0": [(0.5, 1 * g), (2.0, 3 * g), (6.0, 5 * g), (8.0, 4 * g)]}
+    assert scale.phase_peaks(trace, samples) == {
+        "model_worker/0": {"other": 1.0, "actor_gen": 3.0, "actor_train": 5.0}
+    }
