@@ -10,8 +10,6 @@ import sys
 import time
 from types import SimpleNamespace
 
-import pytest
-
 _PATH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark", "scale.py")
 _spec = importlib.util.spec_from_file_location("benchmark_scale", _PATH)
 scale = importlib.util.module_from_spec(_spec)
