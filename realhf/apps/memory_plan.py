@@ -27,7 +27,8 @@ The estimate is analytic, per process, by kind of bytes:
 
 Micro-batches hold ``min(max_tokens_per_mb, tokens of the step on this data-parallel rank)``
 tokens (a training call's, 1/``ppo_n_minibatches`` of them: it steps on each mini-batch in
-turn); a step's sequences are taken at their longest (prompt + ``max_new_tokens``).
+turn); a step's sequences are taken at their longest (prompt + ``max_new_tokens``), and a
+prompt that a group's answers share is computed once.
 It is an estimate: within ~25% of the measured peak on the shapes in ``benchmark/scale.py``.
 """
 
@@ -97,6 +98,16 @@ class Workload:
     gen_concurrency: int = 1 << 30
     #: optimizer steps a training call splits its batch into (PPO's mini-batches)
     train_splits: int = 1
+    #: tokens of a prompt that a group's answers share: training and inference compute it
+    #: once per group (:mod:`realhf.impl.model.modules.shared_prefix`)
+    shared_prompt: int = 0
+    group: int = 1
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens a forward over the step's sequences computes (shared prompts once)."""
+        shared = (self.seqs - self.seqs // max(1, self.group)) * self.shared_prompt
+        return max(1, self.seqs * self.seq_len - shared)
 
     @staticmethod
     def of(cfg, exp: Optional[ExperimentConfig] = None) -> "Workload":
@@ -107,16 +118,23 @@ class Workload:
         ppo = getattr(cfg, "ppo", None)
         gen = getattr(ppo, "gen", None)
         longest = _longest_item(exp) if exp is not None else None
+        prompt = 0
         if gen is not None:
             prompt = longest or getattr(ds, "max_prompt_len", None) or DEFAULT_SEQ_LEN
             seq_len = prompt + gen.max_new_tokens
         else:
             seq_len = longest or getattr(ds, "max_length", None) or DEFAULT_SEQ_LEN
-        seqs = int(getattr(cfg, "train_batch_size", 1)) * int(getattr(ppo, "group_size", 1) or 1)
+        group = int(getattr(ppo, "group_size", 1) or 1)
+        seqs = int(getattr(cfg, "train_batch_size", 1)) * group
         running = getattr(ppo, "gen_max_running_requests", None) or seqs
         splits = getattr(ppo, "ppo_n_minibatches", None) or 1
         return Workload(
-            seq_len=int(seq_len), seqs=seqs, gen_concurrency=int(running), train_splits=int(splits)
+            seq_len=int(seq_len),
+            seqs=seqs,
+            gen_concurrency=int(running),
+            train_splits=int(splits),
+            shared_prompt=int(prompt),
+            group=group,
         )
 
 
@@ -166,7 +184,7 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
         calls.setdefault(role, []).append(mfc)
     # Tokens per micro-batch: the step's tokens on this data-parallel rank, capped by the
     # call's budget.
-    step_tokens = max(1, load.seqs * load.seq_len // d)
+    step_tokens = max(1, load.computed_tokens // d)
     notes = []
     for spec in worker.models:
         shape = Shape.of(spec.path, spec.is_critic)

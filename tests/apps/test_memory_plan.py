@@ -172,3 +172,10 @@ def test_checkpointing_is_turned_on_when_the_budget_was_given():
     cfg = parse_config(qs.config_cls, [*args, "actor.gradient_checkpointing=false"])
     _, notes = memory_plan.choose_unset(cfg, qs.build, available=(on + off) // 2)
     assert notes == [] and cfg.actor.gradient_checkpointing is False
+
+
+def test_a_prompt_shared_by_a_group_is_counted_once():
+    # 4 prompts of 136 tokens, 4 answers of 128 each: 4 x (136 + 4 x 128) tokens computed
+    load = memory_plan.Workload(seq_len=264, seqs=16, shared_prompt=136, group=4)
+    assert load.computed_tokens == 4 * (136 + 4 * 128)
+    assert memory_plan.Workload(seq_len=264, seqs=16).computed_tokens == 16 * 264
