@@ -59,7 +59,7 @@ from realhf.base import logging
 from realhf.base.distributed import dist_util
 from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
-from realhf.impl.model.backend.zero import ShardedAdamW, shard_size
+from realhf.impl.model.backend.zero import ShardedAdamW, decay_split, moment_bytes, shard_size
 from realhf.impl.model.nn.flat_param import flat_intervals, flat_view
 
 logger = logging.getLogger("train_engine")
@@ -173,12 +173,14 @@ class TrainEngine(InferenceEngine):
             )
             self.optimizer = self._zero.optimizer
         else:
-            decay, no_decay = [], []
-            for p in self._optimized_params():
-                (decay if p.dim() >= 2 else no_decay).append(p)
-            groups = [{"params": decay, "weight_decay": self.config.weight_decay}]
+            names = [n for n, _ in model.named_parameters()]
+            params = dict(zip(names, self._optimized_params()))
+            decay, no_decay = decay_split(names, model.param_spec)
+            groups = [
+                {"params": [params[n] for n in decay], "weight_decay": self.config.weight_decay}
+            ]
             if no_decay:
-                groups.append({"params": no_decay, "weight_decay": 0.0})
+                groups.append({"params": [params[n] for n in no_decay], "weight_decay": 0.0})
             self.optimizer = torch.optim.AdamW(
                 groups,
                 lr=self.lr_schedule(0),
@@ -256,13 +258,9 @@ class TrainEngine(InferenceEngine):
         (its shard of them under ZeRO-1)."""
         if self._zero is not None:
             return self._zero.state_bytes()
-        moments = sum(
-            t.numel() * t.element_size()
-            for st in self.optimizer.state.values()
-            for t in st.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
+        return moment_bytes(self.optimizer) + (
+            0 if self.master is None else self.master.numel() * 4
         )
-        return moments + (0 if self.master is None else self.master.numel() * 4)
 
     def _accumulate_master_grad(self) -> None:
         """Add the model's low-precision gradient into the fp32 buffer and zero it."""

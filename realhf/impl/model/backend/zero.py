@@ -34,9 +34,30 @@ import torch.distributed as dist
 from realhf.api.cli_args import OptimizerConfig
 from realhf.impl.model.nn.flat_param import ParamSpec
 
-__all__ = ["ShardedAdamW", "shard_size"]
+__all__ = ["ShardedAdamW", "decay_split", "moment_bytes", "shard_size"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def decay_split(
+    names: Sequence[str], param_spec: Dict[str, ParamSpec]
+) -> Tuple[List[str], List[str]]:
+    """``names`` split into AdamW's two groups, each in the given order: matrices
+    (embeddings, projections), which are weight-decayed, then 1-D parameters (biases, norm
+    weights), which are not.  A whole-model AdamW numbers its parameters in this order, so
+    the checkpoint layout of both engines rests on it."""
+    decay = [n for n in names if len(param_spec[n].shape) >= 2]
+    return decay, [n for n in names if len(param_spec[n].shape) < 2]
+
+
+def moment_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the Adam moments ``optimizer`` holds (its step counters left out)."""
+    return sum(
+        t.numel() * t.element_size()
+        for st in optimizer.state.values()
+        for k, t in st.items()
+        if k in MOMENTS
+    )
 
 
 def shard_size(numel: int, dp_size: int) -> int:
@@ -94,6 +115,7 @@ class ShardedAdamW:
         else:
             self.grad = torch.zeros(self.size, dtype=torch.float32, device=flat.device)
         self.pieces: List[Tuple[str, int, int, torch.nn.Parameter]] = []
+        decayed = set(decay_split(self.names, param_spec)[0])
         decay, no_decay = [], []
         for name in self.names:
             spec = param_spec[name]
@@ -103,7 +125,7 @@ class ShardedAdamW:
             p = torch.nn.Parameter(self.master[a - self.lo : b - self.lo])
             p.grad = self.grad[a - self.lo : b - self.lo]
             self.pieces.append((name, a, b, p))
-            (decay if len(spec.shape) >= 2 else no_decay).append(p)
+            (decay if name in decayed else no_decay).append(p)
         # Both groups always exist (maybe empty), in the order a whole-model AdamW has them.
         self.optimizer = torch.optim.AdamW(
             [
@@ -206,7 +228,8 @@ class ShardedAdamW:
                     shard[a - self.lo : b - self.lo] = st[key]
             moments[key] = self._gather_flat(shard)
         master = self._gather_flat(self.master) if self.has_master else None
-        order = self._whole_model_order()
+        mats, vectors = decay_split(self.names, self.param_spec)
+        order = mats + vectors
         state = {}
         if step > 0:
             for i, name in enumerate(order):
@@ -214,9 +237,8 @@ class ShardedAdamW:
                 state[i] = {"step": torch.tensor(step, dtype=torch.float32)}
                 for key in MOMENTS:
                     state[i][key] = moments[key][spec.offset : spec.end].view(spec.shape).clone()
-        n_decay = sum(len(self.param_spec[n].shape) >= 2 for n in order)
         # The unsharded engine has a group for 1-D parameters only if the model has some.
-        spans = [range(n_decay)] + ([range(n_decay, len(order))] if n_decay < len(order) else [])
+        spans = [range(len(mats))] + ([range(len(mats), len(order))] if vectors else [])
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": list(ids)}
             for g, ids in zip(self.optimizer.param_groups, spans)
@@ -226,7 +248,7 @@ class ShardedAdamW:
     def load_full_state(self, opt_state: Dict[str, Any], master: Optional[torch.Tensor]) -> None:
         """Take this rank's part of a whole-model AdamW state (:meth:`full_state`'s layout,
         which is also what the unsharded engine saves) and of the master weights."""
-        order = self._whole_model_order()
+        order = sum(decay_split(self.names, self.param_spec), [])
         ids = [i for g in opt_state["param_groups"] for i in g["params"]]
         if len(ids) != len(order):
             raise ValueError(
@@ -253,17 +275,6 @@ class ShardedAdamW:
             src = self.flat_params.detach() if master is None else master
             self.master.copy_(src[self.lo : self.hi])
 
-    def _whole_model_order(self) -> List[str]:
-        """Parameter names in a whole-model AdamW's index order: matrices, then the rest."""
-        mats = [n for n in self.names if len(self.param_spec[n].shape) >= 2]
-        return mats + [n for n in self.names if len(self.param_spec[n].shape) < 2]
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds: Adam moments and fp32 master shard."""
-        n = sum(
-            t.numel() * t.element_size()
-            for st in self.optimizer.state.values()
-            for k, t in st.items()
-            if k in MOMENTS
-        )
-        return n + (self.master.numel() * 4 if self.has_master else 0)
+        return moment_bytes(self.optimizer) + (self.master.numel() * 4 if self.has_master else 0)
