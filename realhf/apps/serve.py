@@ -15,7 +15,8 @@ abort, server information) want ``Authorization: Bearer <token>`` where the toke
 ``realhf.base.net.auth.http_token()`` of the secret in ``$REALHF_RUN_SECRET`` (hex) or
 ``$REALHF_SECRET_FILE``; give the server and its clients the same one, e.g.
 ``export REALHF_RUN_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')``.
-Weight updates load directories under ``--weights-root`` only.  The generation routes want
+Weight updates load directories under ``--weights-root`` only, and flat weight files
+(``/update_weights_from_shm``) under ``--shm-root`` only.  The generation routes want
 ``--api-key`` (or the token) when set, by default when ``--host`` is not a loopback address.
 """
 
@@ -93,6 +94,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "path answers 403); default: no weight updates",
     )
     p.add_argument(
+        "--shm-root",
+        default=None,
+        help="directory (in /dev/shm) under which /update_weights_from_shm may map flat weight "
+        "files (realhf.impl.model.conversion.flat_file); default: none",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         help="bearer key the generation routes (/generate, /v1/...) want, besides the run's "
@@ -162,6 +169,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         max_concurrent_requests=args.max_concurrent_requests,
         weights_root=args.weights_root,
         api_keys=generation_api_keys(args.api_key, args.host),
+        shm_root=args.shm_root,
     )
     server = make_server(app, args.host, args.port, log_level=args.log_level)
     try:

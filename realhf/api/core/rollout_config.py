@@ -18,6 +18,8 @@ from realhf.base.config_checks import Checks
 __all__ = [
     "GenerationBackend",
     "SchedulePolicy",
+    "WeightSync",
+    "WEIGHT_SYNC_MODES",
     "GENERATION_BACKENDS",
     "SCHEDULE_POLICIES",
     "GenerationServerConfig",
@@ -47,9 +49,20 @@ class SchedulePolicy(enum.StrEnum):
     LEAST_TOKEN_USAGE = "least_token_usage"
 
 
+class WeightSync(enum.StrEnum):
+    """How new weights reach the generation servers (``weight_sync``)."""
+
+    #: the trainer writes a HuggingFace directory; each server reads it (any backend, any host)
+    DISK = "disk"
+    #: the trainer writes one flat file into /dev/shm; each server on the host maps it and
+    #: copies it in one pass (the built-in engine; trainer and servers on one host)
+    SHM = "shm"
+
+
 #: the configurable names (the values of the enums above)
 GENERATION_BACKENDS = tuple(b.value for b in GenerationBackend)
 SCHEDULE_POLICIES = tuple(p.value for p in SchedulePolicy)
+WEIGHT_SYNC_MODES = tuple(w.value for w in WeightSync)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +213,11 @@ class GserverManagerConfig:
             rollouts (their slots are released).
         token_usage_budget_ratio: ``least_token_usage`` counts a scheduled request as
             ``prompt_len + ratio * new_token_budget`` tokens until the next metrics read.
-        keep_weight_versions: published weight directories kept after an update (older ones
+        keep_weight_versions: published weight versions kept after an update (older ones
             are deleted); None keeps all.
+        weight_sync: how the trainer publishes versions, hence the load step of the update
+            (:class:`WeightSync` or its name): ``disk`` (HF directories) or ``shm`` (flat
+            files in shared memory).
         state_path: JSON file for the manager's counters (saved every
             ``state_save_interval_s`` and at exit, loaded when the trainer resumes from a
             recover checkpoint); None = ``{run_dir}/gserver_manager_state.json``.
@@ -225,6 +241,7 @@ class GserverManagerConfig:
     lease_ttl_s: float = 30.0
     token_usage_budget_ratio: float = 0.4
     keep_weight_versions: Optional[int] = 2
+    weight_sync: WeightSync = WeightSync.DISK
     state_path: Optional[str] = None
     state_save_interval_s: float = 30.0
 
@@ -238,6 +255,9 @@ class GserverManagerConfig:
             ck.enum("schedule_policy", self.schedule_policy, SchedulePolicy),
         )
         ck.integer(self, "n_servers", 1)
+        object.__setattr__(
+            self, "weight_sync", ck.enum("weight_sync", self.weight_sync, WeightSync)
+        )
         ck.integer(self, "max_head_offpolicyness", 0)
         ck.integer(self, "train_batch_size", 1)
         ck.integer(self, "max_concurrent_rollouts", 1, allow_none=True)

@@ -45,6 +45,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
+from realhf.impl.model.conversion.flat_file import load_flat
 from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.cache_attention import (
     DecodeAttention,
@@ -149,6 +150,8 @@ class _Resume(_Control):
 class _UpdateWeights(_Control):
     label: ClassVar[str] = "update_weights"
     path: str
+    #: None: ``path`` is a HF directory; else a flat weight file that must hold this version
+    flat_version: Optional[int] = None
 
 
 _Command = _Add | _Control
@@ -347,6 +350,19 @@ class GenerationEngine:
         """
         return self._command(_UpdateWeights(path=path), timeout)
 
+    def update_weights_from_shm(
+        self, path: str, version: int, timeout: Optional[float] = None
+    ) -> int:
+        """Load the flat weight file ``path`` (``weight_sync=shm``), which must hold trained
+        version ``version``, in place between two steps; returns the engine's new version.
+
+        The file is mapped and copied into the model's flat buffer in one pass
+        (:func:`~realhf.impl.model.conversion.flat_file.load_flat`); the model must be a
+        single-device ReaLModel of the file's architecture.  Pause first, as for
+        :meth:`update_weights_from_disk`.
+        """
+        return self._command(_UpdateWeights(path=path, flat_version=int(version)), timeout)
+
     def stats(self) -> dict:
         """Counters for ``/metrics`` (read without locking; values may lag one step)."""
         now = time.monotonic()
@@ -448,7 +464,12 @@ class GenerationEngine:
         self.paused = False
 
     def _update_weights(self, cmd: _UpdateWeights) -> int:
-        self._load_weights(self.model, cmd.path)
+        if cmd.flat_version is None:
+            self._load_weights(self.model, cmd.path)
+        else:
+            if getattr(self.model, "tp", LOCAL).distributed:
+                raise ValueError("a flat weight file loads into a single-device model only")
+            load_flat(self.model.flat_params, self.model.param_spec, cmd.path, cmd.flat_version)
         self.weight_version += 1
         return self.weight_version
 

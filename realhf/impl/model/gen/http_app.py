@@ -21,6 +21,9 @@ Control routes (the run's token):
 - ``POST /update_weights_from_disk {model_path}`` — ``{success, message,
   num_paused_requests}``; 403 when ``model_path`` is not under the server's publication
   directory (``weights_root``), 400 when loading fails.
+- ``POST /update_weights_from_shm {path, weight_version}`` — the same for a flat weight file
+  in shared memory (``weight_sync=shm``), under ``shm_root``; 400 also when the file holds
+  another version than ``weight_version``.
 - ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
   (there is no prefix cache to flush; kept for protocol compatibility).
 - ``POST /abort_request {rid}``; ``GET /get_model_info``; ``GET /get_server_info`` (limits,
@@ -122,6 +125,7 @@ UNLIMITED_PATHS = (
     "/pause_generation",
     "/continue_generation",
     "/update_weights_from_disk",
+    "/update_weights_from_shm",
     "/flush_cache",
 )
 
@@ -154,7 +158,7 @@ async def _json_body(request: fastapi.Request) -> Any:
 
 class _Served:
     """What every route reaches through ``app.state.served``: the engine, its names, and the
-    directory weight updates may load from."""
+    directories weight updates may load from."""
 
     def __init__(
         self,
@@ -163,12 +167,14 @@ class _Served:
         model_path: str,
         served_model_name,
         weights_root: Optional[str] = None,
+        shm_root: Optional[str] = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.served_model_name = served_model_name
         self.weights_root = weights_root
+        self.shm_root = shm_root
         self.timeout = engine.config.request_timeout_s
         #: the weight-update protocol's rules for /generate (see :mod:`.weight_update`)
         self.gate = PauseGate()
@@ -338,28 +344,62 @@ async def continue_generation(request: fastapi.Request, served: _Served):
 @control_router.post("/update_weights_from_disk")
 @_handle_errors(openai=False)
 async def update_weights_from_disk(request: fastapi.Request, served: _Served):
-    engine = served.engine
     body = await _json_body(request)
     if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
         raise InvalidRequestError('send {"model_path": "<HF directory>"}')
     extra = set(body) - {"model_path", "load_format", "abort_all_requests", "weight_version"}
     if extra:
         raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    return await _load_weights(
+        served,
+        body["model_path"],
+        served.weights_root,
+        served.engine.update_weights_from_disk,
+        abort_all=bool(body.get("abort_all_requests")),
+    )
+
+
+@control_router.post("/update_weights_from_shm")
+@_handle_errors(openai=False)
+async def update_weights_from_shm(request: fastapi.Request, served: _Served):
+    body = await _json_body(request)
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get("path"), str)
+        or not isinstance(body.get("weight_version"), int)
+        or isinstance(body.get("weight_version"), bool)
+    ):
+        raise InvalidRequestError('send {"path": "<flat weight file>", "weight_version": <int>}')
+    extra = set(body) - {"path", "weight_version"}
+    if extra:
+        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    version = body["weight_version"]
+    return await _load_weights(
+        served,
+        body["path"],
+        served.shm_root,
+        lambda path: served.engine.update_weights_from_shm(path, version),
+    )
+
+
+async def _load_weights(served: _Served, path: str, root, load, abort_all: bool = False):
+    """The load step of a weight update: ``load(path)`` on a worker thread once ``path`` is
+    found under ``root``; the answer SGLang's routes give."""
+    engine = served.engine
     try:
-        path = allowed_weight_path(body["model_path"], served.weights_root)
+        path = allowed_weight_path(path, root)
     except WeightPathRefused as e:
         return JSONResponse(
             {"success": False, "message": str(e), "num_paused_requests": 0}, status_code=403
         )
     paused = 0
-    abort_all = bool(body.get("abort_all_requests"))
     try:
         if abort_all:
             # SGLang aborts what is running first: the whole protocol (pause, load,
             # continue) in one call, with the gate's rules for what overlapped it.
             served.gate.pause()
             paused = len(await asyncio.to_thread(engine.pause))
-        version = await asyncio.to_thread(engine.update_weights_from_disk, path)
+        version = await asyncio.to_thread(load, path)
     except Exception as e:  # a bad checkpoint must not take the server down
         return JSONResponse(
             {
@@ -519,19 +559,24 @@ def create_app(
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     weights_root: Optional[str] = None,
     api_keys: Optional[Sequence[str]] = None,
+    shm_root: Optional[str] = None,
 ) -> fastapi.FastAPI:
     """A FastAPI app serving ``engine`` (which the caller starts and closes).
 
     At most ``max_concurrent_requests`` requests of the serving routes are in flight; more
     are answered 503 with a reason (``app.state.request_limit`` counts them).
     ``/update_weights_from_disk`` loads directories under ``weights_root`` only (None: no
-    weight updates; in a run, :func:`~realhf.base.constants.weight_publication_root`).
+    weight updates; in a run, :func:`~realhf.base.constants.weight_publication_root`),
+    ``/update_weights_from_shm`` flat files under ``shm_root`` only (None: none; in a run,
+    :func:`~realhf.base.constants.weight_shm_root`).
     The generation routes want one of ``api_keys`` as a bearer token (None or empty: open;
     :func:`~realhf.base.net.http_server.generation_api_keys` makes them from a config);
     the control routes always want the run's token.
     """
     app = fastapi_app(title="realhf generation server")
-    app.state.served = _Served(engine, tokenizer, model_path, served_model_name, weights_root)
+    app.state.served = _Served(
+        engine, tokenizer, model_path, served_model_name, weights_root, shm_root
+    )
     app.state.api_keys = tuple(api_keys) if api_keys else None
     app.add_middleware(_HotRoutes)  # added first: inside the request limit
     app.state.request_limit = RequestLimit(

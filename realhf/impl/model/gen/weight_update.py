@@ -10,8 +10,13 @@ engine's HTTP app and the vLLM adapter answer ``/generate`` through a :class:`Pa
 
     POST /pause_generation                      running requests end now, reason ``abort``,
                                                 with the tokens they made (old weights)
-    POST /update_weights_from_disk {model_path} body {"success": bool, "message": str}
+    POST /update_weights_from_<mode> {...}      body {"success": bool, "message": str}
     POST /continue_generation
+
+The load step depends on how the trainer publishes the weights (``weight_sync``,
+:data:`LOAD_STEPS`): ``disk`` loads a HuggingFace directory (``{model_path}``), ``shm`` maps
+a flat weight file in shared memory (``{path, weight_version}``;
+:mod:`realhf.impl.model.conversion.flat_file`) and refuses one of another version.
 
 and only then is the server recorded at the new version.  While a server is between the first
 and the last step the pool schedules nothing on it: a chunk that asks for it waits for the
@@ -54,10 +59,12 @@ from typing import Awaitable, Callable, Optional
 import aiohttp
 
 from realhf.api.core.gen_api import FinishReason, FinishType, GenerateOutput
+from realhf.api.core.rollout_config import WeightSync
 from realhf.base.net.http_server import auth_headers
 
 __all__ = [
-    "UPDATE_STEPS",
+    "LOAD_STEPS",
+    "update_steps",
     "WeightUpdateError",
     "ServerGone",
     "WeightPathRefused",
@@ -66,13 +73,27 @@ __all__ = [
     "PauseGate",
 ]
 
-#: The protocol's HTTP steps in order: (route, whether its JSON body reports ``success``).
-UPDATE_STEPS = (
-    ("pause_generation", False),
-    # Its body says {"success": bool, "message": ...}: a 200 alone is not trusted.
-    ("update_weights_from_disk", True),
-    ("continue_generation", False),
-)
+#: The load step's route for each ``weight_sync`` mode (how the trainer publishes).
+LOAD_STEPS = {
+    WeightSync.DISK: "update_weights_from_disk",
+    WeightSync.SHM: "update_weights_from_shm",
+}
+
+
+def update_steps(mode: WeightSync | str = WeightSync.DISK):
+    """The protocol's HTTP steps in order for ``mode``: (route, whether its JSON body
+    reports ``success``)."""
+    load = LOAD_STEPS[WeightSync(mode)]
+    # The load step's body says {"success": bool, "message": ...}: a 200 alone is not trusted.
+    return (("pause_generation", False), (load, True), ("continue_generation", False))
+
+
+def _load_body(step: str, path: str, version: int) -> dict:
+    if step == LOAD_STEPS[WeightSync.SHM]:
+        return {"path": path, "weight_version": version}
+    if step == LOAD_STEPS[WeightSync.DISK]:
+        return {"model_path": path}
+    return {}
 
 
 class WeightUpdateError(RuntimeError):
@@ -127,8 +148,10 @@ async def update_server(
     path: str,
     timeout_s: float,
     healthy: Callable[[str], Awaitable[bool]],
+    mode: WeightSync | str = WeightSync.DISK,
 ) -> None:
-    """Pause -> load ``path`` -> continue on the server at ``url`` (see the module docstring).
+    """Pause -> load ``path`` -> continue on the server at ``url`` (see the module docstring);
+    ``path`` is what ``mode`` publishes (a HF directory, a flat file).
 
     ``healthy(url)`` probes ``/health``: it tells a dead server (:class:`ServerGone`) from
     one that refused a step (:class:`WeightUpdateError`).  A server that fails a step after
@@ -138,7 +161,7 @@ async def update_server(
     """
     paused = False
     try:
-        for step, reports_success in UPDATE_STEPS:
+        for step, reports_success in update_steps(mode):
             await _step(session, url, version, path, timeout_s, healthy, step, reports_success)
             paused = True
     except WeightUpdateError:
@@ -171,7 +194,7 @@ async def _step(
     reports_success: bool,
 ) -> None:
     """One POST of the protocol; raises WeightUpdateError or ServerGone."""
-    body = {"model_path": path} if step == "update_weights_from_disk" else {}
+    body = _load_body(step, path, version)
     try:
         async with session.post(
             f"{url}/{step}",

@@ -16,9 +16,11 @@ import pytest
 import requests
 
 from realhf.base.net.http_server import ServerThread, auth_headers
+from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app, prometheus_text
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
+from realhf.impl.model.gen.weight_update import WeightUpdateError, update_server
 
 from .conftest import EOS, PAD, load, recompute_logprobs, reference_greedy
 
@@ -54,6 +56,7 @@ def server(model_dir, tokenizer, weights_root):
         model_path=model_dir,
         served_model_name="tiny",
         weights_root=weights_root,
+        shm_root=os.path.join(weights_root, "shm"),
     )
     srv = ServerThread(app).start()
     srv.engine = engine
@@ -333,6 +336,58 @@ def test_update_weights_from_disk(server, model_dir, model_dir_b, weights_root):
         r = post(server, "/update_weights_from_disk", {"model_path": "/no/such/dir"})
         assert r.status_code == 403 and weights_root in r.json()["message"]
         assert post(server, "/update_weights_from_disk", {"path": "x"}).status_code == 400
+    finally:
+        assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()[
+            "success"
+        ]
+
+
+async def _protocol_update(url: str, version: int, path: str, mode: str) -> None:
+    async def healthy(_):
+        return True
+
+    async with aiohttp.ClientSession() as session:
+        await update_server(session, url, version, path, 60.0, healthy, mode)
+
+
+def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_dir_b, weights_root):
+    # What the trainer publishes with weight_sync=shm, and the manager's protocol client.
+    trained = load(model_dir_b)
+    path = os.path.join(weights_root, "shm", "actor", "v7.flat")
+    write_model(trained, path, 7)
+    prompt = [8, 9, 10]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": greedy_params(8, ignore_eos=True),
+        "return_logprob": True,
+    }
+    try:
+        # The same weights through the disk: what the shm update must serve, to the bit.
+        asyncio.run(_protocol_update(server.url, 1, model_dir_b, "disk"))
+        from_disk = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
+        asyncio.run(_protocol_update(server.url, 2, model_dir, "disk"))
+        assert post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"] != (
+            from_disk
+        )
+        asyncio.run(_protocol_update(server.url, 7, path, "shm"))
+        entries = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
+        assert entries == from_disk
+        ids = [e[1] for e in entries]
+        assert ids == reference_greedy(trained, prompt, 8)
+        # Against a full forward (no KV cache): equal up to the float order of the two.
+        lps = recompute_logprobs(trained, prompt, ids)
+        assert max(abs(e[0] - float(l)) for e, l in zip(entries, lps)) < 1e-4
+        # Asked for another version than the file holds: refused, named, and not gated after.
+        with pytest.raises(WeightUpdateError, match="holds weight version 7, not the 8"):
+            asyncio.run(_protocol_update(server.url, 8, path, "shm"))
+        assert post(server, "/generate", body).json()["output_ids"] == ids
+        # Only files under the server's shm root; the body is checked.
+        outside = os.path.join(weights_root, "v7.flat")
+        os.rename(path, outside)
+        r = post(server, "/update_weights_from_shm", {"path": outside, "weight_version": 7})
+        assert r.status_code == 403 and "shm" in r.json()["message"]
+        for bad in ({"path": outside}, {"path": outside, "weight_version": "7"}, {"x": 1}):
+            assert post(server, "/update_weights_from_shm", bad).status_code == 400
     finally:
         assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()[
             "success"

@@ -1,0 +1,180 @@
+"""A model's whole flat parameter buffer as one file: weight sync through shared memory.
+
+With ``weight_sync=shm`` the trainer writes each new version once into a file under
+``/dev/shm`` (memory, not a disk) and every generation server on the host maps that file and
+copies it into its own buffer in one pass.  No HuggingFace names, no per-tensor conversion, no
+read through the kernel: the server's copy reads the trainer's pages in place.
+
+Format: a safetensors file (8-byte little-endian header length, a JSON header, the data) with
+one tensor, ``flat``: the flat buffer of a *single-device* ReaLModel of the model's config
+(:mod:`realhf.impl.model.nn.flat_param`; a trainer on a sharded layout gathers it first, as
+``save_hf`` does).  Its metadata names the format, the weight version and the layout (every
+parameter's name, offset and shape).  Any safetensors reader opens it.  The data starts on a
+page boundary, so a mapping of it is aligned for every dtype.
+
+Guarantees a server relies on:
+
+- a file is written under a temporary name and renamed complete, so a reader never maps a
+  half-written one;
+- :func:`load_flat` checks the version it was asked for against the file's, and the file's
+  layout against the model's (both in the header), before it copies anything; a mismatch is
+  an error naming both, and the model keeps its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from realhf.impl.model.conversion.checkpoint import _SAFE_DTYPES
+from realhf.impl.model.nn.flat_param import ParamSpec
+
+__all__ = ["FORMAT", "FlatFileError", "write_model", "write_flat", "load_flat", "read_header"]
+
+FORMAT = "realhf-flat-v1"
+_ALIGN = 4096  # the data starts on a page boundary
+_DTYPE_NAMES = {v: k for k, v in _SAFE_DTYPES.items()}
+
+
+class FlatFileError(ValueError):
+    """A flat weight file that cannot be loaded into a model (names the file and why)."""
+
+
+def _layout(param_spec: Dict[str, ParamSpec]) -> List[list]:
+    return [[n, s.offset, list(s.shape)] for n, s in sorted(param_spec.items(), key=lambda x: x[1])]
+
+
+def write_flat(
+    flat: torch.Tensor, param_spec: Dict[str, ParamSpec], path: str, version: int
+) -> int:
+    """Write ``flat`` (a single-device model's buffer, laid out by ``param_spec``) as the
+    file ``path`` holding weight version ``version``; returns the bytes written.
+
+    The parent directory is made (mode 0700) if needed.  The file appears complete or not
+    at all (written as ``path.tmp-<pid>``, then renamed)."""
+    if flat.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"cannot write a flat buffer of dtype {flat.dtype}")
+    flat = flat.detach().reshape(-1).cpu()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    nbytes = flat.numel() * flat.element_size()
+    header = {
+        "__metadata__": {
+            "format": FORMAT,
+            "version": str(int(version)),
+            "layout": json.dumps(_layout(param_spec), separators=(",", ":")),
+        },
+        "flat": {
+            "dtype": _DTYPE_NAMES[flat.dtype],
+            "shape": [flat.numel()],
+            "data_offsets": [0, nbytes],
+        },
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    # safetensors allows trailing spaces in the header: pad so the data is page-aligned.
+    text += b" " * (-(8 + len(text)) % _ALIGN)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            if nbytes:
+                f.write(memoryview(flat.view(torch.uint8).numpy()))
+        os.rename(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return 8 + len(text) + nbytes
+
+
+def write_model(model, path: str, version: int) -> Optional[int]:
+    """Write the whole of ``model`` (a ReaLModel, maybe one part of a sharded layout) as the
+    flat file ``path`` of ``version``; returns the bytes written, None on the ranks that
+    write nothing.
+
+    On a sharded layout this is a collective over the model's ranks (every rank must call
+    it): the whole single-device model is gathered onto the replica's first rank, which
+    writes it, as ``save_hf`` does."""
+    full = model.tp.gather_model(model) if model.tp.distributed else model
+    if full is None:
+        return None
+    return write_flat(full.flat_params, full.param_spec, path, version)
+
+
+def read_header(path: str) -> dict:
+    """The JSON header of the flat file ``path`` (with ``__metadata__``), checked for
+    being one; :class:`FlatFileError` otherwise."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise FlatFileError(f"{path}: header length {n} does not fit the file")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise FlatFileError(f"cannot read the flat weight file {path}: {e}") from e
+    except ValueError as e:  # bad JSON
+        raise FlatFileError(f"{path}: the header is not JSON ({e})") from e
+    meta = header.get("__metadata__") or {}
+    if meta.get("format") != FORMAT or "flat" not in header:
+        raise FlatFileError(
+            f"{path} is not a flat weight file (format {meta.get('format')!r}, want {FORMAT!r})"
+        )
+    info = header["flat"]
+    start, end = info["data_offsets"]
+    if 8 + n + end > size:
+        raise FlatFileError(f"{path}: the file ends {8 + n + end - size} bytes early")
+    header["data_start"] = 8 + n
+    return header
+
+
+def load_flat(
+    flat: torch.Tensor,
+    param_spec: Dict[str, ParamSpec],
+    path: str,
+    version: Optional[int] = None,
+) -> int:
+    """Copy the flat file ``path`` into ``flat`` (a single-device model's buffer laid out by
+    ``param_spec``, any float dtype: the copy converts); returns the file's version.
+
+    ``version``: the version the caller was told the file holds; another one is refused.
+    The file is mapped, not read: the copy reads its pages in place."""
+    header = read_header(path)
+    meta, info = header["__metadata__"], header["flat"]
+    got = int(meta["version"])
+    if version is not None and got != version:
+        raise FlatFileError(f"{path} holds weight version {got}, not the {version} asked for")
+    theirs, ours = json.loads(meta["layout"]), _layout(param_spec)
+    if theirs != ours:
+        diff = next(
+            (f"{a} here, {b} in the file" for a, b in zip(ours, theirs) if a != b),
+            f"{len(ours)} parameters here, {len(theirs)} in the file",
+        )
+        raise FlatFileError(
+            f"{path}: its layout is not this model's ({diff}); the trainer and the server "
+            "must load the same architecture"
+        )
+    dtype = _SAFE_DTYPES.get(info["dtype"])
+    if dtype is None or info["shape"] != [flat.numel()]:
+        raise FlatFileError(
+            f"{path}: holds {info['shape']} of {info['dtype']}, the model {flat.numel()} elements"
+        )
+    if flat.numel() == 0:
+        return got
+    with open(path, "rb") as f:
+        # A private mapping: torch wants a writable buffer, and nothing is ever written.
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        src = torch.frombuffer(mm, dtype=dtype, count=flat.numel(), offset=header["data_start"])
+        with torch.no_grad():
+            flat.copy_(src)
+        del src
+    finally:
+        mm.close()
+    return got

@@ -1,0 +1,97 @@
+"""The flat weight file of ``weight_sync=shm``: what the trainer writes, a server maps."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import make_tiny_hf_model
+
+from realhf.impl.model.conversion.flat_file import (
+    FlatFileError,
+    load_flat,
+    read_header,
+    write_flat,
+    write_model,
+)
+from realhf.impl.model.nn.real_model import ReaLModel
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_hf_model("qwen2", tmp_path_factory.mktemp("m") / "qwen2")
+
+
+def _perturbed(model_dir, seed=0) -> ReaLModel:
+    m = ReaLModel.from_hf(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        m.flat_params.add_(torch.randn(m.flat_params.shape, generator=g))
+    return m
+
+
+def test_a_model_round_trips_bit_for_bit_and_safetensors_reads_the_file(tmp_path, model_dir):
+    trained = _perturbed(model_dir)
+    path = str(tmp_path / "actor" / "v3.flat")
+    n = write_model(trained, path, version=3)
+    assert n == os.path.getsize(path)
+    assert os.listdir(tmp_path / "actor") == ["v3.flat"]  # no temporary file left
+    header = read_header(path)
+    assert header["data_start"] % 4096 == 0  # page-aligned data: a mapping suits any dtype
+    served = ReaLModel.from_hf(model_dir)
+    assert not torch.equal(served.flat_params, trained.flat_params)
+    assert load_flat(served.flat_params, served.param_spec, path, 3) == 3
+    assert torch.equal(served.flat_params, trained.flat_params)
+    # The mapping is gone once loaded: the server holds no second copy.
+    with open("/proc/self/maps") as f:
+        assert path not in f.read()
+    # Any safetensors reader opens it.
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["version"] == "3"
+        assert torch.equal(f.get_tensor("flat"), trained.flat_params)
+
+
+def test_a_bf16_server_loads_an_fp32_file_converted(tmp_path, model_dir):
+    trained = _perturbed(model_dir, seed=1)
+    path = str(tmp_path / "v1.flat")
+    write_flat(trained.flat_params, trained.param_spec, path, 1)
+    served = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16)
+    load_flat(served.flat_params, served.param_spec, path, 1)
+    assert served.flat_params.dtype == torch.bfloat16
+    assert torch.equal(served.flat_params, trained.flat_params.to(torch.bfloat16))
+
+
+def test_a_wrong_version_or_layout_is_refused_and_the_model_keeps_its_weights(tmp_path, model_dir):
+    trained = _perturbed(model_dir, seed=2)
+    path = str(tmp_path / "v5.flat")
+    write_flat(trained.flat_params, trained.param_spec, path, 5)
+    served = ReaLModel.from_hf(model_dir)
+    before = served.flat_params.clone()
+    with pytest.raises(FlatFileError, match="holds weight version 5, not the 6 asked for"):
+        load_flat(served.flat_params, served.param_spec, path, 6)
+    other = make_tiny_hf_model("qwen3", tmp_path / "qwen3", seed=1)
+    q3 = ReaLModel.from_hf(other)
+    with pytest.raises(FlatFileError, match="its layout is not this model's"):
+        load_flat(q3.flat_params, q3.param_spec, path, 5)
+    assert torch.equal(served.flat_params, before)
+
+
+def test_truncated_foreign_and_missing_files_are_named(tmp_path, model_dir):
+    m = ReaLModel.from_hf(model_dir)
+    path = str(tmp_path / "v1.flat")
+    write_flat(m.flat_params, m.param_spec, path, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+    with pytest.raises(FlatFileError, match="ends 100 bytes early"):
+        load_flat(m.flat_params, m.param_spec, path, 1)
+    # A plain safetensors file (e.g. an HF weight file) is not a flat file.
+    foreign = tmp_path / "model.safetensors"
+    text = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    foreign.write_bytes(len(text).to_bytes(8, "little") + text + b"\0" * 4)
+    with pytest.raises(FlatFileError, match="is not a flat weight file"):
+        load_flat(m.flat_params, m.param_spec, str(foreign), 1)
+    with pytest.raises(FlatFileError, match="cannot read the flat weight file"):
+        load_flat(m.flat_params, m.param_spec, str(tmp_path / "absent.flat"), 1)
