@@ -24,6 +24,7 @@ the file root).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import getpass
 import json
 import os
@@ -160,6 +161,10 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
         print(f"{name}: {e}", file=sys.stderr)
         return 2
     os.makedirs(run_dir, exist_ok=True)
+    # weight_sync=shm versions are memory until deleted: none of a killed run's stays, and
+    # none of this one outlives it (a resumed run publishes its version again).
+    shm = constants.weight_shm_root(experiment, trial, fileroot)
+    shutil.rmtree(shm, ignore_errors=True)
     # Written before anything runs, so a run that fails still records the
     # config it failed with; a recovered attempt reuses the same directory.
     with open(os.path.join(run_dir, "config.yaml"), "w") as f:
@@ -168,7 +173,7 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
     t0 = time.monotonic()
     status, code, error = "finished", 0, None
     # One console for every attempt: a relaunch continues the same progress view.
-    with RunConsole(name, run_dir) as console:
+    with _removed_at_exit(shm), RunConsole(name, run_dir) as console:
         for attempt in range(attempts):
             try:
                 experiment_cfg = first_build if attempt == 0 else qs.build(cfg)
@@ -227,6 +232,14 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
     else:
         print(f"{name}: " + ("stopped on request after" if code else "finished in") + f" {took}")
     return code
+
+
+@contextlib.contextmanager
+def _removed_at_exit(path: str):
+    try:
+        yield
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _defined_in_script(qs) -> Optional[str]:

@@ -259,6 +259,13 @@ def estimate(cfg, exp: ExperimentConfig) -> List[ProcessEstimate]:
             terms = dict.fromkeys(TERMS, 0)
             terms["runtime"] = RUNTIME_OTHER
             out.append(ProcessEstimate(kind, len(workers), terms))
+    trainers = exp.workers.get("model_worker") or []
+    for spec in trainers[0].models if trainers else []:
+        if spec.publish_weights and spec.weight_sync == "shm":
+            # Files in /dev/shm are memory: the version servers hold and the next one.
+            terms = dict.fromkeys(TERMS, 0)
+            terms["weights"] = 2 * Shape.of(spec.path).n_params * DTYPE_BYTES[spec.dtype]
+            out.append(ProcessEstimate("shm weight files", 1, terms, f"2 versions of {spec.role}"))
     return out
 
 

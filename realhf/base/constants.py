@@ -31,6 +31,7 @@ The default name-resolve root is ``{fileroot}/name_resolve`` (see
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import pathlib
 import re
@@ -299,6 +300,13 @@ def weight_publication_root(experiment: Optional[str] = None, trial: Optional[st
     )
 
 
+def _check_version_key(role: str, version: int) -> None:
+    if not role or "/" in role:
+        raise ValueError(f"role must be a non-empty name without '/', got {role!r}.")
+    if not isinstance(version, int) or version < 0:
+        raise ValueError(f"version must be a non-negative int, got {version!r}.")
+
+
 def weight_publication_dir(
     role: str,
     version: int,
@@ -309,11 +317,42 @@ def weight_publication_dir(
 
     ``{fileroot}/.cache/{experiment}/{trial}/weights/{role}/v{version}``.
     """
-    if not role or "/" in role:
-        raise ValueError(f"role must be a non-empty name without '/', got {role!r}.")
-    if not isinstance(version, int) or version < 0:
-        raise ValueError(f"version must be a non-negative int, got {version!r}.")
+    _check_version_key(role, version)
     return os.path.join(weight_publication_root(experiment, trial), role, f"v{version}")
+
+
+#: Where ``weight_sync=shm`` puts weight files: a memory file system every process of the
+#: host sees (``REALHF_SHM_DIR`` overrides it).
+SHM_DIR = "/dev/shm"
+
+
+def weight_shm_root(
+    experiment: Optional[str] = None, trial: Optional[str] = None, fileroot: Optional[str] = None
+) -> str:
+    """``/dev/shm/realhf-{hash of the fileroot}/{experiment}/{trial}``: the versions a run
+    with ``weight_sync=shm`` publishes (one file each), and the only place its generation
+    servers map weights from.  The hash keeps runs of different file roots (users, test
+    sessions) apart in the host-wide ``/dev/shm``.  Its files are memory: the gserver
+    manager deletes old versions after each update, and the run deletes the directory when
+    it ends."""
+    base = os.environ.get("REALHF_SHM_DIR", SHM_DIR)
+    root = os.path.abspath(fileroot or get_fileroot())
+    key = hashlib.sha256(root.encode()).hexdigest()[:12]
+    return os.path.join(
+        base, f"realhf-{key}", experiment or experiment_name(), trial or trial_name()
+    )
+
+
+def weight_shm_path(
+    role: str,
+    version: int,
+    experiment: Optional[str] = None,
+    trial: Optional[str] = None,
+) -> str:
+    """The flat weight file of version ``version`` of ``role`` under :func:`weight_shm_root`
+    (see :mod:`realhf.impl.model.conversion.flat_file`)."""
+    _check_version_key(role, version)
+    return os.path.join(weight_shm_root(experiment, trial), role, f"v{version}.flat")
 
 
 def name_resolve_root() -> str:

@@ -42,6 +42,7 @@ from realhf.api.core.registry import (
 )
 from realhf.api.core.rollout_config import (
     SCHEDULE_POLICIES,
+    WEIGHT_SYNC_MODES,
     GenerationServerConfig,
     GserverManagerConfig,
     RolloutWorkerConfig,
@@ -180,6 +181,16 @@ class AsyncPPOMathConfig(PPOMathConfig):
             "each resumable after a weight update"
         },
     )
+    weight_sync: str = field(
+        default="disk",
+        metadata={
+            "help": "how new weights reach the generation servers: 'disk' (a HuggingFace "
+            "directory per version under the run's cache; any backend, any host) or 'shm' "
+            "(one flat file per version in /dev/shm that each built-in server maps and "
+            "copies: several times faster at real model sizes; trainer and servers on one "
+            "host, mode=local)"
+        },
+    )
     flush_request_timeout: float = field(
         default=300.0,
         metadata={
@@ -263,6 +274,10 @@ class AsyncPPOMathConfig(PPOMathConfig):
             raise ValueError(
                 f"max_concurrent_rollouts must be >= 1 or empty, got {self.max_concurrent_rollouts}"
             )
+        if self.weight_sync not in WEIGHT_SYNC_MODES:
+            raise ValueError(
+                f"weight_sync={self.weight_sync!r}: use one of {', '.join(WEIGHT_SYNC_MODES)}"
+            )
         if not self.flush_request_timeout > 0:
             raise ValueError(
                 f"flush_request_timeout must be > 0 seconds, got {self.flush_request_timeout}"
@@ -316,6 +331,20 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=True)
     n_gen, layout = alloc.gen.data, alloc.train
     n_train = layout.world_size
+    if cfg.weight_sync == "shm":
+        # Its files live in this host's /dev/shm, and only the built-in engine maps them.
+        why = (
+            f"the {alloc.gen_backend} backend cannot map them (use allocation_mode=gen.*)"
+            if alloc.gen_backend in ("sglang", "vllm")
+            else f"mode={cfg.mode} may place servers on other hosts (use mode=local)"
+            if cfg.mode != "local"
+            else None
+        )
+        if why:
+            raise blocks.ExperimentSetupError(
+                f"weight_sync=shm puts each weight version in this host's /dev/shm, and {why}; "
+                "or use weight_sync=disk"
+            )
     actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
@@ -375,6 +404,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         weight_poll_interval_s=WEIGHT_POLL_INTERVAL_S,
         weight_update_timeout_s=cfg.flush_request_timeout,
         server_wait_timeout_s=cfg.worker_timeout,
+        weight_sync=cfg.weight_sync,
     )
     gconfig = dataclasses.replace(hp.gen, n=hp.group_size)
     rollout = RolloutWorkerConfig(
@@ -406,7 +436,10 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         manager_wait_timeout_s=cfg.worker_timeout,
         push_timeout_s=cfg.worker_timeout,
     )
-    models = model_specs(cfg, actor_path, publish_weights=True)
+    models = [
+        dataclasses.replace(m, weight_sync=cfg.weight_sync) if m.publish_weights else m
+        for m in model_specs(cfg, actor_path, publish_weights=True)
+    ]
     worker, master = blocks.trainer_workers(
         cfg,
         alloc,

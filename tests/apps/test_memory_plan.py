@@ -81,6 +81,16 @@ def test_generation_servers_and_other_processes_are_counted():
     )
 
 
+def test_weight_files_in_shared_memory_are_counted_for_the_host():
+    # /dev/shm is memory: the served version and the next one, in the trainer's dtype.
+    _, cfg, exp = _build("async-ppo-math", "weight_sync=shm", "actor.dtype=bfloat16")
+    est = memory_plan.estimate(cfg, exp)
+    files = _worker(est, "shm weight files")
+    assert files.total == 2 * memory_plan.Shape.of(TINY_MODEL).n_params * 2
+    _, cfg, exp = _build("async-ppo-math")
+    assert "shm weight files" not in {e.kind for e in memory_plan.estimate(cfg, exp)}
+
+
 def test_a_run_that_cannot_fit_is_refused_with_the_options_that_would():
     qs, cfg, exp = _build("ppo-math", "train_batch_size=64", "ppo.group_size=8")
     need = memory_plan.host_total(memory_plan.estimate(cfg, exp))

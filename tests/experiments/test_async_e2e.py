@@ -20,6 +20,8 @@ import pytest
 import quickstart_runs
 from run_attacker import RunProbe
 
+from realhf.base import constants
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,13 +54,16 @@ def _check_trained(run, n_steps):
 
 
 def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
-    """Also the run's security, as a same-host attacker without its secret sees it (one run
-    serves both: a second would double this test's minutes): every socket of every process
-    listens on loopback, and forged ZMQ messages and unauthenticated control calls sent while
-    it trains change nothing."""
+    """Also the run's security, as a same-host attacker without its secret sees it, and
+    weights through shared memory (one run serves all three: another would add minutes):
+    every socket of every process listens on loopback, and forged ZMQ messages and
+    unauthenticated control calls sent while it trains change nothing."""
     evil = tmp_path / "pwned"
+    shm = constants.weight_shm_root("async-ppo-math", "run0", fileroot=str(tmp_path))
     proc = subprocess.Popen(
-        _cmd(tmp_path, "exp_ctrl.benchmark_steps=4", "exp_ctrl.eval_freq_steps=4"),
+        _cmd(
+            tmp_path, "exp_ctrl.benchmark_steps=4", "exp_ctrl.eval_freq_steps=4", "weight_sync=shm"
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -92,14 +97,17 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
         for s, e in zip(b["version_start"], b["version_end"])
         for vs, ve in zip(s, e)
     )
-    # the trainer published every version; the manager pushes the newest it sees (two quick
-    # versions coalesce into one push), in increasing order. With eta=1 the step-4 batch was
-    # generated at version >= 2, so a mid-run push of version 2 or 3 must have happened.
-    pub = tmp_path / ".cache" / "async-ppo-math" / "run0" / "weights" / "actor"
-    assert (pub / "v4" / "config.json").exists()
+    # The manager pushes the newest version it sees (two quick versions coalesce into one
+    # push), in increasing order. With eta=1 the step-4 batch was generated at version >= 2,
+    # so a mid-run push of version 2 or 3 must have happened.  weight_sync=shm: no version
+    # went through the disk, and none is left in /dev/shm.
     log = (run / "logs" / "gserver_manager_0.log").read_text()
-    pushed = [int(v) for v in re.findall(r"weights of version (\d+) on 1 servers", log)]
+    pushed = re.findall(r"weights of version (\d+) on 1 servers in \S+ \(weight_sync=(\w+)\)", log)
+    assert {mode for _, mode in pushed} == {"shm"}, pushed
+    pushed = [int(v) for v, _ in pushed]
     assert pushed == sorted(set(pushed)) and {2, 3} & set(pushed), pushed
+    assert not (tmp_path / ".cache" / "async-ppo-math" / "run0" / "weights").exists()
+    assert not os.path.exists(shm), os.listdir(shm)
 
 
 def _check_attacks_changed_nothing(run, probe, evil):

@@ -410,3 +410,22 @@ def test_generation_servers_reserve_the_kv_the_run_can_ask_for(tmp_path):
     assert s.max_running_requests == 256 and s.context_length == 32768  # the caps
     s = server("gen_server.max_running_requests=3", "gen_server.context_length=77")
     assert (s.max_running_requests, s.context_length) == (3, 77)
+
+
+def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_where_it_cannot_work():
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+
+    def build(*args):
+        return build_async_ppo_math(parse_config(AsyncPPOMathConfig, list(args)))
+
+    exp = build("weight_sync=shm")
+    assert exp.workers["gserver_manager"][0].weight_sync == "shm"
+    actor = next(m for m in exp.workers["model_worker"][0].models if m.role == "actor")
+    assert actor.publish_weights and actor.weight_sync == "shm"
+    assert build().workers["gserver_manager"][0].weight_sync == "disk"
+    with pytest.raises(ValueError, match="weight_sync='nvlink': use one of disk, shm"):
+        build("weight_sync=nvlink")
+    with pytest.raises(blocks.ExperimentSetupError, match="the vllm backend cannot map them"):
+        build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1")
+    with pytest.raises(blocks.ExperimentSetupError, match="mode=slurm may place servers"):
+        build("weight_sync=shm", "mode=slurm")

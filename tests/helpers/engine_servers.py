@@ -57,7 +57,7 @@ def engine_server(model_dir, load_weights=None, weights_root="/") -> ServerThrea
             model, cfg, eos_token_ids=[EOS], pad_token_id=PAD, load_weights=load_weights
         )
     engine.start()
-    srv = ServerThread(create_app(engine, weights_root=weights_root)).start()
+    srv = ServerThread(create_app(engine, weights_root=weights_root, shm_root=weights_root)).start()
     srv.engine = engine
     return srv
 

@@ -23,6 +23,7 @@ from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef, build_graph
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.api.core.registry import DatasetAbstraction, InterfaceAbstraction
+from realhf.api.core.rollout_config import WeightSync
 from realhf.api.wandb_args import WandbConfig
 from realhf.base.config_checks import Checks
 
@@ -56,6 +57,10 @@ class ModelSpec:
         publish_weights: after each ``train_step`` of this role write an HF directory to
             ``constants.weight_publication_dir(role, version)`` and set
             ``names.model_version(exp, trial, role)`` (for generation servers).
+        weight_sync: how ``publish_weights`` publishes (a
+            :class:`~realhf.api.core.rollout_config.WeightSync` or its name): ``disk``, the HF
+            directory above; ``shm``, a flat weight file at
+            ``constants.weight_shm_path(role, version)`` (generation servers on this host).
         offload: keep the weights in host memory between this role's MFCs and bring them
             to the device around each call (a reference or frozen reward model that is idle
             most of a step).  Only for roles that are not trainable; on CPU workers the
@@ -71,10 +76,14 @@ class ModelSpec:
     optimizer: Optional[OptimizerConfig] = None
     gradient_checkpointing: bool = False
     publish_weights: bool = False
+    weight_sync: WeightSync = WeightSync.DISK
     offload: bool = False
 
     def __post_init__(self):
         ck = Checks("ModelSpec")
+        object.__setattr__(
+            self, "weight_sync", ck.enum("weight_sync", self.weight_sync, WeightSync)
+        )
         if not isinstance(self.role, str) or not self.role or any(ch in self.role for ch in "/@ "):
             raise ck.bad(
                 "role",

@@ -27,10 +27,12 @@ import torch
 
 from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, Model
+from realhf.api.core.rollout_config import WeightSync
 from realhf.api.core.worker_api import ModelWorkerConfig
 from realhf.base import constants, name_resolve, names, seeding
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
+from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism import ParallelGrid, load_model
 from realhf.impl.model.parallelism.model import GridHooks
@@ -274,25 +276,38 @@ class RoleWeights:
         return grid is not None and grid.dp_rank == 0
 
     def publish(self, role: str, version: int) -> None:
-        """Write ``role``'s weights as the HF directory of ``version`` for the generation
-        servers and name it under ``names.model_version``."""
-        # The directory is renamed into place complete, then the version key names it, so a
-        # generation server that sees the key never loads a half-written directory.
+        """Write ``role``'s weights as ``version`` for the generation servers (a HF
+        directory, or with ``weight_sync=shm`` a flat file in shared memory) and name it
+        under ``names.model_version``."""
+        # The weights are moved into place complete, then the version key names them, so a
+        # generation server that sees the key never loads half a version.
         if self.writes_weights(role):
-            final = constants.weight_publication_dir(role, version)
-            tmp = final + ".tmp"
+            if self.specs[role].weight_sync == WeightSync.SHM:
+                self._publish_flat(role, version)
+            else:
+                self._publish_hf(role, version)
             if self.layouts.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            self.modules[role].save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
-            if self.layouts.rank == 0:
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
                 name_resolve.add(
                     names.model_version(self.experiment_name, self.trial_name, role),
                     str(version),
                     replace=True,
                 )
         self.versions[role] = version
+
+    def _publish_hf(self, role: str, version: int) -> None:
+        final = constants.weight_publication_dir(role, version)
+        tmp = final + ".tmp"
+        if self.layouts.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.modules[role].save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
+        if self.layouts.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+
+    def _publish_flat(self, role: str, version: int) -> None:
+        # The servers hold single-device models: a sharded home layout gathers the whole
+        # model onto its rank 0, which writes (a collective over the replica, as save_hf).
+        write_model(self.modules[role], constants.weight_shm_path(role, version), version)
 
     def publish_all(self, version: int) -> None:
         """Publish every role with ``publish_weights`` as ``version``."""

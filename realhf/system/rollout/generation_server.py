@@ -16,8 +16,10 @@ keepalive TTL (so the gserver manager stops routing to it soon after it dies).  
 running it checks that the backend is alive (a dead backend fails the worker, naming it) and
 ends (COMPLETED) when ``names.experiment_status`` leaves RUNNING.  Weight updates and
 pauses come from the gserver manager over HTTP, with the run's token; the server loads
-weights from under ``weights_root`` only (the run's publication directory by default), and
-its generation routes want ``api_key`` (see :class:`GenerationServerConfig`).
+weights from under ``weights_root`` only (the run's publication directory by default) and,
+the built-in engine with ``weight_sync=shm``, flat files from the run's
+:func:`~realhf.base.constants.weight_shm_root` only; its generation routes want
+``api_key`` (see :class:`GenerationServerConfig`).
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ class GenerationServer(Worker):
             max_concurrent_requests=config.max_concurrent_requests,
             weights_root=self._weights_root(config),
             api_keys=generation_api_keys(config.api_key, host),
+            shm_root=constants.weight_shm_root(self.experiment_name, self.trial_name),
         )
         url = self._serve(app, host, config)
         freeze_startup_objects()  # the collector walks only what serving makes

@@ -33,7 +33,7 @@ from typing import Callable, Dict, List, Optional
 import aiohttp
 
 from realhf.api.core.rollout_api import ScheduleRequest
-from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
+from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy, WeightSync
 from realhf.base import logging
 from realhf.impl.model.gen.weight_update import ServerGone, WeightUpdateError, update_server
 from realhf.system.rollout.manager.routing import (
@@ -97,7 +97,8 @@ class ServerPool:
     Args:
         config: the manager's settings (policy, timeouts, health limits).
         discover: returns the URLs servers registered.
-        weight_dir: the HF directory holding weight version ``v``.
+        weight_dir: where weight version ``v`` is published (a HF directory, or a flat file
+            in shared memory with ``config.weight_sync=shm``).
     """
 
     def __init__(
@@ -314,11 +315,17 @@ class ServerPool:
     async def update_weights(self, version: int) -> None:
         """Bring every live server to ``version`` (pause, update, continue)."""
         path = self.weight_dir(version)
-        if not os.path.isdir(path):
+        shm = self.config.weight_sync == WeightSync.SHM
+        if not (os.path.isfile(path) if shm else os.path.isdir(path)):
             raise FileNotFoundError(
-                f"weight version {version} was published but {path!r} is not a directory; "
-                "the trainer and the servers must share that file system (in a run: "
-                "constants.weight_publication_dir)"
+                f"weight version {version} was published but {path!r} is not a "
+                + (
+                    "file; with weight_sync=shm the trainer and the servers must run on one "
+                    "host (in a run: constants.weight_shm_path)"
+                    if shm
+                    else "directory; the trainer and the servers must share that file system "
+                    "(in a run: constants.weight_publication_dir)"
+                )
             )
         async with self._lock:
             t0 = time.monotonic()
@@ -349,7 +356,7 @@ class ServerPool:
             self.version = version
         logger.info(
             f"weights of version {version} on {len(targets)} servers "
-            f"in {time.monotonic() - t0:.2f}s"
+            f"in {time.monotonic() - t0:.2f}s (weight_sync={self.config.weight_sync})"
         )
         self._prune(version)
 
@@ -363,6 +370,7 @@ class ServerPool:
                 path,
                 self.config.weight_update_timeout_s,
                 self.healthy,
+                self.config.weight_sync,
             )
             s.version = version
         finally:
@@ -380,3 +388,6 @@ class ServerPool:
             path = self.weight_dir(v)
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
+            elif os.path.isfile(path):
+                # A server still mapping it keeps its pages until it unmaps.
+                os.remove(path)

@@ -83,7 +83,7 @@ class GserverManager:
         config: the manager's settings.
         progress: where the trainer stands (version, trained samples).
         discover: returns the URLs registered by generation servers.
-        weight_dir: the HF directory holding weight version ``v``.
+        weight_dir: where weight version ``v`` is published (see ``ServerPool``).
         clock: monotonic seconds for leases (tests pass a fake).
 
     All methods run on one event loop: :meth:`start`, then the HTTP handlers and

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Optional
 
-from realhf.api.core.rollout_config import GserverManagerConfig
+from realhf.api.core.rollout_config import GserverManagerConfig, WeightSync
 from realhf.base import constants, name_resolve, names
 from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.system.rollout.manager.service import ManagerService
@@ -45,7 +45,11 @@ class GserverManagerWorker(Worker):
             config,
             progress,
             discover=lambda: name_resolve.get_subtree(names.gen_servers(exp, trial)),
-            weight_dir=lambda v: constants.weight_publication_dir(role, v, exp, trial),
+            weight_dir=lambda v: (
+                constants.weight_shm_path(role, v, exp, trial)
+                if config.weight_sync == WeightSync.SHM
+                else constants.weight_publication_dir(role, v, exp, trial)
+            ),
         )
         # Admission starts once the trainer says where it starts (names.trainer_start):
         # a resumed trainer has trained samples already, and indices must continue there.

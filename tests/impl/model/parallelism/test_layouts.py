@@ -6,7 +6,8 @@ loads the same HuggingFace checkpoints into its layout (``load_model``), runs th
 greedy and seeded sampled generation and one optimizer step, and saves what it computed.
 The test process computes the same on one device and compares: logits, log-probs and values
 to 1e-5, generated tokens exactly, gradients and the stepped weights (shards put back
-together) to 1e-5, and ``save_hf`` from the layout to the single-device save. Layouts
+together) to 1e-5, and ``save_hf`` and the flat weight file of ``weight_sync=shm`` from the
+layout to the single-device save. Layouts
 marked ``z`` train with ZeRO-1 (each replica steps its shard of the optimizer state); their
 ``.grad`` is not averaged as a whole, so only their stepped weights are compared.
 
@@ -35,6 +36,7 @@ from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.base import shutdown
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
+from realhf.impl.model.conversion.flat_file import load_flat, write_model
 from realhf.impl.model.interface.offline_generation import generate_offline
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.parallelism import ParallelGrid, load_model
@@ -156,7 +158,9 @@ def _rank_main(args) -> None:
                 items = _replica_items(grid.dp_rank, grid.dp_size)
                 out = _compute(model, critic, grid, items, zero_stage)
                 if grid.dp_rank == 0:  # replicas are identical; one writes
-                    model.save_hf(os.path.join(args.out_dir, f"{layout_str}-{name}-saved"))
+                    saved = os.path.join(args.out_dir, f"{layout_str}-{name}-saved")
+                    model.save_hf(saved)
+                    write_model(model, saved + ".flat", version=3)  # weight_sync=shm
                 out["coord"] = tuple(grid.coord)
                 results[f"{layout_str}/{name}"] = out
     finally:
@@ -233,6 +237,9 @@ def _check_layout(layout_str, name, ranks, ref, cfg: ReaLModelConfig, saved_dir)
     saved = ReaLModel.from_hf(saved_dir)
     for pname, p in saved.named_parameters():
         _close(p.detach(), ref["weights"][pname], f"{layout_str} {name} save_hf {pname}")
+    # What a generation server maps with weight_sync=shm: the same weights, bit for bit.
+    assert load_flat(saved.flat_params.zero_(), saved.param_spec, saved_dir + ".flat", 3) == 3
+    assert torch.equal(saved.flat_params, ReaLModel.from_hf(saved_dir).flat_params), layout_str
 
 
 @pytest.mark.slow

@@ -33,7 +33,9 @@ from realhf.api.core.rollout_api import (
 from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
 from realhf.base.net import network
 from realhf.base.net.http_server import auth_headers
+from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen.weight_update import WeightUpdateError
+from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.system.rollout.manager import server_pool
 from realhf.system.rollout.manager.client import ManagerClient
 from realhf.system.rollout.manager.routing import NoServerAvailable
@@ -218,12 +220,22 @@ def dirs(tmp_path_factory):
     return two_model_versions(tmp_path_factory.mktemp("gsm"))
 
 
-def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp_path):
+@pytest.mark.parametrize("sync", ["disk", "shm"])
+def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp_path, sync):
     servers = [engine_server(dirs["v0"]) for _ in range(2)]
+    # where version v is published (tmp_path stands in for /dev/shm)
+    where = (
+        (lambda v: str(tmp_path / f"v{v}.flat"))
+        if sync == "shm"
+        else (lambda v: str(tmp_path / f"v{v}"))
+    )
     weights = {}
     for v in (1, 2):  # the trainer publishes v1 (model b) then v2 (model a again)
-        weights[v] = str(tmp_path / f"v{v}")
-        shutil.copytree(dirs["v1" if v == 1 else "v0"], weights[v])
+        src, weights[v] = dirs["v1" if v == 1 else "v0"], where(v)
+        if sync == "shm":
+            write_model(ReaLModel.from_hf(src), weights[v], v)
+        else:
+            shutil.copytree(src, weights[v])
     progress = Progress()
     cfg = GserverManagerConfig(
         n_servers=2,
@@ -231,10 +243,9 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
         health_check_interval_s=0.2,
         server_wait_timeout_s=30,
         keep_weight_versions=1,
+        weight_sync=sync,
     )
-    m = GserverManager(
-        cfg, progress, lambda: [s.url for s in servers], lambda v: str(tmp_path / f"v{v}")
-    )
+    m = GserverManager(cfg, progress, lambda: [s.url for s in servers], where)
     service = ManagerService(m).start(60)
     try:
         prompt = (7, 8, 9)
@@ -251,7 +262,7 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
         while service.call(lambda: m.version) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert all(generate_greedy(s.url, prompt, 6) == ref_a for s in servers)
-        assert not os.path.exists(weights[1]) and os.path.isdir(weights[2])
+        assert not os.path.exists(weights[1]) and os.path.exists(weights[2])
         service.check()
     finally:
         service.stop()
