@@ -138,6 +138,37 @@ def scenarios() -> List[Scenario]:
         out.append(
             Scenario(f"async-2x-kill-{w}-mid", "async-ppo-math", "kill", "partial", w, args=args)
         )
+    out += []
+    # A server killed, hung or slow while it loads new weights, for each way of sending them:
+    # it waits slow_update seconds in every load (logging it), and the harness strikes then.
+    # The other server finishes the update; the run goes on; the lost one is replaced and
+    # joins at the current version.
+    for sync in ("disk", "shm"):
+        slow = {"REALHF_FAULTS": "generation_server/0:slow_update=2"}
+        sync_args = two + [f"weight_sync={sync}", "flush_request_timeout=15"]
+        out += [
+            Scenario(
+                f"async-2x-{fault}-server-in-update-{sync}",
+                "async-ppo-math",
+                fault,
+                "partial",
+                "generation_server",
+                point="update",
+                args=sync_args,
+                env=slow,
+            )
+            for fault in ("kill", "hang")
+        ]
+        out.append(
+            Scenario(
+                f"async-2x-slow-update-{sync}",
+                "async-ppo-math",
+                "env",
+                "rode out",
+                args=sync_args,
+                env=slow,
+            )
+        )
     out += [
         Scenario(
             "async-slow-server",
@@ -334,6 +365,29 @@ class _Run:
             return f.read()
 
 
+def _strike_in_update(run: _Run, timeout: float) -> str:
+    """Wait until server 0 starts a weight update after step 1 (its slow_update fault logs
+    each one as it starts waiting); 'in update' or 'not reached'."""
+    log = os.path.join(run.run_dir, "logs", "generation_server_0.log")
+
+    def updates() -> int:
+        try:
+            with open(log, errors="replace") as f:
+                return f.read().count("injected fault: update")
+        except OSError:
+            return 0
+
+    if not run.wait_step(1, timeout):
+        return "not reached"
+    seen = updates()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and run.proc.poll() is None:
+        if updates() > seen:
+            return "in update"
+        time.sleep(0.05)
+    return "not reached"
+
+
 def _strike_at_checkpoint(run: _Run, step: int, timeout: float) -> str:
     """Wait until the recover checkpoint of ``step`` is being written; 'in ckpt' or 'at step'."""
     tmp = os.path.join(run.run_dir, "checkpoints", "recover", f"step{step}.tmp")
@@ -377,6 +431,8 @@ def run_scenario(sc: Scenario, timeout: float = 420.0, keep: bool = False) -> di
         if sc.kind in ("kill", "hang"):
             if sc.point == "ckpt":
                 point_note = _strike_at_checkpoint(run, at, timeout)
+            elif sc.point == "update":
+                point_note = _strike_in_update(run, timeout)
             else:
                 point_note = "at step" if run.wait_step(at, timeout) else "not reached"
             victims = run.workers(sc.target)

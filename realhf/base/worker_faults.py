@@ -15,8 +15,12 @@ Faults of a generation server's HTTP app (:func:`wrap_asgi`):
 ``slow_generate=S``   every ``/generate`` answer is delayed by ``S`` seconds
 ``drop_generate=N``   every ``N``-th ``/generate`` call is cut off mid-response: the
                       status line goes out, then the connection is closed without a body
-``fail_update=N``     the first ``N`` ``/update_weights_from_disk`` calls answer 500
-                      ``{"success": false}`` and leave the weights as they were
+``fail_update=N``     the first ``N`` weight loads (``/update_weights_from_disk`` or
+                      ``/update_weights_from_shm``) answer 500 ``{"success": false}`` and
+                      leave the weights as they were
+``slow_update=S``     every weight load waits ``S`` seconds before it runs (a slow receiver;
+                      the server logs ``injected fault: update N delayed``, which a harness
+                      can strike on: the server is then paused, mid-update)
 
 Faults of the master worker:
 
@@ -42,7 +46,8 @@ ENV = "REALHF_FAULTS"
 KNOWN = {
     "slow_generate": "delay each /generate answer by this many seconds",
     "drop_generate": "cut off every N-th /generate answer mid-response",
-    "fail_update": "fail the first N /update_weights_from_disk calls with HTTP 500",
+    "fail_update": "fail the first N weight loads (/update_weights_from_*) with HTTP 500",
+    "slow_update": "delay each weight load (/update_weights_from_*) by this many seconds",
     "slow_checkpoint": "hold each recover checkpoint this many seconds before committing it",
 }
 
@@ -77,6 +82,9 @@ class InjectedDisconnect(ConnectionError):
     """Raised inside the app's send to cut a response off (the server closes the socket)."""
 
 
+#: the weight-update protocol's load steps (realhf.impl.model.gen.weight_update.LOAD_STEPS)
+_LOAD_ROUTES = ("/update_weights_from_disk", "/update_weights_from_shm")
+
 ASGIApp = Callable[[Dict, Callable[[], Awaitable[Dict]], Callable[[Dict], Awaitable[None]]], Any]
 
 
@@ -89,11 +97,17 @@ def wrap_asgi(app: ASGIApp, faults: Dict[str, float], who: str = "server") -> AS
 
     async def wrapped(scope, receive, send):
         path = scope.get("path", "") if scope.get("type") == "http" else ""
-        if path == "/update_weights_from_disk":
+        if path in _LOAD_ROUTES:
             counts["update"] += 1
             if counts["update"] <= faults.get("fail_update", 0):
                 await _answer_500(send, f"injected fault: update {counts['update']} fails")
                 return
+            delay = faults.get("slow_update", 0.0)
+            if delay:
+                logger.warning(
+                    f"{who}: injected fault: update {counts['update']} delayed {delay:g}s"
+                )
+                await asyncio.sleep(delay)
         if path != "/generate":
             await app(scope, receive, send)
             return

@@ -64,8 +64,15 @@ def test_the_injected_faults_reach_clients():
         calls.append("update")
         return {"success": True}
 
+    @app.post("/update_weights_from_shm")
+    async def update_shm():
+        calls.append("update_shm")
+        return {"success": True}
+
     wrapped = worker_faults.wrap_asgi(
-        app, {"slow_generate": 0.3, "drop_generate": 2, "fail_update": 1}, "test"
+        app,
+        {"slow_generate": 0.3, "drop_generate": 2, "fail_update": 1, "slow_update": 0.3},
+        "test",
     )
     srv = ServerThread(wrapped).start()
     try:
@@ -77,9 +84,14 @@ def test_the_injected_faults_reach_clients():
         assert requests.post(srv.url + "/generate", timeout=10).status_code == 200
         r = requests.post(srv.url + "/update_weights_from_disk", json={}, timeout=10)
         assert r.status_code == 500 and r.json()["success"] is False
+        t = time.monotonic()
         assert requests.post(srv.url + "/update_weights_from_disk", timeout=10).json() == {
             "success": True
         }
-        assert calls == ["generate"] * 3 + ["update"]  # the failed update never reached it
+        # Both load routes count as updates and wait slow_update seconds first.
+        assert requests.post(srv.url + "/update_weights_from_shm", timeout=10).status_code == 200
+        assert time.monotonic() - t >= 0.6
+        # the failed update never reached it
+        assert calls == ["generate"] * 3 + ["update", "update_shm"]
     finally:
         srv.stop()
