@@ -11,9 +11,12 @@ from safetensors import safe_open
 from tiny_models import make_tiny_hf_model
 
 from realhf.impl.model.conversion.flat_file import (
+    SPARE,
     FlatFileError,
     load_flat,
+    map_flat,
     read_header,
+    retire,
     write_flat,
     write_model,
 )
@@ -95,3 +98,47 @@ def test_truncated_foreign_and_missing_files_are_named(tmp_path, model_dir):
         load_flat(m.flat_params, m.param_spec, str(foreign), 1)
     with pytest.raises(FlatFileError, match="cannot read the flat weight file"):
         load_flat(m.flat_params, m.param_spec, str(tmp_path / "absent.flat"), 1)
+
+
+def test_a_retired_version_is_overwritten_by_the_next_write(tmp_path, model_dir):
+    # New pages cost more than the copy into them: the next version reuses the old file.
+    a, b = _perturbed(model_dir, seed=3), _perturbed(model_dir, seed=4)
+    v1, v2, v3 = (str(tmp_path / f"v{v}.flat") for v in (1, 2, 3))
+    write_model(a, v1, 1)
+    inode = os.stat(v1).st_ino
+    retire(v1)
+    assert sorted(os.listdir(tmp_path)) == [SPARE]
+    write_model(b, v2, 2)
+    assert sorted(os.listdir(tmp_path)) == ["v2.flat"] and os.stat(v2).st_ino == inode
+    served = ReaLModel.from_hf(model_dir)
+    assert load_flat(served.flat_params, served.param_spec, v2, 2) == 2
+    assert torch.equal(served.flat_params, b.flat_params)
+    # A spare of another size (another model) is fitted; only one spare is kept.
+    small = torch.arange(10, dtype=torch.float32)
+    spec = {"w": type(served.param_spec["0.wte.weight"])(0, (10,))}
+    write_flat(small, spec, v3, 3)
+    retire(v3)
+    retire(v2)  # replaces the spare
+    assert sorted(os.listdir(tmp_path)) == [SPARE]
+    write_flat(small, spec, v1, 4)
+    assert os.path.getsize(v1) == read_header(v1)["data_start"] + 40
+    out = torch.zeros(10)
+    load_flat(out, spec, v1, 4)
+    assert torch.equal(out, small)
+
+
+def test_a_model_can_serve_from_the_mapped_file_itself(tmp_path, model_dir):
+    trained = _perturbed(model_dir, seed=5)
+    path = str(tmp_path / "v1.flat")
+    write_model(trained, path, 1)
+    served = ReaLModel.from_hf(model_dir).eval()
+    served.use_flat(map_flat(path, served.param_spec, 1, served.flat_params.numel()))
+    ids, cu = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 5], dtype=torch.int32)
+    with torch.no_grad():
+        assert torch.equal(served(ids, cu), trained.eval()(ids, cu))
+    with open("/proc/self/maps") as f:
+        assert path in f.read()
+    with pytest.raises(FlatFileError, match="not the 2 asked for"):
+        map_flat(path, served.param_spec, 2)
+    with pytest.raises(ValueError, match="a flat buffer of"):
+        served.use_flat(torch.zeros(3))

@@ -12,6 +12,12 @@ one tensor, ``flat``: the flat buffer of a *single-device* ReaLModel of the mode
 parameter's name, offset and shape).  Any safetensors reader opens it.  The data starts on a
 page boundary, so a mapping of it is aligned for every dtype.
 
+Memory is the cost that matters here: a new file's pages must be allocated and zeroed by the
+kernel, which takes longer than copying the weights into them.  So a version nobody serves
+any more is not deleted but *retired* (:func:`retire`: renamed to ``spare.flat`` in its
+directory), and the next write takes the spare and overwrites it in place.  A directory
+holds at most one spare.
+
 Guarantees a server relies on:
 
 - a file is written under a temporary name and renamed complete, so a reader never maps a
@@ -33,10 +39,22 @@ import torch
 from realhf.impl.model.conversion.checkpoint import _SAFE_DTYPES
 from realhf.impl.model.nn.flat_param import ParamSpec
 
-__all__ = ["FORMAT", "FlatFileError", "write_model", "write_flat", "load_flat", "read_header"]
+__all__ = [
+    "FORMAT",
+    "SPARE",
+    "FlatFileError",
+    "write_model",
+    "write_flat",
+    "load_flat",
+    "map_flat",
+    "read_header",
+    "retire",
+]
 
 FORMAT = "realhf-flat-v1"
 _ALIGN = 4096  # the data starts on a page boundary
+#: the retired file of a directory, which the next write overwrites in place
+SPARE = "spare.flat"
 _DTYPE_NAMES = {v: k for k, v in _SAFE_DTYPES.items()}
 
 
@@ -55,7 +73,8 @@ def write_flat(
     file ``path`` holding weight version ``version``; returns the bytes written.
 
     The parent directory is made (mode 0700) if needed.  The file appears complete or not
-    at all (written as ``path.tmp-<pid>``, then renamed)."""
+    at all (written as ``path.tmp-<pid>``, then renamed).  A spare file in the directory
+    (:func:`retire`) is taken and overwritten instead of making a new one."""
     if flat.dtype not in _DTYPE_NAMES:
         raise TypeError(f"cannot write a flat buffer of dtype {flat.dtype}")
     flat = flat.detach().reshape(-1).cpu()
@@ -77,10 +96,19 @@ def write_flat(
     text = json.dumps(header, separators=(",", ":")).encode()
     # safetensors allows trailing spaces in the header: pad so the data is page-aligned.
     text += b" " * (-(8 + len(text)) % _ALIGN)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        # Claiming the spare is one rename: the manager may be retiring another version
+        # at the same moment, which then becomes the next spare.
+        os.rename(os.path.join(directory, SPARE), tmp)
+        mode = "r+b"
+    except FileNotFoundError:
+        mode = "wb"
+    try:
+        with open(tmp, mode) as f:
+            f.truncate(8 + len(text) + nbytes)  # a spare of another size: fit it
             f.write(len(text).to_bytes(8, "little"))
             f.write(text)
             if nbytes:
@@ -91,6 +119,14 @@ def write_flat(
             os.remove(tmp)
         raise
     return 8 + len(text) + nbytes
+
+
+def retire(path: str) -> None:
+    """Retire the flat file ``path``, a version nobody is to load any more: it becomes its
+    directory's spare (replacing an older spare, whose memory is then freed).  A server
+    still mapping it keeps reading it; one in service never is (the manager retires a
+    version only once every server it updated holds a newer one)."""
+    os.replace(path, os.path.join(os.path.dirname(path), SPARE))
 
 
 def write_model(model, path: str, version: int) -> Optional[int]:
@@ -134,17 +170,21 @@ def read_header(path: str) -> dict:
     return header
 
 
-def load_flat(
-    flat: torch.Tensor,
-    param_spec: Dict[str, ParamSpec],
+def map_flat(
     path: str,
+    param_spec: Dict[str, ParamSpec],
     version: Optional[int] = None,
-) -> int:
-    """Copy the flat file ``path`` into ``flat`` (a single-device model's buffer laid out by
-    ``param_spec``, any float dtype: the copy converts); returns the file's version.
+    numel: Optional[int] = None,
+) -> torch.Tensor:
+    """The flat file ``path`` as a 1-D tensor over a mapping of it (nothing is read yet;
+    the mapping lives as long as the tensor), after checking it against the caller:
 
     ``version``: the version the caller was told the file holds; another one is refused.
-    The file is mapped, not read: the copy reads its pages in place."""
+    ``param_spec`` / ``numel``: the layout and size of the caller's model.
+
+    The mapping is private: the tensor reads the file's pages in place (shared with every
+    other process mapping them), and a write to it would copy a page for this process
+    only, never changing the file."""
     header = read_header(path)
     meta, info = header["__metadata__"], header["flat"]
     got = int(meta["version"])
@@ -161,20 +201,29 @@ def load_flat(
             "must load the same architecture"
         )
     dtype = _SAFE_DTYPES.get(info["dtype"])
-    if dtype is None or info["shape"] != [flat.numel()]:
+    n = numel if numel is not None else sum(s.numel for s in param_spec.values())
+    if dtype is None or info["shape"] != [n]:
         raise FlatFileError(
-            f"{path}: holds {info['shape']} of {info['dtype']}, the model {flat.numel()} elements"
+            f"{path}: holds {info['shape']} of {info['dtype']}, the model {n} elements"
         )
-    if flat.numel() == 0:
-        return got
+    if n == 0:
+        return torch.empty(0, dtype=dtype)
     with open(path, "rb") as f:
-        # A private mapping: torch wants a writable buffer, and nothing is ever written.
+        # torch wants a writable buffer: a private mapping is one, and the file stays as is.
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    try:
-        src = torch.frombuffer(mm, dtype=dtype, count=flat.numel(), offset=header["data_start"])
-        with torch.no_grad():
-            flat.copy_(src)
-        del src
-    finally:
-        mm.close()
-    return got
+    return torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"])
+
+
+def load_flat(
+    flat: torch.Tensor,
+    param_spec: Dict[str, ParamSpec],
+    path: str,
+    version: Optional[int] = None,
+) -> int:
+    """Copy the flat file ``path`` into ``flat`` (a single-device model's buffer laid out by
+    ``param_spec``, any float dtype and device: the copy converts); returns the file's
+    version, checked as :func:`map_flat` does.  The copy reads the mapped pages in place."""
+    src = map_flat(path, param_spec, version, flat.numel())
+    with torch.no_grad():
+        flat.copy_(src)
+    return int(read_header(path)["__metadata__"]["version"]) if version is None else version

@@ -45,7 +45,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
-from realhf.impl.model.conversion.flat_file import load_flat
+from realhf.impl.model.conversion.flat_file import map_flat
 from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.cache_attention import (
     DecodeAttention,
@@ -467,9 +467,19 @@ class GenerationEngine:
         if cmd.flat_version is None:
             self._load_weights(self.model, cmd.path)
         else:
-            if getattr(self.model, "tp", LOCAL).distributed:
+            m = self.model
+            if getattr(m, "tp", LOCAL).distributed:
                 raise ValueError("a flat weight file loads into a single-device model only")
-            load_flat(self.model.flat_params, self.model.param_spec, cmd.path, cmd.flat_version)
+            # Outside inference mode: the mapping becomes the parameters' data.
+            with torch.inference_mode(False):
+                src = map_flat(cmd.path, m.param_spec, cmd.flat_version, m.flat_params.numel())
+                if src.dtype == m.flat_params.dtype and m.flat_params.device.type == "cpu":
+                    # Serve from the file's pages: no copy, and the servers of the host
+                    # share them.  The manager retires the file only once every server in
+                    # service holds a newer version.
+                    m.use_flat(src)
+                else:
+                    m.flat_params.copy_(src)
         self.weight_version += 1
         return self.weight_version
 

@@ -261,17 +261,29 @@ class ReaLModel(nn.Module):
     def _apply(self, fn, recurse=True):
         # Module._apply would convert each parameter separately and break the
         # views; convert the buffer once and re-point every parameter instead.
-        new_flat = fn(self.flat_params)
-        for name, p in self.named_parameters():
-            p.data = flat_view(new_flat, self.param_spec[name])
+        self.use_flat(fn(self.flat_params))
+        for p in self.parameters():
             # Grads are views of the TrainEngine's own flat buffer, not of this model's; a
             # converted grad is a loose tensor, which the engine copies back into its buffer
             # (TrainEngine._check_grad_views).
             if p.grad is not None:
                 p.grad = fn(p.grad)
-        self.flat_params = new_flat
         self._inv_freq_cache.clear()  # keyed by device, which may have changed
         return self
+
+    def use_flat(self, new_flat: torch.Tensor) -> None:
+        """Make ``new_flat`` (this model's layout, any dtype and device) the flat buffer:
+        every parameter becomes a view of it.  Nothing is copied; the old buffer is freed
+        when nothing else holds it.  A generation server serves a flat weight file in
+        shared memory this way (:func:`~realhf.impl.model.conversion.flat_file.map_flat`)."""
+        if new_flat.dim() != 1 or new_flat.numel() != self.flat_params.numel():
+            raise ValueError(
+                f"a flat buffer of {self.flat_params.numel()} elements is needed, got "
+                f"{tuple(new_flat.shape)}"
+            )
+        for name, p in self.named_parameters():
+            p.data = flat_view(new_flat, self.param_spec[name])
+        self.flat_params = new_flat
 
     # ---- forward ---------------------------------------------------------
 

@@ -35,6 +35,7 @@ import aiohttp
 from realhf.api.core.rollout_api import ScheduleRequest
 from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy, WeightSync
 from realhf.base import logging
+from realhf.impl.model.conversion.flat_file import retire
 from realhf.impl.model.gen.weight_update import ServerGone, WeightUpdateError, update_server
 from realhf.system.rollout.manager.routing import (
     NoServerAvailable,
@@ -389,5 +390,5 @@ class ServerPool:
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             elif os.path.isfile(path):
-                # A server still mapping it keeps its pages until it unmaps.
-                os.remove(path)
+                # A flat file in shared memory: the trainer's next write reuses its pages.
+                retire(path)

@@ -370,6 +370,9 @@ def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_d
             from_disk
         )
         asyncio.run(_protocol_update(server.url, 7, path, "shm"))
+        # Same dtype, on the CPU: the server serves from the file's pages, copying nothing.
+        with open("/proc/self/maps") as f:
+            assert path in f.read()
         entries = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
         assert entries == from_disk
         ids = [e[1] for e in entries]
