@@ -405,6 +405,8 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         weight_update_timeout_s=cfg.flush_request_timeout,
         server_wait_timeout_s=cfg.worker_timeout,
         weight_sync=cfg.weight_sync,
+        # shm files are memory: once every server holds a version, the one before is freed
+        keep_weight_versions=1 if cfg.weight_sync == "shm" else 2,
     )
     gconfig = dataclasses.replace(hp.gen, n=hp.group_size)
     rollout = RolloutWorkerConfig(

@@ -419,7 +419,8 @@ def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_wher
         return build_async_ppo_math(parse_config(AsyncPPOMathConfig, list(args)))
 
     exp = build("weight_sync=shm")
-    assert exp.workers["gserver_manager"][0].weight_sync == "shm"
+    manager = exp.workers["gserver_manager"][0]
+    assert manager.weight_sync == "shm" and manager.keep_weight_versions == 1
     actor = next(m for m in exp.workers["model_worker"][0].models if m.role == "actor")
     assert actor.publish_weights and actor.weight_sync == "shm"
     assert build().workers["gserver_manager"][0].weight_sync == "disk"
