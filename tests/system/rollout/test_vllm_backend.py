@@ -184,8 +184,10 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
 
         # a killed vLLM fails the worker, naming it, and what it left is removed at once
         # (the launcher may SIGKILL the worker to restart it: no exit hook then)
+        # vLLM's ipc sockets are in a private directory
         rpc_dir = w.vllm.rpc_dir
-        assert rpc_dir is not None and os.path.isdir(rpc_dir)
+        assert rpc_dir is not None and os.listdir(rpc_dir)
+        assert stat.S_IMODE(os.stat(rpc_dir).st_mode) == 0o700
         w.vllm.process.kill()
         w.vllm.process.wait(30)
         assert requests.get(url + "/health", timeout=10).status_code == 503
@@ -476,9 +478,10 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(os.path.join(ASSETS, name), v0)
     v1 = _perturbed_copy(v0, tmp_path / "v1", seed=3)
+    # single_process: about half the start-up (the default's processes are the test above's)
     cfg = vllm_backend.VLLMConfig(
         model_path=v0, port=network.find_free_port(host="127.0.0.1"), max_model_len=128,
-        num_threads=1,
+        num_threads=1, single_process=True,
     )  # fmt: skip
     server = vllm_backend.VLLMServer(cfg, python=vllm_python, log_path=str(tmp_path / "v.log"))
     server.start(health_timeout=240)
@@ -496,8 +499,8 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
                 logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
                 ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
                 assert torch.allclose(lps, ref, atol=1e-3) is close, (path, lps, ref)
-        # vLLM's ipc sockets are in a private directory, which stop() removes
-        assert os.listdir(server.rpc_dir) and stat.S_IMODE(os.stat(server.rpc_dir).st_mode) == 0o700
+        # a private directory for vLLM's ipc sockets (none in one process), which stop() removes
+        assert stat.S_IMODE(os.stat(server.rpc_dir).st_mode) == 0o700
     finally:
         adapter.stop()
         server.stop()
