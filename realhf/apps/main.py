@@ -236,10 +236,17 @@ def run(name: str, cfg, timeout: Optional[float] = None, imports: Sequence[str] 
 
 @contextlib.contextmanager
 def _removed_at_exit(path: str):
+    """Remove the run's shared-memory directory ``{base}/realhf-{key}/{exp}/{trial}`` at
+    exit, and its parents while they are empty."""
     try:
         yield
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        for parent in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+            try:
+                os.rmdir(parent)
+            except OSError:  # another run's, or absent
+                break
 
 
 def _defined_in_script(qs) -> Optional[str]:

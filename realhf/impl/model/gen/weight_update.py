@@ -46,7 +46,9 @@ weights under the old version (rule 1's window: between a schedule and the pause
 (:func:`~realhf.base.net.http_server.auth_headers`) and a server answers 401 without it.  A
 server loads only directories under its publication root (:func:`allowed_weight_path`; in a
 run :func:`~realhf.base.constants.weight_publication_root`): even a holder of the token cannot
-make it read, say, another user's checkpoint it happens to be able to read.
+make it read, say, another user's checkpoint it happens to be able to read.  Flat files
+(``shm``) likewise load only from under the run's directory in shared memory
+(:func:`~realhf.base.constants.weight_shm_root`).
 """
 
 from __future__ import annotations
