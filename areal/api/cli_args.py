@@ -40,6 +40,13 @@ class InferenceEngineConfig:
     wait_timeout_s: float = field(
         default=600.0, metadata={"help": "seconds wait() may take for a batch before failing"}
     )
+    weight_sync: str = field(
+        default="disk",
+        metadata={
+            "help": "how upload_weights reaches the servers: 'disk' (a HF directory) or 'shm' "
+            "(a flat file in /dev/shm the servers map; built-in servers on this host)"
+        },
+    )
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import TrainEngine as _Backend
+from realhf.impl.model.conversion import flat_file
 
 __all__ = ["TrainEngine", "InferenceEngine"]
 
@@ -49,6 +50,7 @@ class TrainEngine:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"TrainEngine: '{path}' is not a HuggingFace model directory")
         self.path = path
+        self._last_flat: Optional[str] = None  # the flat weight file of the last upload
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # CPU here; with CUDA, this process's GPU (torchrun's LOCAL_RANK).
         self.device = "cpu"
@@ -90,14 +92,28 @@ class TrainEngine:
 
     def upload_weights(self, engine: "InferenceEngine", path: str) -> None:
         """Save the weights to ``path`` and make ``engine`` generate with them, as version
-        :attr:`version` (rank 0 saves; every rank waits until it is written)."""
+        :attr:`version` (rank 0 saves; every rank waits until it is written).
+
+        With an engine whose ``weight_sync`` is ``shm``, ``path`` is a flat weight file in
+        shared memory (under the servers' ``shm_root``): written once, mapped by the
+        servers; the file of the version before is then retired, and the next upload
+        reuses its memory."""
         import torch.distributed as dist
 
-        self.save(path)
+        shm = getattr(engine, "weight_sync", "disk") == "shm"
+        first = not dist.is_initialized() or dist.get_rank() == 0
+        if shm and first:
+            flat_file.write_model(self.module, path, self.version)
+        elif not shm:
+            self.save(path)
         if dist.is_initialized():
             dist.barrier()
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if first:
             engine.update_weights(path, self.version)
+            if shm:
+                last, self._last_flat = self._last_flat, path
+                if last is not None and last != path and os.path.exists(last):
+                    flat_file.retire(last)
 
     def save(self, path: str) -> None:
         """A HuggingFace directory of the current weights (with the tokenizer), written

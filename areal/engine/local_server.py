@@ -45,6 +45,8 @@ class LocalGenerationServer:
             in the temporary directory.
         weights_root: the directory the caller saves weight versions under; the server
             loads updates from there only (None: it takes no weight updates).
+        shm_root: the directory (in /dev/shm) flat weight files are written under
+            (``weight_sync=shm``); the server maps them from there only.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class LocalGenerationServer:
         start_timeout_s: float = 120.0,
         weights_root: Optional[str] = None,
         log_path: Optional[str] = None,
+        shm_root: Optional[str] = None,
     ):
         self.max_running_requests = max_running_requests
         self.model_dir = model_dir
@@ -63,6 +66,7 @@ class LocalGenerationServer:
         self.context_length = context_length
         self.start_timeout_s = start_timeout_s
         self.weights_root = weights_root
+        self.shm_root = shm_root
         self.log_path = log_path
         self.server: Optional[ServerProcess] = None
         self.url = ""
@@ -86,6 +90,8 @@ class LocalGenerationServer:
             cmd += ["--num-threads", str(self.num_threads)]
         if self.weights_root:
             cmd += ["--weights-root", os.path.abspath(self.weights_root)]
+        if self.shm_root:
+            cmd += ["--shm-root", os.path.abspath(self.shm_root)]
         auth.run_secret()  # made now if this process has none: the child inherits it
         url = f"http://127.0.0.1:{port}"
         log = self.log_path or os.path.join(

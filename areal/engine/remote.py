@@ -39,7 +39,7 @@ from realhf.api.core.rollout_api import (
     ScheduleReply,
     ScheduleRequest,
 )
-from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
+from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy, WeightSync
 from realhf.base import logging
 from realhf.system.rollout.manager.server_pool import ServerPool
 from realhf.system.rollout.partial_rollout import PartialRolloutManager
@@ -78,6 +78,7 @@ class RemoteInferenceEngine(InferenceEngine):
         weight_update_timeout_s: float = 300.0,
         server_wait_timeout_s: float = 120.0,
         health_check_interval_s: float = 1.0,
+        weight_sync: WeightSync | str = WeightSync.DISK,
     ):
         urls = list(urls)
         if not urls:
@@ -91,6 +92,7 @@ class RemoteInferenceEngine(InferenceEngine):
             server_wait_timeout_s=server_wait_timeout_s,
             health_check_interval_s=health_check_interval_s,
             keep_weight_versions=None,  # the caller owns its weight directories
+            weight_sync=weight_sync,
         )
         # Built (and its arguments checked) before anything starts.
         self.partial = PartialRolloutManager(
@@ -124,12 +126,19 @@ class RemoteInferenceEngine(InferenceEngine):
         ``request_timeout_s``; its other fields are the ``WorkflowExecutor``'s); ``kwargs``
         as in the constructor.  A script passes its config here, so that no setting of it
         is dropped on the way (``request_timeout_s`` once was)."""
+        kwargs.setdefault("weight_sync", config.weight_sync)
         return cls(
             urls,
             new_tokens_per_chunk=config.new_tokens_per_chunk,
             request_timeout_s=config.request_timeout_s,
             **kwargs,
         )
+
+    @property
+    def weight_sync(self) -> WeightSync:
+        """How :meth:`update_weights` expects its ``path``: a HF directory (``disk``) or a
+        flat weight file in shared memory (``shm``)."""
+        return self.config.weight_sync
 
     @property
     def version(self) -> int:
@@ -140,7 +149,8 @@ class RemoteInferenceEngine(InferenceEngine):
         return await self.partial.generate_group(f"lite-{next(self._rids)}", req)
 
     def update_weights(self, path: str, version: int) -> None:
-        """Pause, load ``path``, continue every live server; they then run ``version``."""
+        """Pause, load ``path`` (see :attr:`weight_sync`), continue every live server; they
+        then run ``version``."""
         if version <= self.version:
             raise ValueError(
                 f"update_weights: version {version} is not newer than the servers' "

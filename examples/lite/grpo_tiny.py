@@ -8,14 +8,17 @@ Rank 0 starts a generation server (the built-in engine, its own process) and a b
 rollout executor; every step it takes the next B trajectories (index order, each at most
 η = rollout.max_head_offpolicyness versions old) and shares them out over the ranks; each
 rank trains its part with realhf's ppo_actor (the quickstart's async GRPO settings); rank 0
-saves the weights and the server loads them. Metrics: {out_dir}/metrics.jsonl.
+saves the weights and the server loads them (``rollout.weight_sync=shm``: a flat file in
+/dev/shm the server maps, removed at the end). Metrics: {out_dir}/metrics.jsonl.
 """
 
 import dataclasses
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -67,11 +70,19 @@ def main():
     os.makedirs(cfg.out_dir, exist_ok=True)
     log = open(os.path.join(cfg.out_dir, "metrics.jsonl"), "w") if rank == 0 else None
     server = executor = engine = None
+    # Where upload_weights saves: HF directories, or with weight_sync=shm flat files in memory
+    shm = cfg.rollout.weight_sync == "shm"
+    weights_root = os.path.join(cfg.out_dir, "weights")
+    if shm:
+        box = [tempfile.mkdtemp(prefix="realhf-lite-", dir="/dev/shm") if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        weights_root = box[0]
     if rank == 0:  # one generation server and one executor for the whole job
         server = LocalGenerationServer(
             path,
             num_threads=max(1, (os.cpu_count() or 2) // 2),
-            weights_root=os.path.join(cfg.out_dir, "weights"),  # where upload_weights saves
+            weights_root=None if shm else weights_root,
+            shm_root=weights_root if shm else None,
         )
         url = server.__enter__()
         engine = RemoteInferenceEngine.from_config([url], cfg.rollout, seed=cfg.seed)
@@ -101,8 +112,8 @@ def main():
             if stale > eta:
                 raise RuntimeError(f"step {step}: a trajectory is {stale} versions old (eta={eta})")
             stats = algo.train_step(actor.model, mine, MicroBatchSpec())
-            weights = os.path.join(cfg.out_dir, "weights", f"v{step + 1}")
-            os.makedirs(os.path.dirname(weights), exist_ok=True)
+            weights = os.path.join(weights_root, f"v{step + 1}" + (".flat" if shm else ""))
+            os.makedirs(weights_root, exist_ok=True)
             if rank == 0:
                 executor.pause()  # no new episode until the servers run version step + 1
             actor.upload_weights(engine, weights)  # rank 0 saves, the servers load
@@ -130,6 +141,8 @@ def main():
             engine.close()
         if server is not None:
             server.__exit__()
+        if shm and rank == 0:
+            shutil.rmtree(weights_root, ignore_errors=True)
     dist.destroy_process_group()
 
 

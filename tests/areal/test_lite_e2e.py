@@ -39,14 +39,20 @@ def _run(tmp_path, nproc, *args):
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    return out, rows
+    return out, rows, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("nproc,turns", [(1, 1), (2, 3)])
-def test_lite_grpo_trains_within_the_bound_and_publishes_weights(tmp_path, nproc, turns):
-    out, rows = _run(tmp_path, nproc, f"max_turns={turns}")
+@pytest.mark.parametrize("nproc,turns,sync", [(1, 1, "disk"), (2, 3, "shm")])
+def test_lite_grpo_trains_within_the_bound_and_publishes_weights(tmp_path, nproc, turns, sync):
+    shm_before = set(os.listdir("/dev/shm"))
+    out, rows, log = _run(tmp_path, nproc, f"max_turns={turns}", f"rollout.weight_sync={sync}")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "eval/greedy_acc" in rows[0] and "eval/greedy_acc" in rows[-1]
     assert all(r["staleness_max"] <= 1 for r in rows[1:])
     assert all(r["loss"] is not None for r in rows[1:])
-    assert (out / "weights" / "v3" / "config.json").exists()
+    assert "weights of version 3 on 1 servers" in log and f"(weight_sync={sync})" in log
+    if sync == "disk":
+        assert (out / "weights" / "v3" / "config.json").exists()
+    else:  # flat files in /dev/shm, removed at the end
+        assert not (out / "weights").exists()
+        assert not [d for d in set(os.listdir("/dev/shm")) - shm_before if "realhf-lite" in d]
