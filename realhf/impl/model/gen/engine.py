@@ -478,8 +478,9 @@ class GenerationEngine:
                     # share them.  The manager retires the file only once every server in
                     # service holds a newer version.
                     m.use_flat(src)
-                else:
-                    m.flat_params.copy_(src)
+                else:  # another dtype or a device: one converting copy
+                    with torch.no_grad():
+                        m.flat_params.copy_(src)
         self.weight_version += 1
         return self.weight_version
 

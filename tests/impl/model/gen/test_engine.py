@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from realhf.api.core.gen_api import GenerateRequest, InvalidRequestError, SamplingParams
+from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen import EngineClosedError, EngineConfig, GenerationEngine
 from realhf.impl.model.gen.cache_attention import numba_available
 from realhf.impl.model.gen.loading import load_engine, special_token_ids
@@ -213,6 +215,29 @@ def test_update_weights_while_paused(model_dir, model_dir_b):
         assert eng.generate([req])[0].output_ids == after.output_ids  # still serving
     finally:
         eng.close()
+
+
+def test_a_bf16_engine_copies_an_fp32_flat_file_and_an_fp32_one_maps_it(
+    model_dir, model_dir_b, tmp_path
+):
+    trained = load(model_dir_b)
+    path = str(tmp_path / "v4.flat")
+    write_model(trained, path, 4)
+    for dtype in ("bfloat16", "float32"):
+        cfg = EngineConfig(max_running_requests=2, context_length=64, dtype=dtype)
+        eng = load_engine(model_dir, cfg).start()
+        try:
+            eng.pause()
+            assert eng.update_weights_from_shm(path, 4) == 1
+            eng.resume()
+            got = eng.model.flat_params
+            assert torch.equal(got, trained.flat_params.to(got.dtype))
+            with open("/proc/self/maps") as f:  # the mapping outlives the load only if served
+                assert (path in f.read()) == (dtype == "float32")
+        finally:
+            eng.close()
+        del eng, got
+        gc.collect()
 
 
 def test_abort_by_rid(make_engine):
