@@ -333,8 +333,8 @@ def weight_shm_root(
     with ``weight_sync=shm`` publishes (one file each), and the only place its generation
     servers map weights from.  The hash keeps runs of different file roots (users, test
     sessions) apart in the host-wide ``/dev/shm``.  Its files are memory: the gserver
-    manager deletes old versions after each update, and the run deletes the directory when
-    it ends."""
+    manager retires old versions after each update (the trainer's next write reuses one),
+    and the run deletes the directory when it ends."""
     base = os.environ.get("REALHF_SHM_DIR", SHM_DIR)
     root = os.path.abspath(fileroot or get_fileroot())
     key = hashlib.sha256(root.encode()).hexdigest()[:12]

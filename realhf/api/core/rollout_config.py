@@ -55,7 +55,7 @@ class WeightSync(enum.StrEnum):
     #: the trainer writes a HuggingFace directory; each server reads it (any backend, any host)
     DISK = "disk"
     #: the trainer writes one flat file into /dev/shm; each server on the host maps it and
-    #: copies it in one pass (the built-in engine; trainer and servers on one host)
+    #: serves from the mapping (the built-in engine; trainer and servers on one host)
     SHM = "shm"
 
 

@@ -356,10 +356,10 @@ class GenerationEngine:
         """Load the flat weight file ``path`` (``weight_sync=shm``), which must hold trained
         version ``version``, in place between two steps; returns the engine's new version.
 
-        The file is mapped and copied into the model's flat buffer in one pass
-        (:func:`~realhf.impl.model.conversion.flat_file.load_flat`); the model must be a
-        single-device ReaLModel of the file's architecture.  Pause first, as for
-        :meth:`update_weights_from_disk`.
+        The file is mapped (:func:`~realhf.impl.model.conversion.flat_file.map_flat`): a
+        model of the file's dtype on the CPU then serves from the mapping itself, any other
+        copies it into its buffer in one pass.  The model must be a single-device ReaLModel
+        of the file's architecture.  Pause first, as for :meth:`update_weights_from_disk`.
         """
         return self._command(_UpdateWeights(path=path, flat_version=int(version)), timeout)
 
