@@ -161,19 +161,26 @@ _SAFE_DTYPES = {
 }
 
 
+def read_safetensors_header(path: str) -> Tuple[dict, int]:
+    """The JSON header of the safetensors file ``path`` (``__metadata__`` included) and the
+    offset where its data starts: the format is an 8-byte little-endian length, the JSON,
+    then the data.  OSError if unreadable, ValueError if the length does not fit the file
+    or the header is not JSON."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 2 <= n <= os.path.getsize(path) - 8:
+            raise ValueError(f"header length {n} does not fit the file")
+        return json.loads(f.read(n)), 8 + n
+
+
 class SafetensorsFile:
     """One safetensors file, each tensor read into a fresh tensor on demand (not mapped:
     see the module docstring)."""
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= os.path.getsize(path) - 8:
-                raise ValueError(f"header length {n} does not fit the file")
-            header = json.loads(f.read(n))
+        header, self.data_start = read_safetensors_header(path)
         header.pop("__metadata__", None)
-        self.data_start = 8 + n
         self.header: Dict[str, dict] = header
 
     def keys(self) -> Iterable[str]:

@@ -32,11 +32,11 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from realhf.impl.model.conversion.checkpoint import _SAFE_DTYPES
+from realhf.impl.model.conversion.checkpoint import _SAFE_DTYPES, read_safetensors_header
 from realhf.impl.model.nn.flat_param import ParamSpec
 
 __all__ = [
@@ -144,29 +144,24 @@ def write_model(model, path: str, version: int) -> Optional[int]:
 
 
 def read_header(path: str) -> dict:
-    """The JSON header of the flat file ``path`` (with ``__metadata__``), checked for
-    being one; :class:`FlatFileError` otherwise."""
+    """The JSON header of the flat file ``path`` (with ``__metadata__``, and ``data_start``:
+    where its data begins), checked for being one; :class:`FlatFileError` otherwise."""
     try:
+        header, data_start = read_safetensors_header(path)
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= size - 8:
-                raise FlatFileError(f"{path}: header length {n} does not fit the file")
-            header = json.loads(f.read(n))
     except OSError as e:
         raise FlatFileError(f"cannot read the flat weight file {path}: {e}") from e
-    except ValueError as e:  # bad JSON
-        raise FlatFileError(f"{path}: the header is not JSON ({e})") from e
+    except ValueError as e:  # a length that does not fit, bad JSON
+        raise FlatFileError(f"{path}: not a readable safetensors header ({e})") from e
     meta = header.get("__metadata__") or {}
     if meta.get("format") != FORMAT or "flat" not in header:
         raise FlatFileError(
             f"{path} is not a flat weight file (format {meta.get('format')!r}, want {FORMAT!r})"
         )
-    info = header["flat"]
-    start, end = info["data_offsets"]
-    if 8 + n + end > size:
-        raise FlatFileError(f"{path}: the file ends {8 + n + end - size} bytes early")
-    header["data_start"] = 8 + n
+    end = header["flat"]["data_offsets"][1]
+    if data_start + end > size:
+        raise FlatFileError(f"{path}: the file ends {data_start + end - size} bytes early")
+    header["data_start"] = data_start
     return header
 
 
@@ -185,6 +180,26 @@ def map_flat(
     The mapping is private: the tensor reads the file's pages in place (shared with every
     other process mapping them), and a write to it would copy a page for this process
     only, never changing the file."""
+    return _mapped(path, param_spec, version, numel)[0]
+
+
+def load_flat(
+    flat: torch.Tensor,
+    param_spec: Dict[str, ParamSpec],
+    path: str,
+    version: Optional[int] = None,
+) -> int:
+    """Copy the flat file ``path`` into ``flat`` (a single-device model's buffer laid out by
+    ``param_spec``, any float dtype and device: the copy converts); returns the file's
+    version, checked as :func:`map_flat` does.  The copy reads the mapped pages in place."""
+    src, got = _mapped(path, param_spec, version, flat.numel())
+    with torch.no_grad():
+        flat.copy_(src)
+    return got
+
+
+def _mapped(path, param_spec, version, numel) -> Tuple[torch.Tensor, int]:
+    """:func:`map_flat`'s tensor and the file's version."""
     header = read_header(path)
     meta, info = header["__metadata__"], header["flat"]
     got = int(meta["version"])
@@ -207,23 +222,8 @@ def map_flat(
             f"{path}: holds {info['shape']} of {info['dtype']}, the model {n} elements"
         )
     if n == 0:
-        return torch.empty(0, dtype=dtype)
+        return torch.empty(0, dtype=dtype), got
     with open(path, "rb") as f:
         # torch wants a writable buffer: a private mapping is one, and the file stays as is.
         mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"])
-
-
-def load_flat(
-    flat: torch.Tensor,
-    param_spec: Dict[str, ParamSpec],
-    path: str,
-    version: Optional[int] = None,
-) -> int:
-    """Copy the flat file ``path`` into ``flat`` (a single-device model's buffer laid out by
-    ``param_spec``, any float dtype and device: the copy converts); returns the file's
-    version, checked as :func:`map_flat` does.  The copy reads the mapped pages in place."""
-    src = map_flat(path, param_spec, version, flat.numel())
-    with torch.no_grad():
-        flat.copy_(src)
-    return int(read_header(path)["__metadata__"]["version"]) if version is None else version
+    return torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"]), got
