@@ -9,12 +9,15 @@ other backend reduces the tensor where it is.
 
 from __future__ import annotations
 
+import datetime
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_device", "all_reduce_"]
+from realhf.base.net import network
+
+__all__ = ["reduce_device", "all_reduce_", "master_store"]
 
 
 def reduce_device(backend: str, device: torch.device) -> torch.device:
@@ -53,3 +56,22 @@ def all_reduce_(
     if on is not tensor:
         tensor.copy_(on)
     return tensor
+
+
+def master_store(host: str, timeout: float, world_size: Optional[int] = None) -> dist.TCPStore:
+    """A rendezvous ``TCPStore`` served by this process, listening on ``host`` only, at a port
+    the kernel picked (``store.port``).
+
+    TCPStore alone would listen on every interface.  Here the socket is bound and listening
+    before anyone learns its port, so no other process can take the port in between; the
+    store owns the socket from then on.  It does not wait for its clients."""
+    listener = network.listening_socket(host)
+    return dist.TCPStore(
+        host,
+        listener.getsockname()[1],
+        world_size,
+        is_master=True,
+        timeout=datetime.timedelta(seconds=timeout),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+    )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from realhf.base import logging, name_resolve, names
+from realhf.base.distributed.dist_util import master_store
 from realhf.base.net import network
 
 logger = logging.getLogger("process_group", "system")
@@ -79,19 +80,8 @@ def init_world(
     host = network.gethostip()
     _bind_gloo_to(host)
     if rank == 0:
-        # The store listens on this host's run address only (TCPStore alone would listen on
-        # every interface), and is listening before its port is published, so no other
-        # process can take the port in between.  The store owns the socket from here on.
-        listener = network.listening_socket(host)
-        store = dist.TCPStore(
-            host,
-            listener.getsockname()[1],
-            world_size,
-            is_master=True,
-            timeout=td,
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
+        # Listening on this host's run address only, before its port is published.
+        store = master_store(host, timeout, world_size)
         name_resolve.add(key, f"{host}:{store.port}", keepalive_ttl=address_ttl, replace=True)
     try:
         address = name_resolve.wait(key, timeout=timeout)
