@@ -1,0 +1,494 @@
+"""New weights from the trainer to the generation servers over a process group
+(``weight_sync=broadcast``).
+
+The trainer's writing rank runs one :class:`WeightSender`; each generation server's engine a
+:class:`WeightReceiver`.  After a training step the trainer *stages* the new version: one copy
+of its single-device flat buffer (a sharded layout gathers it first, as ``save_hf`` does),
+with one HMAC tag per bucket.  Each server then *pulls* it, as the load step of the
+weight-update protocol (:mod:`realhf.impl.model.gen.weight_update`), while it is paused:
+
+1. it asks the sender for version ``v`` over a ZMQ request that carries the run's MAC
+   (:mod:`realhf.base.net.auth`), naming its layout (a digest), its size and its *pair*;
+2. the sender answers, MAC'd too, with the dtype, the bucket size, where its rendezvous store
+   is and the tags, or refuses (another version staged, another layout): nothing is received;
+3. both join the pair — a two-rank gloo group (nccl when the buffers are on CUDA) made through
+   the sender's store under a random name that only the two MAC'd messages carried — or reuse
+   the one they made at an earlier update;
+4. the sender broadcasts a header, the flat buffer in buckets of ``bucket_bytes`` and a
+   trailer.  Each bucket lands in place in the server's flat buffer (or in a staging bucket
+   that is converted, when the dtypes differ), and its tag is checked while the next one
+   arrives.
+
+Why a pair per server, not one group of the trainer and every server: a collective stalls
+every member when one of them dies or hangs, and re-forming a group needs all its members.  A
+pair fails alone (every wait is bounded by ``timeout``; the sender aborts the pair and the
+other servers' transfers go on), and a replacement server makes its own pair without touching
+the others.  gloo broadcasts from one root by sending to each rank in turn anyway; with nccl a
+single group could use a ring, which matters only for many servers per trainer.
+
+Why pull, from a staged copy: a server can fetch the current version whenever it needs it (a
+replacement that joins mid-run, a retry), and the trainer never waits for a server: staging
+copies into the buffer of the last version, or into a new one while a transfer still reads the
+old.  The copy costs one version of the weights in the trainer's memory (as the ``shm`` file).
+
+What makes a half-received update impossible to serve: the receiver raises
+:class:`WeightSyncError` with ``partial=True`` once any byte has landed in the model's buffer
+and the update did not complete (a dead or hung sender, a bad tag, a wrong trailer); the
+engine then refuses to serve until an update succeeds.  The tags are HMACs under the run's
+secret: weights from anyone else are refused, not served.  On CUDA buffers there are no tags
+(hashing would copy the weights to the host): as with every nccl user, the stream is trusted
+once the pair is made.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from realhf.base import logging
+from realhf.base.distributed.dist_util import master_store
+from realhf.base.net import auth, network
+from realhf.impl.model.nn.flat_param import ParamSpec
+
+logger = logging.getLogger("weight_broadcast")
+
+__all__ = [
+    "BUCKET_BYTES",
+    "WeightSyncError",
+    "WeightSender",
+    "WeightReceiver",
+    "layout_digest",
+]
+
+#: bytes per broadcast: large enough that per-call costs vanish, small enough to convert
+#: through a staging buffer of this size when dtypes differ
+BUCKET_BYTES = 64 << 20
+KIND = b"weight-sync"  # the auth channel of the requests, answers and tags
+_MAGIC = 0x7265616C6866  # "realhf": the first word of every header and trailer
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class WeightSyncError(RuntimeError):
+    """A pull that failed.  ``partial``: bytes of it landed in the receiver's buffer (its
+    weights are neither the old nor the new version until an update succeeds)."""
+
+    def __init__(self, message: str, partial: bool = False):
+        super().__init__(message)
+        self.partial = partial
+
+
+def layout_digest(param_spec: Dict[str, ParamSpec]) -> str:
+    """A digest of a flat buffer's layout (every parameter's name, offset and shape): sender
+    and receiver must agree on it byte for byte."""
+    rows = [[n, s.offset, list(s.shape)] for n, s in sorted(param_spec.items(), key=lambda x: x[1])]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
+
+
+def _tag(version: int, index: int, chunk: torch.Tensor) -> bytes:
+    # The version and bucket index are in the MAC: a bucket of another version or position
+    # does not verify.
+    data = chunk.detach().view(torch.uint8).numpy()
+    return auth.mac_parts(KIND, struct.pack("<qq", version, index), data)
+
+
+def _buckets(numel: int, per: int) -> List[Tuple[int, int]]:
+    return [(a, min(a + per, numel)) for a in range(0, numel, per)] or [(0, 0)]
+
+
+def _pair_group(store, name: str, rank: int, host: str, timeout: float, backend: str):
+    """The two-rank group ``name`` through ``store``; this side listens on ``host``."""
+    prefixed = dist.PrefixStore(f"weight-pair/{name}", store)
+    td = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = td
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = td
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
+
+
+def _bcast(group, tensor: torch.Tensor, timeout: float) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout))
+
+
+def _drop(group) -> None:
+    try:
+        group.abort()  # closes its connections: the peer's pending op fails at once
+    except Exception:  # noqa: BLE001 — dropping a broken pair is best effort
+        pass
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    version: int
+    flat: torch.Tensor
+    layout: str
+    bucket_elems: int
+    tags: Optional[List[str]]
+    busy: int = 0  # transfers reading ``flat`` now
+
+
+class WeightSender:
+    """The trainer's side: stages versions, answers pulls, sends (see the module docstring).
+
+    ``address`` (``host:port``) is what servers are given to pull from.  ``timeout`` bounds
+    every wait of a transfer (joining a pair, each bucket); a transfer that exceeds it is
+    dropped, its pair aborted, and the failure logged naming the server.
+    """
+
+    def __init__(
+        self,
+        host: Optional[str] = None,
+        timeout: float = 60.0,
+        bucket_bytes: int = BUCKET_BYTES,
+    ):
+        self.host = host or network.gethostip()
+        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes
+        self._store = master_store(self.host, timeout)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://{self.host}:*")
+        port = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        self.address = f"{self.host}:{port}"
+        self._lock = threading.Lock()
+        self._snap: Optional[_Snapshot] = None
+        self._pairs: Dict[str, object] = {}
+        #: transfers finished / failed so far, and the last failure (for logs and tests)
+        self.sent = 0
+        self.failed = 0
+        self.last_failure: Optional[str] = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="weight-send")
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="weight-sender", daemon=True)
+        self._thread.start()
+        logger.info(f"weight sender at {self.address} (store port {self._store.port})")
+
+    # ---- staging ------------------------------------------------------------------
+
+    @property
+    def version(self) -> Optional[int]:
+        """The version servers can pull now (None before the first :meth:`stage`)."""
+        snap = self._snap
+        return None if snap is None else snap.version
+
+    def stage(self, flat: torch.Tensor, param_spec: Dict[str, ParamSpec], version: int) -> None:
+        """Make ``flat`` (a single-device model's buffer laid out by ``param_spec``) version
+        ``version``, the one servers pull from now on.  Never waits for a transfer: one still
+        reading the last version keeps its buffer, and this one gets a new buffer."""
+        flat = flat.detach().reshape(-1)
+        if str(flat.dtype).removeprefix("torch.") not in _DTYPES:
+            raise TypeError(f"cannot send a flat buffer of dtype {flat.dtype}")
+        with self._lock:
+            old, self._snap = self._snap, None  # nothing is sent from a half-copied buffer
+        if (
+            old is not None
+            and old.busy == 0
+            and old.flat.shape == flat.shape
+            and old.flat.dtype == flat.dtype
+            and old.flat.device == flat.device
+        ):
+            buf = old.flat
+        else:
+            buf = torch.empty_like(flat)
+        with torch.no_grad():
+            buf.copy_(flat)
+        per = max(1, self.bucket_bytes // flat.element_size())
+        tags = None
+        if buf.device.type == "cpu":
+            spans = _buckets(buf.numel(), per)
+            # hashlib releases the GIL on large buffers: two threads hash at twice the speed
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                tags = list(
+                    ex.map(
+                        lambda ia: _tag(version, ia[0], buf[ia[1][0] : ia[1][1]]).hex(),
+                        enumerate(spans),
+                    )
+                )
+        snap = _Snapshot(int(version), buf, layout_digest(param_spec), per, tags)
+        with self._lock:
+            self._snap = snap
+
+    # ---- serving ------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while not self._closing.is_set():
+            try:
+                if not self._sock.poll(200):
+                    continue
+                got = auth.recv(self._sock, KIND, "the weight sender's socket", n_prefix=1)
+            except zmq.ZMQError:
+                if self._closing.is_set():
+                    return
+                raise
+            if got is None:  # no MAC of this run: dropped (and counted) by auth.recv
+                continue
+            (ident,), body = got
+            try:
+                req = json.loads(bytes(body))
+                answer, snap = self._answer(req)
+            except Exception as e:  # noqa: BLE001 — a bad request is answered, not fatal
+                answer, snap = {"ok": False, "error": f"bad request: {e!r}"}, None
+            auth.send(self._sock, KIND, json.dumps(answer).encode(), prefix=[ident])
+            if snap is not None:
+                self._pool.submit(self._transfer, snap, req)
+
+    def _answer(self, req: dict) -> Tuple[dict, Optional[_Snapshot]]:
+        who = f"server {req.get('server')!r}"
+        if not req["new"] and req["pair"] not in self._pairs:
+            # The receiver kept a pair this side dropped (after a failed transfer): a
+            # rendezvous under the old name would meet stale keys in the store.
+            return {"ok": False, "new_pair": True, "error": f"{who}: pair unknown here"}, None
+        with self._lock:
+            snap = self._snap
+            if snap is None:
+                return {"ok": False, "error": "the trainer has staged no version yet"}, None
+            if req["version"] != snap.version:
+                return {
+                    "ok": False,
+                    "error": f"the trainer holds weight version {snap.version}, "
+                    f"not the {req['version']} asked for",
+                }, None
+            if req["layout"] != snap.layout or req["numel"] != snap.flat.numel():
+                return {
+                    "ok": False,
+                    "error": f"{who} has another layout than the trainer ({req['numel']} "
+                    f"elements, layout {req['layout'][:12]}; the trainer: "
+                    f"{snap.flat.numel()}, {snap.layout[:12]}): they must load the same "
+                    "architecture",
+                }, None
+            snap.busy += 1
+        answer = {
+            "ok": True,
+            "version": snap.version,
+            "numel": snap.flat.numel(),
+            "dtype": str(snap.flat.dtype).removeprefix("torch."),
+            "bucket_elems": snap.bucket_elems,
+            "tags": snap.tags,
+            "store": [self.host, self._store.port],
+            "backend": "nccl" if snap.flat.device.type == "cuda" else "gloo",
+        }
+        return answer, snap
+
+    def _transfer(self, snap: _Snapshot, req: dict) -> None:
+        name, who = req["pair"], f"server {req.get('server')!r}"
+        t0 = time.monotonic()
+        group = None
+        try:
+            group = self._pairs.get(name)
+            if group is None:
+                backend = "nccl" if snap.flat.device.type == "cuda" else "gloo"
+                group = _pair_group(self._store, name, 0, self.host, self.timeout, backend)
+                self._pairs[name] = group
+            spans = _buckets(snap.flat.numel(), snap.bucket_elems)
+            head = torch.tensor([_MAGIC, snap.version, snap.flat.numel(), len(spans)])
+            _bcast(group, head.to(snap.flat.device), self.timeout)
+            for a, b in spans:
+                _bcast(group, snap.flat[a:b], self.timeout)
+            _bcast(group, head.to(snap.flat.device), self.timeout)
+            self.sent += 1
+            logger.debug(f"sent version {snap.version} to {who} in {time.monotonic() - t0:.2f}s")
+        except Exception as e:  # noqa: BLE001 — one server's failure is its own
+            self._pairs.pop(name, None)
+            if group is not None:
+                _drop(group)
+            self.failed += 1
+            self.last_failure = (
+                f"sending weight version {snap.version} to {who} failed after "
+                f"{time.monotonic() - t0:.1f}s (timeout {self.timeout:g}s): {e}"
+            )
+            logger.warning(self.last_failure + "; its pair is dropped, the other servers go on")
+        finally:
+            with self._lock:
+                snap.busy -= 1
+
+    def close(self) -> None:
+        """Stop serving; transfers in flight are aborted."""
+        self._closing.set()
+        self._thread.join(timeout=5)
+        for g in list(self._pairs.values()):
+            _drop(g)
+        self._pairs.clear()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+class WeightReceiver:
+    """A generation server's side: pulls a version into its model's flat buffer.
+
+    ``name`` says who pulls (in the sender's logs); ``host`` is the address this side
+    listens on for its pairs (the one the sender can reach).  Keeps one pair per sender.
+    """
+
+    def __init__(self, name: str = "server", host: Optional[str] = None):
+        self.name = name
+        self.host = host or network.gethostip()
+        self._ctx = zmq.Context()
+        self._pairs: Dict[str, Tuple[str, object]] = {}
+
+    def receive(
+        self,
+        sender: str,
+        version: int,
+        flat: torch.Tensor,
+        param_spec: Dict[str, ParamSpec],
+        timeout: float = 60.0,
+    ) -> int:
+        """Pull ``version`` from the sender at ``sender`` (``host:port``) into ``flat`` (this
+        model's buffer, laid out by ``param_spec``; any float dtype: a different one is
+        converted); returns the bytes received.
+
+        Raises :class:`WeightSyncError`: ``partial=False`` when refused before anything was
+        received (``flat`` is unchanged), ``partial=True`` after.  Every wait is bounded by
+        ``timeout`` seconds."""
+        pair = self._pairs.get(sender)
+        req = {
+            "version": int(version),
+            "layout": layout_digest(param_spec),
+            "numel": flat.numel(),
+            "pair": pair[0] if pair is not None else secrets.token_hex(16),
+            "new": pair is None,
+            "server": self.name,
+        }
+        ans = self._ask(sender, req, timeout)
+        if pair is not None and ans.get("new_pair"):
+            # The sender dropped our pair (a transfer it saw fail): make a new one.
+            self._pairs.pop(sender, None)
+            _drop(pair[1])
+            pair = None
+            req.update(pair=secrets.token_hex(16), new=True)
+            ans = self._ask(sender, req, timeout)
+        name = req["pair"]
+        if not ans.get("ok"):
+            raise WeightSyncError(f"the weight sender at {sender} refused: {ans.get('error')}")
+        src_dtype = _DTYPES[ans["dtype"]]
+        if ans["backend"] == "nccl" and flat.device.type != "cuda":
+            raise WeightSyncError(
+                f"the weight sender at {sender} sends over nccl (its weights are on a GPU), "
+                "and this server's are on the CPU; use weight_sync=disk or shm"
+            )
+        try:
+            if pair is None:
+                host, port = ans["store"]
+                store = dist.TCPStore(
+                    host, int(port), None, False, datetime.timedelta(seconds=timeout)
+                )
+                group = _pair_group(store, name, 1, self.host, timeout, ans["backend"])
+                self._pairs[sender] = (name, group)
+            else:
+                group = pair[1]
+        except Exception as e:
+            raise WeightSyncError(f"joining the weight sender at {sender} failed: {e}") from e
+        try:
+            return self._receive(group, ans, src_dtype, version, flat, timeout)
+        except BaseException as e:
+            self._pairs.pop(sender, None)
+            _drop(group)
+            if isinstance(e, WeightSyncError):
+                raise
+            raise WeightSyncError(
+                f"receiving weight version {version} from {sender} failed: {e}", partial=True
+            ) from e
+
+    def _receive(self, group, ans, src_dtype, version, flat, timeout) -> int:
+        flat = flat.reshape(-1)
+        n, per, tags = flat.numel(), ans["bucket_elems"], ans["tags"]
+        spans = _buckets(n, per)
+        if tags is not None and len(tags) != len(spans):
+            raise WeightSyncError(f"{len(tags)} tags for {len(spans)} buckets")
+        head = torch.zeros(4, dtype=torch.int64, device=flat.device)
+        want = [_MAGIC, int(version), n, len(spans)]
+
+        def check_marker(what: str) -> None:
+            _bcast(group, head, timeout)
+            if head.tolist() != want:
+                raise WeightSyncError(f"bad {what} {head.tolist()}, expected {want}", partial=True)
+
+        check_marker("header")
+        in_place = src_dtype == flat.dtype
+        # Two staging buckets when converting: one is received while the other is checked
+        # and copied into place.
+        staging = (
+            []
+            if in_place
+            else [torch.empty(per, dtype=src_dtype, device=flat.device) for _ in range(2)]
+        )
+        pending: List[concurrent.futures.Future] = [None, None]  # type: ignore[list-item]
+
+        def land(i: int, buf: torch.Tensor, a: int, b: int) -> None:
+            if tags is not None and not hmac.compare_digest(_tag(version, i, buf).hex(), tags[i]):
+                raise WeightSyncError(f"bucket {i} failed its MAC check", partial=True)
+            if not in_place:
+                with torch.no_grad():
+                    flat[a:b].copy_(buf)
+
+        received = 0
+        with concurrent.futures.ThreadPoolExecutor(1) as checker:
+            try:
+                for i, (a, b) in enumerate(spans):
+                    # The check of bucket i - 2 must be done: it frees its staging buffer, and
+                    # it is the last moment to raise its failure.
+                    if pending[i % 2] is not None:
+                        pending[i % 2].result()
+                    buf = flat[a:b] if in_place else staging[i % 2][: b - a]
+                    _bcast(group, buf, timeout)
+                    received += buf.numel() * buf.element_size()
+                    pending[i % 2] = checker.submit(land, i, buf, a, b)
+                for f in pending:
+                    if f is not None:
+                        f.result()
+            except WeightSyncError:
+                raise
+            except Exception as e:
+                raise WeightSyncError(str(e), partial=True) from e
+        check_marker("trailer")
+        return received
+
+    def _ask(self, sender: str, req: dict, timeout: float) -> dict:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(f"tcp://{sender}")
+            auth.send(sock, KIND, json.dumps(req).encode())
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sock.poll(int(left * 1000)):
+                    raise WeightSyncError(
+                        f"the weight sender at {sender} did not answer within {timeout:g}s "
+                        "(is the trainer running, and has it published a version?)"
+                    )
+                got = auth.recv(sock, KIND, f"{self.name}'s socket to the weight sender")
+                if got is not None:  # else: not MAC'd by this run, dropped; keep waiting
+                    return json.loads(bytes(got[1]))
+        finally:
+            sock.close(0)
+
+    def close(self) -> None:
+        for _, g in self._pairs.values():
+            _drop(g)
+        self._pairs.clear()
+        self._ctx.term()

@@ -1,0 +1,148 @@
+"""``weight_sync=broadcast``: the trainer's weight sender and a server's receiver, over real
+gloo pairs on loopback (receivers in this process, or in a child process that dies or hangs
+mid-transfer)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from realhf.impl.model.comm import weight_broadcast as wb
+from realhf.impl.model.comm.weight_broadcast import (
+    WeightReceiver,
+    WeightSender,
+    WeightSyncError,
+)
+from realhf.impl.model.nn.flat_param import ParamSpec
+
+N = 300_000  # elements: 19 buckets of 64 KiB in fp32 with the bucket size below
+BUCKET = 64 << 10
+SPEC = {"a": ParamSpec(0, (1000, 100)), "b": ParamSpec(100_000, (200_000,))}
+HOST = "127.0.0.1"
+
+
+@pytest.fixture
+def sender():
+    s = WeightSender(host=HOST, timeout=5.0, bucket_bytes=BUCKET)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def receiver():
+    r = WeightReceiver("test-server", host=HOST)
+    yield r
+    r.close()
+
+
+def _weights(seed=0, dtype=torch.float32):
+    return torch.randn(N, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def test_a_pulled_version_equals_the_staged_one_and_the_pair_is_reused(sender, receiver):
+    w = _weights()
+    sender.stage(w, SPEC, 3)
+    w.zero_()  # staging copied it: the trainer goes on training its own buffer
+    dst = torch.zeros(N)
+    assert receiver.receive(sender.address, 3, dst, SPEC, timeout=10) == N * 4
+    assert torch.equal(dst, _weights())
+    sender.stage(_weights(1), SPEC, 4)
+    receiver.receive(sender.address, 4, dst, SPEC, timeout=10)
+    assert torch.equal(dst, _weights(1))
+    # One pair served both pulls.
+    assert sender.sent == 2 and len(sender._pairs) == 1 and sender.failed == 0
+
+
+def test_a_receiver_of_another_dtype_gets_the_weights_converted(sender, receiver):
+    sender.stage(_weights(dtype=torch.bfloat16), SPEC, 1)
+    dst = torch.zeros(N)  # fp32 server, bf16 trainer
+    receiver.receive(sender.address, 1, dst, SPEC, timeout=10)
+    assert torch.equal(dst, _weights(dtype=torch.bfloat16).float())
+
+
+def test_another_version_or_layout_is_refused_before_anything_is_received(sender, receiver):
+    dst = torch.full((N,), 7.0)
+    with pytest.raises(WeightSyncError, match="staged no version yet") as e:
+        receiver.receive(sender.address, 1, dst, SPEC, timeout=10)
+    sender.stage(_weights(), SPEC, 5)
+    with pytest.raises(WeightSyncError, match="holds weight version 5, not the 6 asked for") as e:
+        receiver.receive(sender.address, 6, dst, SPEC, timeout=10)
+    assert not e.value.partial
+    other = {"a": ParamSpec(0, (100, 1000)), "b": ParamSpec(100_000, (200_000,))}
+    with pytest.raises(WeightSyncError, match="another layout than the trainer") as e:
+        receiver.receive(sender.address, 5, dst, other, timeout=10)
+    assert not e.value.partial and bool((dst == 7.0).all())
+
+
+def test_a_bucket_that_fails_its_mac_is_refused_as_a_partial_update(sender, receiver):
+    sender.stage(_weights(), SPEC, 2)
+    sender._snap.tags[4] = "00" * 32  # what any other weights than the trainer's look like
+    dst = torch.zeros(N)
+    with pytest.raises(WeightSyncError, match="bucket 4 failed its MAC check") as e:
+        receiver.receive(sender.address, 2, dst, SPEC, timeout=10)
+    assert e.value.partial
+    # The broken pair is dropped on both sides; the next pull makes a new one and succeeds.
+    sender.stage(_weights(1), SPEC, 3)
+    receiver.receive(sender.address, 3, dst, SPEC, timeout=10)
+    assert torch.equal(dst, _weights(1))
+
+
+def test_no_sender_is_a_bounded_wait_that_says_what_it_waited_for(receiver):
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="did not answer within 1s"):
+        receiver.receive(f"{HOST}:9", 1, torch.zeros(N), SPEC, timeout=1)
+    assert time.monotonic() - t0 < 5
+
+
+def _die_after_the_header(address, mode, joined):
+    """A server that joins its pair, takes the header, then dies (SIGKILL) or hangs."""
+    r = WeightReceiver("doomed", host=HOST)
+    req = {
+        "version": 1,
+        "layout": wb.layout_digest(SPEC),
+        "numel": N,
+        "pair": "doomed-pair",
+        "new": True,
+        "server": "doomed",
+    }
+    ans = r._ask(address, req, 10)
+    assert ans["ok"], ans
+    store = torch.distributed.TCPStore(*ans["store"], None, False)
+    group = wb._pair_group(store, "doomed-pair", 1, HOST, 10, "gloo")
+    wb._bcast(group, torch.zeros(4, dtype=torch.int64), 10)
+    joined.set()
+    os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
+
+
+@pytest.mark.parametrize("mode", ["kill", "hang"])
+def test_a_server_that_dies_or_hangs_mid_transfer_is_dropped_alone(sender, receiver, mode):
+    sender.stage(_weights(), SPEC, 1)
+    ctx = mp.get_context("spawn")
+    joined = ctx.Event()
+    child = ctx.Process(target=_die_after_the_header, args=(sender.address, mode, joined))
+    child.start()
+    try:
+        assert joined.wait(60), "the doomed server never joined its pair"
+        # While the doomed transfer is stuck or broken, another server pulls, and the trainer
+        # stages the next version without waiting for it.
+        dst = torch.zeros(N)
+        receiver.receive(sender.address, 1, dst, SPEC, timeout=10)
+        assert torch.equal(dst, _weights())
+        t0 = time.monotonic()
+        sender.stage(_weights(2), SPEC, 2)
+        assert time.monotonic() - t0 < 2
+        deadline = time.monotonic() + 20
+        while sender.failed == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sender.failed == 1 and "'doomed'" in sender.last_failure
+        assert "doomed-pair" not in sender._pairs
+        receiver.receive(sender.address, 2, dst, SPEC, timeout=10)
+        assert torch.equal(dst, _weights(2))
+    finally:
+        child.kill()
+        child.join(10)
