@@ -143,7 +143,7 @@ def scenarios() -> List[Scenario]:
     # it waits slow_update seconds in every load (logging it), and the harness strikes then.
     # The other server finishes the update; the run goes on; the lost one is replaced and
     # joins at the current version.
-    for sync in ("disk", "shm"):
+    for sync in ("disk", "shm", "broadcast"):
         slow = {"REALHF_FAULTS": "generation_server/0:slow_update=2"}
         sync_args = two + [f"weight_sync={sync}", "flush_request_timeout=15"]
         out += [

@@ -43,8 +43,9 @@ class InferenceEngineConfig:
     weight_sync: str = field(
         default="disk",
         metadata={
-            "help": "how upload_weights reaches the servers: 'disk' (a HF directory) or 'shm' "
-            "(a flat file in /dev/shm the servers map; built-in servers on this host)"
+            "help": "how upload_weights reaches the servers: 'disk' (a HF directory), 'shm' "
+            "(a flat file in /dev/shm the servers map; built-in servers on this host) or "
+            "'broadcast' (built-in servers pull rank 0's copy over a process group)"
         },
     )
 

@@ -23,6 +23,7 @@ from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import TrainEngine as _Backend
+from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion import flat_file
 
 __all__ = ["TrainEngine", "InferenceEngine"]
@@ -51,6 +52,7 @@ class TrainEngine:
             raise FileNotFoundError(f"TrainEngine: '{path}' is not a HuggingFace model directory")
         self.path = path
         self._last_flat: Optional[str] = None  # the flat weight file of the last upload
+        self._sender: Optional[WeightSender] = None  # weight_sync=broadcast: servers pull here
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         # CPU here; with CUDA, this process's GPU (torchrun's LOCAL_RANK).
         self.device = "cpu"
@@ -97,12 +99,22 @@ class TrainEngine:
         With an engine whose ``weight_sync`` is ``shm``, ``path`` is a flat weight file in
         shared memory (under the servers' ``shm_root``): written once, mapped by the
         servers; the file of the version before is then retired, and the next upload
-        reuses its memory."""
+        reuses its memory.  With ``broadcast`` nothing is written and ``path`` is unused:
+        rank 0 stages a copy in its weight sender, and each server pulls it over a process
+        group (:mod:`realhf.impl.model.comm.weight_broadcast`)."""
         import torch.distributed as dist
 
-        shm = getattr(engine, "weight_sync", "disk") == "shm"
+        mode = getattr(engine, "weight_sync", "disk")
+        shm = mode == "shm"
         first = not dist.is_initialized() or dist.get_rank() == 0
-        if shm and first:
+        if mode == "broadcast":
+            full = flat_file.whole_model(self.module)
+            if first:
+                if self._sender is None:
+                    self._sender = WeightSender()
+                self._sender.stage(full.flat_params, full.param_spec, self.version)
+                path = self._sender.address
+        elif shm and first:
             flat_file.write_model(self.module, path, self.version)
         elif not shm:
             self.save(path)
@@ -114,6 +126,12 @@ class TrainEngine:
                 last, self._last_flat = self._last_flat, path
                 if last is not None and last != path and os.path.exists(last):
                     flat_file.retire(last)
+
+    def close(self) -> None:
+        """Stop the weight sender, if :meth:`upload_weights` started one."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def save(self, path: str) -> None:
         """A HuggingFace directory of the current weights (with the tokenizer), written

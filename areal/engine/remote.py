@@ -136,8 +136,9 @@ class RemoteInferenceEngine(InferenceEngine):
 
     @property
     def weight_sync(self) -> WeightSync:
-        """How :meth:`update_weights` expects its ``path``: a HF directory (``disk``) or a
-        flat weight file in shared memory (``shm``)."""
+        """How :meth:`update_weights` expects its ``path``: a HF directory (``disk``), a
+        flat weight file in shared memory (``shm``) or the ``host:port`` of the trainer's
+        weight sender (``broadcast``)."""
         return self.config.weight_sync
 
     @property

@@ -9,7 +9,8 @@ rollout executor; every step it takes the next B trajectories (index order, each
 η = rollout.max_head_offpolicyness versions old) and shares them out over the ranks; each
 rank trains its part with realhf's ppo_actor (the quickstart's async GRPO settings); rank 0
 saves the weights and the server loads them (``rollout.weight_sync=shm``: a flat file in
-/dev/shm the server maps, removed at the end). Metrics: {out_dir}/metrics.jsonl.
+/dev/shm the server maps, removed at the end; ``broadcast``: the server pulls them from rank
+0 over a process group). Metrics: {out_dir}/metrics.jsonl.
 """
 
 import dataclasses
@@ -113,7 +114,8 @@ def main():
                 raise RuntimeError(f"step {step}: a trajectory is {stale} versions old (eta={eta})")
             stats = algo.train_step(actor.model, mine, MicroBatchSpec())
             weights = os.path.join(weights_root, f"v{step + 1}" + (".flat" if shm else ""))
-            os.makedirs(weights_root, exist_ok=True)
+            if cfg.rollout.weight_sync != "broadcast":  # (pulled from rank 0: no files)
+                os.makedirs(weights_root, exist_ok=True)
             if rank == 0:
                 executor.pause()  # no new episode until the servers run version step + 1
             actor.upload_weights(engine, weights)  # rank 0 saves, the servers load
@@ -141,6 +143,7 @@ def main():
             engine.close()
         if server is not None:
             server.__exit__()
+        actor.close()
         if shm and rank == 0:
             shutil.rmtree(weights_root, ignore_errors=True)
     dist.destroy_process_group()

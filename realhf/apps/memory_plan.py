@@ -266,6 +266,12 @@ def estimate(cfg, exp: ExperimentConfig) -> List[ProcessEstimate]:
             terms = dict.fromkeys(TERMS, 0)
             terms["weights"] = 2 * Shape.of(spec.path).n_params * DTYPE_BYTES[spec.dtype]
             out.append(ProcessEstimate("shm weight files", 1, terms, f"2 versions of {spec.role}"))
+        elif spec.publish_weights and spec.weight_sync == "broadcast":
+            # The trainer's weight sender holds the version servers pull: one more copy (two
+            # for a moment if a transfer still reads the last one when the next is staged).
+            terms = dict.fromkeys(TERMS, 0)
+            terms["weights"] = Shape.of(spec.path).n_params * DTYPE_BYTES[spec.dtype]
+            out.append(ProcessEstimate("weight sender copy", 1, terms, f"in {spec.role}'s trainer"))
     return out
 
 

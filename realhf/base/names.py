@@ -162,6 +162,14 @@ def model_version(experiment_name: str, trial_name: str, model_role: str) -> str
     )
 
 
+def weight_sender(experiment_name: str, trial_name: str, model_role: str) -> str:
+    """``host:port`` of the trainer's weight sender of ``model_role``
+    (``weight_sync=broadcast``: generation servers pull new versions from it)."""
+    return (
+        f"{trial_root(experiment_name, trial_name)}/weight_sender/{_seg('model_role', model_role)}"
+    )
+
+
 def metrics(experiment_name: str, trial_name: str) -> str:
     """Root of metric-server entries (subentries)."""
     return f"{trial_root(experiment_name, trial_name)}/metrics"

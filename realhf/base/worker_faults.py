@@ -15,8 +15,8 @@ Faults of a generation server's HTTP app (:func:`wrap_asgi`):
 ``slow_generate=S``   every ``/generate`` answer is delayed by ``S`` seconds
 ``drop_generate=N``   every ``N``-th ``/generate`` call is cut off mid-response: the
                       status line goes out, then the connection is closed without a body
-``fail_update=N``     the first ``N`` weight loads (``/update_weights_from_disk`` or
-                      ``/update_weights_from_shm``) answer 500 ``{"success": false}`` and
+``fail_update=N``     the first ``N`` weight loads (``/update_weights_from_disk``,
+                      ``_shm`` or ``_broadcast``) answer 500 ``{"success": false}`` and
                       leave the weights as they were
 ``slow_update=S``     every weight load waits ``S`` seconds before it runs (a slow receiver;
                       the server logs ``injected fault: update N delayed``, which a harness
@@ -83,7 +83,11 @@ class InjectedDisconnect(ConnectionError):
 
 
 #: the weight-update protocol's load steps (realhf.impl.model.gen.weight_update.LOAD_STEPS)
-_LOAD_ROUTES = ("/update_weights_from_disk", "/update_weights_from_shm")
+_LOAD_ROUTES = (
+    "/update_weights_from_disk",
+    "/update_weights_from_shm",
+    "/update_weights_from_broadcast",
+)
 
 ASGIApp = Callable[[Dict, Callable[[], Awaitable[Dict]], Callable[[Dict], Awaitable[None]]], Any]
 

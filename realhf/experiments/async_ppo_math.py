@@ -185,10 +185,10 @@ class AsyncPPOMathConfig(PPOMathConfig):
         default="disk",
         metadata={
             "help": "how new weights reach the generation servers: 'disk' (a HuggingFace "
-            "directory per version under the run's cache; any backend, any host) or 'shm' "
-            "(one flat file per version in /dev/shm that each built-in server maps and "
-            "copies: several times faster at real model sizes; trainer and servers on one "
-            "host, mode=local)"
+            "directory per version under the run's cache; any backend, any host), 'shm' "
+            "(one flat file per version in /dev/shm that each built-in server maps: the "
+            "fastest; trainer and servers on one host, mode=local) or 'broadcast' (each "
+            "built-in server pulls the trainer's copy over a gloo/nccl pair; any host)"
         },
     )
     flush_request_timeout: float = field(
@@ -331,6 +331,12 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=True)
     n_gen, layout = alloc.gen.data, alloc.train
     n_train = layout.world_size
+    if cfg.weight_sync == "broadcast" and alloc.gen_backend in ("sglang", "vllm"):
+        raise blocks.ExperimentSetupError(
+            f"weight_sync=broadcast needs the built-in engine's pull of the trainer's copy, and "
+            f"the {alloc.gen_backend} backend has none (use allocation_mode=gen.*); or use "
+            "weight_sync=disk"
+        )
     if cfg.weight_sync == "shm":
         # Its files live in this host's /dev/shm, and only the built-in engine maps them.
         why = (

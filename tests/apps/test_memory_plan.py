@@ -89,6 +89,10 @@ def test_weight_files_in_shared_memory_are_counted_for_the_host():
     assert files.total == 2 * memory_plan.Shape.of(TINY_MODEL).n_params * 2
     _, cfg, exp = _build("async-ppo-math")
     assert "shm weight files" not in {e.kind for e in memory_plan.estimate(cfg, exp)}
+    # broadcast: the trainer's weight sender holds one copy
+    _, cfg, exp = _build("async-ppo-math", "weight_sync=broadcast")
+    copy = _worker(memory_plan.estimate(cfg, exp), "weight sender copy")
+    assert copy.total == memory_plan.Shape.of(TINY_MODEL).n_params * 4
 
 
 def test_a_run_that_cannot_fit_is_refused_with_the_options_that_would():

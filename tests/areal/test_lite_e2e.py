@@ -42,7 +42,7 @@ def _run(tmp_path, nproc, *args):
     return out, rows, r.stdout + r.stderr
 
 
-@pytest.mark.parametrize("nproc,turns,sync", [(1, 1, "disk"), (2, 3, "shm")])
+@pytest.mark.parametrize("nproc,turns,sync", [(1, 1, "disk"), (2, 3, "shm"), (2, 1, "broadcast")])
 def test_lite_grpo_trains_within_the_bound_and_publishes_weights(tmp_path, nproc, turns, sync):
     shm_before = set(os.listdir("/dev/shm"))
     out, rows, log = _run(tmp_path, nproc, f"max_turns={turns}", f"rollout.weight_sync={sync}")
@@ -53,6 +53,8 @@ def test_lite_grpo_trains_within_the_bound_and_publishes_weights(tmp_path, nproc
     assert "weights of version 3 on 1 servers" in log and f"(weight_sync={sync})" in log
     if sync == "disk":
         assert (out / "weights" / "v3" / "config.json").exists()
+    elif sync == "broadcast":  # pulled from rank 0's copy: nothing written
+        assert not (out / "weights").exists()
     else:  # flat files in /dev/shm, removed at the end
         assert not (out / "weights").exists()
         assert not [d for d in set(os.listdir("/dev/shm")) - shm_before if "realhf-lite" in d]

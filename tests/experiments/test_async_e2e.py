@@ -174,6 +174,9 @@ def test_killed_trainer_resumes_exactly(tmp_path):
             "eval=false",
             "recover_mode=auto",
             "recover_retries=1",
+            # Servers pull each version from the trainer's weight sender; the restarted
+            # trainer's new sender (a new address) is where they pull from after recovery.
+            "weight_sync=broadcast",
         ),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -210,6 +213,10 @@ def test_killed_trainer_resumes_exactly(tmp_path):
         if "the trainer starts at" in x
     ]
     assert resumed_at[0] == 0 and resumed_at[-1] in (2 * B, 4 * B, 6 * B)
+    after = manager[manager.rindex("the trainer starts at") :]
+    pushed = re.findall(r"weights of version \d+ on 1 servers in \S+ \(weight_sync=(\w+)\)", after)
+    assert pushed and set(pushed) == {"broadcast"}, after[-3000:]
+    assert set(re.findall(r"\(weight_sync=(\w+)\)", manager)) == {"broadcast"}
     rollout = (run / "logs" / "rollout_worker_0.log").read_text()
     assert "already trained are skipped" in rollout
 

@@ -430,3 +430,10 @@ def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_wher
         build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1")
     with pytest.raises(blocks.ExperimentSetupError, match="mode=slurm may place servers"):
         build("weight_sync=shm", "mode=slurm")
+    # broadcast works across hosts, with the built-in engine only
+    exp = build("weight_sync=broadcast", "mode=slurm")
+    assert exp.workers["gserver_manager"][0].weight_sync == "broadcast"
+    actor = next(m for m in exp.workers["model_worker"][0].models if m.role == "actor")
+    assert actor.publish_weights and actor.weight_sync == "broadcast"
+    with pytest.raises(blocks.ExperimentSetupError, match="the sglang backend has none"):
+        build("weight_sync=broadcast", "allocation_mode=sglang.d1p1m1+d1p1m1")

@@ -57,6 +57,9 @@ class WeightSync(enum.StrEnum):
     #: the trainer writes one flat file into /dev/shm; each server on the host maps it and
     #: serves from the mapping (the built-in engine; trainer and servers on one host)
     SHM = "shm"
+    #: each server pulls the trainer's staged copy over a two-rank process group (gloo;
+    #: nccl on GPUs) straight into its weights (the built-in engine; any host)
+    BROADCAST = "broadcast"
 
 
 #: the configurable names (the values of the enums above)
@@ -216,8 +219,9 @@ class GserverManagerConfig:
         keep_weight_versions: published weight versions kept after an update (older ones
             are deleted); None keeps all.
         weight_sync: how the trainer publishes versions, hence the load step of the update
-            (:class:`WeightSync` or its name): ``disk`` (HF directories) or ``shm`` (flat
-            files in shared memory).
+            (:class:`WeightSync` or its name): ``disk`` (HF directories), ``shm`` (flat
+            files in shared memory) or ``broadcast`` (pulled from the trainer's weight
+            sender over a process group).
         state_path: JSON file for the manager's counters (saved every
             ``state_save_interval_s`` and at exit, loaded when the trainer resumes from a
             recover checkpoint); None = ``{run_dir}/gserver_manager_state.json``.

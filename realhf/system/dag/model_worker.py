@@ -101,6 +101,7 @@ class ModelWorker(Worker):
     # also before configure or after a configure that raised half-way.
     server: Optional[ReplyServer] = None
     loader: Optional[Union[ShardLoader, TrajectoryStreamLoader]] = None
+    weights: Optional[RoleWeights] = None
 
     # ---- setup (worker_setup, worker_weights) -------------------------------
 
@@ -191,6 +192,8 @@ class ModelWorker(Worker):
         # tells for itself whether it was set up.
         if self.server is not None:
             self.server.close()
+        if self.weights is not None:
+            self.weights.close()
         if isinstance(self.loader, TrajectoryStreamLoader):
             self.loader.close()
         if dist.is_available() and dist.is_initialized():

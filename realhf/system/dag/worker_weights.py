@@ -32,7 +32,8 @@ from realhf.api.core.worker_api import ModelWorkerConfig
 from realhf.base import constants, name_resolve, names, seeding
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
-from realhf.impl.model.conversion.flat_file import write_model
+from realhf.impl.model.comm.weight_broadcast import WeightSender
+from realhf.impl.model.conversion.flat_file import whole_model, write_model
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism import ParallelGrid, load_model
 from realhf.impl.model.parallelism.model import GridHooks
@@ -117,6 +118,7 @@ class RoleWeights:
         self.initialized = False
         self.realloc_plans: Dict[Tuple[str, str, str], Any] = {}
         self.versions: Dict[str, int] = {}  # role -> last published version
+        self.senders: Dict[str, WeightSender] = {}  # role -> its sender (weight_sync=broadcast)
 
     # ---- loading ------------------------------------------------------------
 
@@ -277,13 +279,15 @@ class RoleWeights:
 
     def publish(self, role: str, version: int) -> None:
         """Write ``role``'s weights as ``version`` for the generation servers (a HF
-        directory, or with ``weight_sync=shm`` a flat file in shared memory) and name it
-        under ``names.model_version``."""
+        directory; with ``weight_sync=shm`` a flat file in shared memory; with ``broadcast``
+        a copy the role's weight sender serves) and name it under ``names.model_version``."""
         # The weights are moved into place complete, then the version key names them, so a
         # generation server that sees the key never loads half a version.
         if self.writes_weights(role):
             if self.specs[role].weight_sync == WeightSync.SHM:
                 self._publish_flat(role, version)
+            elif self.specs[role].weight_sync == WeightSync.BROADCAST:
+                self._publish_broadcast(role, version)
             else:
                 self._publish_hf(role, version)
             if self.layouts.rank == 0:
@@ -308,6 +312,28 @@ class RoleWeights:
         # The servers hold single-device models: a sharded home layout gathers the whole
         # model onto its rank 0, which writes (a collective over the replica, as save_hf).
         write_model(self.modules[role], constants.weight_shm_path(role, version), version)
+
+    def _publish_broadcast(self, role: str, version: int) -> None:
+        # Gathered as for _publish_flat; the sender lives on the rank that holds the whole
+        # model, and its address is named before the first version is.
+        full = whole_model(self.modules[role])
+        if full is None:
+            return
+        sender = self.senders.get(role)
+        if sender is None:
+            sender = self.senders[role] = WeightSender(timeout=min(self.config.timeout, 120.0))
+            name_resolve.add(
+                names.weight_sender(self.experiment_name, self.trial_name, role),
+                sender.address,
+                replace=True,
+            )
+        sender.stage(full.flat_params, full.param_spec, version)
+
+    def close(self) -> None:
+        """Stop the weight senders (servers can pull nothing more from this worker)."""
+        for sender in self.senders.values():
+            sender.close()
+        self.senders.clear()
 
     def publish_all(self, version: int) -> None:
         """Publish every role with ``publish_weights`` as ``version``."""

@@ -43,6 +43,7 @@ __all__ = [
     "FORMAT",
     "SPARE",
     "FlatFileError",
+    "whole_model",
     "write_model",
     "write_flat",
     "load_flat",
@@ -129,6 +130,13 @@ def retire(path: str) -> None:
     os.replace(path, os.path.join(os.path.dirname(path), SPARE))
 
 
+def whole_model(model):
+    """The single-device model of ``model`` (a ReaLModel, maybe one part of a sharded
+    layout): ``model`` itself on one device; on a sharded layout it is gathered onto the
+    replica's first rank (a collective: every rank must call it), and None on the others."""
+    return model.tp.gather_model(model) if model.tp.distributed else model
+
+
 def write_model(model, path: str, version: int) -> Optional[int]:
     """Write the whole of ``model`` (a ReaLModel, maybe one part of a sharded layout) as the
     flat file ``path`` of ``version``; returns the bytes written, None on the ranks that
@@ -137,7 +145,7 @@ def write_model(model, path: str, version: int) -> Optional[int]:
     On a sharded layout this is a collective over the model's ranks (every rank must call
     it): the whole single-device model is gathered onto the replica's first rank, which
     writes it, as ``save_hf`` does."""
-    full = model.tp.gather_model(model) if model.tp.distributed else model
+    full = whole_model(model)
     if full is None:
         return None
     return write_flat(full.flat_params, full.param_spec, path, version)

@@ -45,6 +45,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
+from realhf.impl.model.comm.weight_broadcast import WeightReceiver, WeightSyncError
 from realhf.impl.model.conversion.flat_file import map_flat
 from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.cache_attention import (
@@ -151,7 +152,12 @@ class _UpdateWeights(_Control):
     label: ClassVar[str] = "update_weights"
     path: str
     #: None: ``path`` is a HF directory; else a flat weight file that must hold this version
+    #: (or, with ``broadcast``, the version to pull)
     flat_version: Optional[int] = None
+    #: ``path`` is the address of the trainer's weight sender (``weight_sync=broadcast``)
+    broadcast: bool = False
+    #: bound on the broadcast's waits (seconds)
+    timeout_s: float = 60.0
 
 
 _Command = _Add | _Control
@@ -226,6 +232,9 @@ class GenerationEngine:
         self._closing = False
         self.paused = False
         self.weight_version = 0
+        #: why the weights are neither version (a pull that broke off), else None
+        self.weights_incomplete: Optional[str] = None
+        self._receiver: Optional[WeightReceiver] = None
         self.last_error: Optional[str] = None
         self.total_prompt_tokens = 0
         self.total_generated_tokens = 0
@@ -259,6 +268,9 @@ class GenerationEngine:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError(f"engine thread did not stop within {timeout} s")
+        if self._receiver is not None:
+            self._receiver.close()
+            self._receiver = None
 
     def check_request(self, req: GenerateRequest) -> int:
         """Validate a request against this model; returns its resolved ``max_new_tokens``."""
@@ -363,6 +375,23 @@ class GenerationEngine:
         """
         return self._command(_UpdateWeights(path=path, flat_version=int(version)), timeout)
 
+    def update_weights_from_broadcast(
+        self, sender: str, version: int, timeout: Optional[float] = None
+    ) -> int:
+        """Pull trained version ``version`` from the trainer's weight sender at ``sender``
+        (``host:port``; ``weight_sync=broadcast``,
+        :mod:`realhf.impl.model.comm.weight_broadcast`) into the model's buffer in place,
+        between two steps; returns the engine's new version.  Every wait of the transfer is
+        bounded by ``timeout`` (default ``control_timeout_s``).
+
+        If the transfer fails after some weights arrived, the engine holds neither version:
+        it stays paused and refuses :meth:`resume` until an update succeeds.  Pause first,
+        as for :meth:`update_weights_from_disk`."""
+        t = timeout or self.config.control_timeout_s
+        cmd = _UpdateWeights(path=sender, flat_version=int(version), broadcast=True, timeout_s=t)
+        # The engine thread waits up to t per step of the transfer; give it the margin.
+        return self._command(cmd, 2 * t + 10)
+
     def stats(self) -> dict:
         """Counters for ``/metrics`` (read without locking; values may lag one step)."""
         now = time.monotonic()
@@ -461,10 +490,17 @@ class GenerationEngine:
         ]
 
     def _resume(self, cmd: _Resume) -> None:
+        if self.weights_incomplete:
+            raise RuntimeError(
+                f"not serving: {self.weights_incomplete}; the weights are neither the old "
+                "version nor the new one until a weight update succeeds"
+            )
         self.paused = False
 
     def _update_weights(self, cmd: _UpdateWeights) -> int:
-        if cmd.flat_version is None:
+        if cmd.broadcast:
+            self._receive_weights(cmd)
+        elif cmd.flat_version is None:
             self._load_weights(self.model, cmd.path)
         else:
             m = self.model
@@ -483,6 +519,25 @@ class GenerationEngine:
                         m.flat_params.copy_(src)
         self.weight_version += 1
         return self.weight_version
+
+    def _receive_weights(self, cmd: _UpdateWeights) -> None:
+        m = self.model
+        if getattr(m, "tp", LOCAL).distributed:
+            raise ValueError("weights pulled from the trainer load into a single-device model only")
+        if self._receiver is None:
+            self._receiver = WeightReceiver(f"engine@{os.getpid()}")
+        try:
+            self._receiver.receive(
+                cmd.path, cmd.flat_version, m.flat_params, m.param_spec, cmd.timeout_s
+            )
+        except WeightSyncError as e:
+            if e.partial:
+                self.weights_incomplete = (
+                    f"the update to weight version {cmd.flat_version} broke off ({e})"
+                )
+                logger.error(self.weights_incomplete)
+            raise
+        self.weights_incomplete = None
 
     def step(self) -> None:
         """One engine iteration: admit waiting requests into free slots, then one

@@ -24,6 +24,10 @@ Control routes (the run's token):
 - ``POST /update_weights_from_shm {path, weight_version}`` — the same for a flat weight file
   in shared memory (``weight_sync=shm``), under ``shm_root``; 400 also when the file holds
   another version than ``weight_version``.
+- ``POST /update_weights_from_broadcast {sender, weight_version}`` — the same, pulled from
+  the trainer's weight sender at ``sender`` (``host:port``; ``weight_sync=broadcast``); 400
+  when the sender refuses or the transfer fails.  A transfer that broke off leaves the
+  server paused: ``/continue_generation`` fails until an update succeeds.
 - ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
   (there is no prefix cache to flush; kept for protocol compatibility).
 - ``POST /abort_request {rid}``; ``GET /get_model_info``; ``GET /get_server_info`` (limits,
@@ -126,6 +130,7 @@ UNLIMITED_PATHS = (
     "/continue_generation",
     "/update_weights_from_disk",
     "/update_weights_from_shm",
+    "/update_weights_from_broadcast",
     "/flush_cache",
 )
 
@@ -382,12 +387,41 @@ async def update_weights_from_shm(request: fastapi.Request, served: _Served):
     )
 
 
-async def _load_weights(served: _Served, path: str, root, load, abort_all: bool = False):
+@control_router.post("/update_weights_from_broadcast")
+@_handle_errors(openai=False)
+async def update_weights_from_broadcast(request: fastapi.Request, served: _Served):
+    body = await _json_body(request)
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get("sender"), str)
+        or not isinstance(body.get("weight_version"), int)
+        or isinstance(body.get("weight_version"), bool)
+    ):
+        raise InvalidRequestError('send {"sender": "<host:port>", "weight_version": <int>}')
+    extra = set(body) - {"sender", "weight_version"}
+    if extra:
+        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    version = body["weight_version"]
+    # No root to check: what the sender answers and sends is MAC'd with the run's secret.
+    return await _load_weights(
+        served,
+        body["sender"],
+        None,
+        lambda sender: served.engine.update_weights_from_broadcast(sender, version),
+        is_path=False,
+    )
+
+
+async def _load_weights(
+    served: _Served, path: str, root, load, abort_all: bool = False, is_path: bool = True
+):
     """The load step of a weight update: ``load(path)`` on a worker thread once ``path`` is
-    found under ``root``; the answer SGLang's routes give."""
+    found under ``root`` (``is_path`` False: ``path`` is an address, taken as is); the answer
+    SGLang's routes give."""
     engine = served.engine
     try:
-        path = allowed_weight_path(path, root)
+        if is_path:
+            path = allowed_weight_path(path, root)
     except WeightPathRefused as e:
         return JSONResponse(
             {"success": False, "message": str(e), "num_paused_requests": 0}, status_code=403

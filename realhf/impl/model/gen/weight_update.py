@@ -16,7 +16,9 @@ engine's HTTP app and the vLLM adapter answer ``/generate`` through a :class:`Pa
 The load step depends on how the trainer publishes the weights (``weight_sync``,
 :data:`LOAD_STEPS`): ``disk`` loads a HuggingFace directory (``{model_path}``), ``shm`` maps
 a flat weight file in shared memory (``{path, weight_version}``;
-:mod:`realhf.impl.model.conversion.flat_file`) and refuses one of another version.
+:mod:`realhf.impl.model.conversion.flat_file`) and refuses one of another version, and
+``broadcast`` pulls the version from the trainer's weight sender (``{sender,
+weight_version}``: its ``host:port``; :mod:`realhf.impl.model.comm.weight_broadcast`).
 
 and only then is the server recorded at the new version.  While a server is between the first
 and the last step the pool schedules nothing on it: a chunk that asks for it waits for the
@@ -48,7 +50,9 @@ server loads only directories under its publication root (:func:`allowed_weight_
 run :func:`~realhf.base.constants.weight_publication_root`): even a holder of the token cannot
 make it read, say, another user's checkpoint it happens to be able to read.  Flat files
 (``shm``) likewise load only from under the run's directory in shared memory
-(:func:`~realhf.base.constants.weight_shm_root`).
+(:func:`~realhf.base.constants.weight_shm_root`).  A pull (``broadcast``) needs no such
+bound: the sender's answer and every bucket of weights carry MACs under the run's secret,
+so a server takes weights from the run's trainer only.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ __all__ = [
 LOAD_STEPS = {
     WeightSync.DISK: "update_weights_from_disk",
     WeightSync.SHM: "update_weights_from_shm",
+    WeightSync.BROADCAST: "update_weights_from_broadcast",
 }
 
 
@@ -93,6 +98,8 @@ def update_steps(mode: WeightSync | str = WeightSync.DISK):
 def _load_body(step: str, path: str, version: int) -> dict:
     if step == LOAD_STEPS[WeightSync.SHM]:
         return {"path": path, "weight_version": version}
+    if step == LOAD_STEPS[WeightSync.BROADCAST]:
+        return {"sender": path, "weight_version": version}
     if step == LOAD_STEPS[WeightSync.DISK]:
         return {"model_path": path}
     return {}

@@ -98,8 +98,9 @@ class ServerPool:
     Args:
         config: the manager's settings (policy, timeouts, health limits).
         discover: returns the URLs servers registered.
-        weight_dir: where weight version ``v`` is published (a HF directory, or a flat file
-            in shared memory with ``config.weight_sync=shm``).
+        weight_dir: where weight version ``v`` is published (a HF directory, a flat file
+            in shared memory with ``config.weight_sync=shm``, the trainer's weight sender's
+            address with ``broadcast``).
     """
 
     def __init__(
@@ -317,7 +318,8 @@ class ServerPool:
         """Bring every live server to ``version`` (pause, update, continue)."""
         path = self.weight_dir(version)
         shm = self.config.weight_sync == WeightSync.SHM
-        if not (os.path.isfile(path) if shm else os.path.isdir(path)):
+        pulled = self.config.weight_sync == WeightSync.BROADCAST  # path: the sender's address
+        if not pulled and not (os.path.isfile(path) if shm else os.path.isdir(path)):
             raise FileNotFoundError(
                 f"weight version {version} was published but {path!r} is not a "
                 + (
@@ -380,8 +382,8 @@ class ServerPool:
 
     def _prune(self, version: int) -> None:
         keep = self.config.keep_weight_versions
-        if keep is None:
-            return
+        if keep is None or self.config.weight_sync == WeightSync.BROADCAST:
+            return  # nothing is published to a file
         # Only the last few old versions are looked at: each update prunes, so older ones
         # are gone already; the margin covers versions the trainer published between two
         # polls (never pushed, so never pruned by their own update).

@@ -24,6 +24,17 @@ from realhf.system.worker.base import PollResult, Worker, experiment_ended, regi
 __all__ = ["GserverManagerWorker"]
 
 
+def _published_at(mode: WeightSync, role: str, version: int, exp: str, trial: str) -> str:
+    """What the servers load version ``version`` of ``role`` from: a HF directory, a flat file
+    in shared memory, or the address of the trainer's weight sender (any version: it serves
+    the one it staged last)."""
+    if mode == WeightSync.SHM:
+        return constants.weight_shm_path(role, version, exp, trial)
+    if mode == WeightSync.BROADCAST:
+        return name_resolve.get(names.weight_sender(exp, trial, role))
+    return constants.weight_publication_dir(role, version, exp, trial)
+
+
 @register_worker("gserver_manager")
 class GserverManagerWorker(Worker):
     """Runs a :class:`GserverManager` behind HTTP in a service thread (see the module docstring)."""
@@ -45,11 +56,7 @@ class GserverManagerWorker(Worker):
             config,
             progress,
             discover=lambda: name_resolve.get_subtree(names.gen_servers(exp, trial)),
-            weight_dir=lambda v: (
-                constants.weight_shm_path(role, v, exp, trial)
-                if config.weight_sync == WeightSync.SHM
-                else constants.weight_publication_dir(role, v, exp, trial)
-            ),
+            weight_dir=lambda v: _published_at(config.weight_sync, role, v, exp, trial),
         )
         # Admission starts once the trainer says where it starts (names.trainer_start):
         # a resumed trainer has trained samples already, and indices must continue there.

@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from realhf.base.net.http_server import ServerThread, auth_headers
+from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app, prometheus_text
@@ -395,6 +396,55 @@ def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_d
         assert post(server, "/update_weights_from_disk", {"model_path": model_dir}).json()[
             "success"
         ]
+
+
+def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, model_dir_b):
+    # What the trainer stages with weight_sync=broadcast, and the manager's protocol client.
+    trained = load(model_dir_b)
+    sender = WeightSender(timeout=10.0)
+    prompt = [8, 9, 10]
+    body = {
+        "input_ids": prompt,
+        "sampling_params": greedy_params(8, ignore_eos=True),
+        "return_logprob": True,
+    }
+    try:
+        # The same weights through the disk: what the pulled update must serve, to the bit.
+        asyncio.run(_protocol_update(server.url, 1, model_dir_b, "disk"))
+        from_disk = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
+        asyncio.run(_protocol_update(server.url, 2, model_dir, "disk"))
+        sender.stage(trained.flat_params, trained.param_spec, 7)
+        asyncio.run(_protocol_update(server.url, 7, sender.address, "broadcast"))
+        entries = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
+        assert entries == from_disk
+        ids = [e[1] for e in entries]
+        lps = recompute_logprobs(trained, prompt, ids)
+        assert max(abs(e[0] - float(l)) for e, l in zip(entries, lps)) < 1e-4
+        # Another version than the sender holds: refused before anything moved; still serving.
+        with pytest.raises(WeightUpdateError, match="holds weight version 7, not the 8"):
+            asyncio.run(_protocol_update(server.url, 8, sender.address, "broadcast"))
+        assert post(server, "/generate", body).json()["output_ids"] == ids
+        # A transfer that breaks off (here: weights that fail their MAC) leaves the server
+        # holding neither version: it refuses to continue, and /generate gets no tokens,
+        # until an update succeeds.
+        sender.stage(load(model_dir).flat_params, trained.param_spec, 9)
+        sender._snap.tags[0] = "00" * 32
+        with pytest.raises(WeightUpdateError, match="failed its MAC check"):
+            asyncio.run(_protocol_update(server.url, 9, sender.address, "broadcast"))
+        r = post(server, "/continue_generation", {})
+        assert r.status_code == 500 and "neither the old version nor the new" in r.text
+        out = post(server, "/generate", body).json()
+        assert out["output_ids"] == [] and out["meta_info"]["finish_reason"]["type"] == "abort"
+        sender.stage(trained.flat_params, trained.param_spec, 10)
+        asyncio.run(_protocol_update(server.url, 10, sender.address, "broadcast"))
+        assert post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"] == (
+            from_disk
+        )
+        for bad in ({"sender": "x"}, {"sender": "x", "weight_version": "7"}, {"x": 1}):
+            assert post(server, "/update_weights_from_broadcast", bad).status_code == 400
+    finally:
+        sender.close()
+        asyncio.run(_protocol_update(server.url, 11, model_dir, "disk"))
 
 
 def test_openai_completions_and_chat(server, model, tokenizer):

@@ -33,6 +33,7 @@ from realhf.api.core.rollout_api import (
 from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy
 from realhf.base.net import network
 from realhf.base.net.http_server import auth_headers
+from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen.weight_update import WeightUpdateError
 from realhf.impl.model.nn.real_model import ReaLModel
@@ -220,22 +221,29 @@ def dirs(tmp_path_factory):
     return two_model_versions(tmp_path_factory.mktemp("gsm"))
 
 
-@pytest.mark.parametrize("sync", ["disk", "shm"])
+@pytest.mark.parametrize("sync", ["disk", "shm", "broadcast"])
 def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp_path, sync):
     servers = [engine_server(dirs["v0"]) for _ in range(2)]
-    # where version v is published (tmp_path stands in for /dev/shm)
-    where = (
-        (lambda v: str(tmp_path / f"v{v}.flat"))
-        if sync == "shm"
-        else (lambda v: str(tmp_path / f"v{v}"))
-    )
+    sender = WeightSender(timeout=10.0) if sync == "broadcast" else None
+    # where version v is published (tmp_path stands in for /dev/shm; broadcast: the sender)
+    where = {
+        "shm": lambda v: str(tmp_path / f"v{v}.flat"),
+        "disk": lambda v: str(tmp_path / f"v{v}"),
+        "broadcast": lambda v: sender.address,
+    }[sync]
     weights = {}
-    for v in (1, 2):  # the trainer publishes v1 (model b) then v2 (model a again)
+
+    def publish(v):  # the trainer publishes v1 (model b) then v2 (model a again)
         src, weights[v] = dirs["v1" if v == 1 else "v0"], where(v)
         if sync == "shm":
             write_model(ReaLModel.from_hf(src), weights[v], v)
+        elif sync == "broadcast":
+            model = ReaLModel.from_hf(src)
+            sender.stage(model.flat_params, model.param_spec, v)
         else:
             shutil.copytree(src, weights[v])
+        progress.v = v
+
     progress = Progress()
     cfg = GserverManagerConfig(
         n_servers=2,
@@ -251,18 +259,21 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
         prompt = (7, 8, 9)
         ref_a, ref_b = greedy(dirs["v0"], prompt, 6), greedy(dirs["v1"], prompt, 6)
         assert ref_a != ref_b
-        progress.v = 1
+        publish(1)
         deadline = time.monotonic() + 20
         while service.call(lambda: m.version) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert all(generate_greedy(s.url, prompt, 6) == ref_b for s in servers)
         status = requests.get(service.url + "/status", headers=auth_headers(), timeout=10).json()
         assert status["version"] == 1 and all(s["version"] == 1 for s in status["servers"].values())
-        progress.v = 2
+        publish(2)
         while service.call(lambda: m.version) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert all(generate_greedy(s.url, prompt, 6) == ref_a for s in servers)
-        assert not os.path.exists(weights[1]) and os.path.exists(weights[2])
+        if sync == "broadcast":  # each server pulled each version once, over its own pair
+            assert sender.sent == 4 and len(sender._pairs) == 2 and sender.failed == 0
+        else:
+            assert not os.path.exists(weights[1]) and os.path.exists(weights[2])
         if sync == "shm":  # retired: the trainer's next write reuses its memory
             assert os.path.exists(tmp_path / "spare.flat")
         service.check()
@@ -271,6 +282,8 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
         for s in servers:
             s.stop()
             s.engine.close()
+        if sender is not None:
+            sender.close()
 
 
 def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, monkeypatch):
