@@ -11,7 +11,9 @@ server answers ``/continue_generation``:
 
 * ``disk``: ``save_hf`` of a HuggingFace directory, each server reads and converts it;
 * ``shm``: :func:`~realhf.impl.model.conversion.flat_file.write_model` of one flat file into
-  ``/dev/shm``, each server maps it and copies it into its buffer.
+  ``/dev/shm``, each server maps it (and serves from the mapping);
+* ``broadcast``: :meth:`~realhf.impl.model.comm.weight_broadcast.WeightSender.stage` of a
+  copy with its MAC tags, each server pulls it over its own gloo pair into its weights.
 
 Against it, in the same run: ``memcpy``, one copy of the same bytes between two tensors
 in this process.  After the timed updates of each mode, every server must report as many
@@ -22,9 +24,9 @@ near-tie in bf16, where the server's cached decode and a full forward may part).
     python benchmark/weight_sync.py --shapes tiny,qwen2.5-0.5b,qwen2.5-1.5b --servers 1,2
 
 Prints a table, then a JSON line: per shape the median seconds of each mode and servers,
-``shm_over_disk`` (how many times faster shm is than disk, with the most servers),
-``shm_over_memcpy`` (shm's time over one memcpy of the bytes) and the host's CPU.
-``broadcast`` (a process group to the servers) is not built yet: its column stays empty.
+``shm_over_disk`` and ``broadcast_over_disk`` (how many times faster each is than disk, with
+the most servers), ``shm_over_memcpy`` (shm's time over one memcpy of the bytes) and the
+host's CPU.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch  # noqa: E402
 from benchmark.scale import host_facts, model_dir  # noqa: E402
 from realhf.base.net import auth  # noqa: E402
 from realhf.base.net.http_server import auth_headers  # noqa: E402
+from realhf.impl.model.comm.weight_broadcast import WeightSender  # noqa: E402
 from realhf.impl.model.conversion.flat_file import retire, write_model  # noqa: E402
 from realhf.impl.model.gen.weight_update import update_server  # noqa: E402
 from realhf.impl.model.nn.real_model import ReaLModel  # noqa: E402
@@ -63,7 +66,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="tiny,qwen2.5-0.5b")
     p.add_argument("--servers", default="1,2", help="numbers of generation servers")
-    p.add_argument("--modes", default="disk,shm")
+    p.add_argument("--modes", default="disk,shm,broadcast")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per mode (median)")
     p.add_argument("--dtype", default="bfloat16", help="trainer and server weights")
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/realhf/shapes"))
@@ -186,6 +189,7 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
         shm_root = tempfile.mkdtemp(prefix="realhf-bench-", dir="/dev/shm")
         os.makedirs(weights_root, exist_ok=True)
         servers = Servers(path, n, args.dtype, weights_root, shm_root, workdir)
+        sender = WeightSender(timeout=600.0)
         loads = 0
         try:
             for mode in args.modes.split(","):
@@ -198,6 +202,9 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
                     if mode == "disk":
                         where = os.path.join(weights_root, f"v{version}")
                         model.save_hf(where)
+                    elif mode == "broadcast":
+                        sender.stage(model.flat_params, model.param_spec, version)
+                        where = sender.address
                     else:
                         where = os.path.join(shm_root, f"v{version}.flat")
                         write_model(model, where, version)
@@ -207,7 +214,7 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
                     # prunes (keep_weight_versions=1): a flat file is retired for reuse.
                     if prev is not None and mode == "disk":
                         shutil.rmtree(prev)
-                    elif prev is not None:
+                    elif prev is not None and mode == "shm":
                         retire(prev)
                     prev = where
                 loads += args.repeats
@@ -234,6 +241,7 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
                 )
         finally:
             servers.close()
+            sender.close()
             shutil.rmtree(shm_root, ignore_errors=True)
     return rows
 
@@ -249,7 +257,8 @@ def summarize(rows: List[dict]) -> Dict[str, dict]:
             s["shm_over_disk"] = at["disk"] / at["shm"]
         if "shm" in at:
             s["shm_over_memcpy"] = at["shm"] / mine[0]["memcpy_s"]
-        s["broadcast_over_disk"] = None  # not built yet
+        if "disk" in at and "broadcast" in at:
+            s["broadcast_over_disk"] = at["disk"] / at["broadcast"]
         out[shape] = s
     return out
 

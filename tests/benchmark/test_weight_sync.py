@@ -1,4 +1,4 @@
-"""benchmark/weight_sync.py end to end on the tiny model: both modes reach a real server,
+"""benchmark/weight_sync.py end to end on the tiny model: every mode reaches a real server,
 which then answers with the trainer's weights (the script checks), and the JSON line holds
 the ratios."""
 
@@ -14,8 +14,8 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmark", "weight_sync.py")
 
 
-@pytest.mark.slow  # a real server process and six updates
-def test_the_script_updates_a_real_server_both_ways_and_reports_the_ratios(tmp_path):
+@pytest.mark.slow  # a real server process and nine updates
+def test_the_script_updates_a_real_server_every_way_and_reports_the_ratios(tmp_path):
     before = set(os.listdir("/dev/shm"))
     out = subprocess.run(
         [sys.executable, SCRIPT, "--shapes=tiny", "--servers=1", "--repeats=3"],
@@ -26,8 +26,10 @@ def test_the_script_updates_a_real_server_both_ways_and_reports_the_ratios(tmp_p
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     tiny = result["shapes"]["tiny"]
-    assert set(tiny["seconds"]) == {"disk", "shm"} and min(tiny["seconds"].values()) > 0
+    modes = ["disk", "shm", "broadcast"]
+    assert set(tiny["seconds"]) == set(modes) and min(tiny["seconds"].values()) > 0
     assert tiny["shm_over_disk"] > 0 and tiny["shm_over_memcpy"] > 0
-    assert result["host"]["cores"] >= 1 and [r["mode"] for r in result["rows"]] == ["disk", "shm"]
+    assert tiny["broadcast_over_disk"] > 0
+    assert result["host"]["cores"] >= 1 and [r["mode"] for r in result["rows"]] == modes
     # its shared-memory versions are gone
     assert not [d for d in set(os.listdir("/dev/shm")) - before if d.startswith("realhf-bench-")]
