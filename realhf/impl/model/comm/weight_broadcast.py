@@ -10,14 +10,16 @@ weight-update protocol (:mod:`realhf.impl.model.gen.weight_update`), while it is
 1. it asks the sender for version ``v`` over a ZMQ request that carries the run's MAC
    (:mod:`realhf.base.net.auth`), naming its layout (a digest), its size and its *pair*;
 2. the sender answers, MAC'd too, with the dtype, the bucket size, where its rendezvous store
-   is and the tags, or refuses (another version staged, another layout): nothing is received;
-3. both join the pair — a two-rank gloo group (nccl when the buffers are on CUDA) made through
-   the sender's store under a random name that only the two MAC'd messages carried — or reuse
-   the one they made at an earlier update;
-4. the sender broadcasts a header, the flat buffer in buckets of ``bucket_bytes`` and a
-   trailer.  Each bucket lands in place in the server's flat buffer (or in a staging bucket
-   that is converted, when the dtypes differ), and its tag is checked while the next one
-   arrives.
+   is and a fresh nonce, or refuses (another version staged, another layout): then nothing is
+   received;
+3. both join (or reuse) their pair — a two-rank gloo group (nccl when the buffers are on CUDA)
+   made through the sender's store under a random name — and each proves to the other that it
+   holds the run's secret: the server sends an HMAC of the pair, the nonce and the version,
+   the sender checks it before it sends a byte, and its header carries its own HMAC, which
+   the server checks before a byte lands in its weights;
+4. the sender broadcasts the flat buffer in buckets of ``bucket_bytes`` and a trailer.  Each
+   bucket lands in place in the server's flat buffer (or in a staging bucket that is converted,
+   when the dtypes differ).
 
 Why a pair per server, not one group of the trainer and every server: a collective stalls
 every member when one of them dies or hangs, and re-forming a group needs all its members.  A
@@ -31,13 +33,18 @@ replacement that joins mid-run, a retry), and the trainer never waits for a serv
 copies into the buffer of the last version, or into a new one while a transfer still reads the
 old.  The copy costs one version of the weights in the trainer's memory (as the ``shm`` file).
 
+Who is trusted: the rendezvous store is a plain ``TCPStore`` (anyone who reaches its port can
+read its keys and race for a pair), so the pair's two ends authenticate each other (step 3)
+and a stranger that took either place gets nothing and gives nothing.  The bytes after the
+handshake are not MAC'd: a MAC of every bucket cost more than the transfer itself (HMAC-SHA256
+runs at ~2 GB/s per core, the pair at ~3 GB/s), and tampering with an established TCP stream
+takes an attacker on the path, which the run's other channels do not stop either (its HTTP
+tokens travel in clear).
+
 What makes a half-received update impossible to serve: the receiver raises
 :class:`WeightSyncError` with ``partial=True`` once any byte has landed in the model's buffer
-and the update did not complete (a dead or hung sender, a bad tag, a wrong trailer); the
-engine then refuses to serve until an update succeeds.  The tags are HMACs under the run's
-secret: weights from anyone else are refused, not served.  On CUDA buffers there are no tags
-(hashing would copy the weights to the host): as with every nccl user, the stream is trusted
-once the pair is made.
+and the update did not complete (a dead or hung sender, a wrong trailer); the engine then
+refuses to serve until an update succeeds.
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ import hashlib
 import hmac
 import json
 import secrets
-import struct
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
@@ -76,7 +82,7 @@ __all__ = [
 #: bytes per broadcast: large enough that per-call costs vanish, small enough to convert
 #: through a staging buffer of this size when dtypes differ
 BUCKET_BYTES = 64 << 20
-KIND = b"weight-sync"  # the auth channel of the requests, answers and tags
+KIND = b"weight-sync"  # the auth channel of the requests, answers and handshakes
 _MAGIC = 0x7265616C6866  # "realhf": the first word of every header and trailer
 _DTYPES = {
     "float32": torch.float32,
@@ -101,11 +107,11 @@ def layout_digest(param_spec: Dict[str, ParamSpec]) -> str:
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 
 
-def _tag(version: int, index: int, chunk: torch.Tensor) -> bytes:
-    # The version and bucket index are in the MAC: a bucket of another version or position
-    # does not verify.
-    data = chunk.detach().view(torch.uint8).numpy()
-    return auth.mac_parts(KIND, struct.pack("<qq", version, index), data)
+def _proof(side: bytes, pair: str, nonce: str, version: int, numel: int) -> torch.Tensor:
+    """What one end of a pair sends to prove it holds the run's secret, for this pull only
+    (the sender's nonce is fresh per pull, so a recorded proof is worth nothing)."""
+    msg = b"%s\0%s\0%s\0%d\0%d" % (side, pair.encode(), nonce.encode(), version, numel)
+    return torch.frombuffer(bytearray(auth.mac(KIND, msg)), dtype=torch.uint8)
 
 
 def _buckets(numel: int, per: int) -> List[Tuple[int, int]]:
@@ -126,9 +132,9 @@ def _pair_group(store, name: str, rank: int, host: str, timeout: float, backend:
     return dist.ProcessGroupGloo(prefixed, rank, 2, opts)
 
 
-def _bcast(group, tensor: torch.Tensor, timeout: float) -> None:
+def _bcast(group, tensor: torch.Tensor, timeout: float, root: int = 0) -> None:
     opts = dist.BroadcastOptions()
-    opts.rootRank = 0
+    opts.rootRank = root
     group.broadcast([tensor], opts).wait(datetime.timedelta(seconds=timeout))
 
 
@@ -145,7 +151,6 @@ class _Snapshot:
     flat: torch.Tensor
     layout: str
     bucket_elems: int
-    tags: Optional[List[str]]
     busy: int = 0  # transfers reading ``flat`` now
 
 
@@ -216,18 +221,7 @@ class WeightSender:
         with torch.no_grad():
             buf.copy_(flat)
         per = max(1, self.bucket_bytes // flat.element_size())
-        tags = None
-        if buf.device.type == "cpu":
-            spans = _buckets(buf.numel(), per)
-            # hashlib releases the GIL on large buffers: two threads hash at twice the speed
-            with concurrent.futures.ThreadPoolExecutor(2) as ex:
-                tags = list(
-                    ex.map(
-                        lambda ia: _tag(version, ia[0], buf[ia[1][0] : ia[1][1]]).hex(),
-                        enumerate(spans),
-                    )
-                )
-        snap = _Snapshot(int(version), buf, layout_digest(param_spec), per, tags)
+        snap = _Snapshot(int(version), buf, layout_digest(param_spec), per)
         with self._lock:
             self._snap = snap
 
@@ -253,7 +247,7 @@ class WeightSender:
                 answer, snap = {"ok": False, "error": f"bad request: {e!r}"}, None
             auth.send(self._sock, KIND, json.dumps(answer).encode(), prefix=[ident])
             if snap is not None:
-                self._pool.submit(self._transfer, snap, req)
+                self._pool.submit(self._transfer, snap, req, answer["nonce"])
 
     def _answer(self, req: dict) -> Tuple[dict, Optional[_Snapshot]]:
         who = f"server {req.get('server')!r}"
@@ -286,13 +280,13 @@ class WeightSender:
             "numel": snap.flat.numel(),
             "dtype": str(snap.flat.dtype).removeprefix("torch."),
             "bucket_elems": snap.bucket_elems,
-            "tags": snap.tags,
+            "nonce": secrets.token_hex(16),
             "store": [self.host, self._store.port],
             "backend": "nccl" if snap.flat.device.type == "cuda" else "gloo",
         }
         return answer, snap
 
-    def _transfer(self, snap: _Snapshot, req: dict) -> None:
+    def _transfer(self, snap: _Snapshot, req: dict, nonce: str) -> None:
         name, who = req["pair"], f"server {req.get('server')!r}"
         t0 = time.monotonic()
         group = None
@@ -302,12 +296,22 @@ class WeightSender:
                 backend = "nccl" if snap.flat.device.type == "cuda" else "gloo"
                 group = _pair_group(self._store, name, 0, self.host, self.timeout, backend)
                 self._pairs[name] = group
-            spans = _buckets(snap.flat.numel(), snap.bucket_elems)
-            head = torch.tensor([_MAGIC, snap.version, snap.flat.numel(), len(spans)])
-            _bcast(group, head.to(snap.flat.device), self.timeout)
-            for a, b in spans:
-                _bcast(group, snap.flat[a:b], self.timeout)
-            _bcast(group, head.to(snap.flat.device), self.timeout)
+            dev, n = snap.flat.device, snap.flat.numel()
+            theirs = torch.zeros(32, dtype=torch.uint8, device=dev)
+            _bcast(group, theirs, self.timeout, root=1)
+            expected = _proof(b"server", name, nonce, snap.version, n)
+            if not hmac.compare_digest(theirs.cpu().numpy().tobytes(), expected.numpy().tobytes()):
+                raise PermissionError(
+                    f"the peer of pair {name[:8]}... does not hold this run's secret; "
+                    "nothing was sent"
+                )
+            head = torch.tensor(
+                [_MAGIC, snap.version, n, len(_buckets(n, snap.bucket_elems))], device=dev
+            )
+            _bcast(group, head, self.timeout)
+            _bcast(group, _proof(b"trainer", name, nonce, snap.version, n).to(dev), self.timeout)
+            self._send_data(group, snap)
+            _bcast(group, head, self.timeout)  # the trailer
             self.sent += 1
             logger.debug(f"sent version {snap.version} to {who} in {time.monotonic() - t0:.2f}s")
         except Exception as e:  # noqa: BLE001 — one server's failure is its own
@@ -323,6 +327,11 @@ class WeightSender:
         finally:
             with self._lock:
                 snap.busy -= 1
+
+    def _send_data(self, group, snap: _Snapshot) -> None:
+        """The weights themselves, bucket by bucket."""
+        for a, b in _buckets(snap.flat.numel(), snap.bucket_elems):
+            _bcast(group, snap.flat[a:b], self.timeout)
 
     def close(self) -> None:
         """Stop serving; transfers in flight are aborted."""
@@ -403,7 +412,7 @@ class WeightReceiver:
         except Exception as e:
             raise WeightSyncError(f"joining the weight sender at {sender} failed: {e}") from e
         try:
-            return self._receive(group, ans, src_dtype, version, flat, timeout)
+            return self._receive(group, ans, name, src_dtype, version, flat, timeout)
         except BaseException as e:
             self._pairs.pop(sender, None)
             _drop(group)
@@ -413,58 +422,47 @@ class WeightReceiver:
                 f"receiving weight version {version} from {sender} failed: {e}", partial=True
             ) from e
 
-    def _receive(self, group, ans, src_dtype, version, flat, timeout) -> int:
-        flat = flat.reshape(-1)
-        n, per, tags = flat.numel(), ans["bucket_elems"], ans["tags"]
-        spans = _buckets(n, per)
-        if tags is not None and len(tags) != len(spans):
-            raise WeightSyncError(f"{len(tags)} tags for {len(spans)} buckets")
-        head = torch.zeros(4, dtype=torch.int64, device=flat.device)
+    def _receive(self, group, ans, name, src_dtype, version, flat, timeout) -> int:
+        flat, dev = flat.reshape(-1), flat.device
+        n = flat.numel()
+        spans = _buckets(n, ans["bucket_elems"])
         want = [_MAGIC, int(version), n, len(spans)]
-
-        def check_marker(what: str) -> None:
+        head = torch.zeros(4, dtype=torch.int64, device=dev)
+        theirs = torch.zeros(32, dtype=torch.uint8, device=dev)
+        # The handshake: nothing has landed yet, so a failure here leaves the weights as
+        # they were (partial=False).
+        try:
+            _bcast(group, _proof(b"server", name, ans["nonce"], version, n).to(dev), timeout, 1)
             _bcast(group, head, timeout)
-            if head.tolist() != want:
-                raise WeightSyncError(f"bad {what} {head.tolist()}, expected {want}", partial=True)
-
-        check_marker("header")
+            _bcast(group, theirs, timeout)
+        except Exception as e:
+            raise WeightSyncError(f"the handshake with the weight sender failed: {e}") from e
+        expected = _proof(b"trainer", name, ans["nonce"], version, n)
+        if not hmac.compare_digest(theirs.cpu().numpy().tobytes(), expected.numpy().tobytes()):
+            raise WeightSyncError(
+                f"the peer of pair {name[:8]}... does not hold this run's secret; "
+                "nothing was received"
+            )
+        if head.tolist() != want:
+            raise WeightSyncError(f"bad header {head.tolist()}, expected {want}")
         in_place = src_dtype == flat.dtype
-        # Two staging buckets when converting: one is received while the other is checked
-        # and copied into place.
         staging = (
-            []
-            if in_place
-            else [torch.empty(per, dtype=src_dtype, device=flat.device) for _ in range(2)]
+            None if in_place else torch.empty(ans["bucket_elems"], dtype=src_dtype, device=dev)
         )
-        pending: List[concurrent.futures.Future] = [None, None]  # type: ignore[list-item]
-
-        def land(i: int, buf: torch.Tensor, a: int, b: int) -> None:
-            if tags is not None and not hmac.compare_digest(_tag(version, i, buf).hex(), tags[i]):
-                raise WeightSyncError(f"bucket {i} failed its MAC check", partial=True)
-            if not in_place:
-                with torch.no_grad():
-                    flat[a:b].copy_(buf)
-
         received = 0
-        with concurrent.futures.ThreadPoolExecutor(1) as checker:
-            try:
-                for i, (a, b) in enumerate(spans):
-                    # The check of bucket i - 2 must be done: it frees its staging buffer, and
-                    # it is the last moment to raise its failure.
-                    if pending[i % 2] is not None:
-                        pending[i % 2].result()
-                    buf = flat[a:b] if in_place else staging[i % 2][: b - a]
-                    _bcast(group, buf, timeout)
-                    received += buf.numel() * buf.element_size()
-                    pending[i % 2] = checker.submit(land, i, buf, a, b)
-                for f in pending:
-                    if f is not None:
-                        f.result()
-            except WeightSyncError:
-                raise
-            except Exception as e:
-                raise WeightSyncError(str(e), partial=True) from e
-        check_marker("trailer")
+        try:
+            for a, b in spans:
+                buf = flat[a:b] if in_place else staging[: b - a]
+                _bcast(group, buf, timeout)
+                received += buf.numel() * buf.element_size()
+                if not in_place:
+                    with torch.no_grad():
+                        flat[a:b].copy_(buf)
+            _bcast(group, head, timeout)
+        except Exception as e:
+            raise WeightSyncError(f"{e} (after {received} bytes)", partial=True) from e
+        if head.tolist() != want:
+            raise WeightSyncError(f"bad trailer {head.tolist()}, expected {want}", partial=True)
         return received
 
     def _ask(self, sender: str, req: dict, timeout: float) -> dict:

@@ -79,17 +79,99 @@ def test_another_version_or_layout_is_refused_before_anything_is_received(sender
     assert not e.value.partial and bool((dst == 7.0).all())
 
 
-def test_a_bucket_that_fails_its_mac_is_refused_as_a_partial_update(sender, receiver):
-    sender.stage(_weights(), SPEC, 2)
-    sender._snap.tags[4] = "00" * 32  # what any other weights than the trainer's look like
+class _HalfSender(WeightSender):
+    """A trainer that dies halfway through the weights (its pair is aborted)."""
+
+    def _send_data(self, group, snap):
+        a, b = wb._buckets(snap.flat.numel(), snap.bucket_elems)[0]
+        wb._bcast(group, snap.flat[a:b], self.timeout)
+        raise RuntimeError("the trainer died")
+
+
+def test_a_transfer_that_breaks_off_is_a_partial_update_and_the_pair_is_remade():
+    sender = _HalfSender(host=HOST, timeout=5.0, bucket_bytes=BUCKET)
+    receiver = WeightReceiver("test-server", host=HOST)
+    try:
+        sender.stage(_weights(), SPEC, 2)
+        dst = torch.zeros(N)
+        with pytest.raises(WeightSyncError) as e:
+            receiver.receive(sender.address, 2, dst, SPEC, timeout=10)
+        assert e.value.partial and "after 65536 bytes" in str(e.value)
+        assert sender.failed == 1 and "the trainer died" in sender.last_failure
+        # Both sides dropped the pair; the next pull makes a new one (and here breaks again).
+        assert not sender._pairs and not receiver._pairs
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _join_as(rank, store, name):
+    return wb._pair_group(store, name, rank, HOST, 10, "gloo")
+
+
+def test_a_stranger_that_takes_the_servers_place_in_a_pair_gets_nothing(sender):
+    # The rendezvous store is a plain TCPStore: anyone who reaches it can list its keys and
+    # race for a pair.  Without the run's secret it cannot prove itself, and nothing is sent.
+    sender.stage(_weights(), SPEC, 1)
+    r = WeightReceiver("stranger", host=HOST)
+    req = {"version": 1, "layout": wb.layout_digest(SPEC), "numel": N, "pair": "p1", "new": True}
+    ans = r._ask(sender.address, {**req, "server": "stranger"}, 10)  # (a real server's request)
+    group = _join_as(1, torch.distributed.TCPStore(*ans["store"], None, False), "p1")
+    wb._bcast(group, torch.zeros(32, dtype=torch.uint8), 10, root=1)  # no valid proof
+    with pytest.raises(RuntimeError):  # gloo's "connection closed by peer"
+        wb._bcast(group, torch.zeros(4, dtype=torch.int64), 10)  # the sender hung up
+    assert sender.failed == 1 and "does not hold this run's secret" in sender.last_failure
+    assert sender.sent == 0
+    r.close()
+
+
+def test_a_stranger_that_takes_the_senders_place_lands_no_byte(receiver):
+    # A fake sender: it answers the request (as the real one would), then joins the pair
+    # first and sends weights without a valid proof.
+    import threading
+
+    import zmq
+
+    from realhf.base.distributed.dist_util import master_store
+    from realhf.base.net import auth
+
+    store = master_store(HOST, 10)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port(f"tcp://{HOST}")
+
+    def impostor():
+        (ident,), body = auth.recv(sock, wb.KIND, "test", n_prefix=1) if sock.poll(10_000) else ()
+        req = __import__("json").loads(bytes(body))
+        answer = {
+            "ok": True,
+            "version": 1,
+            "numel": N,
+            "dtype": "float32",
+            "bucket_elems": N,
+            "nonce": "00",
+            "store": [HOST, store.port],
+            "backend": "gloo",
+        }
+        auth.send(sock, wb.KIND, __import__("json").dumps(answer).encode(), prefix=[ident])
+        group = _join_as(0, store, req["pair"])
+        wb._bcast(group, torch.zeros(32, dtype=torch.uint8), 10, root=1)
+        wb._bcast(group, torch.tensor([wb._MAGIC, 1, N, 1]), 10)
+        wb._bcast(group, torch.zeros(32, dtype=torch.uint8), 10)  # no valid proof
+        try:
+            wb._bcast(group, torch.full((N,), 666.0), 2)
+        except Exception:  # noqa: BLE001 — the receiver hung up, as it should
+            pass
+
+    t = threading.Thread(target=impostor, daemon=True)
+    t.start()
     dst = torch.zeros(N)
-    with pytest.raises(WeightSyncError, match="bucket 4 failed its MAC check") as e:
-        receiver.receive(sender.address, 2, dst, SPEC, timeout=10)
-    assert e.value.partial
-    # The broken pair is dropped on both sides; the next pull makes a new one and succeeds.
-    sender.stage(_weights(1), SPEC, 3)
-    receiver.receive(sender.address, 3, dst, SPEC, timeout=10)
-    assert torch.equal(dst, _weights(1))
+    with pytest.raises(WeightSyncError, match="does not hold this run's secret") as e:
+        receiver.receive(f"{HOST}:{port}", 1, dst, SPEC, timeout=10)
+    assert not e.value.partial and bool((dst == 0).all())
+    t.join(15)
+    sock.close(0)
+    ctx.term()
 
 
 def test_no_sender_is_a_bounded_wait_that_says_what_it_waited_for(receiver):
@@ -100,7 +182,7 @@ def test_no_sender_is_a_bounded_wait_that_says_what_it_waited_for(receiver):
 
 
 def _die_after_the_header(address, mode, joined):
-    """A server that joins its pair, takes the header, then dies (SIGKILL) or hangs."""
+    """A server that joins its pair, passes the handshake, then dies (SIGKILL) or hangs."""
     r = WeightReceiver("doomed", host=HOST)
     req = {
         "version": 1,
@@ -114,7 +196,9 @@ def _die_after_the_header(address, mode, joined):
     assert ans["ok"], ans
     store = torch.distributed.TCPStore(*ans["store"], None, False)
     group = wb._pair_group(store, "doomed-pair", 1, HOST, 10, "gloo")
-    wb._bcast(group, torch.zeros(4, dtype=torch.int64), 10)
+    wb._bcast(group, wb._proof(b"server", "doomed-pair", ans["nonce"], 1, N), 10, root=1)
+    wb._bcast(group, torch.zeros(4, dtype=torch.int64), 10)  # the header
+    wb._bcast(group, torch.zeros(32, dtype=torch.uint8), 10)  # the sender's proof
     joined.set()
     os.kill(os.getpid(), signal.SIGKILL if mode == "kill" else signal.SIGSTOP)
 

@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from realhf.base.net.http_server import ServerThread, auth_headers
+from realhf.impl.model.comm import weight_broadcast as wb
 from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen import EngineConfig
@@ -398,6 +399,14 @@ def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_d
         ]
 
 
+class _HalfSender(WeightSender):
+    """A trainer that dies after the first bucket of weights."""
+
+    def _send_data(self, group, snap):
+        wb._bcast(group, snap.flat[: snap.bucket_elems], self.timeout)
+        raise RuntimeError("the trainer died")
+
+
 def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, model_dir_b):
     # What the trainer stages with weight_sync=broadcast, and the manager's protocol client.
     trained = load(model_dir_b)
@@ -424,13 +433,14 @@ def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, m
         with pytest.raises(WeightUpdateError, match="holds weight version 7, not the 8"):
             asyncio.run(_protocol_update(server.url, 8, sender.address, "broadcast"))
         assert post(server, "/generate", body).json()["output_ids"] == ids
-        # A transfer that breaks off (here: weights that fail their MAC) leaves the server
+        # A transfer that breaks off (the trainer dies after one bucket) leaves the server
         # holding neither version: it refuses to continue, and /generate gets no tokens,
         # until an update succeeds.
-        sender.stage(load(model_dir).flat_params, trained.param_spec, 9)
-        sender._snap.tags[0] = "00" * 32
-        with pytest.raises(WeightUpdateError, match="failed its MAC check"):
-            asyncio.run(_protocol_update(server.url, 9, sender.address, "broadcast"))
+        broken = _HalfSender(timeout=10.0, bucket_bytes=4096)
+        broken.stage(load(model_dir).flat_params, trained.param_spec, 9)
+        with pytest.raises(WeightUpdateError, match=r"after 4096 bytes"):
+            asyncio.run(_protocol_update(server.url, 9, broken.address, "broadcast"))
+        broken.close()
         r = post(server, "/continue_generation", {})
         assert r.status_code == 500 and "neither the old version nor the new" in r.text
         out = post(server, "/generate", body).json()
