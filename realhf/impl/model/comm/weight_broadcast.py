@@ -180,6 +180,7 @@ class WeightSender:
         self.address = f"{self.host}:{port}"
         self._lock = threading.Lock()
         self._snap: Optional[_Snapshot] = None
+        self._staging: Optional[int] = None  # the version being copied in, if any
         self._pairs: Dict[str, object] = {}
         #: transfers finished / failed so far, and the last failure (for logs and tests)
         self.sent = 0
@@ -208,6 +209,7 @@ class WeightSender:
             raise TypeError(f"cannot send a flat buffer of dtype {flat.dtype}")
         with self._lock:
             old, self._snap = self._snap, None  # nothing is sent from a half-copied buffer
+            self._staging = int(version)
         if (
             old is not None
             and old.busy == 0
@@ -223,7 +225,7 @@ class WeightSender:
         per = max(1, self.bucket_bytes // flat.element_size())
         snap = _Snapshot(int(version), buf, layout_digest(param_spec), per)
         with self._lock:
-            self._snap = snap
+            self._snap, self._staging = snap, None
 
     # ---- serving ------------------------------------------------------------------
 
@@ -258,7 +260,12 @@ class WeightSender:
         with self._lock:
             snap = self._snap
             if snap is None:
-                return {"ok": False, "error": "the trainer has staged no version yet"}, None
+                why = (
+                    "the trainer has staged no version yet"
+                    if self._staging is None
+                    else f"the trainer is staging weight version {self._staging} now"
+                )
+                return {"ok": False, "error": why}, None
             if req["version"] != snap.version:
                 return {
                     "ok": False,
