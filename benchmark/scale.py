@@ -72,7 +72,13 @@ def parse_args():
         default=0,
         help="prompts of this many tokens (a written dataset); 0: the embedded task's (~10)",
     )
-    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--dtypes",
+        "--dtype",
+        default="float32",
+        help="the roles' dtype; several (float32,bfloat16): each run per dtype, and the step "
+        "time of bf16 over fp32 (bf16_step_over_fp32)",
+    )
     p.add_argument("--extra", default="", help="more key=value overrides, space separated")
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/realhf/shapes"))
     p.add_argument("--timeout", type=float, default=1800)
@@ -208,11 +214,11 @@ def write_data(args, workdir: str) -> Dict[str, str]:
     return paths
 
 
-def run_args(args, mode: str, path: str, scale: int, data: Dict[str, str]) -> List[str]:
+def run_args(args, mode: str, path: str, scale: int, data: Dict[str, str], dtype: str) -> List[str]:
     role = "model" if mode == "sft" else "actor"
     out = [
         f"{role}.path={path}",
-        f"{role}.dtype={args.dtype}",
+        f"{role}.dtype={dtype}",
         f"train_batch_size={args.batch * scale * (args.group_size if mode == 'sft' else 1)}",
         f"exp_ctrl.benchmark_steps={args.steps}",
     ]
@@ -229,11 +235,11 @@ def run_args(args, mode: str, path: str, scale: int, data: Dict[str, str]) -> Li
     return out + args.extra.split()
 
 
-def one_run(args, shape: str, mode: str, scale: int, workdir: str, data) -> dict:
+def one_run(args, shape: str, mode: str, scale: int, workdir: str, data, dtype: str) -> dict:
     path = model_dir(shape, args.models_dir)
     name = EXPERIMENTS[mode]
-    trial = f"scale-{shape}-{mode}-x{scale}".replace(".", "_")
-    overrides = run_args(args, mode, path, scale, data)
+    trial = f"scale-{shape}-{mode}-x{scale}-{dtype}".replace(".", "_")
+    overrides = run_args(args, mode, path, scale, data, dtype)
     overrides += [f"fileroot={workdir}", f"trial_name={trial}"]
     qs = get_quickstart_exp(name)
     cfg = parse_config(qs.config_cls, overrides)
@@ -282,6 +288,7 @@ def one_run(args, shape: str, mode: str, scale: int, workdir: str, data) -> dict
         "shape": shape,
         "mode": mode,
         "scale": scale,
+        "dtype": dtype,
         "wall_s": wall,
         "step_s": float(last.get("time", 0.0)),
         "split_s": split,
@@ -353,7 +360,7 @@ def decode_bytes_per_s(r: dict, args) -> Optional[float]:
     if not gen:
         return None
     s = r["shape_info"]
-    b = memory_plan.DTYPE_BYTES[args.dtype]
+    b = memory_plan.DTYPE_BYTES[r["dtype"]]
     n_seqs = args.batch * r["scale"] * args.group_size
     steps = args.answer_len
     weights = s.n_params * b * steps
@@ -366,13 +373,14 @@ def main():
     args = parse_args()
     quickstart._load_experiments()
     threads = os.cpu_count() or 1
-    dtype = getattr(torch, args.dtype)
+    dtypes = args.dtypes.split(",")
     facts = host_facts()
-    peak = matmul_peak(dtype, threads)
+    peaks = {d: matmul_peak(getattr(torch, d), threads) for d in dtypes}
     bandwidth = read_bandwidth(threads)
+    matmul = ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items())
     print(
         f"host: {facts['cpu']}, {facts['cores']} cores, {facts['torch_cpu_capability']}; "
-        f"matmul {args.dtype} {peak / 1e9:.0f} GFLOP/s, read {bandwidth / 1e9:.1f} GB/s",
+        f"matmul GFLOP/s {matmul}; read {bandwidth / 1e9:.1f} GB/s",
         flush=True,
     )
     results = []
@@ -381,15 +389,17 @@ def main():
         for shape in args.shapes.split(","):
             for mode in args.modes.split(","):
                 for scale in [int(x) for x in args.scales.split(",")]:
-                    r = one_run(args, shape, mode, scale, workdir, data)
-                    fl = train_flops(r) if mode != "async" else None
-                    t_train = r["split_s"].get("training")
-                    r["train_flops_over_peak"] = fl / t_train / peak if fl and t_train else None
-                    db = decode_bytes_per_s(r, args) if mode == "sync" else None
-                    r["decode_over_roofline"] = db / bandwidth if db else None
-                    r["tokens_per_train_s"] = r["tokens"] / t_train if t_train else None
-                    results.append(r)
-                    report(r)
+                    for dtype in dtypes:
+                        r = one_run(args, shape, mode, scale, workdir, data, dtype)
+                        fl = train_flops(r) if mode != "async" else None
+                        t_train = r["split_s"].get("training")
+                        peak = peaks[dtype]
+                        r["train_flops_over_peak"] = fl / t_train / peak if fl and t_train else None
+                        db = decode_bytes_per_s(r, args) if mode == "sync" else None
+                        r["decode_over_roofline"] = db / bandwidth if db else None
+                        r["tokens_per_train_s"] = r["tokens"] / t_train if t_train else None
+                        results.append(r)
+                        report(r)
     rows = [{k: v for k, v in r.items() if k not in ("shape_info", "cfg", "last")} for r in results]
     worst = {}
     for r in results:
@@ -399,17 +409,25 @@ def main():
             worst[key] = max(worst.get(key, 0.0), over)
     flops = [r["train_flops_over_peak"] for r in results if r["train_flops_over_peak"]]
     decode = [r["decode_over_roofline"] for r in results if r["decode_over_roofline"]]
+    # The same run in bf16 and fp32 (this script, this host, one after the other).
+    step = {(r["shape"], r["mode"], r["scale"], r["dtype"]): r["step_s"] for r in results}
+    bf16_over_fp32 = {
+        f"{sh}/{mo}/x{sc}": t / step[(sh, mo, sc, "float32")]
+        for (sh, mo, sc, d), t in step.items()
+        if d == "bfloat16" and step.get((sh, mo, sc, "float32"))
+    }
     print(
         json.dumps(
             {
                 "date": datetime.date.today().isoformat(),
                 "host": facts,
-                "dtype": args.dtype,
-                "matmul_peak_gflops": peak / 1e9,
+                "dtypes": dtypes,
+                "matmul_peak_gflops": {d: p / 1e9 for d, p in peaks.items()},
                 "read_bandwidth_gbs": bandwidth / 1e9,
                 "rss_over_floor": worst,
                 "train_flops_over_peak": min(flops) if flops else None,
                 "decode_over_roofline": min(decode) if decode else None,
+                "bf16_step_over_fp32": bf16_over_fp32,
                 "runs": rows,
             },
             default=str,
@@ -420,8 +438,8 @@ def main():
 def report(r: dict) -> None:
     split = ", ".join(f"{k} {v:.1f}s" for k, v in r["split_s"].items())
     print(
-        f"\n{r['shape']} {r['mode']} x{r['scale']}: step {r['step_s']:.1f}s ({split}); "
-        f"{r['tokens']:.0f} tokens",
+        f"\n{r['shape']} {r['mode']} x{r['scale']} {r['dtype']}: "
+        f"step {r['step_s']:.1f}s ({split}); {r['tokens']:.0f} tokens",
         flush=True,
     )
     for key, m in r["memory"].items():
