@@ -72,7 +72,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Annotated, Any, Dict, List, Optional, Sequence
+from typing import Annotated, Any, Dict, List, Optional, Sequence, Tuple
 
 import fastapi
 import orjson
@@ -364,24 +364,30 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
     )
 
 
+def _versioned_load(body: Any, field: str, example: str) -> Tuple[str, int]:
+    """``body[field]`` (a string) and ``body["weight_version"]`` (an int) of a load request
+    that must hold exactly these two; InvalidRequestError otherwise."""
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get(field), str)
+        or not isinstance(version, int)
+        or isinstance(version, bool)
+    ):
+        raise InvalidRequestError(f'send {{"{field}": "{example}", "weight_version": <int>}}')
+    extra = set(body) - {field, "weight_version"}
+    if extra:
+        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    return body[field], version
+
+
 @control_router.post("/update_weights_from_shm")
 @_handle_errors(openai=False)
 async def update_weights_from_shm(request: fastapi.Request, served: _Served):
-    body = await _json_body(request)
-    if (
-        not isinstance(body, dict)
-        or not isinstance(body.get("path"), str)
-        or not isinstance(body.get("weight_version"), int)
-        or isinstance(body.get("weight_version"), bool)
-    ):
-        raise InvalidRequestError('send {"path": "<flat weight file>", "weight_version": <int>}')
-    extra = set(body) - {"path", "weight_version"}
-    if extra:
-        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
-    version = body["weight_version"]
+    path, version = _versioned_load(await _json_body(request), "path", "<flat weight file>")
     return await _load_weights(
         served,
-        body["path"],
+        path,
         served.shm_root,
         lambda path: served.engine.update_weights_from_shm(path, version),
     )
@@ -390,22 +396,11 @@ async def update_weights_from_shm(request: fastapi.Request, served: _Served):
 @control_router.post("/update_weights_from_broadcast")
 @_handle_errors(openai=False)
 async def update_weights_from_broadcast(request: fastapi.Request, served: _Served):
-    body = await _json_body(request)
-    if (
-        not isinstance(body, dict)
-        or not isinstance(body.get("sender"), str)
-        or not isinstance(body.get("weight_version"), int)
-        or isinstance(body.get("weight_version"), bool)
-    ):
-        raise InvalidRequestError('send {"sender": "<host:port>", "weight_version": <int>}')
-    extra = set(body) - {"sender", "weight_version"}
-    if extra:
-        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
-    version = body["weight_version"]
-    # No root to check: what the sender answers and sends is MAC'd with the run's secret.
+    sender, version = _versioned_load(await _json_body(request), "sender", "<host:port>")
+    # No root to check: the sender must answer with the run's MAC and prove the secret.
     return await _load_weights(
         served,
-        body["sender"],
+        sender,
         None,
         lambda sender: served.engine.update_weights_from_broadcast(sender, version),
         is_path=False,

@@ -352,25 +352,35 @@ async def _protocol_update(url: str, version: int, path: str, mode: str) -> None
         await update_server(session, url, version, path, 60.0, healthy, mode)
 
 
-def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_dir_b, weights_root):
-    # What the trainer publishes with weight_sync=shm, and the manager's protocol client.
-    trained = load(model_dir_b)
-    path = os.path.join(weights_root, "shm", "actor", "v7.flat")
-    write_model(trained, path, 7)
+def _logprob_request():
     prompt = [8, 9, 10]
     body = {
         "input_ids": prompt,
         "sampling_params": greedy_params(8, ignore_eos=True),
         "return_logprob": True,
     }
+    return prompt, body
+
+
+def _served_after_disk_update(server, trained_dir, other_dir, body):
+    """The (log-prob, token) entries ``body`` gets after a disk update of the server to
+    ``trained_dir``; the server is then updated to ``other_dir``, which answers otherwise."""
+    asyncio.run(_protocol_update(server.url, 1, trained_dir, "disk"))
+    entries = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
+    asyncio.run(_protocol_update(server.url, 2, other_dir, "disk"))
+    assert post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"] != entries
+    return entries
+
+
+def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_dir_b, weights_root):
+    # What the trainer publishes with weight_sync=shm, and the manager's protocol client.
+    trained = load(model_dir_b)
+    path = os.path.join(weights_root, "shm", "actor", "v7.flat")
+    write_model(trained, path, 7)
+    prompt, body = _logprob_request()
     try:
         # The same weights through the disk: what the shm update must serve, to the bit.
-        asyncio.run(_protocol_update(server.url, 1, model_dir_b, "disk"))
-        from_disk = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
-        asyncio.run(_protocol_update(server.url, 2, model_dir, "disk"))
-        assert post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"] != (
-            from_disk
-        )
+        from_disk = _served_after_disk_update(server, model_dir_b, model_dir, body)
         asyncio.run(_protocol_update(server.url, 7, path, "shm"))
         # Same dtype, on the CPU: the server serves from the file's pages, copying nothing.
         with open("/proc/self/maps") as f:
@@ -411,17 +421,10 @@ def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, m
     # What the trainer stages with weight_sync=broadcast, and the manager's protocol client.
     trained = load(model_dir_b)
     sender = WeightSender(timeout=10.0)
-    prompt = [8, 9, 10]
-    body = {
-        "input_ids": prompt,
-        "sampling_params": greedy_params(8, ignore_eos=True),
-        "return_logprob": True,
-    }
+    prompt, body = _logprob_request()
     try:
         # The same weights through the disk: what the pulled update must serve, to the bit.
-        asyncio.run(_protocol_update(server.url, 1, model_dir_b, "disk"))
-        from_disk = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
-        asyncio.run(_protocol_update(server.url, 2, model_dir, "disk"))
+        from_disk = _served_after_disk_update(server, model_dir_b, model_dir, body)
         sender.stage(trained.flat_params, trained.param_spec, 7)
         asyncio.run(_protocol_update(server.url, 7, sender.address, "broadcast"))
         entries = post(server, "/generate", body).json()["meta_info"]["output_token_logprobs"]
