@@ -38,12 +38,18 @@ def _spans(n: int, n_vocab_local: int, block_bytes: int):
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
-def _block(logits: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int, t: float):
-    """Rows s:e (of ``rows``, or of the logits) as a fresh float32 block, divided by t."""
-    if rows is None:
-        z = logits[s:e].to(torch.float32, copy=True)
-    else:  # indexing copies already
-        z = logits[rows[s:e]].to(torch.float32)
+def _buffers(logits: torch.Tensor, spans, k: int = 1):
+    """``k`` float32 buffers of the largest block, allocated once per call: a fresh block per
+    iteration would be a fresh mapping of its pages (glibc maps allocations this large), and
+    the page faults cost ten times the copy into it."""
+    rows = max((e - s for s, e in spans), default=0)
+    return [logits.new_empty((rows, logits.shape[-1]), dtype=torch.float32) for _ in range(k)]
+
+
+def _block(logits: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int, t: float, buf):
+    """Rows s:e (of ``rows``, or of the logits) in float32, divided by t, in ``buf``."""
+    z = buf[: e - s]
+    z.copy_(logits[s:e] if rows is None else logits[rows[s:e]])
     return z.div_(t) if t != 1.0 else z
 
 
@@ -63,9 +69,14 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 def _write_grad(grad: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int, block):
     if rows is None:
-        grad[s:e] = block.to(grad.dtype)
+        grad[s:e].copy_(block)
     else:
         grad[rows[s:e]] = block.to(grad.dtype)
+
+
+def _grad_like(logits: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    # Every row is written when rows is None: no need to zero [T, V] first.
+    return torch.empty_like(logits) if rows is None else torch.zeros_like(logits)
 
 
 # The loops work in place on one float32 block: each block is read from the logits once
@@ -82,8 +93,10 @@ class _TokenLogProbs(torch.autograd.Function):
         idx = torch.where(mine, local, torch.zeros_like(local))
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        for s, e in _spans(n, n_local, block_bytes):
-            z = _block(logits, rows, s, e, temperature)
+        spans = _spans(n, n_local, block_bytes)
+        (buf,) = _buffers(logits, spans)
+        for s, e in spans:
+            z = _block(logits, rows, s, e, temperature, buf)
             picked = z.gather(-1, idx[s:e].unsqueeze(-1)).squeeze(-1)
             picked = _all_reduce(torch.where(mine[s:e], picked, torch.zeros_like(picked)), group)
             m = _row_max(z, group)
@@ -98,11 +111,13 @@ class _TokenLogProbs(torch.autograd.Function):
     def backward(ctx, g):
         logits, rows, idx, mine, lse = ctx.saved_tensors
         t = ctx.temperature
-        grad = torch.zeros_like(logits)
+        grad = _grad_like(logits, rows)
         n = lse.shape[0]
-        for s, e in _spans(n, logits.shape[-1], ctx.block_bytes):
+        spans = _spans(n, logits.shape[-1], ctx.block_bytes)
+        (buf,) = _buffers(logits, spans)
+        for s, e in spans:
             gt = g[s:e].float() / t
-            z = _block(logits, rows, s, e, t)
+            z = _block(logits, rows, s, e, t, buf)
             z.sub_(lse[s:e].unsqueeze(-1)).exp_().mul_(-gt.unsqueeze(-1))  # -p g/t
             z.scatter_add_(-1, idx[s:e].unsqueeze(-1), (mine[s:e] * gt).unsqueeze(-1))
             _write_grad(grad, rows, s, e, z)
@@ -116,11 +131,13 @@ class _TokenEntropy(torch.autograd.Function):
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         mean_z = torch.empty_like(out)  # E_p[z]
-        for s, e in _spans(n, logits.shape[-1], block_bytes):
-            z = _block(logits, rows, s, e, temperature)
+        spans = _spans(n, logits.shape[-1], block_bytes)
+        buf, buf_ex = _buffers(logits, spans, 2)
+        for s, e in spans:
+            z = _block(logits, rows, s, e, temperature, buf)
             m = _row_max(z, group)
             z.sub_(m.unsqueeze(-1))  # z - m
-            ex = z.exp()
+            ex = torch.exp(z, out=buf_ex[: e - s])
             sums = _all_reduce(torch.stack([ex.sum(-1), ex.mul_(z).sum(-1)]), group)
             lse[s:e] = m + sums[0].log()
             mean_z[s:e] = m + sums[1] / sums[0]
@@ -133,11 +150,13 @@ class _TokenEntropy(torch.autograd.Function):
     def backward(ctx, g):
         logits, rows, lse, mean_z = ctx.saved_tensors
         t = ctx.temperature
-        grad = torch.zeros_like(logits)
+        grad = _grad_like(logits, rows)
         n = lse.shape[0]
-        for s, e in _spans(n, logits.shape[-1], ctx.block_bytes):
-            z = _block(logits, rows, s, e, t)
-            p = (z - lse[s:e].unsqueeze(-1)).exp_()
+        spans = _spans(n, logits.shape[-1], ctx.block_bytes)
+        buf, buf_p = _buffers(logits, spans, 2)
+        for s, e in spans:
+            z = _block(logits, rows, s, e, t, buf)
+            p = torch.sub(z, lse[s:e].unsqueeze(-1), out=buf_p[: e - s]).exp_()
             z.sub_(mean_z[s:e].unsqueeze(-1)).mul_(p).mul_((-g[s:e].float() / t).unsqueeze(-1))
             _write_grad(grad, rows, s, e, z)
         return grad, None, None, None, None
