@@ -12,6 +12,7 @@ from backend_testlib import batch, dp_rank_main, lm_loss, lm_weight, optimizer_c
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.impl.model.backend import TrainEngine
+from realhf.impl.model.backend import train as train_module
 from realhf.impl.model.nn.flat_param import flat_view
 from realhf.impl.model.utils.functional import gather_packed_shifted_log_probs
 
@@ -285,9 +286,12 @@ def test_bf16_model_keeps_fp32_master_weights_gradient_and_adam_state():
     assert TrainEngine(tiny_model(), optimizer_config()).master is None  # fp32: none needed
 
 
-def test_bf16_gradients_accumulate_in_fp32_across_micro_batches():
+@pytest.mark.parametrize("chunk", [None, 1000])
+def test_bf16_gradients_accumulate_in_fp32_across_micro_batches(chunk, monkeypatch):
     """The fp32 gradient of a bf16 model is the sum of its micro-batches' gradients, each
-    rounded to bf16 once: not a running bf16 sum."""
+    rounded to bf16 once: not a running bf16 sum (also when added a chunk at a time)."""
+    if chunk is not None:
+        monkeypatch.setattr(train_module, "_ACCUMULATE_CHUNK", chunk)
     engine = _bf16_engine()
     spec = MicroBatchSpec(max_tokens_per_mb=14)
     engine.train_batch(batch(), spec, lm_loss, lm_weight)
