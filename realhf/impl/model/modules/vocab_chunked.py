@@ -75,8 +75,14 @@ def _write_grad(grad: torch.Tensor, rows: Optional[torch.Tensor], s: int, e: int
 
 
 def _grad_like(logits: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
-    # Every row is written when rows is None: no need to zero [T, V] first.
-    return torch.empty_like(logits) if rows is None else torch.zeros_like(logits)
+    # Rows the blocks write need no zeros first: only the others (e.g. the last token of
+    # each sequence, which predicts nothing) are zeroed, not the whole [T, V].
+    grad = torch.empty_like(logits)
+    if rows is not None:
+        unwritten = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        unwritten[rows] = False
+        grad[unwritten] = 0
+    return grad
 
 
 # The loops work in place on one float32 block: each block is read from the logits once
