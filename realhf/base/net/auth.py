@@ -47,7 +47,6 @@ __all__ = [
     "http_token",
     "bearer_ok",
     "mac",
-    "mac_parts",
     "send",
     "recv",
     "rejected",
@@ -180,26 +179,13 @@ def bearer_ok(authorization: Optional[str], token: Optional[str] = None) -> bool
 # ---- ZMQ messages -----------------------------------------------------------------
 
 
-def _kind_key(kind: bytes) -> bytes:
-    key = _kind_keys.get(kind)
-    if key is None:
-        key = _kind_keys[kind] = hmac.digest(run_secret(), b"realhf-zmq\0" + kind, "sha256")
-    return key
-
-
 def mac(kind: bytes, body) -> bytes:
     """HMAC-SHA256 of ``body`` under the key of channel ``kind`` (``HMAC(secret, kind)``), so
     a message signed for one channel does not verify on another."""
-    return hmac.digest(_kind_key(kind), body, "sha256")
-
-
-def mac_parts(kind: bytes, *parts) -> bytes:
-    """:func:`mac` of the concatenation of ``parts`` (bytes-like), without concatenating:
-    e.g. a small prefix and a large buffer.  Hashing releases the GIL on large parts."""
-    h = hmac.new(_kind_key(kind), digestmod="sha256")
-    for p in parts:
-        h.update(p)
-    return h.digest()
+    key = _kind_keys.get(kind)
+    if key is None:
+        key = _kind_keys[kind] = hmac.digest(run_secret(), b"realhf-zmq\0" + kind, "sha256")
+    return hmac.digest(key, body, "sha256")
 
 
 #: Bodies up to this size travel in one frame with their MAC; larger ones in a frame of
