@@ -243,7 +243,20 @@ def one_run(args, shape: str, mode: str, scale: int, workdir: str, data, dtype: 
     overrides += [f"fileroot={workdir}", f"trial_name={trial}"]
     qs = get_quickstart_exp(name)
     cfg = parse_config(qs.config_cls, overrides)
-    estimates = {e.kind: e for e in memory_plan.estimate(cfg, qs.build(cfg))}
+    est_list = memory_plan.estimate(cfg, qs.build(cfg))
+    estimates = {e.kind: e for e in est_list}
+    need, available = memory_plan.host_total(est_list), memory_plan.available_memory()
+    if need > available:  # the run would be refused: say which terms do not fit instead
+        return {
+            "shape": shape,
+            "mode": mode,
+            "scale": scale,
+            "dtype": dtype,
+            "fits": False,
+            "need_gib": need / GiB,
+            "available_gib": available / GiB,
+            "largest_terms": _largest_terms(est_list),
+        }
 
     watcher = PeakWatcher(trial)
     watcher.start()
@@ -299,6 +312,17 @@ def one_run(args, shape: str, mode: str, scale: int, workdir: str, data, dtype: 
         "cfg": cfg,
         "last": last,
     }
+
+
+def _largest_terms(estimates, n: int = 3) -> List[str]:
+    """The ``n`` largest terms over all processes, as ``"model_worker x2: optimizer 8.63 GiB"``
+    (GiB per process): what to cut for a run that does not fit."""
+    terms = [
+        (v * e.count, f"{e.kind} x{e.count}: {t} {v / GiB:.2f} GiB")
+        for e in estimates
+        for t, v in e.terms.items()
+    ]
+    return [label for _, label in sorted(terms, reverse=True)[:n]]
 
 
 def step_split(trace, step: int, last: dict) -> Dict[str, float]:
@@ -391,6 +415,15 @@ def main():
                 for scale in [int(x) for x in args.scales.split(",")]:
                     for dtype in dtypes:
                         r = one_run(args, shape, mode, scale, workdir, data, dtype)
+                        if r.get("fits") is False:
+                            results.append(r)
+                            print(
+                                f"\n{shape} {mode} x{scale} {dtype}: does not fit, nothing "
+                                f"started: {r['need_gib']:.1f} GiB of {r['available_gib']:.1f} "
+                                f"available; largest: {'; '.join(r['largest_terms'])}",
+                                flush=True,
+                            )
+                            continue
                         fl = train_flops(r) if mode != "async" else None
                         t_train = r["split_s"].get("training")
                         peak = peaks[dtype]
@@ -400,6 +433,8 @@ def main():
                         r["tokens_per_train_s"] = r["tokens"] / t_train if t_train else None
                         results.append(r)
                         report(r)
+    not_fit = [r for r in results if r.get("fits") is False]
+    results = [r for r in results if r.get("fits") is not False]
     rows = [{k: v for k, v in r.items() if k not in ("shape_info", "cfg", "last")} for r in results]
     worst = {}
     for r in results:
@@ -428,6 +463,7 @@ def main():
                 "train_flops_over_peak": min(flops) if flops else None,
                 "decode_over_roofline": min(decode) if decode else None,
                 "bf16_step_over_fp32": bf16_over_fp32,
+                "does_not_fit": not_fit,
                 "runs": rows,
             },
             default=str,

@@ -84,3 +84,24 @@ def test_rss_samples_are_attributed_to_the_calls_they_fall_in():
     assert scale.phase_peaks(trace, samples) == {
         "model_worker/0": {"other": 1.0, "actor_gen": 3.0, "actor_train": 5.0}
     }
+
+
+def test_a_run_that_cannot_fit_is_not_started_and_its_largest_terms_are_named(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(scale.memory_plan, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(scale.subprocess, "run", None)  # nothing may be launched
+    scale.quickstart._load_experiments()
+    args = SimpleNamespace(
+        batch=4,
+        group_size=4,
+        answer_len=8,
+        steps=1,
+        extra="",
+        models_dir=str(tmp_path),
+        prompt_len=0,
+        timeout=60,
+    )
+    r = scale.one_run(args, "tiny", "sync", 1, str(tmp_path), {}, "float32")
+    assert r["fits"] is False and r["need_gib"] > r["available_gib"] == 1 / 1024
+    assert len(r["largest_terms"]) == 3 and r["largest_terms"][0].startswith("model_worker x1: ")
