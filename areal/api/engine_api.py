@@ -105,24 +105,23 @@ class TrainEngine:
         import torch.distributed as dist
 
         mode = getattr(engine, "weight_sync", "disk")
-        shm = mode == "shm"
         first = not dist.is_initialized() or dist.get_rank() == 0
-        if mode == "broadcast":
-            full = flat_file.whole_model(self.module)
-            if first:
-                if self._sender is None:
-                    self._sender = WeightSender()
-                self._sender.stage(full.flat_params, full.param_spec, self.version)
-                path = self._sender.address
-        elif shm and first:
+        # The module is one whole model on every rank (data parallelism only): rank 0
+        # publishes it, in the way the engine's servers load.
+        if mode == "disk":
+            self.save(path)  # (itself rank 0 only)
+        elif first and mode == "shm":
             flat_file.write_model(self.module, path, self.version)
-        elif not shm:
-            self.save(path)
+        elif first:  # broadcast
+            if self._sender is None:
+                self._sender = WeightSender()
+            self._sender.stage(self.module.flat_params, self.module.param_spec, self.version)
+            path = self._sender.address
         if dist.is_initialized():
             dist.barrier()
         if first:
             engine.update_weights(path, self.version)
-            if shm:
+            if mode == "shm":
                 last, self._last_flat = self._last_flat, path
                 if last is not None and last != path and os.path.exists(last):
                     flat_file.retire(last)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from weight_senders import HalfSender
 
 from realhf.impl.model.comm import weight_broadcast as wb
 from realhf.impl.model.comm.weight_broadcast import (
@@ -79,17 +80,8 @@ def test_another_version_or_layout_is_refused_before_anything_is_received(sender
     assert not e.value.partial and bool((dst == 7.0).all())
 
 
-class _HalfSender(WeightSender):
-    """A trainer that dies halfway through the weights (its pair is aborted)."""
-
-    def _send_data(self, group, snap):
-        a, b = wb._buckets(snap.flat.numel(), snap.bucket_elems)[0]
-        wb._bcast(group, snap.flat[a:b], self.timeout)
-        raise RuntimeError("the trainer died")
-
-
 def test_a_transfer_that_breaks_off_is_a_partial_update_and_the_pair_is_remade():
-    sender = _HalfSender(host=HOST, timeout=5.0, bucket_bytes=BUCKET)
+    sender = HalfSender(host=HOST, timeout=5.0, bucket_bytes=BUCKET)
     receiver = WeightReceiver("test-server", host=HOST)
     try:
         sender.stage(_weights(), SPEC, 2)

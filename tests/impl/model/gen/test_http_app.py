@@ -14,9 +14,9 @@ import openai
 import psutil
 import pytest
 import requests
+from weight_senders import HalfSender
 
 from realhf.base.net.http_server import ServerThread, auth_headers
-from realhf.impl.model.comm import weight_broadcast as wb
 from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen import EngineConfig
@@ -409,14 +409,6 @@ def test_update_weights_from_shm_through_the_protocol(server, model_dir, model_d
         ]
 
 
-class _HalfSender(WeightSender):
-    """A trainer that dies after the first bucket of weights."""
-
-    def _send_data(self, group, snap):
-        wb._bcast(group, snap.flat[: snap.bucket_elems], self.timeout)
-        raise RuntimeError("the trainer died")
-
-
 def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, model_dir_b):
     # What the trainer stages with weight_sync=broadcast, and the manager's protocol client.
     trained = load(model_dir_b)
@@ -439,7 +431,7 @@ def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, m
         # A transfer that breaks off (the trainer dies after one bucket) leaves the server
         # holding neither version: it refuses to continue, and /generate gets no tokens,
         # until an update succeeds.
-        broken = _HalfSender(timeout=10.0, bucket_bytes=4096)
+        broken = HalfSender(timeout=10.0, bucket_bytes=4096)
         broken.stage(load(model_dir).flat_params, trained.param_spec, 9)
         with pytest.raises(WeightUpdateError, match=r"after 4096 bytes"):
             asyncio.run(_protocol_update(server.url, 9, broken.address, "broadcast"))
