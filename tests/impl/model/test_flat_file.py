@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,9 +52,10 @@ def test_a_model_round_trips_bit_for_bit_and_safetensors_reads_the_file(tmp_path
     assert not torch.equal(served.flat_params, trained.flat_params)
     assert load_flat(served.flat_params, served.param_spec, path, 3) == 3
     assert torch.equal(served.flat_params, trained.flat_params)
-    # The mapping is gone once loaded: the server holds no second copy.
+    # A copying load keeps no mapping (only the writer keeps its read-write one, rw-s).
     with open("/proc/self/maps") as f:
-        assert path not in f.read()
+        mine = [line.split()[1] for line in f if line.rstrip().endswith(path)]
+    assert mine == ["rw-s"], mine
     # Any safetensors reader opens it.
     with safe_open(path, "pt") as f:
         assert f.metadata()["version"] == "3"
@@ -142,3 +147,79 @@ def test_a_model_can_serve_from_the_mapped_file_itself(tmp_path, model_dir):
         map_flat(path, served.param_spec, 2)
     with pytest.raises(ValueError, match="a flat buffer of"):
         served.use_flat(torch.zeros(3))
+
+
+def _maps_of(directory) -> list:
+    """(permissions, path) of this process's mappings of files in ``directory``."""
+    with open("/proc/self/maps") as f:
+        rows = [line.split(maxsplit=5) for line in f]
+    return [(r[1], r[5].strip()) for r in rows if len(r) == 6 and str(directory) in r[5]]
+
+
+def test_a_file_met_again_reuses_its_mapping_and_shows_the_new_version(tmp_path, model_dir):
+    # Two files take turns: v1, v2, then v3 in v1's retired file.  The writer and a server
+    # map each file once; the server's view of v3 is v1's mapping, holding v3's weights.
+    a, b, c = (_perturbed(model_dir, seed=s) for s in (6, 7, 8))
+    served = ReaLModel.from_hf(model_dir).eval()
+    paths = [str(tmp_path / f"v{v}.flat") for v in (1, 2, 3)]
+    views = []
+    for version, (model, path) in enumerate(zip((a, b, c), paths), start=1):
+        write_model(model, path, version)
+        views.append(map_flat(path, served.param_spec, version, served.flat_params.numel()))
+        served.use_flat(views[-1])
+        assert torch.equal(served.flat_params, model.flat_params)
+        if version > 1:
+            retire(paths[version - 2])
+    assert views[2].data_ptr() == views[0].data_ptr()  # the same mapping, not a new one
+    assert torch.equal(views[2], c.flat_params) and torch.equal(views[1], b.flat_params)
+    ids, cu = torch.tensor([3, 1, 4, 1, 5]), torch.tensor([0, 5], dtype=torch.int32)
+    with torch.no_grad():
+        assert torch.equal(served(ids, cu), c.eval()(ids, cu))
+    # Two files, each mapped once by the writer (rw-s) and once by the reader (r--s).
+    perms = sorted(p for p, _ in _maps_of(tmp_path))
+    assert perms == ["r--s", "r--s", "rw-s", "rw-s"], _maps_of(tmp_path)
+
+
+def test_mappings_of_files_that_left_the_directory_are_dropped(tmp_path, model_dir):
+    a = _perturbed(model_dir, seed=9)
+    served = ReaLModel.from_hf(model_dir)
+    n = served.flat_params.numel()
+    for v in (1, 2):
+        write_model(a, str(tmp_path / f"v{v}.flat"), v)
+        map_flat(str(tmp_path / f"v{v}.flat"), served.param_spec, v, n)  # tensor dropped
+    other = tmp_path / "other"  # e.g. another run's directory, removed whole
+    write_model(a, str(other / "v1.flat"), 1)
+    map_flat(str(other / "v1.flat"), served.param_spec, 1, n)
+    shutil.rmtree(other)
+    retire(str(tmp_path / "v1.flat"))
+    retire(str(tmp_path / "v2.flat"))  # replaces v1's file, which is deleted
+    write_model(a, str(tmp_path / "v3.flat"), 3)
+    map_flat(str(tmp_path / "v3.flat"), served.param_spec, 3, n)
+    # No mapping of a deleted file is left holding its memory.
+    assert not [m for m in _maps_of(tmp_path) if "(deleted)" in m[1]], _maps_of(tmp_path)
+    assert len(_maps_of(tmp_path)) == 2  # v3's file: the writer's and the reader's
+
+
+def test_a_served_mapping_is_read_only(tmp_path, model_dir):
+    """A stray write into weights served from the file faults instead of changing the
+    file under every other server (or silently detaching from it)."""
+    a = _perturbed(model_dir, seed=10)
+    path = str(tmp_path / "v1.flat")
+    write_model(a, path, 1)
+    code = (
+        "import sys, torch\n"
+        "from realhf.impl.model.conversion.flat_file import map_flat\n"
+        "from realhf.impl.model.nn.real_model import ReaLModel\n"
+        "m = ReaLModel.from_hf(sys.argv[2])\n"
+        "m.use_flat(map_flat(sys.argv[1], m.param_spec, 1, m.flat_params.numel()))\n"
+        "print('serving', flush=True)\n"
+        "with torch.no_grad(): m.flat_params[0] = 7.0\n"
+        "print('wrote', flush=True)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, path, str(model_dir)], capture_output=True, text=True
+    )
+    assert r.stdout.split() == ["serving"] and r.returncode == -signal.SIGSEGV, r.stderr[-2000:]
+    out = torch.empty_like(a.flat_params)
+    load_flat(out, a.param_spec, path, 1)
+    assert torch.equal(out, a.flat_params)  # the file is as written

@@ -2,8 +2,8 @@
 
 With ``weight_sync=shm`` the trainer writes each new version once into a file under
 ``/dev/shm`` (memory, not a disk) and every generation server on the host maps that file and
-copies it into its own buffer in one pass.  No HuggingFace names, no per-tensor conversion, no
-read through the kernel: the server's copy reads the trainer's pages in place.
+serves from the mapping.  No HuggingFace names, no per-tensor conversion, no read through the
+kernel, no copy on the servers' side: they share the file's pages.
 
 Format: a safetensors file (8-byte little-endian header length, a JSON header, the data) with
 one tensor, ``flat``: the flat buffer of a *single-device* ReaLModel of the model's config
@@ -12,11 +12,19 @@ one tensor, ``flat``: the flat buffer of a *single-device* ReaLModel of the mode
 parameter's name, offset and shape).  Any safetensors reader opens it.  The data starts on a
 page boundary, so a mapping of it is aligned for every dtype.
 
-Memory is the cost that matters here: a new file's pages must be allocated and zeroed by the
-kernel, which takes longer than copying the weights into them.  So a version nobody serves
-any more is not deleted but *retired* (:func:`retire`: renamed to ``spare.flat`` in its
-directory), and the next write takes the spare and overwrites it in place.  A directory
-holds at most one spare.
+Memory is the cost that matters here, in two ways:
+
+- a new file's pages must be allocated and zeroed by the kernel, which takes longer than
+  copying the weights into them.  So a version nobody serves any more is not deleted but
+  *retired* (:func:`retire`: renamed to ``spare.flat`` in its directory), and the next write
+  takes the spare and overwrites it in place.  A directory holds at most one spare, so in a
+  steady run two or three files take turns;
+- every 4 KiB page of a mapping costs a page-table entry, made at its first touch: for a 1 GB
+  file that is ~250k faults, as long as the copy of the weights itself.  So a process keeps
+  the mappings it made of the files that take turns (the writer its shared read-write ones,
+  a server its read-only ones), reuses one when it meets the same file again (same device,
+  inode and size), and drops those of files that left the directory.  A steady run's writes
+  then run at memcpy speed and a server's load costs no faults at all.
 
 Guarantees a server relies on:
 
@@ -32,6 +40,8 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import threading
+import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -48,6 +58,7 @@ __all__ = [
     "write_flat",
     "load_flat",
     "map_flat",
+    "flat_dtype",
     "read_header",
     "retire",
 ]
@@ -65,6 +76,67 @@ class FlatFileError(ValueError):
 
 def _layout(param_spec: Dict[str, ParamSpec]) -> List[list]:
     return [[n, s.offset, list(s.shape)] for n, s in sorted(param_spec.items(), key=lambda x: x[1])]
+
+
+#: madvise(MADV_POPULATE_WRITE) (Linux 5.14+): a mapping's page-table entries in one call
+_MADV_POPULATE_WRITE = 23
+
+
+class _Maps:
+    """The mappings this process keeps of flat files (see the module's note on memory),
+    keyed by the file's device, inode and size, so that a file met again is not mapped and
+    faulted in again.  ``writable``: the writer's shared read-write mappings, made resident
+    when made; otherwise read-only ones, which a stray write cannot change (it faults)."""
+
+    def __init__(self, writable: bool):
+        self.writable = writable
+        self._maps: Dict[Tuple[int, int, int], Tuple[mmap.mmap, str]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str, fd: int) -> mmap.mmap:
+        """The mapping of ``path``, open as ``fd``: the one kept, or a new one."""
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino, st.st_size)
+        with self._lock:
+            if key in self._maps:
+                return self._maps[key][0]
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=prot)
+            if self.writable:
+                try:  # one call instead of a fault per page at the first copy
+                    mm.madvise(_MADV_POPULATE_WRITE)
+                except OSError:  # an older kernel: the copy faults them in
+                    pass
+            self._maps[key] = (mm, os.path.dirname(os.path.abspath(path)))
+            self._trim()
+            return mm
+
+    def _trim(self) -> None:
+        # Forget the mappings of files no longer in their directory (a tensor still using
+        # one keeps it mapped until the tensor goes): a file deleted, or replaced as the
+        # spare, frees its memory once nothing maps it.
+        live = set()
+        for directory in {d for _, d in self._maps.values()}:
+            try:
+                entries = list(os.scandir(directory))
+            except FileNotFoundError:
+                continue
+            for e in entries:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                live.add((st.st_dev, st.st_ino, st.st_size))
+        for key in [k for k in self._maps if k not in live]:
+            del self._maps[key]
+
+    def trim(self) -> None:
+        with self._lock:
+            self._trim()
+
+
+_WRITER_MAPS = _Maps(writable=True)
+_READER_MAPS = _Maps(writable=False)
 
 
 def write_flat(
@@ -100,26 +172,33 @@ def write_flat(
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, mode=0o700, exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
+    size = 8 + len(text) + nbytes
     try:
         # Claiming the spare is one rename: the manager may be retiring another version
         # at the same moment, which then becomes the next spare.
         os.rename(os.path.join(directory, SPARE), tmp)
-        mode = "r+b"
     except FileNotFoundError:
-        mode = "wb"
+        pass
     try:
-        with open(tmp, mode) as f:
-            f.truncate(8 + len(text) + nbytes)  # a spare of another size: fit it
-            f.write(len(text).to_bytes(8, "little"))
-            f.write(text)
-            if nbytes:
-                f.write(memoryview(flat.view(torch.uint8).numpy()))
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, size)  # a spare of another size: fit it
+            mm = _WRITER_MAPS.get(tmp, fd)
+        finally:
+            os.close(fd)
+        mm[:8] = len(text).to_bytes(8, "little")
+        mm[8 : 8 + len(text)] = text
+        if nbytes:
+            data = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=8 + len(text))
+            data.copy_(flat.view(torch.uint8))
+            del data
         os.rename(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    return 8 + len(text) + nbytes
+    _WRITER_MAPS.trim()
+    return size
 
 
 def retire(path: str) -> None:
@@ -185,9 +264,10 @@ def map_flat(
     ``version``: the version the caller was told the file holds; another one is refused.
     ``param_spec`` / ``numel``: the layout and size of the caller's model.
 
-    The mapping is private: the tensor reads the file's pages in place (shared with every
-    other process mapping them), and a write to it would copy a page for this process
-    only, never changing the file."""
+    The tensor reads the file's pages in place, shared with every other process mapping
+    them.  It is read-only: a write to it faults (a model that must change its weights
+    copies them first).  The mapping is kept for the next version written into the same
+    file (see the module's note), so its pages are faulted in once per file, not per load."""
     return _mapped(path, param_spec, version, numel)[0]
 
 
@@ -200,14 +280,23 @@ def load_flat(
     """Copy the flat file ``path`` into ``flat`` (a single-device model's buffer laid out by
     ``param_spec``, any float dtype and device: the copy converts); returns the file's
     version, checked as :func:`map_flat` does.  The copy reads the mapped pages in place."""
-    src, got = _mapped(path, param_spec, version, flat.numel())
+    src, got = _mapped(path, param_spec, version, flat.numel(), keep=False)
     with torch.no_grad():
         flat.copy_(src)
     return got
 
 
-def _mapped(path, param_spec, version, numel) -> Tuple[torch.Tensor, int]:
-    """:func:`map_flat`'s tensor and the file's version."""
+def flat_dtype(path: str) -> torch.dtype:
+    """The dtype of the flat file ``path``'s weights (from its header)."""
+    name = read_header(path)["flat"]["dtype"]
+    if name not in _SAFE_DTYPES:
+        raise FlatFileError(f"{path}: weights of dtype {name}, which no model here holds")
+    return _SAFE_DTYPES[name]
+
+
+def _mapped(path, param_spec, version, numel, keep=True) -> Tuple[torch.Tensor, int]:
+    """:func:`map_flat`'s tensor and the file's version; ``keep``: the mapping is kept for
+    the file's next version (a server serving from it), else it goes with the tensor."""
     header = read_header(path)
     meta, info = header["__metadata__"], header["flat"]
     got = int(meta["version"])
@@ -231,7 +320,19 @@ def _mapped(path, param_spec, version, numel) -> Tuple[torch.Tensor, int]:
         )
     if n == 0:
         return torch.empty(0, dtype=dtype), got
-    with open(path, "rb") as f:
-        # torch wants a writable buffer: a private mapping is one, and the file stays as is.
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"]), got
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if keep:
+            mm = _READER_MAPS.get(path, fd)
+        else:
+            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    if keep:
+        _READER_MAPS.trim()
+    with warnings.catch_warnings():
+        # Read-only on purpose: a server that wrote into its weights would fault here
+        # rather than change (or silently detach from) the file every server reads.
+        warnings.filterwarnings("ignore", "The given buffer is not writable")
+        t = torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"])
+    return t, got

@@ -46,7 +46,7 @@ from realhf.api.core.gen_api import (
 )
 from realhf.base import logging
 from realhf.impl.model.comm.weight_broadcast import WeightReceiver, WeightSyncError
-from realhf.impl.model.conversion.flat_file import map_flat
+from realhf.impl.model.conversion.flat_file import flat_dtype, load_flat, map_flat
 from realhf.impl.model.gen.batch_scheduler import Scheduler
 from realhf.impl.model.gen.cache_attention import (
     DecodeAttention,
@@ -204,6 +204,7 @@ class GenerationEngine:
             defaults.add(int(pad_token_id))
         self.default_stop_ids = frozenset(defaults)
         self._load_weights = load_weights or (lambda m, path: m.load_hf_weights(path))
+        self._serving_file = False  # the weights are a flat file's read-only mapping (shm)
         self.device = next(iter(model.parameters())).device
         check_cache_fits(
             mc, config.max_running_requests, self.context_length, config.torch_dtype, self.device
@@ -498,6 +499,8 @@ class GenerationEngine:
         self.paused = False
 
     def _update_weights(self, cmd: _UpdateWeights) -> int:
+        if cmd.broadcast or cmd.flat_version is None:
+            self._own_weights()  # these two write the weights in place
         if cmd.broadcast:
             self._receive_weights(cmd)
         elif cmd.flat_version is None:
@@ -506,19 +509,31 @@ class GenerationEngine:
             m = self.model
             if getattr(m, "tp", LOCAL).distributed:
                 raise ValueError("a flat weight file loads into a single-device model only")
-            # Outside inference mode: the mapping becomes the parameters' data.
-            with torch.inference_mode(False):
-                src = map_flat(cmd.path, m.param_spec, cmd.flat_version, m.flat_params.numel())
-                if src.dtype == m.flat_params.dtype and m.flat_params.device.type == "cpu":
-                    # Serve from the file's pages: no copy, and the servers of the host
-                    # share them.  The manager retires the file only once every server in
-                    # service holds a newer version.
-                    m.use_flat(src)
-                else:  # another dtype or a device: one converting copy
-                    with torch.no_grad():
-                        m.flat_params.copy_(src)
+            if m.flat_params.device.type == "cpu" and flat_dtype(cmd.path) == m.flat_params.dtype:
+                # Serve from the file's pages: no copy, and the servers of the host share
+                # them.  The manager retires the file only once every server in service
+                # holds a newer version.  Outside inference mode: the mapping becomes the
+                # parameters' data.
+                with torch.inference_mode(False):
+                    m.use_flat(
+                        map_flat(cmd.path, m.param_spec, cmd.flat_version, m.flat_params.numel())
+                    )
+                self._serving_file = True
+            else:  # another dtype or a device: one converting copy
+                self._own_weights()
+                with torch.inference_mode(False):
+                    load_flat(m.flat_params, m.param_spec, cmd.path, cmd.flat_version)
         self.weight_version += 1
         return self.weight_version
+
+    def _own_weights(self) -> None:
+        """Before a load that writes the weights in place: a model serving a flat file's
+        read-only mapping (``shm``) takes a copy of its own first (once, on a change of
+        ``weight_sync``, e.g. a recovery through ``disk``)."""
+        if self._serving_file:
+            with torch.inference_mode(False):
+                self.model.use_flat(self.model.flat_params.clone())
+            self._serving_file = False
 
     def _receive_weights(self, cmd: _UpdateWeights) -> None:
         m = self.model

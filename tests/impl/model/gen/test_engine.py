@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from realhf.api.core.gen_api import GenerateRequest, InvalidRequestError, SamplingParams
-from realhf.impl.model.conversion.flat_file import write_model
+from realhf.impl.model.conversion.flat_file import load_flat, write_model
 from realhf.impl.model.gen import EngineClosedError, EngineConfig, GenerationEngine
 from realhf.impl.model.gen.cache_attention import numba_available
 from realhf.impl.model.gen.loading import load_engine, special_token_ids
@@ -233,7 +233,18 @@ def test_a_bf16_engine_copies_an_fp32_flat_file_and_an_fp32_one_maps_it(
             got = eng.model.flat_params
             assert torch.equal(got, trained.flat_params.to(got.dtype))
             with open("/proc/self/maps") as f:  # the mapping outlives the load only if served
-                assert (path in f.read()) == (dtype == "float32")
+                read_only = [ln for ln in f if ln.rstrip().endswith(path) and " r--s " in ln]
+            assert bool(read_only) == (dtype == "float32")  # (rw-s: the writer's own)
+            # A load that writes in place (disk, e.g. a recovery) first copies the mapped
+            # weights: the file every server reads stays as written.
+            eng.pause()
+            assert eng.update_weights_from_disk(model_dir) == 2
+            base = load(model_dir).flat_params
+            assert torch.equal(eng.model.flat_params, base.to(got.dtype))
+            in_file = torch.empty_like(trained.flat_params)
+            load_flat(in_file, trained.param_spec, path, 4)
+            assert torch.equal(in_file, trained.flat_params)
+            eng.resume()
         finally:
             eng.close()
         del eng, got
