@@ -23,6 +23,11 @@ near-tie in bf16, where the server's cached decode and a full forward may part).
 
     python benchmark/weight_sync.py --shapes tiny,qwen2.5-0.5b,qwen2.5-1.5b --servers 1,2
 
+Each mode first runs ``--warmup`` untimed-for-the-median updates (reported apart, as
+``first_seconds``): the first versions of a mode allocate what later ones reuse (the flat
+files of ``shm``, the sender's copy of ``broadcast``, the disk's page cache).  A run pays them
+once; the median is over the ``--repeats`` updates after them.
+
 Prints a table, then a JSON line: per shape the median seconds of each mode and servers,
 ``shm_over_disk`` and ``broadcast_over_disk`` (how many times faster each is than disk, with
 the most servers), ``shm_over_memcpy`` (shm's time over one memcpy of the bytes) and the
@@ -68,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--servers", default="1,2", help="numbers of generation servers")
     p.add_argument("--modes", default="disk,shm,broadcast")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per mode (median)")
+    p.add_argument(
+        "--warmup", type=int, default=2, help="updates per mode before them, reported apart"
+    )
     p.add_argument("--dtype", default="bfloat16", help="trainer and server weights")
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/realhf/shapes"))
     p.add_argument("--workdir", default=None, help="where disk versions go (default: a temp dir)")
@@ -194,7 +202,7 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
         try:
             for mode in args.modes.split(","):
                 times, prev = [], None
-                for _ in range(args.repeats):
+                for _ in range(args.warmup + args.repeats):
                     version += 1
                     with torch.no_grad():  # new weights: every update moves real bytes
                         model.flat_params.mul_(1.0 - 1e-3)
@@ -217,7 +225,7 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
                     elif prev is not None and mode == "shm":
                         retire(prev)
                     prev = where
-                loads += args.repeats
+                loads += args.warmup + args.repeats
                 want = (_reference_greedy(model), loads)
                 got = _served(servers.urls)
                 if any(g != want for g in got):
@@ -229,8 +237,9 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
                     servers=n,
                     mode=mode,
                     bytes=nbytes,
-                    seconds=statistics.median(times),
-                    all_seconds=[round(x, 4) for x in times],
+                    seconds=statistics.median(times[args.warmup :]),
+                    all_seconds=[round(x, 4) for x in times[args.warmup :]],
+                    first_seconds=[round(x, 4) for x in times[: args.warmup]],
                     memcpy_s=copy,
                 )
                 rows.append(row)
@@ -265,13 +274,16 @@ def summarize(rows: List[dict]) -> Dict[str, dict]:
 
 def table(rows: List[dict]) -> str:
     lines = [
-        "| shape | servers | mode | GiB | update s (median) | memcpy s | over memcpy |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| shape | servers | mode | GiB | first updates s | update s (median) | memcpy s "
+        "| over memcpy |",
+        "|---|---:|---|---:|---|---:|---:|---:|",
     ]
     for r in rows:
+        first = ", ".join(f"{x:.3f}" for x in r["first_seconds"]) or "—"
         lines.append(
             f"| {r['shape']} | {r['servers']} | {r['mode']} | {r['bytes'] / 2**30:.3f} | "
-            f"{r['seconds']:.3f} | {r['memcpy_s']:.3f} | {r['seconds'] / r['memcpy_s']:.1f} |"
+            f"{first} | {r['seconds']:.3f} | {r['memcpy_s']:.3f} | "
+            f"{r['seconds'] / r['memcpy_s']:.1f} |"
         )
     return "\n".join(lines)
 
