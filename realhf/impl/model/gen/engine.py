@@ -675,6 +675,8 @@ class GenerationEngine:
             any_truncation=any(
                 not g and (sp.top_k > 0 or sp.top_p < 1.0) for g, sp in zip(greedy, sps)
             ),
+            any_greedy=any(greedy),
+            unit_temperature=all(g or sp.temperature == 1.0 for g, sp in zip(greedy, sps)),
         )
 
     def _postprocess(

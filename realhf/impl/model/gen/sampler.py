@@ -33,7 +33,8 @@ class SamplingBatch:
         stop_mask: optional ``[B, V]`` bool, ``True`` where a token is banned
             (stop tokens before ``min_new_tokens``).
         truncate: ``[B]`` bool, rows with ``top_k > 0`` or ``top_p < 1``.
-        all_greedy / any_truncation: host-side summaries that pick fast paths.
+        all_greedy / any_truncation / any_greedy / unit_temperature (every sampled row
+            at temperature 1): host-side summaries that pick fast paths.
     """
 
     temperature: torch.Tensor
@@ -44,6 +45,8 @@ class SamplingBatch:
     stop_mask: Optional[torch.Tensor] = None
     all_greedy: bool = False
     any_truncation: bool = False
+    any_greedy: bool = True
+    unit_temperature: bool = False
 
     @property
     def truncate(self) -> torch.Tensor:
@@ -51,18 +54,59 @@ class SamplingBatch:
         return (self.top_k > 0) | (self.top_p < 1.0)
 
 
+#: entries per block of the two-level inverse CDF: one pass of block sums, then a cumulative
+#: sum over the blocks and over the one block the target falls in (a cumulative sum over a
+#: whole 152k vocabulary runs at a fraction of a sum's speed)
+_BLOCK = 1024
+#: candidates looked at first for top-k / top-p: a row whose nucleus lies within its most
+#: likely ``_CANDIDATES`` tokens (or whose ``top_k`` is at most that) sorts those only
+_CANDIDATES = 256
+
+
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Index of the first entry whose cumulative mass exceeds ``u * total``.
 
-    ``probs`` is ``[B, V]`` non-negative (zeros are never chosen unless every
-    entry is zero, which the callers exclude).
+    ``probs`` is ``[B, V]`` non-negative, not necessarily normalised (zeros are never
+    chosen unless every entry is zero, which the callers exclude).
     """
-    cdf = probs.cumsum(dim=-1)
-    target = (uniforms * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # u * total can round up to total itself; stay on the last positive entry.
-    last = (probs > 0).long().cumsum(-1).argmax(-1)
-    return torch.minimum(idx, last)
+    B, V = probs.shape
+    if V <= 4 * _BLOCK:
+        cdf = probs.cumsum(dim=-1)
+        target = (uniforms * cdf[:, -1]).unsqueeze(-1)
+        idx = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+        return _last_positive_if_past(probs, idx)
+    nb = -(-V // _BLOCK)
+    full = (V // _BLOCK) * _BLOCK
+    sums = probs.new_zeros(B, nb)
+    sums[:, : V // _BLOCK] = probs[:, :full].view(B, -1, _BLOCK).sum(-1)
+    if full < V:
+        sums[:, -1] = probs[:, full:].sum(-1)
+    bcdf = sums.cumsum(-1)
+    target = uniforms * bcdf[:, -1]
+    blk = torch.searchsorted(bcdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    # u * total can round up to total itself: stay on the last block with mass.
+    blk = _last_positive_if_past(sums, blk)
+    base = torch.where(blk > 0, bcdf.gather(-1, (blk - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    cols = blk[:, None] * _BLOCK + torch.arange(_BLOCK, device=probs.device)
+    inside = cols < V
+    block = torch.where(inside, probs.gather(-1, cols.clamp(max=V - 1)), 0.0)
+    pos = torch.searchsorted(block.cumsum(-1), (target - base)[:, None], right=True)[:, 0]
+    # The block's own sum and the blocks' cumulative sum round differently: past the
+    # block's end means its last entry with mass.
+    return blk * _BLOCK + _last_positive_if_past(block, pos)
+
+
+def _last_positive_if_past(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``idx``, with entries past the end (``== V``) replaced by their row's last
+    positive entry (computed for those rows only)."""
+    V = probs.shape[-1]
+    past = (idx >= V).nonzero().squeeze(-1)
+    if past.numel():
+        rows = probs[past]
+        rank = torch.arange(V, device=probs.device)
+        idx = idx.clone()
+        idx[past] = torch.where(rows > 0, rank, -1).amax(-1).clamp(min=0)
+    return idx
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,36 +123,67 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> Tuple[torch.Tensor, to
     if batch.stop_mask is not None:
         logits = logits.masked_fill(batch.stop_mask, float("-inf"))
     if batch.all_greedy:
-        logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        logz = torch.logsumexp(logits, dim=-1)
+        return tokens, logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
 
-    temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
-    logp = torch.log_softmax(logits / temp.unsqueeze(-1), dim=-1)
+    if batch.unit_temperature:
+        scaled = logits
+    else:
+        temp = torch.where(batch.greedy, torch.ones_like(batch.temperature), batch.temperature)
+        scaled = logits / temp.unsqueeze(-1)
+    # One pass each: the max, exp(x - max) (unnormalised probabilities), their sum; a
+    # token's logprob is then x - max - log(sum), with no [B, V] log-softmax.
+    top = scaled.amax(dim=-1, keepdim=True)
+    probs = torch.sub(scaled, top).exp_()
+    logz = top.squeeze(-1) + probs.sum(-1).log()
     # Rows without top-k/top-p sample by inverse CDF in vocabulary order (no
-    # sort); rows with truncation sort their own row. Which path a row takes
-    # depends only on its own parameters, so a seeded row gets the same token
+    # sort); rows with truncation look at their own most likely tokens.  Which path a
+    # row takes depends only on its own parameters, so a seeded row gets the same token
     # whatever else shares the batch.
-    sampled = _inverse_cdf(logp.exp(), batch.uniforms)
+    tokens = _inverse_cdf(probs, batch.uniforms)
     if batch.any_truncation:
         rows = batch.truncate.nonzero().squeeze(-1)
-        sampled[rows] = _sample_truncated(
-            logp[rows], batch.top_k[rows], batch.top_p[rows], batch.uniforms[rows]
+        tokens[rows] = _sample_truncated(
+            probs[rows], batch.top_k[rows], batch.top_p[rows], batch.uniforms[rows]
         )
-    tokens = torch.where(batch.greedy, logp.argmax(dim=-1), sampled)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    if batch.any_greedy:
+        tokens = torch.where(batch.greedy, scaled.argmax(dim=-1), tokens)
+    return tokens, scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logz
 
 
-def _sample_truncated(logp, top_k, top_p, uniforms) -> torch.Tensor:
-    """Inverse-CDF sampling over the top-k / top-p set of each row (``[R, V]``)."""
-    sorted_logp, order = logp.sort(dim=-1, descending=True, stable=True)
-    probs = sorted_logp.exp()
+def _sample_truncated(probs, top_k, top_p, uniforms) -> torch.Tensor:
+    """Inverse-CDF sampling over the top-k / top-p set of each row (``[R, V]``
+    unnormalised probabilities), in order of decreasing probability.
+
+    The most likely ``_CANDIDATES`` tokens of each row come first (a partial sort); a
+    row whose set is not within them (a flat distribution with a wide nucleus) sorts its
+    whole row."""
     V = probs.shape[-1]
-    rank = torch.arange(V, device=probs.device)
+    probs = probs / probs.sum(-1, keepdim=True)
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    c = min(_CANDIDATES, V)
+    vals, order = probs.topk(c, dim=-1, sorted=True)
     k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V))
+    covered = (vals.sum(-1) >= top_p) | (k <= c)
+    if covered.any():
+        r = covered.nonzero().squeeze(-1)
+        pos = _nucleus(vals[r], k[r], top_p[r], uniforms[r])
+        out[r] = order[r].gather(-1, pos.unsqueeze(-1)).squeeze(-1)
+    if not covered.all():
+        r = (~covered).nonzero().squeeze(-1)
+        vals, order = probs[r].sort(dim=-1, descending=True, stable=True)
+        pos = _nucleus(vals, k[r], top_p[r], uniforms[r])
+        out[r] = order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
+    return out
+
+
+def _nucleus(sorted_probs, k, top_p, uniforms) -> torch.Tensor:
+    """Position, in each row of ``sorted_probs`` (decreasing), of the token sampled from
+    its first ``k`` entries and its nucleus ``top_p``."""
+    rank = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     keep = rank.unsqueeze(0) < k.unsqueeze(-1)
     # Nucleus: keep a token while the mass before it is below top_p, so the
     # most likely token always survives.
-    keep &= (probs.cumsum(-1) - probs) < top_p.unsqueeze(-1)
-    pos = _inverse_cdf(probs * keep, uniforms)
-    return order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
+    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_p.unsqueeze(-1)
+    return _inverse_cdf(sorted_probs * keep, uniforms)

@@ -140,3 +140,72 @@ def test_low_precision_logits_are_upcast(dtype):
     toks, lps = sample(logits, _batch(4, greedy=True))
     assert lps.dtype == torch.float32
     assert torch.equal(toks, logits.float().argmax(-1))
+
+
+def _flat_inverse_cdf(probs, u):
+    cdf = probs.double().cumsum(-1)
+    idx = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    return idx
+
+
+def test_a_large_vocabulary_samples_by_blocks_as_by_one_cumulative_sum():
+    # Above 4 blocks the inverse CDF goes block sums first, then one block: the same
+    # token as one cumulative sum over the row (float64, so no boundary is within rounding).
+    from realhf.impl.model.gen.sampler import _inverse_cdf
+
+    g = torch.Generator().manual_seed(0)
+    V = 10 * 1024 + 37  # a partial last block
+    probs = torch.rand(64, V, generator=g, dtype=torch.float64)
+    probs[probs < 0.3] = 0.0  # zeros are never chosen
+    probs[:8, : V - 5] = 0.0  # mass only in the partial last block
+    probs[8:16, 1:], probs[8:16, 0] = 0.0, 0.5  # only in the first entry
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    got = _inverse_cdf(probs, u)
+    assert torch.equal(got, _flat_inverse_cdf(probs, u))
+    assert (probs.gather(-1, got[:, None]) > 0).all()
+    assert (got[8:16] == 0).all() and (got[:8] >= V - 5).all()
+
+
+def test_a_large_vocabulary_with_a_uniform_near_one_takes_the_last_token_with_mass():
+    from realhf.impl.model.gen.sampler import _inverse_cdf
+
+    V = 8 * 1024 + 3
+    probs = torch.rand(3, V)
+    probs[:, 5000:] = 0.0
+    got = _inverse_cdf(probs, torch.tensor([1.0, 1.0 - 2**-24, 0.9999999]))
+    assert (got <= 4999).all() and (probs.gather(-1, got[:, None]) > 0).all()
+    assert got[0] == 4999  # u = 1: the last entry with mass
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01])  # a peaked nucleus (a few tokens), a flat one
+def test_top_p_over_a_large_vocabulary_samples_the_nucleus(scale):
+    # Peaked rows take the partial sort of their most likely tokens; flat rows (a nucleus
+    # of thousands) sort the whole row.  Either way the tokens come from the nucleus, in
+    # proportion to their probabilities.
+    g = torch.Generator().manual_seed(1)
+    V, top_p = 6000, 0.6
+    logits = torch.randn(1, V, generator=g) * scale
+    p = torch.softmax(logits[0].double(), -1)
+    ps, order = p.sort(descending=True, stable=True)
+    n_keep = int(((ps.cumsum(0) - ps) < top_p).sum())
+    nucleus = order[:n_keep]
+    freq, toks, lps = _quantile_counts(logits, n=4000, top_p=top_p)
+    assert set(toks.tolist()) <= set(nucleus.tolist())
+    expect = torch.zeros(V, dtype=torch.float64)
+    expect[nucleus] = p[nucleus] / p[nucleus].sum()
+    assert (freq.double() - expect).abs().max() < 2e-3
+    torch.testing.assert_close(lps, torch.log_softmax(logits[0], -1)[toks])
+    if scale == 0.01:
+        assert n_keep > 256  # the flat case is past the candidates
+
+
+def test_mixed_batch_skips_argmax_only_when_told_there_are_no_greedy_rows():
+    logits = torch.randn(4, 50)
+    b = _batch(4, temperature=1.0)
+    b.unit_temperature = True
+    b.any_greedy = False
+    t1, l1 = sample(logits, b)
+    b.any_greedy, b.unit_temperature = True, False
+    t2, l2 = sample(logits, b)
+    assert torch.equal(t1, t2)
+    torch.testing.assert_close(l1, l2)
