@@ -106,6 +106,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "token; default: the run's token when --host is not loopback, none on loopback; "
         "'' opens them wherever the server listens",
     )
+    p.add_argument(
+        "--no-pack-weights",
+        action="store_true",
+        help="do not pre-pack bf16 linear weights for oneDNN (saves one copy of the weights "
+        "in memory, decodes slower; EngineConfig.pack_weights)",
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     return p.parse_args(argv)
 
@@ -141,6 +147,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             decode_attn_impl=args.decode_attn_impl,
             request_timeout_s=args.request_timeout,
             num_threads=args.num_threads,
+            pack_weights=not args.no_pack_weights,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

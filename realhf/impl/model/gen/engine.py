@@ -58,7 +58,9 @@ from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.sequence import Sequence
+from realhf.impl.model.nn.packed_linear import WeightPacker, packing_supported
 from realhf.impl.model.nn.parallel_hooks import LOCAL
+from realhf.impl.model.nn.real_model import ReaLModel
 
 logger = logging.getLogger("gen_engine")
 
@@ -66,6 +68,10 @@ logger = logging.getLogger("gen_engine")
 #: ``{dir}/occupancy-{pid}.tsv`` (the generation-batch occupancy that
 #: benchmark/async_vs_sync.py reports).  Unset: nothing is recorded.
 OCCUPANCY_DIR_ENV = "REALHF_GEN_OCCUPANCY_DIR"
+#: seconds of weight packing per engine step after an update (a 0.5B model's layer is
+#: ~10 ms, its LM head ~0.1 s: packed over the first ~15 steps), and per idle turn
+_PACK_STEP_S = 0.02
+_PACK_IDLE_S = 0.05
 
 
 class _OccupancyLog:
@@ -219,6 +225,15 @@ class GenerationEngine:
             device=self.device,
         )
         self.decode_impl = select_decode_impl(self.cache.k, config.decode_attn_impl)
+        #: packs the linear weights for oneDNN after each update, a few per step (None: off)
+        self._packer: Optional[WeightPacker] = None
+        if (
+            config.pack_weights
+            and isinstance(model, ReaLModel)
+            and packing_supported(model.dtype, self.device)
+            and not getattr(model, "tp", LOCAL).distributed
+        ):
+            self._packer = WeightPacker(model, batch_hint=min(config.max_running_requests, 64))
         self.scheduler = Scheduler(
             self.cache,
             max_prefill_tokens=config.max_prefill_tokens,
@@ -438,6 +453,9 @@ class GenerationEngine:
             while not self._closing:
                 self._apply_commands()
                 if self.paused or self.scheduler.idle:
+                    if self._packer is not None and not self._packer.done and not self.paused:
+                        self._packer.pack(_PACK_IDLE_S)  # idle: pack on, then look again
+                        continue
                     # Every producer (submit, control calls, close) sets the event after
                     # queueing, so this wakes as soon as there is work; the timeout is a backstop.
                     self._wake.wait(0.5)
@@ -499,6 +517,8 @@ class GenerationEngine:
         self.paused = False
 
     def _update_weights(self, cmd: _UpdateWeights) -> int:
+        if self._packer is not None:  # packs of the old weights go first (their memory)
+            self._packer.reset()
         if cmd.broadcast or cmd.flat_version is None:
             self._own_weights()  # these two write the weights in place
         if cmd.broadcast:
@@ -558,6 +578,8 @@ class GenerationEngine:
         """One engine iteration: admit waiting requests into free slots, then one
         packed forward that decodes a token for every running sequence and
         prefills the admitted prompts, then sample and retire finished ones."""
+        if self._packer is not None and not self._packer.done:
+            self._packer.pack(_PACK_STEP_S)
         decode = list(self.scheduler.running)
         prefill = self.scheduler.admit()
         if prefill:

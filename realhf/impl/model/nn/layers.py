@@ -34,6 +34,7 @@ from realhf.impl.model.modules.norm import norm, rms_norm
 from realhf.impl.model.modules.rotary import apply_rope
 from realhf.impl.model.modules.shared_prefix import SharedPrefix
 from realhf.impl.model.nn.model_config import ReaLModelConfig
+from realhf.impl.model.nn.packed_linear import packed_or_none
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
 # (local name, shape, init) with init in {"normal", "ones", "zeros"}.
@@ -75,10 +76,16 @@ class PackedContext:
 
 
 def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    pk = packed_or_none(mod, "packed", [mod.weight])
+    if pk is not None:  # (a generation engine's single-device model: bias included)
+        return pk(x)
     return F.linear(x, mod.weight, getattr(mod, "bias", None))
 
 
 def _row_linear(mod: nn.Module, x: torch.Tensor, tp: LocalHooks) -> torch.Tensor:
+    pk = packed_or_none(mod, "packed", [mod.weight])
+    if pk is not None:
+        return pk(x)
     # The bias is added once, after the partial products are summed over ranks.
     y = tp.reduce_out(F.linear(x, mod.weight))
     b = getattr(mod, "bias", None)
@@ -179,9 +186,18 @@ class TransformerBlock(nn.Module):
         cfg, ca, tp = self.config, self.attn.c_attn, self.tp
         T = x.shape[0]
         x = tp.copy_in(x)
-        q = _linear(ca.q_attn, x).view(T, cfg.n_q_heads, cfg.head_dim)
-        k = self._kv(ca.k_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
-        v = self._kv(ca.v_attn, x).view(T, cfg.n_kv_heads, cfg.head_dim)
+        pk = packed_or_none(
+            ca, "packed_qkv", [ca.q_attn.weight, ca.k_attn.weight, ca.v_attn.weight]
+        )
+        if pk is not None:  # one product for the three
+            q, k, v = (
+                t.contiguous() for t in pk(x).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+            )
+        else:
+            q, k, v = _linear(ca.q_attn, x), self._kv(ca.k_attn, x), self._kv(ca.v_attn, x)
+        q = q.view(T, cfg.n_q_heads, cfg.head_dim)
+        k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
+        v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
         # Order as in HuggingFace: per-head q/k norm (qwen3), then RoPE. The norm is over
         # head_dim, so it sees one head at a time.
         if cfg.qk_layernorm:
@@ -226,6 +242,10 @@ class TransformerBlock(nn.Module):
         m, tp = self.mlp, self.tp
         x = tp.copy_in(x)
         if self.config.gated_mlp:  # SwiGLU-style: act(gate(x)) scales up(x)
+            pk = packed_or_none(m, "packed_gate_up", [m.gate_proj.weight, m.up_proj.weight])
+            if pk is not None:  # one product for the two
+                gate, up = pk(x).chunk(2, dim=-1)
+                return _row_linear(m.down_proj, self._act(gate) * up, tp)
             a = self._act(_linear(m.gate_proj, x)) * _linear(m.up_proj, x)
             return _row_linear(m.down_proj, a, tp)
         return _row_linear(m.c_proj, self._act(_linear(m.c_fc, x)), tp)
@@ -268,4 +288,7 @@ class OutputHead(nn.Module):
                 return values.squeeze(-1)
             return torch.cat([values, F.linear(self.tp.copy_in(x), tied_weight)], dim=-1)
         w = tied_weight if self.config.tied_embedding else self.weight
+        pk = packed_or_none(self, "packed", [w])
+        if pk is not None:
+            return pk(x)
         return F.linear(self.tp.copy_in(x), w)

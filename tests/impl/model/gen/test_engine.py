@@ -14,6 +14,7 @@ from realhf.impl.model.conversion.flat_file import load_flat, write_model
 from realhf.impl.model.gen import EngineClosedError, EngineConfig, GenerationEngine
 from realhf.impl.model.gen.cache_attention import numba_available
 from realhf.impl.model.gen.loading import load_engine, special_token_ids
+from realhf.impl.model.nn.packed_linear import packing_supported
 
 from .conftest import EOS, PAD, VOCAB, load, recompute_logprobs, reference_greedy
 
@@ -402,3 +403,40 @@ def test_occupancy_log_records_every_step_when_asked(model, make_engine, tmp_pat
     assert times == sorted(times)
     monkeypatch.delenv(OCCUPANCY_DIR_ENV)
     assert make_engine()._occupancy is None
+
+
+@pytest.mark.skipif(
+    not packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="this CPU's oneDNN has no bf16 kernels to pack for",
+)
+def test_a_bf16_engine_packs_its_weights_while_idle_and_again_after_an_update(
+    model_dir, model_dir_b
+):
+    def run(pack: bool):
+        cfg = EngineConfig(max_running_requests=4, context_length=64, dtype="bfloat16")
+        cfg.pack_weights = pack
+        eng = load_engine(model_dir, cfg).start()
+        try:
+            packer = eng._packer
+            assert (packer is not None) == pack
+            deadline = time.monotonic() + 30
+            while pack and not packer.done and time.monotonic() < deadline:
+                time.sleep(0.01)  # packed while idle
+            assert not pack or packer.done
+            req = [eng.submit(GenerateRequest(input_ids=p, sampling=greedy(8))) for p in PROMPTS]
+            before = [list(f.result(timeout=60).output_logprobs) for f in req]
+            eng.pause()
+            eng.update_weights_from_disk(model_dir_b)
+            assert not pack or packer.next == 0  # the old packs were dropped
+            eng.resume()
+            req = [eng.submit(GenerateRequest(input_ids=p, sampling=greedy(8))) for p in PROMPTS]
+            after = [f.result(timeout=60) for f in req]
+            return before, [list(o.output_ids) for o in after], [o.output_logprobs for o in after]
+        finally:
+            eng.close()
+
+    packed, plain = run(True), run(False)
+    # bf16 products that accumulate in another order: logprobs agree to bf16's precision.
+    for a, b in zip(packed[0] + packed[2], plain[0] + plain[2]):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=0.05, rtol=0.05)
+    assert packed[1] == plain[1]  # greedy after the update: the new weights, packed or not

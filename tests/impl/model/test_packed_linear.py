@@ -1,0 +1,112 @@
+"""Pre-packed linear weights (oneDNN, bf16 on CPU): same logits as the plain products, never
+used once the weights they were packed from change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_tiny_hf_model
+
+from realhf.impl.model.nn.packed_linear import PackedLinear, WeightPacker, packing_supported
+from realhf.impl.model.nn.real_model import ReaLModel
+
+pytestmark = pytest.mark.skipif(
+    not packing_supported(torch.bfloat16, torch.device("cpu")),
+    reason="this CPU's oneDNN has no bf16 kernels to pack for",
+)
+
+IDS = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5])
+CU = torch.tensor([0, 4, 11], dtype=torch.int32)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "gpt2", "llama"])
+def model_dir(request, tmp_path_factory):
+    # qwen2: tied head, q/k/v biases; gpt2: an ungated MLP with biases; llama: own head.
+    extra = {"tie_word_embeddings": True} if request.param == "qwen2" else {}
+    return make_tiny_hf_model(request.param, tmp_path_factory.mktemp(request.param), **extra)
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS, CU).float()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many packed products ran."""
+    n = [0]
+    real = PackedLinear.__call__
+
+    def counted(self, x):
+        n[0] += 1
+        return real(self, x)
+
+    monkeypatch.setattr(PackedLinear, "__call__", counted)
+    return n
+
+
+def test_packed_products_give_the_plain_logits(model_dir, calls):
+    model = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16).eval()
+    plain = _logits(model)
+    packer = WeightPacker(model, batch_hint=16)
+    while not packer.done:
+        packer.pack()
+    assert len(packer.jobs) == 1 + 4 * len(model.blocks)  # head, then 4 per block
+    assert calls[0] == 0
+    packed = _logits(model)
+    assert calls[0] == len(packer.jobs)  # every product of the forward was a packed one
+    # Same kernels' arithmetic in bf16 up to the order of accumulation.
+    torch.testing.assert_close(packed, plain, atol=2e-2, rtol=2e-2)
+
+
+def test_a_pack_is_not_used_once_its_weights_change(model_dir, calls):
+    model = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16).eval()
+    packer = WeightPacker(model, batch_hint=16)
+    while not packer.done:
+        packer.pack()
+    # In place (a weight update through the flat buffer): every pack is stale.
+    with torch.no_grad():
+        model.flat_params.mul_(0.5)
+    unpacked = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        unpacked.flat_params.copy_(model.flat_params)
+    torch.testing.assert_close(_logits(model), _logits(unpacked), atol=0, rtol=0)
+    assert calls[0] == 0
+    # A new buffer (use_flat, as shm serving does): the packs still hold the old one.
+    packer.reset()
+    while not packer.done:
+        packer.pack()
+    new = model.flat_params.clone()
+    with torch.no_grad():
+        new.mul_(2.0)
+        unpacked.flat_params.copy_(new)
+    model.use_flat(new)
+    torch.testing.assert_close(_logits(model), _logits(unpacked), atol=0, rtol=0)
+    assert calls[0] == 0
+
+
+def test_packing_goes_a_few_products_at_a_time_and_reset_drops_them(model_dir):
+    model = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16).eval()
+    packer = WeightPacker(model, batch_hint=16)
+    packer.pack()  # budget 0: one product
+    assert packer.next == 1 and not packer.done
+    half = _logits(model)  # some products packed, the rest plain
+    torch.testing.assert_close(half, _logits(ReaLModel.from_hf(model_dir, dtype=torch.bfloat16)))
+    packer.reset()
+    assert packer.next == 0
+    assert all(attr not in owner.__dict__ for owner, attr, _ in packer.jobs)
+
+
+def test_training_never_uses_a_pack(model_dir, calls):
+    model = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16)
+    packer = WeightPacker(model, batch_hint=16)
+    while not packer.done:
+        packer.pack()
+    model(IDS, CU).float().sum().backward()  # gradients on: the plain products
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert calls[0] == 0
+
+
+def test_only_bf16_on_cpu_packs():
+    assert not packing_supported(torch.float32, torch.device("cpu"))
+    assert not packing_supported(torch.bfloat16, torch.device("cuda"))
