@@ -393,6 +393,12 @@ def main() -> None:
     p.add_argument("--sweep-steps", type=int, default=15, help="steps of each extra sweep point")
     p.add_argument("--no-eval", action="store_true", help="skip the greedy evaluations")
     p.add_argument(
+        "--async-extra",
+        default="",
+        help="more key=value overrides of the async runs, space separated (e.g. "
+        "share_gpus=0.3: server and trainer on one GPU)",
+    )
+    p.add_argument(
         "--rows-out",
         default="",
         help="also write the runs as benchmark/simulate.py --validate rows (with the start "
@@ -418,7 +424,8 @@ def main() -> None:
     runs = [sync]
     for i, (label, eta, split) in enumerate(points):
         steps = args.steps if i == 0 else args.sweep_steps
-        r = _run("async-ppo-math", fileroot, args, _async_extra(eta, split), label, steps)
+        extra = _async_extra(eta, split) + args.async_extra.split()
+        r = _run("async-ppo-math", fileroot, args, extra, label, steps)
         g, t = map(int, split.split(":")) if split else (default_threads, default_threads)
         r.update(eta=eta, threads=(g, t))
         runs.append(r)

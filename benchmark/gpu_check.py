@@ -22,7 +22,7 @@ the rest still run; one whose input failed is skipped, naming it.
   the 0.5B shape, written by ``realhf.apps.make_model`` in ``make_0.5b``: 2 steps): the step
   time and its split;
 - ``async_tiny``: ``async-ppo-math`` through ``benchmark/scale.py``, the generation server and
-  the trainer on the host's GPU;
+  the trainer sharing the host's GPU (``share_gpus=0.3``: each capped at its share of memory);
 - ``long_tail``: ``benchmark/async_vs_sync.py --task tiny_long``: async over sync samples/s.
 
 With ``--cpu`` everything runs on the CPU (``CUDA_VISIBLE_DEVICES=``); the CUDA build and the
@@ -237,13 +237,14 @@ def plan(args, host: dict) -> List[Stage]:
     if cpu:
         long_tail += ["--task", "tiny_arith", "--steps", "2", "--batch", "4", "--group-size", "2"]
     else:
-        long_tail += ["--task", "tiny_long", "--steps", "10"]
+        long_tail += ["--task", "tiny_long", "--steps", "10", "--async-extra", "share_gpus=0.3"]
     deps = [py, me, "deps", "--wheels", args.wheels, "--site", args.site]
     build = [py, "setup.py", "build_ext", "--inplace"]
     make = [py, "-m", "realhf.apps.make_model", "--shape", BIG, big]
     kernel_tests = pytest + ["tests/impl/test_kernels.py"]
     built = () if cpu else ("cuda_kernels_build",)
     by_scale, by_engine = judge_json(read_scale), judge_json(read_engine)
+    share = [] if cpu else ["--extra", "share_gpus=0.3"]
     d, made = ("deps",), ("make_0.5b",)
     return [
         Stage("deps", deps, 240, judge_json(read_deps)),
@@ -252,7 +253,8 @@ def plan(args, host: dict) -> List[Stage]:
         Stage("gpu_tests", pytest + ["-m", "gpu"] + gpu_test_files(), 240, judge_pytest(False)),
         Stage("engine_tiny", engine(TINY, True), 240, by_engine, d),
         Stage("sync_tiny", scale("tiny", "sync", 2 if cpu else 20), 300, by_scale, d),
-        Stage("async_tiny", scale("tiny", "async", 2 if cpu else 5), 240, by_scale, d),
+        # one GPU: the server and the trainer share it (share_gpus caps each one's memory)
+        Stage("async_tiny", scale("tiny", "async", 2 if cpu else 5) + share, 240, by_scale, d),
         Stage("make_0.5b", make, 240, judge_rc, d, big_only),
         Stage("engine_0.5b", engine(big, False), 240, by_engine, made, big_only),
         Stage("sync_0.5b", scale(BIG, "sync", 2), 300, by_scale, made, big_only),

@@ -358,3 +358,31 @@ def weight_shm_path(
 def name_resolve_root() -> str:
     """``{fileroot}/name_resolve``: root of the default file name-resolve backend."""
     return os.path.join(get_fileroot(), "name_resolve")
+
+
+#: the fraction of its GPU's memory a process may allocate, set by the launcher where
+#: generation servers and trainers share GPUs (``share_gpus``); read by
+#: :func:`apply_cuda_memory_fraction`
+CUDA_MEMORY_FRACTION_ENV = "REALHF_CUDA_MEMORY_FRACTION"
+
+
+def apply_cuda_memory_fraction(device=None) -> Optional[float]:
+    """Cap this process's CUDA allocations at ``$REALHF_CUDA_MEMORY_FRACTION`` of
+    ``device``'s memory (the current device by default); returns the fraction, None when
+    unset or without CUDA.  A process that goes over gets PyTorch's out-of-memory error
+    instead of taking memory its neighbour on the same GPU counted on."""
+    value = os.environ.get(CUDA_MEMORY_FRACTION_ENV)
+    if not value:
+        return None
+    try:
+        fraction = float(value)
+    except ValueError:
+        raise ValueError(f"{CUDA_MEMORY_FRACTION_ENV}={value!r} is not a number") from None
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{CUDA_MEMORY_FRACTION_ENV}={value!r} must be in (0, 1]")
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction

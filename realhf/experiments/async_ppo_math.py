@@ -191,6 +191,15 @@ class AsyncPPOMathConfig(PPOMathConfig):
             "built-in server pulls the trainer's copy over a gloo/nccl pair; any host)"
         },
     )
+    share_gpus: float = field(
+        default=0.0,
+        metadata={
+            "help": "with CUDA and the built-in engine (mode=local): run the generation "
+            "servers and the trainer on the same GPUs, the servers allowed this fraction of "
+            "each GPU's memory and the trainer 0.95 minus it (e.g. 0.3 on one GPU); 0 = a "
+            "GPU each, as allocation_mode says"
+        },
+    )
     flush_request_timeout: float = field(
         default=300.0,
         metadata={
@@ -337,6 +346,19 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             f"the {alloc.gen_backend} backend has none (use allocation_mode=gen.*); or use "
             "weight_sync=disk"
         )
+    if cfg.share_gpus:
+        why = (
+            f"share_gpus={cfg.share_gpus} is not a fraction in (0, 0.9)"
+            if not 0.0 < cfg.share_gpus < 0.9
+            else f"the {alloc.gen_backend} backend sizes its own GPU memory "
+            "(use allocation_mode=gen.*)"
+            if alloc.gen_backend in ("sglang", "vllm")
+            else f"mode={cfg.mode} gives each process GPUs of its own (use mode=local)"
+            if cfg.mode != "local"
+            else None
+        )
+        if why:
+            raise blocks.ExperimentSetupError(f"cannot share GPUs: {why}; or set share_gpus=0")
     if cfg.weight_sync == "shm":
         # Its files live in this host's /dev/shm, and only the built-in engine maps them.
         why = (
@@ -481,7 +503,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             "rollout_worker": [rollout] * cfg.n_rollout_workers,
         },
         completion_types=("master_worker",),
-        scheduling=blocks.scheduling(alloc),
+        scheduling=blocks.scheduling(alloc, share_gpus=cfg.share_gpus),
         # Only the local launcher restarts single processes; on Ray and SLURM a lost
         # worker relaunches the run (recover_mode=auto).
         restartable_types=(

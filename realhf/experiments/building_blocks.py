@@ -27,6 +27,7 @@ from realhf.api.core.worker_api import (
     ModelWorkerConfig,
     Placements,
 )
+from realhf.base import constants
 
 ASSETS_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 #: asset directory of each embedded task (cli_args.EMBEDDED_TASKS): a complete HF model
@@ -240,21 +241,40 @@ def check_trainer_layout(
         )
 
 
-def scheduling(alloc: AllocationMode) -> dict:
+def scheduling(alloc: AllocationMode, share_gpus: float = 0.0) -> dict:
     """Per worker type resources for the launchers: with CUDA, one device per model worker
     and ``m`` per generation server, each process getting its own ``CUDA_VISIBLE_DEVICES``
     (generation servers are launched first, so they take the first devices, as
-    ``allocation_mode`` says); nothing on a machine without CUDA."""
+    ``allocation_mode`` says); nothing on a machine without CUDA.
+
+    ``share_gpus`` (0 < f < 0.9): generation servers and model workers share the devices
+    instead (each side needs only as many as it has processes): servers may allocate the
+    fraction ``f`` of a device's memory, model workers ``0.95 - f`` (the rest is the two
+    processes' CUDA contexts), each capped by PyTorch
+    (:func:`~realhf.base.constants.apply_cuda_memory_fraction`)."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
     devices = torch.cuda.device_count()
+    if share_gpus:
+        need = max(alloc.gen_world_size, alloc.train_world_size)
+        if need > devices:
+            raise ExperimentSetupError(
+                f"allocation_mode={str(alloc)!r} with share_gpus needs {need} CUDA devices "
+                f"(generation servers and model workers share them) but this machine has "
+                f"{devices}; use a smaller layout"
+            )
+        env = constants.CUDA_MEMORY_FRACTION_ENV
+        gen = Scheduling(gpu=alloc.gen.tensor, env={env: f"{share_gpus:.3f}"})
+        train = Scheduling(gpu=1, env={env: f"{0.95 - share_gpus:.3f}"})
+        return {"model_worker": train, "generation_server": gen}
     if alloc.world_size > devices:
         raise ExperimentSetupError(
             f"allocation_mode={str(alloc)!r} needs {alloc.world_size} CUDA devices "
             f"({alloc.gen_world_size} for generation servers, {alloc.train_world_size} for "
-            f"model workers) but this machine has {devices}; use a smaller layout"
+            f"model workers) but this machine has {devices}; use a smaller layout, or "
+            "share_gpus=F to run both on the same devices"
         )
     out = {"model_worker": Scheduling(gpu=1)}
     if alloc.gen is not None:

@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -224,6 +225,68 @@ def test_each_process_gets_its_own_gpus_when_cuda_is_present(init_model, monkeyp
     assert exp.ordered_types[0] == "generation_server"
     with pytest.raises(blocks.ExperimentSetupError, match=r"needs 5 CUDA devices \(1 for gen"):
         build("gen.d1p1m1+d2p1m2")
+
+
+def test_generation_servers_and_the_trainer_share_one_gpu_with_memory_caps(
+    init_model, monkeypatch, tmp_path
+):
+    """share_gpus: on one GPU the server and the trainer both get it (the local launcher
+    hands devices out round-robin, servers first), each with its cap on the device's
+    memory; where sharing cannot work the build says why."""
+    from realhf.api.core.system_api import Scheduling
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+    from realhf.scheduler.local import LocalScheduler
+
+    def build(*args):
+        cfg = parse_config(AsyncPPOMathConfig, [f"actor.path={init_model}", *args])
+        return build_async_ppo_math(cfg)
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
+    with pytest.raises(blocks.ExperimentSetupError, match="needs 2 CUDA devices.*share_gpus"):
+        build()
+    exp = build("share_gpus=0.3")
+    env = "REALHF_CUDA_MEMORY_FRACTION"
+    assert exp.scheduling_of("generation_server") == Scheduling(gpu=1, env={env: "0.300"})
+    assert exp.scheduling_of("model_worker") == Scheduling(gpu=1, env={env: "0.650"})
+    with pytest.raises(blocks.ExperimentSetupError, match=r"with share_gpus needs 2 CUDA"):
+        build("share_gpus=0.3", "allocation_mode=gen.d2p1m1+d1p1m1")
+    for args, needle in [
+        (["share_gpus=0.95"], r"not a fraction in \(0, 0.9\)"),
+        (["share_gpus=0.3", "allocation_mode=vllm.d1p1m1+d1p1m1"], "vllm backend sizes"),
+        (["share_gpus=0.3", "mode=slurm"], "mode=slurm gives each process"),
+    ]:
+        with pytest.raises(blocks.ExperimentSetupError, match=needle):
+            build(*args)
+    # The local launcher, one device: the server first, then the trainer, both on it.
+    sched = LocalScheduler(str(tmp_path), gpu_devices=["0"])
+    sched.fork = False
+    try:
+        show = [sys.executable, "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
+        jobs = sched.submit("generation_server", show, gpus_per_process=1)
+        jobs += sched.submit("model_worker", show, gpus_per_process=1)
+        assert [j.env["CUDA_VISIBLE_DEVICES"] for j in jobs] == ["0", "0"]
+    finally:
+        sched.stop_all()
+
+
+def test_a_process_caps_its_gpu_memory_as_the_launcher_says(monkeypatch):
+    from realhf.base import constants
+
+    calls = []
+    monkeypatch.delenv(constants.CUDA_MEMORY_FRACTION_ENV, raising=False)
+    assert constants.apply_cuda_memory_fraction() is None  # not shared: no cap
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(
+        "torch.cuda.set_per_process_memory_fraction", lambda f, d=None: calls.append((f, d))
+    )
+    monkeypatch.setenv(constants.CUDA_MEMORY_FRACTION_ENV, "0.650")
+    assert constants.apply_cuda_memory_fraction("cuda:0") == 0.65
+    assert calls == [(0.65, "cuda:0")]
+    for bad in ("lots", "1.5", "0"):
+        monkeypatch.setenv(constants.CUDA_MEMORY_FRACTION_ENV, bad)
+        with pytest.raises(ValueError, match="REALHF_CUDA_MEMORY_FRACTION"):
+            constants.apply_cuda_memory_fraction()
 
 
 # ---- per-MFC layouts (parameter reallocation) ------------------------------------------

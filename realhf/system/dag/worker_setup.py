@@ -77,6 +77,7 @@ def pick_device(rank: int) -> torch.device:
     # worker sees several, ranks spread over them.
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
+    constants.apply_cuda_memory_fraction(device)  # a GPU shared with generation servers
     return device
 
 
