@@ -9,7 +9,9 @@ unless one is needed to fit) and each model's ``gradient_checkpointing`` (off un
 The estimate is analytic, per process, by kind of bytes:
 
 - ``weights``: parameters x bytes of the role's dtype, divided over the pipeline stages and
-  tensor shards of the layout (every role the worker hosts: actor, ref, critic, ...).
+  tensor shards of the layout (every role the worker hosts: actor, ref, critic, ...); twice
+  for a built-in generation server on a CPU, which keeps its linear weights packed for oneDNN
+  too (``pack_weights``).
 - ``gradients``: one gradient in the model's dtype, plus the fp32 sum of a bf16/fp16 model.
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
@@ -232,14 +234,29 @@ def _generation_server(server, load: Workload) -> ProcessEstimate:
     terms = dict.fromkeys(TERMS, 0)
     terms["runtime"] = RUNTIME["generation_server"]
     terms["weights"] = shape.n_params * b
+    notes = f"{shape.n_params / 1e6:.0f}M {server.dtype}"
+    if _packs(server):  # realhf.impl.model.nn.packed_linear: the linear weights once more
+        terms["weights"] *= 2
+        notes += ", packed copy"
     # The engine reserves and zero-fills every slot's whole context up front.
     slots, slot_len = server.max_running_requests, server.context_length or shape.n_positions
     terms["kv cache"] = int(slots * slot_len * 2 * shape.n_layers * shape.kv_dim * b)
     # Decoding holds [running, V] logits (prefill: the last position of each sequence only).
     terms["logits"] = int(min(slots, max(1, load.seqs)) * shape.vocab * 4)
-    return ProcessEstimate(
-        "generation_server", 1, terms, f"{shape.n_params / 1e6:.0f}M {server.dtype}"
-    )
+    return ProcessEstimate("generation_server", 1, terms, notes)
+
+
+def _packs(server) -> bool:
+    """Whether a built-in server keeps a packed copy of its weights (on a CPU)."""
+    if not getattr(server, "pack_weights", False) or server.dtype not in ("float32", "bfloat16"):
+        return False
+    if str(getattr(server, "backend", "builtin")).lower().endswith(("sglang", "vllm")):
+        return False
+    if server.device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return server.device == "cpu"
 
 
 def estimate(cfg, exp: ExperimentConfig) -> List[ProcessEstimate]:

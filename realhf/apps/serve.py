@@ -109,7 +109,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--no-pack-weights",
         action="store_true",
-        help="do not pre-pack bf16 linear weights for oneDNN (saves one copy of the weights "
+        help="do not pre-pack the linear weights for oneDNN (saves one copy of the weights "
         "in memory, decodes slower; EngineConfig.pack_weights)",
     )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")

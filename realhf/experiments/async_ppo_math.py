@@ -101,6 +101,13 @@ class GenServerOptions:
         default=None,
         metadata={"help": "CPU threads per built-in server; empty = half of the spare cores"},
     )
+    pack_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "built-in servers on a CPU keep their linear weights packed for oneDNN "
+            "too: 1.2-2.8x faster decode products for one more copy of the weights"
+        },
+    )
     schedule_policy: str = field(
         default="round_robin",
         metadata={"help": f"how the manager picks a server: {', '.join(SCHEDULE_POLICIES)}"},
@@ -417,6 +424,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             dtype=cfg.actor.dtype,
             seed=cfg.seed + i,  # servers must not sample identical streams
             num_threads=cfg.gen_server.num_threads or _threads(n_gen),
+            pack_weights=cfg.gen_server.pack_weights,
             request_timeout_s=cfg.worker_timeout,
             health_timeout_s=cfg.worker_timeout,
         )

@@ -74,8 +74,12 @@ def test_generation_servers_and_other_processes_are_counted():
     est = memory_plan.estimate(cfg, exp)
     assert {e.kind for e in est} == set(exp.workers)
     server = _worker(est, "generation_server")
-    assert server.terms["weights"] == memory_plan.Shape.of(TINY_MODEL).n_params * 4
+    # On a CPU the server keeps its linear weights packed for oneDNN too: twice the weights.
+    assert server.terms["weights"] == memory_plan.Shape.of(TINY_MODEL).n_params * 4 * 2
     assert server.terms["kv cache"] > 0
+    _, cfg, exp = _build("async-ppo-math", "gen_server.pack_weights=false")
+    server = _worker(memory_plan.estimate(cfg, exp), "generation_server")
+    assert server.terms["weights"] == memory_plan.Shape.of(TINY_MODEL).n_params * 4
     assert memory_plan.host_total(est) == sum(e.total * e.count for e in est) + (
         memory_plan.RUNTIME_OTHER
     )

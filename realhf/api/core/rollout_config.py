@@ -81,7 +81,8 @@ class GenerationServerConfig:
         host: address to listen on; None = this host's IP.
         port: TCP port; 0 picks a free one.
         max_running_requests, context_length, dtype, device, seed, num_threads,
-            request_timeout_s: the built-in engine's settings (``EngineConfig``).  With
+            pack_weights, request_timeout_s: the built-in engine's settings
+            (``EngineConfig``).  With
             ``backend=vllm`` all but ``device`` apply too (``num_threads``: vLLM's OpenMP
             threads); vLLM places itself (its CPU build on the CPU, its CUDA build on the
             GPUs of ``CUDA_VISIBLE_DEVICES``), so ``device`` must stay ``auto`` there.
@@ -125,6 +126,7 @@ class GenerationServerConfig:
     device: str = "auto"
     seed: int = 1
     num_threads: Optional[int] = None
+    pack_weights: bool = True
     request_timeout_s: float = 3600.0
     sglang_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     vllm_python: str = ""

@@ -119,6 +119,7 @@ class GenerationServer(Worker):
             device=config.device,
             seed=config.seed,
             num_threads=config.num_threads,
+            pack_weights=config.pack_weights,
             request_timeout_s=config.request_timeout_s,
         )
         tokenizer = load_tokenizer(config.model_path)

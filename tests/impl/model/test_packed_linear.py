@@ -1,5 +1,5 @@
-"""Pre-packed linear weights (oneDNN, bf16 on CPU): same logits as the plain products, never
-used once the weights they were packed from change."""
+"""Pre-packed linear weights (oneDNN on CPU, bf16 and fp32): the plain products' logits,
+never used once the weights they were packed from change."""
 
 from __future__ import annotations
 
@@ -107,6 +107,18 @@ def test_training_never_uses_a_pack(model_dir, calls):
     assert calls[0] == 0
 
 
-def test_only_bf16_on_cpu_packs():
-    assert not packing_supported(torch.float32, torch.device("cpu"))
+def test_fp32_packs_too_and_gives_the_plain_logits_to_fp32_rounding(model_dir, calls):
+    model = ReaLModel.from_hf(model_dir).eval()
+    plain = _logits(model)
+    packer = WeightPacker(model, batch_hint=16)
+    while not packer.done:
+        packer.pack()
+    packed = _logits(model)
+    assert calls[0] == len(packer.jobs)
+    torch.testing.assert_close(packed, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_only_the_cpu_packs():
+    assert packing_supported(torch.float32, torch.device("cpu"))
     assert not packing_supported(torch.bfloat16, torch.device("cuda"))
+    assert not packing_supported(torch.float16, torch.device("cpu"))

@@ -40,9 +40,9 @@ class EngineConfig:
             keeps the defaults (all cores). On a shared machine 1 is often
             faster: a multi-threaded op stalls when another process takes one
             of its cores.
-        pack_weights: pre-pack the linear weights for oneDNN where that is faster (bf16
-            on a CPU with bf16 kernels; :mod:`realhf.impl.model.nn.packed_linear`):
-            1.2-2.8x faster decode products, for one more copy of the weights in memory.
+        pack_weights: pre-pack the linear weights for oneDNN on a CPU (fp32, and bf16
+            where it has bf16 kernels; :mod:`realhf.impl.model.nn.packed_linear`): 1.2-2.8x
+            faster decode products, for one more copy of the weights in memory.
             Packed a few matrices per step after each weight update (and while idle),
             so an update itself costs nothing more.
         request_timeout_s: most seconds a caller waits for one request.
