@@ -9,10 +9,15 @@ normalisation makes moot), and the machine's cores (``--threads``, default all o
 each system uses by default). Evaluation is off in the timed runs.
 
 TRL is a benchmark-only dependency: the script makes a venv for it once
-(``~/.cache/realhf/venvs/trl``: ``--system-site-packages`` so that it runs on the project's own
-``torch==2.13.0`` and ``transformers``, plus ``trl==1.16.0`` pinned against that torch) and
-runs TRL there in a child process; nothing of TRL enters the project's environment or
-``make test``.
+(``~/.cache/realhf/venvs/trl``, with ``trl==1.16.0`` pinned against the project's
+``torch==2.13.0``) and runs TRL there in a child process; nothing of TRL enters the project's
+environment or ``make test``.  The venv sees the interpreter that runs this script (its
+site-packages and the project, through a ``.pth`` file), so it runs on the same ``torch`` and
+``transformers`` whether the project is installed in the base interpreter or in a venv.
+
+TRL runs twice: at its defaults (``GRPOConfig`` turns gradient checkpointing on) and at its
+fastest setting here (gradient checkpointing off, which the memory of these workloads
+allows); both are in the JSON, and our ratios are against the faster (``trl_fastest``).
 
 Figures per system: completions/s over the timed steps (every step after the first, which
 holds each system's warm-up), the median step split into generation / reward / train /
@@ -28,6 +33,11 @@ Run (about 4 minutes on the 2-core VM):
 
 The last line is one JSON object with ``ours_over_trl_sync`` and ``ours_over_trl_async``
 (completions/s ratios).
+
+A real shape: ``--model DIR`` (e.g. ``python -m realhf.apps.make_model --shape qwen2.5-0.5b
+DIR``) trains that model on the task's prompts on every side (``--dtype bfloat16``: bf16
+weights on ours, bf16 autocast on TRL's), e.g. ``--model DIR --dtype bfloat16 --steps 3
+--batch 4 --group-size 4 --max-new-tokens 64``.
 
 The second workload, ``--task tiny_long``, is the long-reasoning task (answers of 10–250
 tokens with a long tail; ``--max-new-tokens 256``, ``--lr 1e-4``, 8 steps by default): there a
@@ -71,7 +81,7 @@ def _trl_child(args) -> None:
     from realhf.impl.reward.math_reward import verify_batch
 
     torch.set_num_threads(args.threads)
-    with open(os.path.join(args.model, "data", "train.jsonl")) as f:
+    with open(args.data) as f:
         rows = [json.loads(line) for line in f]
     data = Dataset.from_list([{"prompt": r["prompt"], "solutions": r["solutions"]} for r in rows])
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -99,7 +109,8 @@ def _trl_child(args) -> None:
         save_strategy="no",
         report_to="none",
         seed=args.seed,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",
+        gradient_checkpointing=args.trl_gradient_checkpointing == "on",
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
@@ -145,13 +156,28 @@ def _trl_child(args) -> None:
 
 def _trl_python() -> str:
     """The TRL venv's interpreter, created on first use."""
+    import site
+
     venv = os.path.join(VENV_ROOT, "trl")
     py = os.path.join(venv, "bin", "python")
-    probe = [py, "-c", f"import trl, torch; assert trl.__version__ == '{TRL_VERSION}'"]
+    probe = [
+        py, "-c", f"import trl, torch, realhf; assert trl.__version__ == '{TRL_VERSION}'; "
+        f"assert torch.__version__.startswith('{TORCH_PIN.split('==')[1]}')",
+    ]  # fmt: skip
     if os.path.exists(py) and subprocess.run(probe, capture_output=True).returncode == 0:
         return py
     print(f"making the TRL venv in {venv} (once; about a minute) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+    # The venv sees this interpreter's packages (the project, torch, transformers) after its
+    # own: a venv made with --system-site-packages from a venv would see the base
+    # interpreter's instead, without the project.
+    theirs = subprocess.run(
+        [py, "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    mine = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
+    with open(os.path.join(theirs, "realhf_outer.pth"), "w") as f:
+        f.write("\n".join([ROOT, *mine]) + "\n")
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pin:
         pin.write(TORCH_PIN + "\n")
     subprocess.run(
@@ -164,8 +190,9 @@ def _trl_python() -> str:
     return py
 
 
-def run_trl(args, out: str) -> dict:
+def run_trl(args, out: str, checkpointing: str) -> dict:
     cmd = [_trl_python(), os.path.abspath(__file__), "--trl-child", "--out", out, *_shared(args)]
+    cmd += ["--trl-gradient-checkpointing", checkpointing]
     print(f"\n$ {' '.join(cmd)}", flush=True)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     line = [x for x in r.stdout.splitlines() if x.startswith("TRL_RESULT ")]
@@ -179,7 +206,8 @@ def run_trl(args, out: str) -> dict:
         {"gen": g, "reward": w, "train": s - g - w, "overhead": 0.0}
         for s, g, w in zip(res["step_s"], res["gen_s"], res["reward_s"])
     ]
-    return _figures("TRL GRPOTrainer", res["step_s"], split, res["acc"], args)
+    label = f"TRL GRPOTrainer, checkpointing {checkpointing}"
+    return _figures(label, res["step_s"], split, res["acc"], args)
 
 
 # ---------------------------------------------------------------------------- ours
@@ -206,6 +234,8 @@ def run_ours(name: str, args, fileroot: str) -> dict:
         f"exp_ctrl.benchmark_steps={args.steps}",
         "eval=false",
         f"seed={args.seed}",
+        f"actor.path={args.model}",
+        f"actor.dtype={args.dtype}",
     ]  # fmt: skip
     if name == "ppo-math":
         cmd.append(f"torch_threads={args.threads}")
@@ -255,6 +285,12 @@ def _figures(label: str, steps: list, split: list, acc: list, args) -> dict:
     return out
 
 
+def _host() -> dict:
+    from benchmark.scale import host_facts
+
+    return host_facts()
+
+
 def _fmt(v, spec=".3f"):
     return "overlapped" if v is None else format(v, spec)
 
@@ -264,7 +300,7 @@ def _shared(args) -> list:
         "--steps", str(args.steps), "--batch", str(args.batch),
         "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
         "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
-        "--model", args.model, "--task", args.task,
+        "--model", args.model, "--task", args.task, "--dtype", args.dtype, "--data", args.data,
     ]  # fmt: skip
 
 
@@ -281,27 +317,36 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--model", default="", help="start model (default: the task's SFT model)")
-    p.add_argument("--only", choices=["trl", "sync", "async"], action="append",
-                   help="run only these sides (repeatable)")  # fmt: skip
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights (ours) / autocast (TRL)")  # fmt: skip
+    p.add_argument("--only", choices=["trl", "trl_default", "sync", "async"], action="append",
+                   help="run only these sides (repeatable; trl: TRL at its fastest setting, "
+                   "trl_default: at its defaults)")  # fmt: skip
+    p.add_argument("--data", default="", help=argparse.SUPPRESS)  # the task's prompts
+    p.add_argument("--trl-gradient-checkpointing", default="off", help=argparse.SUPPRESS)
     p.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     for key, value in TASK_DEFAULTS[args.task].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if not args.model:
-        sys.path.insert(0, ROOT)
-        from realhf.experiments.building_blocks import task_model
+    sys.path.insert(0, ROOT)
+    from realhf.experiments.building_blocks import task_data, task_model
 
-        args.model = task_model(args.task)
+    args.model = args.model or task_model(args.task)
+    args.data = args.data or task_data(args.task, "train")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise SystemExit(f"--model {args.model!r}: not a HuggingFace directory (no config.json)")
     if args.trl_child:
         return _trl_child(args)
-    sides = args.only or ["trl", "sync", "async"]
+    sides = args.only or ["trl_default", "trl", "sync", "async"]
     fileroot = tempfile.mkdtemp(prefix="peers_")
     load0 = os.getloadavg()[0]
     res = {}
-    if "trl" in sides:
-        res["trl"] = run_trl(args, os.path.join(fileroot, "trl"))
+    if "trl_default" in sides:  # GRPOConfig's default: gradient checkpointing on
+        res["trl_default"] = run_trl(args, os.path.join(fileroot, "trl_default"), "on")
+    if "trl" in sides:  # its fastest here: off
+        res["trl"] = run_trl(args, os.path.join(fileroot, "trl"), "off")
     if "sync" in sides:
         res["sync"] = run_ours("ppo-math", args, fileroot)
     if "async" in sides:
@@ -309,13 +354,14 @@ def main() -> None:
     print(
         f"\n{args.task}: {args.batch} prompts x {args.group_size} answers per step, "
         f"<= {args.max_new_tokens} "
-        f"new tokens, {args.steps} steps (first one untimed), {args.threads} threads, fp32"
+        f"new tokens, {args.steps} steps (first one untimed), {args.threads} threads, "
+        f"{args.dtype}, model {os.path.basename(args.model.rstrip('/'))}"
     )
-    head = f"{'':32} {'compl/s':>8} {'step':>7} {'gen':>10} {'reward':>10} {'train':>7} {'other':>7} {'acc first5→last5':>17}"  # noqa: E501
+    head = f"{'':40} {'compl/s':>8} {'step':>7} {'gen':>10} {'reward':>10} {'train':>7} {'other':>7} {'acc first5→last5':>17}"  # noqa: E501
     print(head)
     for r in res.values():
         print(
-            f"{r['label']:32} {r['completions_per_s']:8.0f} {r['step_s_median']:7.3f} "
+            f"{r['label']:40} {r['completions_per_s']:8.0f} {r['step_s_median']:7.3f} "
             f"{_fmt(r['gen_s_median']):>10} {_fmt(r['reward_s_median']):>10} "
             f"{_fmt(r['train_s_median']):>7} {_fmt(r['overhead_s_median']):>7} "
             f"{100 * r['acc_first5']:7.1f}% → {100 * r['acc_last5']:.1f}%"
@@ -326,14 +372,22 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "threads": args.threads,
         "steps": args.steps,
+        "model": args.model,
+        "dtype": args.dtype,
+        "host": _host(),
         "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
     }
     for side, r in res.items():
         summary[f"{side}_completions_per_s"] = round(r["completions_per_s"], 1)
         summary[f"{side}_step_s_median"] = round(r["step_s_median"], 3)
-    if "trl" in res:
+        summary[f"{side}_acc_first5_last5"] = [round(r["acc_first5"], 3), round(r["acc_last5"], 3)]
+    trl = [k for k in ("trl", "trl_default") if k in res]
+    if trl:
+        # our ratios are against TRL's faster run (normally checkpointing off)
+        best = max(trl, key=lambda k: res[k]["completions_per_s"])
+        summary["trl_gradient_checkpointing"] = best == "trl_default"
         ratios = {
-            side: res[side]["completions_per_s"] / res["trl"]["completions_per_s"]
+            side: res[side]["completions_per_s"] / res[best]["completions_per_s"]
             for side in ("sync", "async")
             if side in res
         }

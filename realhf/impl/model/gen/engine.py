@@ -287,6 +287,10 @@ class GenerationEngine:
         if self._receiver is not None:
             self._receiver.close()
             self._receiver = None
+        if self._packer is not None:
+            # The model outlives the engine (a trainer's own generation): its packed copy
+            # of the weights goes now, not at the next update.
+            self._packer.reset()
 
     def check_request(self, req: GenerateRequest) -> int:
         """Validate a request against this model; returns its resolved ``max_new_tokens``."""

@@ -434,6 +434,8 @@ def test_a_bf16_engine_packs_its_weights_while_idle_and_again_after_an_update(
             return before, [list(o.output_ids) for o in after], [o.output_logprobs for o in after]
         finally:
             eng.close()
+            # The model outlives the engine (a trainer's generation): no packed copy stays.
+            assert not pack or all(a not in o.__dict__ for o, a, _ in packer.jobs)
 
     packed, plain = run(True), run(False)
     # bf16 products that accumulate in another order: logprobs agree to bf16's precision.
