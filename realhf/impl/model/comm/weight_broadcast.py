@@ -25,7 +25,8 @@ Why a pair per server, not one group of the trainer and every server: a collecti
 every member when one of them dies or hangs, and re-forming a group needs all its members.  A
 pair fails alone (every wait is bounded by ``timeout``; the sender aborts the pair and the
 other servers' transfers go on), and a replacement server makes its own pair without touching
-the others.  gloo broadcasts from one root by sending to each rank in turn anyway; with nccl a
+the others; the pair of a server that pulled none of the last ``STALE_PAIR_VERSIONS`` versions
+(replaced, or out of service) is dropped when the next version is staged.  gloo broadcasts from one root by sending to each rank in turn anyway; with nccl a
 single group could use a ring, which matters only for many servers per trainer.
 
 Why pull, from a staged copy: a server can fetch the current version whenever it needs it (a
@@ -89,6 +90,10 @@ _DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+
+#: a pair that pulled none of this many latest versions is dropped (its server is gone)
+STALE_PAIR_VERSIONS = 3
 
 
 class WeightSyncError(RuntimeError):
@@ -182,6 +187,9 @@ class WeightSender:
         self._snap: Optional[_Snapshot] = None
         self._staging: Optional[int] = None  # the version being copied in, if any
         self._pairs: Dict[str, object] = {}
+        #: per pair: the last version it pulled, and whether a transfer on it is running
+        self._pulled: Dict[str, int] = {}
+        self._busy_pairs: set = set()
         #: transfers finished / failed so far, and the last failure (for logs and tests)
         self.sent = 0
         self.failed = 0
@@ -226,6 +234,24 @@ class WeightSender:
         snap = _Snapshot(int(version), buf, layout_digest(param_spec), per)
         with self._lock:
             self._snap, self._staging = snap, None
+            # A server that pulled none of the last versions is gone (replaced, or out of
+            # service): its pair's sockets go.  Should it come back, it makes a new pair
+            # at its next pull, as after a failed transfer.
+            stale = [
+                name
+                for name, last in self._pulled.items()
+                if last < version - STALE_PAIR_VERSIONS and name not in self._busy_pairs
+            ]
+            groups = [self._pairs.pop(name, None) for name in stale]
+            for name in stale:
+                del self._pulled[name]
+        for name, group in zip(stale, groups):
+            if group is not None:
+                _drop(group)
+                logger.info(
+                    f"dropped pair {name[:8]}...: it pulled none of the versions after "
+                    f"{version - STALE_PAIR_VERSIONS - 1}"
+                )
 
     # ---- serving ------------------------------------------------------------------
 
@@ -297,6 +323,9 @@ class WeightSender:
         name, who = req["pair"], f"server {req.get('server')!r}"
         t0 = time.monotonic()
         group = None
+        with self._lock:
+            self._busy_pairs.add(name)
+            self._pulled[name] = snap.version
         try:
             group = self._pairs.get(name)
             if group is None:
@@ -322,7 +351,9 @@ class WeightSender:
             self.sent += 1
             logger.debug(f"sent version {snap.version} to {who} in {time.monotonic() - t0:.2f}s")
         except Exception as e:  # noqa: BLE001 — one server's failure is its own
-            self._pairs.pop(name, None)
+            with self._lock:
+                self._pairs.pop(name, None)
+                self._pulled.pop(name, None)
             if group is not None:
                 _drop(group)
             self.failed += 1
@@ -334,6 +365,7 @@ class WeightSender:
         finally:
             with self._lock:
                 snap.busy -= 1
+                self._busy_pairs.discard(name)
 
     def _send_data(self, group, snap: _Snapshot) -> None:
         """The weights themselves, bucket by bucket."""

@@ -59,6 +59,23 @@ def test_a_pulled_version_equals_the_staged_one_and_the_pair_is_reused(sender, r
     assert sender.sent == 2 and len(sender._pairs) == 1 and sender.failed == 0
 
 
+def test_a_pair_that_stops_pulling_is_dropped_and_its_server_can_come_back(sender, receiver):
+    """A replaced server never pulls again: after STALE_PAIR_VERSIONS versions without a
+    pull its pair's sockets go; a server that does come back makes a new pair."""
+    dst = torch.zeros(N)
+    sender.stage(_weights(), SPEC, 1)
+    receiver.receive(sender.address, 1, dst, SPEC, timeout=10)
+    assert len(sender._pairs) == 1
+    for v in range(2, 2 + wb.STALE_PAIR_VERSIONS):
+        sender.stage(_weights(v), SPEC, v)
+        assert len(sender._pairs) == 1  # pulled recently enough: kept
+    v = 2 + wb.STALE_PAIR_VERSIONS
+    sender.stage(_weights(v), SPEC, v)
+    assert sender._pairs == {}  # pulled none of the last ones: dropped
+    receiver.receive(sender.address, v, dst, SPEC, timeout=10)  # back: a new pair
+    assert torch.equal(dst, _weights(v)) and len(sender._pairs) == 1 and sender.failed == 0
+
+
 def test_a_receiver_of_another_dtype_gets_the_weights_converted(sender, receiver):
     sender.stage(_weights(dtype=torch.bfloat16), SPEC, 1)
     dst = torch.zeros(N)  # fp32 server, bf16 trainer
