@@ -156,9 +156,10 @@ def _sample_truncated(probs, top_k, top_p, uniforms) -> torch.Tensor:
     """Inverse-CDF sampling over the top-k / top-p set of each row (``[R, V]``
     unnormalised probabilities), in order of decreasing probability.
 
-    The most likely ``_CANDIDATES`` tokens of each row come first (a partial sort); a
-    row whose set is not within them (a flat distribution with a wide nucleus) sorts its
-    whole row."""
+    The most likely ``_CANDIDATES`` tokens of each row come first (a partial sort).  A row
+    whose set is not within them (a flat distribution) finds a wide nucleus by its
+    probability bins (:func:`_nucleus_mask`, no sort of the row, sampled in vocabulary
+    order: the same distribution), and sorts its whole row only for a wide top-k set."""
     V = probs.shape[-1]
     probs = probs / probs.sum(-1, keepdim=True)
     out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
@@ -170,12 +171,57 @@ def _sample_truncated(probs, top_k, top_p, uniforms) -> torch.Tensor:
         r = covered.nonzero().squeeze(-1)
         pos = _nucleus(vals[r], k[r], top_p[r], uniforms[r])
         out[r] = order[r].gather(-1, pos.unsqueeze(-1)).squeeze(-1)
-    if not covered.all():
-        r = (~covered).nonzero().squeeze(-1)
+    wide = ~covered & (top_k <= 0)  # a wide nucleus alone: found by its threshold
+    if wide.any():
+        r = wide.nonzero().squeeze(-1)
+        out[r] = _inverse_cdf(probs[r] * _nucleus_mask(probs[r], top_p[r]), uniforms[r])
+    rest = ~covered & ~wide  # a wide top-k set (and maybe a nucleus in it): sorted
+    if rest.any():
+        r = rest.nonzero().squeeze(-1)
         vals, order = probs[r].sort(dim=-1, descending=True, stable=True)
         pos = _nucleus(vals, k[r], top_p[r], uniforms[r])
         out[r] = order.gather(-1, pos.unsqueeze(-1)).squeeze(-1)
     return out
+
+
+#: :func:`_nucleus_mask` bins a row's tokens by log-probability, 1/64 nat wide over the 40
+#: nats below its most likely token (everything less likely shares the last bin)
+_BINS_PER_NAT = 64
+_BIN_NATS = 40
+
+
+def _nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus of each row of ``probs`` (``[R, V]``, normalised) as a mask, without
+    sorting the row: the same tokens as keeping them in decreasing order while the mass
+    before each is below ``top_p`` (ties in vocabulary order).
+
+    One pass puts every token in a bin of log-probability (bins are ordered like the
+    tokens in them) and sums each bin's mass; the cumulative mass over the bins finds the
+    bin where the nucleus ends.  Tokens of the bins before it are in, of those after it
+    out, and the few of that bin are sorted and decided one by one."""
+    R, V = probs.shape
+    nbins = _BINS_PER_NAT * _BIN_NATS + 1
+    logp = probs.log()
+    top = logp.amax(-1, keepdim=True)
+    bins = ((top - logp) * _BINS_PER_NAT).clamp_(max=nbins - 1).long()  # 0: the most likely
+    mass = probs.new_zeros(R, nbins).scatter_add_(-1, bins, probs)
+    before_bin = mass.cumsum(-1) - mass
+    # The bin of the token where the mass before reaches top_p: the last bin whose mass
+    # before it is below top_p.
+    last = ((before_bin < top_p[:, None]).sum(-1) - 1).clamp(min=0)
+    keep = bins < last[:, None]
+    before = before_bin.gather(-1, last[:, None])[:, 0]
+    for i in range(R):
+        idx = (bins[i] == last[i]).nonzero().squeeze(-1)  # in vocabulary order
+        if idx.numel() == 0:  # (a row summing to just under top_p: every bin is in)
+            continue
+        vals = probs[i, idx]
+        order = None
+        if not bool((vals == vals[0]).all()):  # one value (bf16 ties): already sorted
+            vals, order = vals.sort(descending=True, stable=True)
+        inside = (before[i] + vals.cumsum(0) - vals) < top_p[i]
+        keep[i, idx[inside] if order is None else idx[order[inside]]] = True
+    return keep
 
 
 def _nucleus(sorted_probs, k, top_p, uniforms) -> torch.Tensor:

@@ -209,3 +209,22 @@ def test_mixed_batch_skips_argmax_only_when_told_there_are_no_greedy_rows():
     t2, l2 = sample(logits, b)
     assert torch.equal(t1, t2)
     torch.testing.assert_close(l1, l2)
+
+
+@pytest.mark.parametrize("kind", ["flat", "peaked", "ties"])
+def test_the_nucleus_found_by_its_threshold_is_the_sorted_one(kind):
+    from realhf.impl.model.gen.sampler import _nucleus_mask
+
+    g = torch.Generator().manual_seed(3)
+    V, R = 5000, 6
+    if kind == "ties":  # many equal probabilities: ties are kept in vocabulary order
+        logits = torch.randint(0, 4, (R, V), generator=g).float()
+    else:
+        logits = torch.randn(R, V, generator=g) * (0.05 if kind == "flat" else 6.0)
+    probs = torch.softmax(logits, -1)
+    top_p = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9, 0.99])
+    got = _nucleus_mask(probs, top_p)
+    vals, order = probs.sort(dim=-1, descending=True, stable=True)
+    inside = (vals.cumsum(-1) - vals) < top_p[:, None]
+    want = torch.zeros_like(got).scatter_(-1, order, inside)
+    assert torch.equal(got, want), (got.sum(-1), want.sum(-1))
