@@ -26,8 +26,9 @@ every member when one of them dies or hangs, and re-forming a group needs all it
 pair fails alone (every wait is bounded by ``timeout``; the sender aborts the pair and the
 other servers' transfers go on), and a replacement server makes its own pair without touching
 the others; the pair of a server that pulled none of the last ``STALE_PAIR_VERSIONS`` versions
-(replaced, or out of service) is dropped when the next version is staged.  gloo broadcasts from one root by sending to each rank in turn anyway; with nccl a
-single group could use a ring, which matters only for many servers per trainer.
+(replaced, or out of service) is dropped when the next version is staged.  gloo broadcasts
+from one root by sending to each rank in turn anyway; with nccl a single group could use a
+ring, which matters only for many servers per trainer.
 
 Why pull, from a staged copy: a server can fetch the current version whenever it needs it (a
 replacement that joins mid-run, a retry), and the trainer never waits for a server: staging
