@@ -171,7 +171,7 @@ def _sample_truncated(probs, top_k, top_p, uniforms) -> torch.Tensor:
         r = covered.nonzero().squeeze(-1)
         pos = _nucleus(vals[r], k[r], top_p[r], uniforms[r])
         out[r] = order[r].gather(-1, pos.unsqueeze(-1)).squeeze(-1)
-    wide = ~covered & (top_k <= 0)  # a wide nucleus alone: found by its threshold
+    wide = ~covered & (top_k <= 0)  # a wide nucleus alone: found by its probability bins
     if wide.any():
         r = wide.nonzero().squeeze(-1)
         out[r] = _inverse_cdf(probs[r] * _nucleus_mask(probs[r], top_p[r]), uniforms[r])

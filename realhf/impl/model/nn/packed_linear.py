@@ -26,7 +26,6 @@ import time
 from typing import Callable, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["PackedLinear", "WeightPacker", "packing_supported", "packed_or_none"]
@@ -69,7 +68,6 @@ class PackedLinear:
             self.bias = torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
             ).detach()
-        self.out_features = w.shape[0]
 
     def fresh(self, weights: List[torch.Tensor]) -> bool:
         """Whether ``weights`` are still the tensors, and values, this was packed from."""
@@ -89,15 +87,6 @@ def packed_or_none(owner: nn.Module, attr: str, weights: List[torch.Tensor]):
     if pk is None or torch.is_grad_enabled() or not pk.fresh(weights):
         return None
     return pk
-
-
-def plain(x: torch.Tensor, weights: List[torch.Tensor], biases) -> torch.Tensor:
-    """The unpacked product of :class:`PackedLinear` (for tests and fallbacks)."""
-    w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    b = None
-    if biases is not None and any(b is not None for b in biases):
-        b = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b in biases])
-    return F.linear(x, w, b)
 
 
 class WeightPacker:
