@@ -10,8 +10,9 @@ weight-update protocol (:mod:`realhf.impl.model.gen.weight_update`), while it is
 1. it asks the sender for version ``v`` over a ZMQ request that carries the run's MAC
    (:mod:`realhf.base.net.auth`), naming its layout (a digest), its size and its *pair*;
 2. the sender answers, MAC'd too, with the dtype, the bucket size, where its rendezvous store
-   is and a fresh nonce, or refuses (another version staged, another layout): then nothing is
-   received;
+   is and a fresh nonce, or refuses (another layout, a version not staged yet, or an older
+   one: the trainer has moved on, :class:`WeightsSuperseded` names the newer version, and the
+   caller asks for that one instead): then nothing is received;
 3. both join (or reuse) their pair — a two-rank gloo group (nccl when the buffers are on CUDA)
    made through the sender's store under a random name — and each proves to the other that it
    holds the run's secret: the server sends an HMAC of the pair, the nonce and the version,
@@ -76,6 +77,7 @@ logger = logging.getLogger("weight_broadcast")
 __all__ = [
     "BUCKET_BYTES",
     "WeightSyncError",
+    "WeightsSuperseded",
     "WeightSender",
     "WeightReceiver",
     "layout_digest",
@@ -104,6 +106,15 @@ class WeightSyncError(RuntimeError):
     def __init__(self, message: str, partial: bool = False):
         super().__init__(message)
         self.partial = partial
+
+
+class WeightsSuperseded(WeightSyncError):
+    """The version asked for is gone: the trainer staged ``newer`` since (nothing was
+    received).  Not a failure of the server: the update goes on to ``newer``."""
+
+    def __init__(self, message: str, newer: int):
+        super().__init__(message)
+        self.newer = newer
 
 
 def layout_digest(param_spec: Dict[str, ParamSpec]) -> str:
@@ -184,7 +195,7 @@ class WeightSender:
         self._sock.bind(f"tcp://{self.host}:*")
         port = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         self.address = f"{self.host}:{port}"
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()  # also notified when a transfer ends
         self._snap: Optional[_Snapshot] = None
         self._staging: Optional[int] = None  # the version being copied in, if any
         self._pairs: Dict[str, object] = {}
@@ -294,11 +305,14 @@ class WeightSender:
                 )
                 return {"ok": False, "error": why}, None
             if req["version"] != snap.version:
-                return {
+                answer = {
                     "ok": False,
                     "error": f"the trainer holds weight version {snap.version}, "
                     f"not the {req['version']} asked for",
-                }, None
+                }
+                if req["version"] < snap.version:  # only the latest is kept: ask for it
+                    answer["superseded"] = snap.version
+                return answer, None
             if req["layout"] != snap.layout or req["numel"] != snap.flat.numel():
                 return {
                     "ok": False,
@@ -308,6 +322,10 @@ class WeightSender:
                     "architecture",
                 }, None
             snap.busy += 1
+            # Marked here, under the lock that staging takes: a version staged before the
+            # transfer starts must not drop this pair as stale.
+            self._busy_pairs.add(req["pair"])
+            self._pulled[req["pair"]] = snap.version
         answer = {
             "ok": True,
             "version": snap.version,
@@ -324,9 +342,6 @@ class WeightSender:
         name, who = req["pair"], f"server {req.get('server')!r}"
         t0 = time.monotonic()
         group = None
-        with self._lock:
-            self._busy_pairs.add(name)
-            self._pulled[name] = snap.version
         try:
             group = self._pairs.get(name)
             if group is None:
@@ -349,24 +364,34 @@ class WeightSender:
             _bcast(group, _proof(b"trainer", name, nonce, snap.version, n).to(dev), self.timeout)
             self._send_data(group, snap)
             _bcast(group, head, self.timeout)  # the trailer
-            self.sent += 1
+            with self._lock:
+                self.sent += 1
             logger.debug(f"sent version {snap.version} to {who} in {time.monotonic() - t0:.2f}s")
         except Exception as e:  # noqa: BLE001 — one server's failure is its own
-            with self._lock:
-                self._pairs.pop(name, None)
-                self._pulled.pop(name, None)
-            if group is not None:
-                _drop(group)
-            self.failed += 1
-            self.last_failure = (
+            why = (
                 f"sending weight version {snap.version} to {who} failed after "
                 f"{time.monotonic() - t0:.1f}s (timeout {self.timeout:g}s): {e}"
             )
-            logger.warning(self.last_failure + "; its pair is dropped, the other servers go on")
+            with self._lock:  # counted before the pair goes, which is what the server sees
+                self._pairs.pop(name, None)
+                self._pulled.pop(name, None)
+                self.failed += 1
+                self.last_failure = why
+            if group is not None:
+                _drop(group)
+            logger.warning(why + "; its pair is dropped, the other servers go on")
         finally:
             with self._lock:
                 snap.busy -= 1
                 self._busy_pairs.discard(name)
+                self._lock.notify_all()
+
+    def wait_transfers(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until no transfer is running; False if one still
+        is.  (A receiver returns once the last bucket arrived; the sender's side of that
+        transfer ends, and is counted in :attr:`sent`, a moment later.)"""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._busy_pairs, timeout)
 
     def _send_data(self, group, snap: _Snapshot) -> None:
         """The weights themselves, bucket by bucket."""
@@ -432,7 +457,10 @@ class WeightReceiver:
             ans = self._ask(sender, req, timeout)
         name = req["pair"]
         if not ans.get("ok"):
-            raise WeightSyncError(f"the weight sender at {sender} refused: {ans.get('error')}")
+            why = f"the weight sender at {sender} refused: {ans.get('error')}"
+            if isinstance(ans.get("superseded"), int):
+                raise WeightsSuperseded(why, ans["superseded"])
+            raise WeightSyncError(why)
         src_dtype = _DTYPES[ans["dtype"]]
         if ans["backend"] == "nccl" and flat.device.type != "cuda":
             raise WeightSyncError(

@@ -26,8 +26,10 @@ Control routes (the run's token):
   another version than ``weight_version``.
 - ``POST /update_weights_from_broadcast {sender, weight_version}`` — the same, pulled from
   the trainer's weight sender at ``sender`` (``host:port``; ``weight_sync=broadcast``); 400
-  when the sender refuses or the transfer fails.  A transfer that broke off leaves the
-  server paused: ``/continue_generation`` fails until an update succeeds.
+  when the sender refuses or the transfer fails, 409 with ``superseded_by`` (the newer
+  version) when the trainer staged a newer one since (the weights are unchanged).  A
+  transfer that broke off leaves the server paused: ``/continue_generation`` fails until an
+  update succeeds.
 - ``GET|POST /flush_cache`` — 200 when idle, 400 while requests are in flight
   (there is no prefix cache to flush; kept for protocol compatibility).
 - ``POST /abort_request {rid}``; ``GET /get_model_info``; ``GET /get_server_info`` (limits,
@@ -91,6 +93,7 @@ from realhf.base.net.http_server import (
     require_api_key,
     require_run_token,
 )
+from realhf.impl.model.comm.weight_broadcast import WeightsSuperseded
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
@@ -429,6 +432,18 @@ async def _load_weights(
             served.gate.pause()
             paused = len(await asyncio.to_thread(engine.pause))
         version = await asyncio.to_thread(load, path)
+    except WeightsSuperseded as e:
+        # Not a failure: the trainer moved on before this server pulled.  The weights are
+        # unchanged; the client asks for ``superseded_by`` next (409: a conflict of versions).
+        return JSONResponse(
+            {
+                "success": False,
+                "message": f"Weights not updated: {e}",
+                "superseded_by": e.newer,
+                "num_paused_requests": paused,
+            },
+            status_code=409,
+        )
     except Exception as e:  # a bad checkpoint must not take the server down
         return JSONResponse(
             {

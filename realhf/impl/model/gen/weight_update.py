@@ -28,7 +28,11 @@ means the server is gone (:class:`ServerGone`: its replacement joins at the curr
 any other failure is a :class:`WeightUpdateError` naming the server, the step and the version
 (the server may hold the old weights, or half of the new ones: it is sent
 ``/continue_generation`` once, so that it is not left gated, and taken out of service until an
-update to the current version succeeds on it).
+update to the current version succeeds on it).  One answer is no failure: with
+``broadcast`` the trainer keeps only its latest version, and a server that asks for an older
+one (the trainer staged another between the client's poll and the pull) gets 409 with
+``superseded_by``; the server, unchanged, is sent ``/continue_generation`` and
+:class:`UpdateSuperseded` tells the client to update to the newer version instead.
 
 **The server's rules** (:class:`PauseGate`), which make the record exact even for a request
 that raced the pause (scheduled under the old version, arriving just after the pause):
@@ -72,6 +76,7 @@ __all__ = [
     "LOAD_STEPS",
     "update_steps",
     "WeightUpdateError",
+    "UpdateSuperseded",
     "ServerGone",
     "WeightPathRefused",
     "update_server",
@@ -113,6 +118,18 @@ class WeightUpdateError(RuntimeError):
         super().__init__(
             f"weight update to version {version} failed on generation server {url}: "
             f"POST /{step} {detail}"
+        )
+
+
+class UpdateSuperseded(Exception):
+    """The trainer no longer holds ``version``, only ``newer``: the server's weights are
+    unchanged (it serves again), and the update goes on to ``newer``."""
+
+    def __init__(self, url: str, version: int, newer: int):
+        self.url, self.version, self.newer = url, version, newer
+        super().__init__(
+            f"generation server {url}: weight version {version} was superseded by {newer} "
+            "before the server pulled it"
         )
 
 
@@ -173,7 +190,7 @@ async def update_server(
         for step, reports_success in update_steps(mode):
             await _step(session, url, version, path, timeout_s, healthy, step, reports_success)
             paused = True
-    except WeightUpdateError:
+    except (WeightUpdateError, UpdateSuperseded):
         if paused:
             await _continue_quietly(session, url, timeout_s)
         raise
@@ -222,11 +239,15 @@ async def _step(
     except aiohttp.ClientError as e:  # e.g. a reply cut off mid-body
         raise WeightUpdateError(url, step, version, f"failed: {e!r}") from e
     ok = status == 200
-    if ok and reports_success:
+    if reports_success and status in (200, 409):
         try:
-            ok = bool(json.loads(text).get("success", True))
+            answer = json.loads(text)
+            ok = ok and bool(answer.get("success", True))
+            newer = answer.get("superseded_by")
         except (ValueError, AttributeError):
-            pass
+            newer = None
+        if status == 409 and isinstance(newer, int) and newer > version:
+            raise UpdateSuperseded(url, version, newer)
     if not ok:
         # A server in front of an engine that died (the vLLM adapter) still answers,
         # with an error; if it also fails its health check it is gone, as a server

@@ -36,7 +36,12 @@ from realhf.api.core.rollout_api import ScheduleRequest
 from realhf.api.core.rollout_config import GserverManagerConfig, SchedulePolicy, WeightSync
 from realhf.base import logging
 from realhf.impl.model.conversion.flat_file import retire
-from realhf.impl.model.gen.weight_update import ServerGone, WeightUpdateError, update_server
+from realhf.impl.model.gen.weight_update import (
+    ServerGone,
+    UpdateSuperseded,
+    WeightUpdateError,
+    update_server,
+)
 from realhf.system.rollout.manager.routing import (
     NoServerAvailable,
     load_from_metrics,
@@ -50,6 +55,9 @@ __all__ = ["REJOIN_RETRY_S", "ServerState", "ServerPool"]
 
 #: seconds between attempts to bring a server that failed a weight update back
 REJOIN_RETRY_S = 5.0
+
+#: rounds of one weight update that may end superseded by a newer version (``broadcast``)
+SUPERSEDED_ROUNDS = 4
 
 #: weight updates one ``schedule`` call waits out before it gives up (see ServerPool.schedule)
 MAX_UPDATES_WAITED = 8
@@ -272,7 +280,8 @@ class ServerPool:
             if self.version > 0:  # a server starts from the initial weights
                 try:
                     await self._update_server(s, self.version, self.weight_dir(self.version))
-                except (WeightUpdateError, ServerGone) as e:
+                except (WeightUpdateError, ServerGone, UpdateSuperseded) as e:
+                    # (superseded: the pool is about to move on; join at its next version)
                     if old is None:
                         self.servers[url] = old = ServerState(url, live=False)
                     old.weights_unknown = old.weights_unknown or isinstance(e, WeightUpdateError)
@@ -315,7 +324,28 @@ class ServerPool:
     # ---- weights --------------------------------------------------------------
 
     async def update_weights(self, version: int) -> None:
-        """Bring every live server to ``version`` (pause, update, continue)."""
+        """Bring every live server to ``version`` (pause, update, continue), or to a newer
+        one if the trainer staged it meanwhile (``broadcast`` keeps only the latest: a server
+        that asked for ``version`` was told so, :class:`UpdateSuperseded`, and kept its
+        weights).  After :data:`SUPERSEDED_ROUNDS` such rounds the pool stays at its version
+        and the next poll tries again (each server is recorded at what it holds)."""
+        for _ in range(SUPERSEDED_ROUNDS):
+            newer = await self._update_all(version)
+            if newer is None:
+                return
+            logger.info(
+                f"weight version {version} was superseded by {newer} before every server "
+                f"pulled it: updating to {newer}"
+            )
+            version = newer
+        logger.warning(
+            f"the trainer staged new weights faster than {SUPERSEDED_ROUNDS} updates could "
+            f"finish; the servers stay at version {self.version} until the next poll"
+        )
+
+    async def _update_all(self, version: int) -> Optional[int]:
+        """One round of :meth:`update_weights`; the newer version if any server's pull of
+        ``version`` was superseded (the pool's version then stays), else None."""
         path = self.weight_dir(version)
         shm = self.config.weight_sync == WeightSync.SHM
         pulled = self.config.weight_sync == WeightSync.BROADCAST  # path: the sender's address
@@ -336,9 +366,11 @@ class ServerPool:
             results = await asyncio.gather(
                 *(self._update_server(s, version, path) for s in targets), return_exceptions=True
             )
-            failed = []
+            failed, newer = [], None
             for s, r in zip(targets, results):
-                if isinstance(r, ServerGone):
+                if isinstance(r, UpdateSuperseded):
+                    newer = max(newer or r.newer, r.newer)
+                elif isinstance(r, ServerGone):
                     self.mark_dead(s, f"unreachable during the weight update to version {version}")
                 elif isinstance(r, WeightUpdateError):
                     failed.append(r)
@@ -356,12 +388,15 @@ class ServerPool:
                     version,
                     "on every server: " + "; ".join(str(f) for f in failed),
                 )
+            if newer is not None:
+                return newer
             self.version = version
         logger.info(
             f"weights of version {version} on {len(targets)} servers "
             f"in {time.monotonic() - t0:.2f}s (weight_sync={self.config.weight_sync})"
         )
         self._prune(version)
+        return None
 
     async def _update_server(self, s: ServerState, version: int, path: str) -> None:
         s.updating = asyncio.Event()

@@ -17,6 +17,7 @@ from realhf.impl.model.comm import weight_broadcast as wb
 from realhf.impl.model.comm.weight_broadcast import (
     WeightReceiver,
     WeightSender,
+    WeightsSuperseded,
     WeightSyncError,
 )
 from realhf.impl.model.nn.flat_param import ParamSpec
@@ -56,6 +57,7 @@ def test_a_pulled_version_equals_the_staged_one_and_the_pair_is_reused(sender, r
     receiver.receive(sender.address, 4, dst, SPEC, timeout=10)
     assert torch.equal(dst, _weights(1))
     # One pair served both pulls.
+    assert sender.wait_transfers(10)
     assert sender.sent == 2 and len(sender._pairs) == 1 and sender.failed == 0
 
 
@@ -90,7 +92,11 @@ def test_another_version_or_layout_is_refused_before_anything_is_received(sender
     sender.stage(_weights(), SPEC, 5)
     with pytest.raises(WeightSyncError, match="holds weight version 5, not the 6 asked for") as e:
         receiver.receive(sender.address, 6, dst, SPEC, timeout=10)
-    assert not e.value.partial
+    assert not e.value.partial and not isinstance(e.value, WeightsSuperseded)
+    # An older version than the staged one is gone for good: the error names the newer one.
+    with pytest.raises(WeightsSuperseded, match="not the 4 asked for") as e:
+        receiver.receive(sender.address, 4, dst, SPEC, timeout=10)
+    assert e.value.newer == 5 and not e.value.partial
     other = {"a": ParamSpec(0, (100, 1000)), "b": ParamSpec(100_000, (200_000,))}
     with pytest.raises(WeightSyncError, match="another layout than the trainer") as e:
         receiver.receive(sender.address, 5, dst, other, timeout=10)

@@ -22,7 +22,11 @@ from realhf.impl.model.conversion.flat_file import write_model
 from realhf.impl.model.gen import EngineConfig
 from realhf.impl.model.gen.http_app import create_app, prometheus_text
 from realhf.impl.model.gen.loading import load_engine, load_tokenizer
-from realhf.impl.model.gen.weight_update import WeightUpdateError, update_server
+from realhf.impl.model.gen.weight_update import (
+    UpdateSuperseded,
+    WeightUpdateError,
+    update_server,
+)
 
 from .conftest import EOS, PAD, load, recompute_logprobs, reference_greedy
 
@@ -428,6 +432,19 @@ def test_update_weights_from_broadcast_through_the_protocol(server, model_dir, m
         with pytest.raises(WeightUpdateError, match="holds weight version 7, not the 8"):
             asyncio.run(_protocol_update(server.url, 8, sender.address, "broadcast"))
         assert post(server, "/generate", body).json()["output_ids"] == ids
+        # An older one: the trainer moved on.  Not a failure: 409 names the newer version,
+        # the weights stay, and the server serves again.
+        with pytest.raises(UpdateSuperseded) as e:
+            asyncio.run(_protocol_update(server.url, 6, sender.address, "broadcast"))
+        assert (e.value.version, e.value.newer) == (6, 7)
+        assert post(server, "/generate", body).json()["output_ids"] == ids
+        r = post(
+            server,
+            "/update_weights_from_broadcast",
+            {"sender": sender.address, "weight_version": 5},
+        )
+        assert r.status_code == 409 and r.json()["superseded_by"] == 7
+        assert post(server, "/continue_generation", {}).status_code == 200
         # A transfer that breaks off (the trainer dies after one bucket) leaves the server
         # holding neither version: it refuses to continue, and /generate gets no tokens,
         # until an update succeeds.

@@ -271,6 +271,7 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
             time.sleep(0.02)
         assert all(generate_greedy(s.url, prompt, 6) == ref_a for s in servers)
         if sync == "broadcast":  # each server pulled each version once, over its own pair
+            assert sender.wait_transfers(10)
             assert sender.sent == 4 and len(sender._pairs) == 2 and sender.failed == 0
         else:
             assert not os.path.exists(weights[1]) and os.path.exists(weights[2])
@@ -284,6 +285,49 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
             s.engine.close()
         if sender is not None:
             sender.close()
+
+
+def test_a_pull_of_a_version_the_trainer_replaced_moves_the_servers_to_the_newer_one(dirs):
+    """``broadcast`` keeps only the latest version: the manager read version 1, but the
+    trainer staged 2 before the servers pulled.  They are told so (not a failure), and the
+    update goes on to 2."""
+    servers = [engine_server(dirs["v0"]) for _ in range(2)]
+    sender = WeightSender(timeout=10.0)
+    for v, src in ((1, "v0"), (2, "v1")):
+        model = ReaLModel.from_hf(dirs[src])
+        sender.stage(model.flat_params, model.param_spec, v)
+    progress = Progress()
+    progress.v = 1  # what the manager reads: the trainer has moved on since
+    cfg = GserverManagerConfig(
+        n_servers=2,
+        weight_poll_interval_s=0.02,
+        health_check_interval_s=0.2,
+        server_wait_timeout_s=30,
+        weight_sync="broadcast",
+    )
+    m = GserverManager(cfg, progress, lambda: [s.url for s in servers], lambda v: sender.address)
+    service = ManagerService(m).start(60)
+    try:
+        prompt = (7, 8, 9)
+        deadline = time.monotonic() + 20
+        while service.call(lambda: m.version) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = requests.get(service.url + "/status", headers=auth_headers(), timeout=10).json()
+        assert status["version"] == 2 and all(s["version"] == 2 for s in status["servers"].values())
+        assert all(s["live"] for s in status["servers"].values())
+        assert all(
+            generate_greedy(s.url, prompt, 6) == greedy(dirs["v1"], prompt, 6) for s in servers
+        )
+        assert sender.wait_transfers(10)
+        assert sender.sent == 2 and sender.failed == 0  # version 2 once per server
+        assert all(s.engine.weight_version == 1 for s in servers)  # one load each
+        service.check()
+    finally:
+        service.stop()
+        for s in servers:
+            s.stop()
+            s.engine.close()
+        sender.close()
 
 
 def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, monkeypatch):
