@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import field
-from typing import Optional
+from typing import List, Optional
 
 from realhf.api.ray_args import RayConfig
 from realhf.api.slurm_args import SlurmConfig
@@ -37,6 +37,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 #: the embedded tasks (model + data under realhf/assets/), chosen with ``task=NAME``:
 #: 2-digit arithmetic with ~6-token answers, and worked chains of 10-240 tokens
 EMBEDDED_TASKS = ("tiny_arith", "tiny_long")
+#: the projections LoRA adapters can go on (HuggingFace's module names)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _check(cond: bool, msg: str):
@@ -101,6 +103,60 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """LoRA adapters on a trained model role (:mod:`realhf.impl.model.nn.lora`): only they
+    train; the base weights stay frozen.  ``rank=0`` (the default) trains every weight."""
+
+    rank: int = field(
+        default=0, metadata={"help": "adapter rank, e.g. 16; 0: no adapters (full fine-tuning)"}
+    )
+    alpha: float = field(
+        default=16.0, metadata={"help": "scaling numerator: the adapter adds (alpha/rank)·BAx"}
+    )
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input"})
+    target_modules: List[str] = field(
+        default_factory=lambda: list(LORA_TARGET_MODULES),
+        metadata={"help": f"projections that get adapters, some of {list(LORA_TARGET_MODULES)}"},
+    )
+    save_merged: bool = field(
+        default=False,
+        metadata={
+            "help": "saved models also hold the base with the adapters merged in, under "
+            "<save dir>/merged (a plain HF model); the adapters alone are always saved"
+        },
+    )
+
+    def __post_init__(self):
+        given = list(self.target_modules)
+        _check(
+            isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 0,
+            f"lora.rank={self.rank!r}: use a positive integer (e.g. 16), or 0 for no adapters",
+        )
+        _check(self.alpha > 0, f"lora.alpha={self.alpha!r}: use a positive number (e.g. 2 x rank)")
+        _check(
+            0.0 <= self.dropout < 1.0, f"lora.dropout={self.dropout!r}: use a probability in [0, 1)"
+        )
+        unknown = [t for t in given if t not in LORA_TARGET_MODULES]
+        _check(
+            bool(given) and not unknown,
+            f"lora.target_modules={given!r}: "
+            + (f"unknown {unknown}; " if unknown else "none given; ")
+            + f"use some of {list(LORA_TARGET_MODULES)}",
+        )
+        # One canonical order: the adapters' flat layout follows it.
+        self.target_modules = [t for t in LORA_TARGET_MODULES if t in given]
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: what multiplies ``B A x`` (PEFT's default scaling)."""
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass
 class ModelConfig:
     """A model role: where its HF checkpoint is and how it trains."""
 
@@ -117,6 +173,7 @@ class ModelConfig:
         },
     )
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     offload: bool = field(
         default=False,
         metadata={

@@ -245,8 +245,8 @@ def hf_checkpoint_name(epoch: int, epoch_step: int, global_step: int) -> str:
 
 def hf_checkpoints(run_dir_: str, role: Optional[str] = None) -> List[Tuple[int, str, str]]:
     """``(global_step, role, path)`` of the complete HF checkpoints (with a
-    ``config.json``) under ``{run_dir_}/checkpoints/<role>/``, by step then role; only
-    ``role``'s when given."""
+    ``config.json``, or a LoRA role's ``adapter_config.json``) under
+    ``{run_dir_}/checkpoints/<role>/``, by step then role; only ``role``'s when given."""
     found = []
     root = os.path.join(run_dir_, "checkpoints")
     roles = [role] if role is not None else sorted(os.listdir(root)) if os.path.isdir(root) else []
@@ -257,7 +257,10 @@ def hf_checkpoints(run_dir_: str, role: Optional[str] = None) -> List[Tuple[int,
         for name in os.listdir(rdir):
             m = _HF_CKPT.fullmatch(name)
             path = os.path.join(rdir, name)
-            if m and os.path.isfile(os.path.join(path, "config.json")):
+            if m and any(
+                os.path.isfile(os.path.join(path, f))
+                for f in ("config.json", "adapter_config.json")
+            ):
                 found.append((int(m.group(1)), r, path))
     return sorted(found)
 

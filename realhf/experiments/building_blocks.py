@@ -320,7 +320,19 @@ def model_spec(
     is_critic: bool = False,
     critic_lm_logits: bool = False,
     publish_weights: bool = False,
+    adapters_of: Optional[str] = None,
 ) -> ModelSpec:
+    """``role``'s ModelSpec from its config section (``adapters_of``: see ModelSpec)."""
+    if cfg.lora.enabled and not trainable:
+        raise ExperimentSetupError(
+            f"{role}.lora.rank={cfg.lora.rank}: role {role!r} does not train, so it cannot "
+            f"have LoRA adapters; set {role}.lora.rank=0"
+        )
+    if cfg.lora.enabled and is_critic:
+        raise ExperimentSetupError(
+            f"{role}.lora.rank={cfg.lora.rank}: LoRA adapters are for policies, and role "
+            f"{role!r} is a critic (set {role}.lora.rank=0)"
+        )
     return ModelSpec(
         role=role,
         path=path,
@@ -332,6 +344,8 @@ def model_spec(
         gradient_checkpointing=bool(cfg.gradient_checkpointing),  # None: not chosen: off
         publish_weights=publish_weights,
         offload=cfg.offload,
+        lora=cfg.lora if cfg.lora.enabled else None,
+        adapters_of=adapters_of,
     )
 
 

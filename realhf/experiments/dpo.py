@@ -167,7 +167,14 @@ def build_dpo(cfg: DPOConfig) -> ExperimentConfig:
     mfcs = dpo_mfcs(cfg, mb_spec)
     models = [
         blocks.model_spec("actor", cfg.actor, actor_path, trainable=True),
-        blocks.model_spec("ref", cfg.ref, ref_path, trainable=False),
+        # A LoRA actor's reference is its base with the adapters off (no second copy).
+        blocks.model_spec(
+            "ref",
+            cfg.ref,
+            ref_path,
+            trainable=False,
+            adapters_of="actor" if cfg.actor.lora.enabled and not cfg.ref.path else None,
+        ),
     ]
     return blocks.trainer_experiment(
         cfg,

@@ -397,12 +397,16 @@ def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = Fal
     # the KL reference is the initial policy, and a critic gets a fresh value
     # head on the actor's body (is_critic).
     if cfg.ppo.needs_ref:
+        # A LoRA actor's reference is its own base with the adapters off (no second copy),
+        # unless the ref has weights of its own.
+        on_base = cfg.actor.lora.enabled and not cfg.ref.path
         specs.append(
             blocks.model_spec(
                 "ref",
                 cfg.ref,
                 blocks.model_path(cfg.ref, "ref") if cfg.ref.path else actor_path,
                 trainable=False,
+                adapters_of="actor" if on_base else None,
             )
         )
     if cfg.reward_model.path:

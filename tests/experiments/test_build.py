@@ -500,3 +500,29 @@ def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_wher
     assert actor.publish_weights and actor.weight_sync == "broadcast"
     with pytest.raises(blocks.ExperimentSetupError, match="the sglang backend has none"):
         build("weight_sync=broadcast", "allocation_mode=sglang.d1p1m1+d1p1m1")
+
+
+def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(init_model):
+    base = [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "actor.lora.rank=8"]
+    exp = build_ppo_math(parse_config(PPOMathConfig, base))
+    specs = {m.role: m for m in exp.workers["model_worker"][0].models}
+    assert specs["actor"].has_lora and specs["actor"].lora.rank == 8
+    assert specs["ref"].adapters_of == "actor" and not specs["ref"].has_lora
+    # A ref with weights of its own is a model of its own.
+    own = build_ppo_math(parse_config(PPOMathConfig, base + [f"ref.path={init_model}"]))
+    assert {m.role: m for m in own.workers["model_worker"][0].models}["ref"].adapters_of is None
+    bad = [
+        (["ref.lora.rank=4"], "role 'ref' does not train.*set ref.lora.rank=0"),
+        (["actor.lora.rank=-2"], r"lora.rank=-2: use a positive integer"),
+        (["actor.lora.target_modules=[q_proj,qkv]"], r"unknown \['qkv'\]"),
+        (["actor.lora.dropout=1.5"], r"lora.dropout=1.5"),
+        (["ppo.disable_value=false", "critic.lora.rank=4"], "role 'critic' is a critic"),
+        (["allocation_mode=d1p1m2"], "LoRA adapters, which run on data-parallel layouts"),
+        (
+            ["allocation_mode=actor_gen:d2p1m1,actor_train:d1p1m1,ref_inf:d1p1m1,rew_inf:d1p1m1"],
+            "reallocation does not carry adapters yet",
+        ),
+    ]
+    for args, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            build_ppo_math(parse_config(PPOMathConfig, base + args))

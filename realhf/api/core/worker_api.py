@@ -17,7 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
-from realhf.api.cli_args import DTYPES, RECOVER_MODES, ExperimentControlConfig, OptimizerConfig
+from realhf.api.cli_args import (
+    DTYPES,
+    RECOVER_MODES,
+    ExperimentControlConfig,
+    LoraConfig,
+    OptimizerConfig,
+)
 from realhf.api.core.allocation import ParallelismConfig
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.dfg import MFCDef, build_graph
@@ -65,6 +71,12 @@ class ModelSpec:
             to the device around each call (a reference or frozen reward model that is idle
             most of a step).  Only for roles that are not trainable; on CPU workers the
             weights are on the host already and nothing moves.
+        lora: LoRA adapters of a trainable causal LM (None, or rank 0: train every weight):
+            the base weights stay frozen and only the adapters train, are checkpointed and
+            published (:mod:`realhf.impl.model.nn.lora`).
+        adapters_of: this role is another role's base model, i.e. that role with its LoRA
+            adapters off (a LoRA actor's reference policy): it loads no weights of its own
+            and its MFCs run where that role lives.  ``path`` must be that role's.
     """
 
     role: str
@@ -78,6 +90,8 @@ class ModelSpec:
     publish_weights: bool = False
     weight_sync: WeightSync = WeightSync.DISK
     offload: bool = False
+    lora: Optional[LoraConfig] = None
+    adapters_of: Optional[str] = None
 
     def __post_init__(self):
         ck = Checks("ModelSpec")
@@ -126,6 +140,28 @@ class ModelSpec:
                 True,
                 f"only a trainable role publishes weights; role {self.role!r} is not",
             )
+        if self.lora is not None and not isinstance(self.lora, LoraConfig):
+            raise ck.bad("lora", self.lora, "use a LoraConfig or None")
+        if self.has_lora and (not self.trainable or self.is_critic):
+            raise ck.bad(
+                "lora",
+                f"rank {self.lora.rank}",
+                f"role {self.role!r} "
+                + ("is a critic" if self.is_critic else "does not train")
+                + "; LoRA adapters are for trained policies (set its lora.rank=0)",
+            )
+        if self.adapters_of is not None and (self.trainable or self.offload):
+            raise ck.bad(
+                "adapters_of",
+                self.adapters_of,
+                f"role {self.role!r} runs on {self.adapters_of!r}'s weights: it cannot train "
+                "or be offloaded",
+            )
+
+    @property
+    def has_lora(self) -> bool:
+        """Whether this role trains LoRA adapters."""
+        return self.lora is not None and self.lora.enabled
 
     @property
     def optimizer_config(self) -> OptimizerConfig:
@@ -438,6 +474,57 @@ class ModelWorkerConfig:
                     m.role,
                     f"MFC {m.name!r} trains role {m.role!r}; "
                     f"set ModelSpec(role={m.role!r}, trainable=True)",
+                )
+        self._check_lora(ck, by_role, mfcs)
+
+    def _check_lora(self, ck: Checks, by_role: Dict[str, ModelSpec], mfcs) -> None:
+        """A role on another's base (``adapters_of``) names a LoRA role of the same path;
+        LoRA roles live on data-parallel layouts and run every MFC at home (tensor and
+        pipeline parallelism, and reallocation to other layouts, do not carry adapters yet)."""
+        for spec in by_role.values():
+            host = by_role.get(spec.adapters_of) if spec.adapters_of is not None else spec
+            if spec.adapters_of is not None and (host is None or not host.has_lora):
+                raise ck.bad(
+                    "models",
+                    spec.role,
+                    f"adapters_of={spec.adapters_of!r}: no role with LoRA adapters of that name "
+                    f"in models {list(by_role)}",
+                )
+            if spec.adapters_of is not None and host.path != spec.path:
+                raise ck.bad(
+                    "models",
+                    spec.role,
+                    f"role {spec.role!r} is {host.role!r}'s base model, so its path must be "
+                    f"{host.path!r}, not {spec.path!r} (give it its own weights without "
+                    "adapters_of)",
+                )
+            if not host.has_lora or self.layout is None:
+                continue
+            home = self.placements.home(spec.role, self.layout)
+            if home.pipe > 1 or home.tensor > 1:
+                raise ck.bad(
+                    "placements",
+                    str(home),
+                    f"role {spec.role!r} has LoRA adapters, which run on data-parallel layouts "
+                    "(dN) for now; use allocation d<N> for it",
+                )
+            for m in mfcs:
+                if m.role == spec.role and self.placements.on_replica(m, self.layout):
+                    raise ck.bad(
+                        "placements",
+                        m.name,
+                        f"MFC {m.name!r} of LoRA role {spec.role!r} runs on another layout "
+                        f"than its home {home}; reallocation does not carry adapters yet: "
+                        "place it at home",
+                    )
+            if spec.adapters_of is not None and home != self.placements.home(
+                host.role, self.layout
+            ):
+                raise ck.bad(
+                    "placements",
+                    spec.role,
+                    f"role {spec.role!r} runs on {host.role!r}'s weights: give it the same "
+                    "home layout",
                 )
 
     def _check_evaluation(self, ck: Checks, by_role: Dict[str, ModelSpec]) -> None:

@@ -407,7 +407,7 @@ def save_worker_state(
         # the optimizer state is saved by every rank.
         if save_weights[role]:
             with _writing(ckpt_dir, model_dir(ckpt_dir, role)):
-                model.save_hf(model_dir(ckpt_dir, role))
+                model.save_trained(model_dir(ckpt_dir, role))  # (with LoRA: the adapters)
             if rank == 0:
                 written.append(model_dir(ckpt_dir, role))
         path = optimizer_path(ckpt_dir, role, rank)
@@ -436,8 +436,8 @@ def load_worker_state(
 
     ``load_weights(role, model_dir)`` puts the saved HF directory into the role's model in
     place (this rank's part of it under tensor/pipeline parallelism); default: the
-    model's ``load_hf_weights`` (the whole model on this rank).  A file that is missing
-    or cannot be read raises :class:`RecoverError` naming it.
+    model's ``load_trained`` (the whole model on this rank; with LoRA its adapters).  A
+    file that is missing or cannot be read raises :class:`RecoverError` naming it.
     """
     for name, iface in _stateful(interfaces).items():
         path = interface_state_path(ckpt_dir, name, rank)
@@ -461,7 +461,7 @@ def load_worker_state(
         state = _load_pt(ckpt_dir, opath, f"optimizer state of {role!r}")
         try:
             if load_weights is None:
-                model.load_hf_weights(mdir)
+                model.load_trained(mdir)
             else:
                 load_weights(role, mdir)
         except RecoverError:

@@ -34,6 +34,8 @@ from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
 from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import whole_model, write_model
+from realhf.impl.model.conversion.hf import save_tokenizer
+from realhf.impl.model.nn.lora import add_lora, save_peft
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism import ParallelGrid, load_model
 from realhf.impl.model.parallelism.model import GridHooks
@@ -93,8 +95,8 @@ class RoleWeights:
         }
         self.modules: Dict[str, Any] = {}  # role -> its home part, on the home's ranks
         for spec in config.models:
-            if layouts.home(spec.role) is None:
-                continue
+            if layouts.home(spec.role) is None or spec.adapters_of is not None:
+                continue  # (a role on another's base loads nothing: see `initialize`)
             # Weights drawn at load time (the fresh value head of a critic started from a
             # causal LM) must be the same on every rank: replicas and tensor/pipeline peers
             # hold one model.  Every rank draws what rank 0 draws, per role (not every
@@ -140,7 +142,7 @@ class RoleWeights:
         """This rank's part of HF directory ``path`` as a ReaLModel of ``role``'s spec, in
         ``role``'s home layout."""
         spec = self.specs[role]
-        return load_model(
+        module = load_model(
             path,
             self.layouts.home(role),
             dtype=getattr(torch, spec.dtype),
@@ -149,9 +151,16 @@ class RoleWeights:
             gradient_checkpointing=spec.gradient_checkpointing,
             critic_lm_logits=spec.critic_lm_logits,
         )
+        if spec.has_lora:  # fresh adapters (drawn alike on every rank: seeded above)
+            add_lora(module, spec.lora)
+        return module
 
     def reload(self, role: str, path: str) -> None:
-        """Replace ``role``'s weights in place (parameters and optimizer stay bound)."""
+        """Replace ``role``'s trained weights in place (parameters and optimizer stay
+        bound): from an HF directory, or with LoRA from an adapter directory."""
+        if self.specs[role].has_lora:
+            self.modules[role].load_trained(path)
+            return
         self.modules[role].load_flat(self._load_part(role, path).flat_params.detach())
 
     # ---- engines and model handles ------------------------------------------
@@ -179,6 +188,13 @@ class RoleWeights:
                 engine = InferenceEngine(module, grid=grid)
             self.engines[role] = engine
             self.models[role] = self._handle(role, engine, ft_spec if spec.trainable else None)
+        for spec in self.specs.values():
+            if spec.adapters_of is not None and spec.adapters_of in self.modules:
+                # The LoRA role's own module with its adapters off: no second copy.
+                host, grid = self.modules[spec.adapters_of], self.layouts.home(spec.role)
+                engine = InferenceEngine(host, grid=grid, adapters=False)
+                self.engines[spec.role] = engine
+                self.models[spec.role] = self._handle(spec.role, engine, None)
         for (role, _), rep in self.replicas.items():
             rep.model = self._handle(role, InferenceEngine(rep.module, grid=rep.grid), None)
         for off in self.offloaders.values():
@@ -349,7 +365,21 @@ class RoleWeights:
         written = []
         for role, path in dirs.items():
             if self.writes_weights(role):
-                self.modules[role].save_hf(path, tokenizer=self.config.tokenizer_path or None)
+                self._save_role(role, path)
                 if self.layouts.rank == 0:
                     written.append(path)
         return written
+
+    def _save_role(self, role: str, path: str) -> None:
+        """An HF directory; with LoRA the adapters in PEFT's format (on the role's base
+        path), and the merged model under ``path/merged`` if ``lora.save_merged``."""
+        spec, module = self.specs[role], self.modules[role]
+        tokenizer = self.config.tokenizer_path or None
+        if not spec.has_lora:
+            module.save_hf(path, tokenizer=tokenizer)
+            return
+        save_peft(module, path, base_model_path=os.path.abspath(spec.path))
+        if tokenizer is not None and self.layouts.rank == 0:
+            save_tokenizer(tokenizer, path)  # (loaders of the directory find it there)
+        if spec.lora.save_merged:
+            module.save_hf(os.path.join(path, "merged"), tokenizer=tokenizer)

@@ -81,11 +81,17 @@ def test_latest_naming_an_incomplete_dir_is_an_error(tmp_path):
         recover.find_latest(str(tmp_path))
 
 
-def _engine(model_dir):
+def _engine(model_dir, lora_rank=0):
+    from realhf.api.cli_args import LoraConfig
     from realhf.impl.model.backend import TrainEngine
+    from realhf.impl.model.nn.lora import add_lora
     from realhf.impl.model.nn.real_model import ReaLModel
 
     model = ReaLModel.from_hf(model_dir)
+    if lora_rank:
+        add_lora(
+            model, LoraConfig(lora_rank), generator=torch.Generator().manual_seed(len(model_dir))
+        )
     return model, TrainEngine(
         model, OptimizerConfig(lr=1e-2, weight_decay=0.0), FinetuneSpec(1, 8, 2)
     )
@@ -128,6 +134,29 @@ def test_worker_state_round_trip(tmp_path):
 
     with pytest.raises(recover.RecoverError, match="rank1.pt"):
         recover.load_worker_state(ckpt, 1, {"actor": (model2, engine2)})
+
+
+@pytest.mark.slow  # builds a model and an optimizer (imports transformers)
+def test_a_lora_checkpoint_holds_the_adapters_and_their_optimizer_only(tmp_path):
+    from tiny_models import make_tiny_hf_model
+
+    path = str(make_tiny_hf_model("qwen2", tmp_path / "model"))
+    model, engine = _engine(path, lora_rank=4)
+    _step(engine)
+    ckpt = str(tmp_path / "ckpt")
+    recover.save_worker_state(ckpt, 0, {"actor": (model, engine)}, None)
+    saved = sorted(os.listdir(recover.model_dir(ckpt, "actor")))
+    assert saved == ["adapter_config.json", "adapter_model.safetensors"]
+    moments = torch.load(recover.optimizer_path(ckpt, "actor", 0))["optimizer"]["state"]
+    assert sum(v["exp_avg"].numel() for v in moments.values()) == model.lora.flat.numel()
+
+    model2, engine2 = _engine(path, lora_rank=4)  # the base, fresh adapters
+    assert not torch.equal(model2.lora.flat, model.lora.flat)
+    recover.load_worker_state(ckpt, 0, {"actor": (model2, engine2)})
+    assert torch.equal(model.lora.flat, model2.lora.flat) and engine2.n_steps == 1
+    assert _step(engine) == _step(engine2)  # the next step is bit-identical
+    assert torch.equal(model.lora.flat, model2.lora.flat)
+    assert torch.equal(model.flat_params, model2.flat_params)  # the base never moved
 
 
 class _Counter:

@@ -17,6 +17,7 @@ stage's result is broadcast, so every rank of a data-parallel replica returns th
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Iterator, List, Optional
 
 import torch
@@ -51,18 +52,23 @@ class InferenceEngine:
 
     Args:
         model: the ReaLModel (already on its device and in its dtype).
+        adapters: False: forward with the model's LoRA adapters off (the base model).
         grid: its :class:`~realhf.impl.model.parallelism.grid.ParallelGrid` (None: one
             process, or plain data parallelism).  Every rank of a data-parallel replica
             calls :meth:`forward` with the same sample and gets the same result.
     """
 
-    def __init__(self, model: torch.nn.Module, grid=None):
+    def __init__(self, model: torch.nn.Module, grid=None, *, adapters: bool = True):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
                 f"the engine wraps a torch module (a ReaLModel), got {type(model).__name__}"
             )
+        if not adapters and getattr(model, "lora", None) is None:
+            raise ValueError("adapters=False needs a model with LoRA adapters")
         self.model = model
         self.grid = grid
+        #: False: run the model with its LoRA adapters off (its base: a reference policy)
+        self.adapters = adapters
         #: Compute a prompt shared by several sequences of a micro-batch once (see
         #: :mod:`realhf.impl.model.modules.shared_prefix`); needs its ``prompt_mask``.
         self.share_prompts = True
@@ -124,7 +130,8 @@ class InferenceEngine:
         # split() reorders items to pack micro-batches: the i-th item in split order is
         # item forward_idx[i] of the sample, and backward_idx puts them back.
         mbs, forward_idx, backward_idx = sample.split(mb_spec)
-        outs = self._run_microbatches(mbs, post_hook)
+        with contextlib.nullcontext() if self.adapters else self.model.lora.disabled():
+            outs = self._run_microbatches(mbs, post_hook)
         if outs is None:  # a pipeline stage other than the last
             return self._receive_result()
         per_item: List[torch.Tensor] = []

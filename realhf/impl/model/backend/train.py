@@ -14,12 +14,16 @@ sum of the weights of all micro-batches on all ranks. After the gradient average
 ranks this is the gradient of the mean over every token of the global batch, however the
 batch was cut into ranks and micro-batches.
 
-Gradients live in one flat buffer laid out like ``model.flat_params`` (each ``p.grad`` is a
+Gradients live in one flat buffer laid out like ``model.trained_flat`` (each ``p.grad`` is a
 view into it), so the data-parallel reduction is a single all-reduce and the grad norm one
-vector norm. Build the engine after the model is on its final device and dtype.
+vector norm. Build the engine after the model is on its final device and dtype.  What trains
+is the model's ``trained_parameters()``: every parameter (``trained_flat`` is
+``flat_params``), or with LoRA adapters (:mod:`realhf.impl.model.nn.lora`) the adapters
+alone, in their own flat buffer, while the base weights stay frozen and take no gradient or
+optimizer memory.
 
 Mixed precision. A model in bf16 or fp16 computes in its dtype, and the engine keeps fp32
-master weights (a flat copy of ``flat_params``) with an fp32 gradient buffer and fp32 AdamW
+master weights (a flat copy of ``trained_flat``) with an fp32 gradient buffer and fp32 AdamW
 moments: after each micro-batch's backward the low-precision gradient is added into the fp32
 buffer (pipelined steps add once, after the schedule), which is what is all-reduced, clipped
 and applied to the master weights; the model gets them back rounded to its dtype.  Bytes per
@@ -135,9 +139,9 @@ class TrainEngine(InferenceEngine):
         grid=None,
     ):
         super().__init__(model, grid)
-        if not hasattr(model, "flat_params") or not hasattr(model, "param_spec"):
+        if not hasattr(model, "trained_flat") or not hasattr(model, "trained_spec"):
             raise TypeError(
-                "TrainEngine needs a ReaLModel (flat_params + param_spec); got "
+                "TrainEngine needs a ReaLModel (trained_flat + trained_spec); got "
                 f"{type(model).__name__}"
             )
         self.config = optimizer if optimizer is not None else OptimizerConfig()
@@ -164,7 +168,7 @@ class TrainEngine(InferenceEngine):
             self.config, None if ft_spec is None else ft_spec.total_train_steps
         )
         sharded = self.config.zero_stage == 1
-        numel = model.flat_params.numel()
+        numel = model.trained_flat.numel()
         # ZeRO-1 reduce-scatters the gradient: its buffer is padded to d equal shards.
         padded = shard_size(numel, self.dp_size) * self.dp_size if sharded else numel
         self._bind_grad_buffer(padded)
@@ -172,9 +176,9 @@ class TrainEngine(InferenceEngine):
         self._zero: Optional[ShardedAdamW] = None
         if sharded:
             self._zero = ShardedAdamW(
-                model.flat_params,
-                model.param_spec,
-                [n for n, _ in model.named_parameters()],
+                model.trained_flat,
+                model.trained_spec,
+                [n for n, _ in model.trained_parameters()],
                 self.config,
                 self.dp_group,
                 self.dp_size,
@@ -183,9 +187,9 @@ class TrainEngine(InferenceEngine):
             )
             self.optimizer = self._zero.optimizer
         else:
-            names = [n for n, _ in model.named_parameters()]
+            names = [n for n, _ in model.trained_parameters()]
             params = dict(zip(names, self._optimized_params()))
-            decay, no_decay = decay_split(names, model.param_spec)
+            decay, no_decay = decay_split(names, model.trained_spec)
             groups = [
                 {"params": [params[n] for n in decay], "weight_decay": self.config.weight_decay}
             ]
@@ -200,11 +204,11 @@ class TrainEngine(InferenceEngine):
         """Point every ``p.grad`` at its slice of one zeroed flat buffer (of ``padded``
         elements, of which the model's ``N`` are used)."""
         m = self.model
-        self._grad_storage = m.flat_params.new_zeros(padded)
-        self.flat_grad = self._grad_storage[: m.flat_params.numel()]
+        self._grad_storage = m.trained_flat.new_zeros(padded)
+        self.flat_grad = self._grad_storage[: m.trained_flat.numel()]
         self._grad_views: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
-        for name, p in m.named_parameters():
-            view = flat_view(self.flat_grad, m.param_spec[name])
+        for name, p in m.trained_parameters():
+            view = flat_view(self.flat_grad, m.trained_spec[name])
             p.grad = view
             self._grad_views.append((p, view))
         # The flat intervals this rank counts in the gradient norm: all of them, except
@@ -212,11 +216,11 @@ class TrainEngine(InferenceEngine):
         tp = getattr(m, "tp", None)
         counted = [
             n
-            for n in m.param_spec
+            for n in m.trained_spec
             if tp is None or not tp.distributed or tp.counts_in_norm(n, m.config)
         ]
         self._norm_intervals = (
-            None if len(counted) == len(m.param_spec) else flat_intervals(m.param_spec, counted)
+            None if len(counted) == len(m.trained_spec) else flat_intervals(m.trained_spec, counted)
         )
 
     def _bind_master(self, padded: int, sharded: bool) -> None:
@@ -228,24 +232,24 @@ class TrainEngine(InferenceEngine):
         self.master_grad: Optional[torch.Tensor] = None
         self._master_grad_clear = True  # holds nothing yet: the next accumulation copies
         self._master_params: List[torch.nn.Parameter] = []
-        self._low_precision = m.flat_params.dtype != torch.float32
+        self._low_precision = m.trained_flat.dtype != torch.float32
         if not self._low_precision:
             return
         # The fp32 buffer is what is reduced (padded like the low-precision one).
-        self._grad_storage = torch.zeros(padded, dtype=torch.float32, device=m.flat_params.device)
-        self.master_grad = self._grad_storage[: m.flat_params.numel()]
+        self._grad_storage = torch.zeros(padded, dtype=torch.float32, device=m.trained_flat.device)
+        self.master_grad = self._grad_storage[: m.trained_flat.numel()]
         self._mark_published()
         if sharded:
             return
-        self.master = m.flat_params.detach().float()
-        for name, _ in m.named_parameters():  # in the model's order, as AdamW had them
-            mp = torch.nn.Parameter(flat_view(self.master, m.param_spec[name]))
-            mp.grad = flat_view(self.master_grad, m.param_spec[name])
+        self.master = m.trained_flat.detach().float()
+        for name, _ in m.trained_parameters():  # in the model's order, as AdamW had them
+            mp = torch.nn.Parameter(flat_view(self.master, m.trained_spec[name]))
+            mp.grad = flat_view(self.master_grad, m.trained_spec[name])
             self._master_params.append(mp)
 
     def _optimized_params(self) -> List[torch.nn.Parameter]:
         """What AdamW updates: the master weights, or the model's own."""
-        return self._master_params or list(self.model.parameters())
+        return self._master_params or [p for _, p in self.model.trained_parameters()]
 
     @property
     def grad(self) -> torch.Tensor:
@@ -294,7 +298,7 @@ class TrainEngine(InferenceEngine):
     def _mark_published(self) -> None:
         # Any in-place write into the flat buffer bumps its version counter (views share it).
         m = self.model
-        self._published = (id(m.flat_params), m.flat_params._version)
+        self._published = (id(m.trained_flat), m.trained_flat._version)
 
     def _sync_master_from_model(self) -> None:
         """Start from the model's weights if something other than this engine wrote them
@@ -302,15 +306,15 @@ class TrainEngine(InferenceEngine):
         overwrite them at the next step."""
         m = self.model
         if not self._low_precision or self._published == (
-            id(m.flat_params),
-            m.flat_params._version,
+            id(m.trained_flat),
+            m.trained_flat._version,
         ):
             return
         logger.info("the model's weights changed outside training; master weights follow them")
         if self._zero is not None:
             self._zero.load_weights_from_model()
         else:
-            self.master.copy_(m.flat_params)
+            self.master.copy_(m.trained_flat)
         self._mark_published()
 
     def grad_norm(self) -> float:
@@ -507,8 +511,8 @@ class TrainEngine(InferenceEngine):
         """Sum the gradients of a tied embedding's two copies (first and last stage)."""
         g, m = self.grid, self.model
         group = g.groups["embed"]
-        if group is None or not m.config.shares_head_with_embedding:
-            return
+        if group is None or not m.config.shares_head_with_embedding or m.lora is not None:
+            return  # (with LoRA the embedding is frozen)
         if m.has_embedding:
             grad = m.embedding.wte.weight.grad
         elif m.head_copies_embedding:
@@ -550,7 +554,7 @@ class TrainEngine(InferenceEngine):
                 self.optimizer.step()
             if self.master is not None:
                 with torch.no_grad():
-                    self.model.flat_params.copy_(self.master)
+                    self.model.trained_flat.copy_(self.master)
                 self._mark_published()
         self.n_steps += 1
         self.n_skipped += int(skipped)
@@ -582,10 +586,10 @@ class TrainEngine(InferenceEngine):
         self.n_steps = int(state["n_steps"])
         self.n_skipped = int(state["n_skipped"])
         master = state.get("master")
-        if master is not None and master.numel() != self.model.flat_params.numel():
+        if master is not None and master.numel() != self.model.trained_flat.numel():
             raise ValueError(
                 f"TrainEngine.load_state_dict: master weights of {master.numel()} elements "
-                f"for a model of {self.model.flat_params.numel()}"
+                f"for a model of {self.model.trained_flat.numel()}"
             )
         if self._zero is not None:
             self._zero.load_full_state(state["optimizer"], master)
@@ -597,6 +601,6 @@ class TrainEngine(InferenceEngine):
         if self.master is not None:
             # A state saved without master weights (an fp32 run) starts them from the model.
             with torch.no_grad():
-                self.master.copy_(self.model.flat_params if master is None else master)
-                self.model.flat_params.copy_(self.master)
+                self.master.copy_(self.model.trained_flat if master is None else master)
+                self.model.trained_flat.copy_(self.master)
             self._mark_published()

@@ -33,6 +33,7 @@ from realhf.impl.model.modules.attention import packed_causal_attention
 from realhf.impl.model.modules.norm import norm, rms_norm
 from realhf.impl.model.modules.rotary import apply_rope
 from realhf.impl.model.modules.shared_prefix import SharedPrefix
+from realhf.impl.model.nn.lora import column_delta, row_delta
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.packed_linear import packed_or_none
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
@@ -75,19 +76,24 @@ class PackedContext:
     shared_prefix: Optional[SharedPrefix] = None
 
 
-def _linear(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _plus(y: torch.Tensor, delta: Optional[torch.Tensor]) -> torch.Tensor:
+    return y if delta is None else y + delta
+
+
+def _linear(mod: nn.Module, x: torch.Tensor, tp: LocalHooks = LOCAL) -> torch.Tensor:
+    """A column-parallel projection (input after ``tp.copy_in``), with its LoRA term."""
     pk = packed_or_none(mod, "packed", [mod.weight])
     if pk is not None:  # (a generation engine's single-device model: bias included)
-        return pk(x)
-    return F.linear(x, mod.weight, getattr(mod, "bias", None))
+        return _plus(pk(x), column_delta(mod, x, tp))
+    return _plus(F.linear(x, mod.weight, getattr(mod, "bias", None)), column_delta(mod, x, tp))
 
 
 def _row_linear(mod: nn.Module, x: torch.Tensor, tp: LocalHooks) -> torch.Tensor:
     pk = packed_or_none(mod, "packed", [mod.weight])
     if pk is not None:
-        return pk(x)
+        return _plus(pk(x), row_delta(mod, x, tp))
     # The bias is added once, after the partial products are summed over ranks.
-    y = tp.reduce_out(F.linear(x, mod.weight))
+    y = _plus(tp.reduce_out(F.linear(x, mod.weight)), row_delta(mod, x, tp))
     b = getattr(mod, "bias", None)
     return y if b is None else y + b
 
@@ -193,8 +199,11 @@ class TransformerBlock(nn.Module):
             q, k, v = (
                 t.contiguous() for t in pk(x).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
             )
+            q = _plus(q, column_delta(ca.q_attn, x, tp))
+            k = _plus(k, column_delta(ca.k_attn, x, tp))
+            v = _plus(v, column_delta(ca.v_attn, x, tp))
         else:
-            q, k, v = _linear(ca.q_attn, x), self._kv(ca.k_attn, x), self._kv(ca.v_attn, x)
+            q, k, v = _linear(ca.q_attn, x, tp), self._kv(ca.k_attn, x), self._kv(ca.v_attn, x)
         q = q.view(T, cfg.n_q_heads, cfg.head_dim)
         k = k.view(T, cfg.n_kv_heads, cfg.head_dim)
         v = v.view(T, cfg.n_kv_heads, cfg.head_dim)
@@ -210,9 +219,8 @@ class TransformerBlock(nn.Module):
 
     def _kv(self, mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
         b = getattr(mod, "bias", None)
-        return F.linear(
-            x, self.tp.kv_weight(mod.weight), None if b is None else self.tp.kv_weight(b)
-        )
+        y = F.linear(x, self.tp.kv_weight(mod.weight), None if b is None else self.tp.kv_weight(b))
+        return _plus(y, column_delta(mod, x, self.tp))
 
     def _attention(self, x: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
         q, k, v = self.qkv(x, ctx)
@@ -245,10 +253,12 @@ class TransformerBlock(nn.Module):
             pk = packed_or_none(m, "packed_gate_up", [m.gate_proj.weight, m.up_proj.weight])
             if pk is not None:  # one product for the two
                 gate, up = pk(x).chunk(2, dim=-1)
+                gate = _plus(gate, column_delta(m.gate_proj, x, tp))
+                up = _plus(up, column_delta(m.up_proj, x, tp))
                 return _row_linear(m.down_proj, self._act(gate) * up, tp)
-            a = self._act(_linear(m.gate_proj, x)) * _linear(m.up_proj, x)
+            a = self._act(_linear(m.gate_proj, x, tp)) * _linear(m.up_proj, x, tp)
             return _row_linear(m.down_proj, a, tp)
-        return _row_linear(m.c_proj, self._act(_linear(m.c_fc, x)), tp)
+        return _row_linear(m.c_proj, self._act(_linear(m.c_fc, x, tp)), tp)
 
 
 class OutputHead(nn.Module):

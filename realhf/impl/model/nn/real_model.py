@@ -171,6 +171,8 @@ class ReaLModel(nn.Module):
             [(idx, [(n, s) for n, s, _ in d]) for idx, d in decls]
         )
         self.flat_params = torch.empty(total, dtype=dtype, device=device)
+        #: LoRA adapters (:func:`~realhf.impl.model.nn.lora.add_lora`), or None
+        self.lora = None
         self._init_kinds = {f"{idx}.{n}": kind for idx, d in decls for n, _, kind in d}
         for name, spec in self.param_spec.items():
             _register_param(self, name, nn.Parameter(flat_view(self.flat_params, spec)))
@@ -228,6 +230,31 @@ class ReaLModel(nn.Module):
                 else:
                     p.normal_(0.0, self.config.init_std, generator=generator)
 
+    # ---- what trains ------------------------------------------------------
+
+    @property
+    def trained_flat(self) -> torch.Tensor:
+        """The flat buffer a TrainEngine optimises: the adapters' with LoRA, else
+        :attr:`flat_params`."""
+        return self.flat_params if self.lora is None else self.lora.flat
+
+    @property
+    def trained_spec(self) -> Dict[str, ParamSpec]:
+        """The layout of :attr:`trained_flat`."""
+        return self.param_spec if self.lora is None else self.lora.param_spec
+
+    def trained_parameters(self):
+        """``(name, parameter)`` of what trains, in :attr:`trained_spec`'s names: the
+        adapters with LoRA (the base is frozen), else every parameter."""
+        if self.lora is None:
+            return list(self.named_parameters())
+        return list(self.lora.params.items())
+
+    def train(self, mode: bool = True):
+        if self.lora is not None:
+            self.lora.training = mode  # (adapter dropout)
+        return super().train(mode)
+
     def load_flat(self, flat: torch.Tensor) -> None:
         """Copy a whole 1-D parameter vector (same layout) into the flat buffer."""
         if flat.dim() != 1 or flat.numel() != self.flat_params.numel():
@@ -252,6 +279,11 @@ class ReaLModel(nn.Module):
             layers=self.layer_range,
         )
         new.load_flat(self.flat_params.detach())
+        if self.lora is not None:
+            from realhf.impl.model.nn.lora import add_lora
+
+            add_lora(new, self.lora.spec, init=False).use_flat(self.lora.flat.detach().clone())
+            new.lora.enabled = self.lora.enabled
         for (_, src), (_, dst) in zip(self.named_parameters(), new.named_parameters()):
             dst.requires_grad_(src.requires_grad)
         new.train(self.training)
@@ -262,7 +294,9 @@ class ReaLModel(nn.Module):
         # Module._apply would convert each parameter separately and break the
         # views; convert the buffer once and re-point every parameter instead.
         self.use_flat(fn(self.flat_params))
-        for p in self.parameters():
+        if self.lora is not None:
+            self.lora.use_flat(fn(self.lora.flat))
+        for _, p in self.trained_parameters():
             # Grads are views of the TrainEngine's own flat buffer, not of this model's; a
             # converted grad is a loose tensor, which the engine copies back into its buffer
             # (TrainEngine._check_grad_views).
@@ -426,12 +460,26 @@ class ReaLModel(nn.Module):
         """Build a model from a HuggingFace directory (family from config.json).
 
         A critic loads its value head from a critic checkpoint written by
-        :meth:`save_hf`, or starts a fresh one on a causal-LM checkpoint.
+        :meth:`save_hf`, or starts a fresh one on a causal-LM checkpoint.  A PEFT LoRA
+        adapter directory (``adapter_config.json``, no ``config.json``) loads its base
+        model (``base_model_name_or_path``) with the adapters on it.
         ``kwargs`` go to the constructor (``gradient_checkpointing``, ``tp``, ...); with
         tensor-parallel hooks ``tp`` the model holds this rank's shard.
         """
         from realhf.impl.model.conversion import hf
+        from realhf.impl.model.nn.lora import (
+            adapter_base,
+            add_lora,
+            is_adapter_dir,
+            load_peft,
+            read_peft_spec,
+        )
 
+        if is_adapter_dir(model_dir):  # the base, then its adapters on it
+            model = cls.from_hf(adapter_base(model_dir), dtype, device, is_critic, **kwargs)
+            add_lora(model, read_peft_spec(str(model_dir)), init=False)
+            load_peft(model, str(model_dir))
+            return model
         tp = kwargs.pop("tp", LOCAL)
         config = hf.config_from_hf_dir(model_dir, is_critic=is_critic)
         if tp.distributed:
@@ -450,6 +498,23 @@ class ReaLModel(nn.Module):
 
         hf.load_weights(self, model_dir, check_config=True)
 
+    def save_trained(self, out_dir: Union[str, os.PathLike]) -> None:
+        """Write what training changes (a recover checkpoint's weights): the HF directory,
+        or with LoRA the adapters alone in PEFT's format (a collective like :meth:`save_hf`)."""
+        if self.lora is None:
+            return self.save_hf(out_dir)
+        from realhf.impl.model.nn.lora import save_peft
+
+        save_peft(self, str(out_dir))
+
+    def load_trained(self, model_dir: Union[str, os.PathLike]) -> None:
+        """Load what :meth:`save_trained` wrote, in place."""
+        if self.lora is None:
+            return self.load_hf_weights(model_dir)
+        from realhf.impl.model.nn.lora import load_peft
+
+        load_peft(self, str(model_dir))
+
     def save_hf(
         self,
         model_dir: Union[str, os.PathLike],
@@ -459,7 +524,8 @@ class ReaLModel(nn.Module):
     ) -> None:
         """Write a HuggingFace directory (config.json + safetensors) that
         ``transformers`` loads (``AutoModelForCausalLM``, or
-        ``AutoModelForTokenClassification`` with one label for a critic).
+        ``AutoModelForTokenClassification`` with one label for a critic).  A model with
+        LoRA adapters writes the merged model (:func:`~realhf.impl.model.nn.lora.merged`).
 
         ``tokenizer`` is a tokenizer object (saved with ``save_pretrained``) or a
         directory whose tokenizer files are copied.  ``max_shard_bytes``: weight file size
@@ -469,6 +535,10 @@ class ReaLModel(nn.Module):
         """
         from realhf.impl.model.conversion import hf
 
+        if self.lora is not None:  # the base with the adapters folded in
+            from realhf.impl.model.nn.lora import merged
+
+            return merged(self).save_hf(model_dir, tokenizer, max_shard_bytes=max_shard_bytes)
         if self.tp.distributed:
             # Collective over the model's ranks; one of them writes the whole model.
             full = self.tp.gather_model(self)
