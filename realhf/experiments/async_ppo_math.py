@@ -427,6 +427,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             pack_weights=cfg.gen_server.pack_weights,
             request_timeout_s=cfg.worker_timeout,
             health_timeout_s=cfg.worker_timeout,
+            lora=cfg.actor.lora if cfg.actor.lora.enabled else None,
         )
         for i in range(n_gen)
     ]

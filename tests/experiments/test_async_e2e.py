@@ -110,6 +110,43 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     assert not os.path.exists(os.path.dirname(os.path.dirname(shm))), "left in /dev/shm"
 
 
+def test_a_lora_run_sends_the_servers_its_adapters_only(tmp_path):
+    """actor.lora: the trainer publishes the adapters alone (a fraction of the model's
+    bytes), the server applies them, and the run trains within the bound."""
+    r = subprocess.run(
+        _cmd(
+            tmp_path,
+            "actor.lora.rank=8",
+            "ppo.kl_ctl=0.05",  # the reference: the actor's base, adapters off
+            "exp_ctrl.benchmark_steps=3",
+            "eval=false",
+            "weight_sync=broadcast",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = tmp_path / "async-ppo-math" / "run0"
+    rows = quickstart_runs.rows(run / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert "actor_train/ppo/ref_kl" in rows[0]
+    _check_trained(run, 3)
+    trainer = (run / "logs" / "model_worker_0.log").read_text()
+    sizes = [
+        int(b) for b in re.findall(r"published actor version \d+: (\d+) bytes \(its LoRA", trainer)
+    ]
+    # rank 8 x (in + out) of q, k, v, o, gate, up, down (hidden 256, kv 128, MLP 512) x 4
+    # blocks x 4 bytes: 0.5 MiB, where the model is 16 MiB
+    per_rank = (256 + 256) + 2 * (256 + 128) + (256 + 256) + 3 * (256 + 512)
+    assert sizes and set(sizes) == {8 * per_rank * 4 * 4} == {524288}
+    manager = (run / "logs" / "gserver_manager_0.log").read_text()
+    assert re.findall(
+        r"weights of version \d+ on 1 servers in \S+ \(weight_sync=broadcast\)", manager
+    )
+
+
 def _check_attacks_changed_nothing(run, probe, evil):
     ports = {(ip, port) for _, ip, port in probe.listening}
     assert len(ports) >= 8, f"the probe saw too few sockets to prove anything: {probe.listening}"

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 from typing import Any, Mapping, Optional, Tuple
 
+from realhf.api.cli_args import LoraConfig
 from realhf.api.core.registry import AgentAbstraction, DatasetAbstraction, EnvAbstraction
 from realhf.base.config_checks import Checks
 
@@ -114,6 +115,9 @@ class GenerationServerConfig:
         registration_ttl_s: keepalive TTL of its ``names.gen_servers`` entry: the manager
             stops routing to a server whose entry expired.
         poll_interval_s: how often the worker checks the backend and the experiment status.
+        lora: the trainer's LoRA adapters (built-in backend only): the server serves
+            ``model_path`` with adapters of this shape (fresh ones change nothing), and
+            every weight update carries the adapters alone.
     """
 
     model_path: str
@@ -137,9 +141,22 @@ class GenerationServerConfig:
     health_timeout_s: float = 600.0
     registration_ttl_s: float = 10.0
     poll_interval_s: float = 0.5
+    lora: Optional[LoraConfig] = None
 
     def __post_init__(self):
         ck = Checks("GenerationServerConfig", says_invalid=True)
+        if self.lora is not None and (
+            not isinstance(self.lora, LoraConfig)
+            or self.backend not in (GenerationBackend.AUTO, GenerationBackend.BUILTIN)
+        ):
+            raise ck.bad(
+                "lora",
+                self.lora,
+                "LoRA adapters are served by the built-in backend only (allocation_mode "
+                "gen.d1p1m1+... or builtin.*); vLLM and SGLang take no adapter updates here yet",
+            )
+        if self.lora is not None:
+            object.__setattr__(self, "backend", GenerationBackend.BUILTIN)  # (not auto's SGLang)
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ck.bad("model_path", self.model_path, "give the HuggingFace directory to serve")
         # A config may name the backend as a string (YAML, CLI); it is stored as the enum.

@@ -29,11 +29,11 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.rollout_config import WeightSync
 from realhf.api.core.worker_api import ModelWorkerConfig
-from realhf.base import constants, name_resolve, names, seeding
+from realhf.base import constants, logging, name_resolve, names, seeding
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
 from realhf.impl.model.comm.weight_broadcast import WeightSender
-from realhf.impl.model.conversion.flat_file import whole_model, write_model
+from realhf.impl.model.conversion.flat_file import whole_model, write_flat, write_model
 from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.nn.lora import add_lora, save_peft
 from realhf.impl.model.nn.real_model import ReaLModel
@@ -45,6 +45,8 @@ from realhf.system.dag.messages import ReallocReply, ReallocRequest
 from realhf.system.dag.worker_setup import Layouts
 
 __all__ = ["RoleWeights"]
+
+logger = logging.getLogger("worker_weights")
 
 
 @dataclasses.dataclass
@@ -300,12 +302,19 @@ class RoleWeights:
         # The weights are moved into place complete, then the version key names them, so a
         # generation server that sees the key never loads half a version.
         if self.writes_weights(role):
+            t0, module = time.monotonic(), self.modules[role]
             if self.specs[role].weight_sync == WeightSync.SHM:
                 self._publish_flat(role, version)
             elif self.specs[role].weight_sync == WeightSync.BROADCAST:
                 self._publish_broadcast(role, version)
             else:
                 self._publish_hf(role, version)
+            flat = module.trained_flat if self.specs[role].has_lora else module.flat_params
+            logger.info(
+                f"published {role} version {version}: {flat.numel() * flat.element_size()} "
+                f"bytes{' (its LoRA adapters)' if self.specs[role].has_lora else ''} in "
+                f"{time.monotonic() - t0:.3f}s (weight_sync={self.specs[role].weight_sync})"
+            )
             if self.layouts.rank == 0:
                 name_resolve.add(
                     names.model_version(self.experiment_name, self.trial_name, role),
@@ -314,12 +323,19 @@ class RoleWeights:
                 )
         self.versions[role] = version
 
+    # With LoRA every mode publishes the adapters alone: the servers hold the base already
+    # (GenerationServerConfig.lora), and it never changes.
+
     def _publish_hf(self, role: str, version: int) -> None:
         final = constants.weight_publication_dir(role, version)
         tmp = final + ".tmp"
         if self.layouts.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        self.modules[role].save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
+        module = self.modules[role]
+        if self.specs[role].has_lora:
+            save_peft(module, tmp, base_model_path=os.path.abspath(self.specs[role].path))
+        else:
+            module.save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
         if self.layouts.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
@@ -327,7 +343,11 @@ class RoleWeights:
     def _publish_flat(self, role: str, version: int) -> None:
         # The servers hold single-device models: a sharded home layout gathers the whole
         # model onto its rank 0, which writes (a collective over the replica, as save_hf).
-        write_model(self.modules[role], constants.weight_shm_path(role, version), version)
+        path, module = constants.weight_shm_path(role, version), self.modules[role]
+        if self.specs[role].has_lora:
+            write_flat(module.lora.flat, module.lora.param_spec, path, version)
+        else:
+            write_model(module, path, version)
 
     def _publish_broadcast(self, role: str, version: int) -> None:
         # Gathered as for _publish_flat; the sender lives on the rank that holds the whole
@@ -335,6 +355,9 @@ class RoleWeights:
         full = whole_model(self.modules[role])
         if full is None:
             return
+        flat, param_spec = full.flat_params, full.param_spec
+        if full.lora is not None:
+            flat, param_spec = full.lora.flat, full.lora.param_spec
         sender = self.senders.get(role)
         if sender is None:
             sender = self.senders[role] = WeightSender(timeout=min(self.config.timeout, 120.0))
@@ -343,7 +366,7 @@ class RoleWeights:
                 sender.address,
                 replace=True,
             )
-        sender.stage(full.flat_params, full.param_spec, version)
+        sender.stage(flat, param_spec, version)
 
     def close(self) -> None:
         """Stop the weight senders (servers can pull nothing more from this worker)."""

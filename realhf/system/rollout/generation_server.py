@@ -125,7 +125,9 @@ class GenerationServer(Worker):
         tokenizer = load_tokenizer(config.model_path)
         if engine_config.torch_device.type == "cuda":  # a GPU shared with trainers
             constants.apply_cuda_memory_fraction(engine_config.torch_device)
-        self.engine = load_engine(config.model_path, engine_config, tokenizer=tokenizer).start()
+        self.engine = load_engine(
+            config.model_path, engine_config, tokenizer=tokenizer, lora=config.lora
+        ).start()
         # One tiny request first: compiling kernels should not land on a rollout's latency.
         warm = SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
         self.engine.generate(

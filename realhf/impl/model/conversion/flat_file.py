@@ -212,12 +212,7 @@ def retire(path: str) -> None:
 def whole_model(model):
     """The single-device model of ``model`` (a ReaLModel, maybe one part of a sharded
     layout): ``model`` itself on one device; on a sharded layout it is gathered onto the
-    replica's first rank (a collective: every rank must call it), and None on the others.
-    A model with LoRA adapters gives the merged model (what a generation server serves)."""
-    if getattr(model, "lora", None) is not None:
-        from realhf.impl.model.nn.lora import merged
-
-        return merged(model)
+    replica's first rank (a collective: every rank must call it), and None on the others."""
     return model.tp.gather_model(model) if model.tp.distributed else model
 
 

@@ -58,6 +58,7 @@ from realhf.impl.model.gen.engine_config import EngineConfig
 from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.sequence import Sequence
+from realhf.impl.model.nn.lora import is_adapter_dir
 from realhf.impl.model.nn.packed_linear import WeightPacker, packing_supported
 from realhf.impl.model.nn.parallel_hooks import LOCAL
 from realhf.impl.model.nn.real_model import ReaLModel
@@ -521,6 +522,14 @@ class GenerationEngine:
         self.paused = False
 
     def _update_weights(self, cmd: _UpdateWeights) -> int:
+        m = self.model
+        if getattr(m, "lora", None) is not None and (
+            cmd.broadcast or cmd.flat_version is not None or is_adapter_dir(cmd.path)
+        ):
+            # A LoRA run: the update is the adapters (the base, and its packs, stay).
+            self._update_adapters(cmd)
+            self.weight_version += 1
+            return self.weight_version
         if self._packer is not None:  # packs of the old weights go first (their memory)
             self._packer.reset()
         if cmd.broadcast or cmd.flat_version is None:
@@ -550,6 +559,16 @@ class GenerationEngine:
         self.weight_version += 1
         return self.weight_version
 
+    def _update_adapters(self, cmd: _UpdateWeights) -> None:
+        lora = self.model.lora
+        with torch.inference_mode(False):
+            if cmd.broadcast:
+                self._receive_weights(cmd, lora.flat, lora.param_spec)
+            elif cmd.flat_version is not None:
+                load_flat(lora.flat, lora.param_spec, cmd.path, cmd.flat_version)
+            else:
+                self.model.load_trained(cmd.path)
+
     def _own_weights(self) -> None:
         """Before a load that writes the weights in place: a model serving a flat file's
         read-only mapping (``shm``) takes a copy of its own first (once, on a change of
@@ -559,7 +578,8 @@ class GenerationEngine:
                 self.model.use_flat(self.model.flat_params.clone())
             self._serving_file = False
 
-    def _receive_weights(self, cmd: _UpdateWeights) -> None:
+    def _receive_weights(self, cmd: _UpdateWeights, flat=None, param_spec=None) -> None:
+        """Pull into ``flat`` laid out by ``param_spec`` (default: the model's weights)."""
         m = self.model
         if getattr(m, "tp", LOCAL).distributed:
             raise ValueError("weights pulled from the trainer load into a single-device model only")
@@ -567,7 +587,11 @@ class GenerationEngine:
             self._receiver = WeightReceiver(f"engine@{os.getpid()}")
         try:
             self._receiver.receive(
-                cmd.path, cmd.flat_version, m.flat_params, m.param_spec, cmd.timeout_s
+                cmd.path,
+                cmd.flat_version,
+                m.flat_params if flat is None else flat,
+                m.param_spec if param_spec is None else param_spec,
+                cmd.timeout_s,
             )
         except WeightSyncError as e:
             if e.partial:

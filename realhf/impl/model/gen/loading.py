@@ -63,16 +63,27 @@ def special_token_ids(model_dir: str, tokenizer=None) -> Tuple[List[int], Option
     return sorted(set(eos)), pad
 
 
-def load_engine(model_dir: str, config: EngineConfig, tokenizer=None) -> GenerationEngine:
-    """Load a ReaLModel from ``model_dir`` and wrap it in a (not yet started) engine."""
-    from realhf.impl.model import ReaLModel
+def load_engine(
+    model_dir: str, config: EngineConfig, tokenizer=None, lora=None
+) -> GenerationEngine:
+    """Load a ReaLModel from ``model_dir`` (a HuggingFace directory, or a PEFT LoRA adapter
+    directory: its base with the adapters) and wrap it in a (not yet started) engine.
 
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    ``lora`` (a :class:`~realhf.api.cli_args.LoraConfig`): serve with fresh adapters of
+    that shape (they change nothing until an update brings the trained ones; every weight
+    update then carries the adapters alone)."""
+    from realhf.impl.model import ReaLModel
+    from realhf.impl.model.nn.lora import adapter_base, add_lora, is_adapter_dir
+
+    adapters = is_adapter_dir(model_dir)
+    if not adapters and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(
             f"{model_dir!r} is not a HuggingFace model directory (no config.json); "
             "pass the directory that holds config.json and the safetensors weights"
         )
     model = ReaLModel.from_hf(model_dir, dtype=config.torch_dtype, device=config.torch_device)
+    if lora is not None and model.lora is None:
+        add_lora(model, lora)
     model.eval()
-    eos, pad = special_token_ids(model_dir, tokenizer)
+    eos, pad = special_token_ids(adapter_base(model_dir) if adapters else model_dir, tokenizer)
     return GenerationEngine(model, config, eos_token_ids=eos, pad_token_id=pad)
