@@ -517,7 +517,6 @@ def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(in
         (["actor.lora.target_modules=[q_proj,qkv]"], r"unknown \['qkv'\]"),
         (["actor.lora.dropout=1.5"], r"lora.dropout=1.5"),
         (["ppo.disable_value=false", "critic.lora.rank=4"], "role 'critic' is a critic"),
-        (["allocation_mode=d1p1m2"], "LoRA adapters, which run on data-parallel layouts"),
         (
             ["allocation_mode=actor_gen:d2p1m1,actor_train:d1p1m1,ref_inf:d1p1m1,rew_inf:d1p1m1"],
             "reallocation does not carry adapters yet",

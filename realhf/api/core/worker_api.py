@@ -479,8 +479,8 @@ class ModelWorkerConfig:
 
     def _check_lora(self, ck: Checks, by_role: Dict[str, ModelSpec], mfcs) -> None:
         """A role on another's base (``adapters_of``) names a LoRA role of the same path;
-        LoRA roles live on data-parallel layouts and run every MFC at home (tensor and
-        pipeline parallelism, and reallocation to other layouts, do not carry adapters yet)."""
+        LoRA roles run every MFC at home (reallocation to other layouts does not carry
+        adapters yet)."""
         for spec in by_role.values():
             host = by_role.get(spec.adapters_of) if spec.adapters_of is not None else spec
             if spec.adapters_of is not None and (host is None or not host.has_lora):
@@ -501,13 +501,6 @@ class ModelWorkerConfig:
             if not host.has_lora or self.layout is None:
                 continue
             home = self.placements.home(spec.role, self.layout)
-            if home.pipe > 1 or home.tensor > 1:
-                raise ck.bad(
-                    "placements",
-                    str(home),
-                    f"role {spec.role!r} has LoRA adapters, which run on data-parallel layouts "
-                    "(dN) for now; use allocation d<N> for it",
-                )
             for m in mfcs:
                 if m.role == spec.role and self.placements.on_replica(m, self.layout):
                     raise ck.bad(

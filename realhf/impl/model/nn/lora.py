@@ -162,15 +162,43 @@ class LoraWeights:
             p.data = flat_view(new_flat, self.param_spec[n])
         self.flat = new_flat
 
-    def reset(self, generator: Optional[torch.Generator] = None) -> None:
-        """PEFT's initialisation: A Kaiming-uniform (a = sqrt(5), as nn.Linear), B zero."""
-        with torch.no_grad():
-            for n, p in self.params.items():
-                if n.endswith(".lora_B"):
-                    p.zero_()
-                else:
-                    bound = 1.0 / math.sqrt(p.shape[1])  # kaiming_uniform_(a=sqrt(5))
-                    p.uniform_(-bound, bound, generator=generator)
+
+def all_parameters(model) -> List[Tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of the base and then of the adapters, if any."""
+    out = list(model.named_parameters())
+    return out if model.lora is None else out + list(model.lora.params.items())
+
+
+def _whole_shapes(cfg) -> Dict[str, Tuple[int, int]]:
+    """``(out, in)`` of each target projection in a model of config ``cfg``."""
+    return {
+        "q_proj": (cfg.q_dim, cfg.hidden_dim),
+        "k_proj": (cfg.kv_dim, cfg.hidden_dim),
+        "v_proj": (cfg.kv_dim, cfg.hidden_dim),
+        "o_proj": (cfg.hidden_dim, cfg.q_dim),
+        "gate_proj": (cfg.intermediate_dim, cfg.hidden_dim),
+        "up_proj": (cfg.intermediate_dim, cfg.hidden_dim),
+        "down_proj": (cfg.hidden_dim, cfg.intermediate_dim),
+    }
+
+
+def _initialise(model, generator: Optional[torch.Generator]) -> None:
+    """PEFT's initialisation (A Kaiming-uniform with a = sqrt(5), as nn.Linear; B zero),
+    drawn for the whole model in one order and then cut to this rank's part: every layout
+    starts from the adapters a single device would draw."""
+    cfg, lora = model.config, model.lora
+    shapes = _whole_shapes(cfg)
+    with torch.no_grad():
+        for idx in range(cfg.n_layers, 0, -1):
+            for hf in lora.spec.target_modules:
+                out_dim, in_dim = shapes[hf]
+                bound = 1.0 / math.sqrt(in_dim)
+                A = torch.empty(lora.spec.rank, in_dim).uniform_(-bound, bound, generator=generator)
+                name = f"{idx}.{TARGETS[hf]}.lora_A"
+                if name in lora.params:
+                    p = lora.params[name]
+                    p.copy_(model.tp.shard_param(name, A, cfg))
+                    lora.params[name.replace("lora_A", "lora_B")].zero_()
 
 
 def _targets(model) -> List[Tuple[int, str, str, nn.Module]]:
@@ -204,17 +232,20 @@ def add_lora(
         )
     if model.config.is_critic:
         raise ValueError("LoRA adapters are for policies (causal LMs), not critics")
-    lc, r = model.layer_config, spec.rank
+    tp, r = model.tp, spec.rank
+    if tp.size > 1 and spec.dropout > 0:
+        raise ValueError(
+            f"lora.dropout={spec.dropout} under tensor parallelism: the ranks would drop "
+            "different inputs of the same projection; use lora.dropout=0"
+        )
+    if tp.size > model.config.n_kv_heads and {"k_proj", "v_proj"} & set(spec.target_modules):
+        raise ValueError(
+            f"LoRA on k_proj/v_proj with {tp.size} tensor-parallel ranks and "
+            f"{model.config.n_kv_heads} key/value heads (ranks would share copies of a head): "
+            "leave k_proj and v_proj out of lora.target_modules, or use fewer ranks"
+        )
     # Local shapes (this rank's shard under tensor parallelism): out, in of each target.
-    shapes = {
-        "q_proj": (lc.q_dim, lc.hidden_dim),
-        "k_proj": (lc.kv_dim, lc.hidden_dim),
-        "v_proj": (lc.kv_dim, lc.hidden_dim),
-        "o_proj": (lc.hidden_dim, lc.q_dim),
-        "gate_proj": (lc.intermediate_dim, lc.hidden_dim),
-        "up_proj": (lc.intermediate_dim, lc.hidden_dim),
-        "down_proj": (lc.hidden_dim, lc.intermediate_dim),
-    }
+    shapes = _whole_shapes(model.layer_config)
     layers = []
     for block in model.blocks:
         decls = []
@@ -232,7 +263,7 @@ def add_lora(
         B = lora.params[f"{idx}.{path}.lora_B"]
         mod.lora = LoraAdapter(A, B, lora, hf in ROW_PARALLEL)
     if init:
-        lora.reset(generator)
+        _initialise(model, generator)
     for p in model.parameters():
         p.requires_grad_(False)
     return lora
@@ -356,10 +387,10 @@ def read_peft_spec(adapter_dir: str) -> LoraSpec:
 
 
 def load_peft(model, adapter_dir: str) -> None:
-    """Load a PEFT adapter directory into ``model``'s adapters (which must match it)."""
+    """Load a PEFT adapter directory into ``model``'s adapters (which must match it); a
+    part of a parallel layout takes its shard of them."""
     from safetensors.torch import load_file
 
-    _whole(model)
     spec = read_peft_spec(adapter_dir)
     mine = model.lora.spec
     if (spec.rank, set(spec.target_modules)) != (mine.rank, set(mine.target_modules)):
@@ -373,10 +404,10 @@ def load_peft(model, adapter_dir: str) -> None:
     with torch.no_grad():
         for ours, theirs in _hf_module_names(model).items():
             for m in ("lora_A", "lora_B"):
-                key = f"{theirs}.{m}.weight"
+                key, name = f"{theirs}.{m}.weight", f"{ours}.{m}"
                 if key not in tensors:
                     raise KeyError(f"{adapter_dir}: {ADAPTER_WEIGHTS} lacks {key}")
-                lora.params[f"{ours}.{m}"].copy_(tensors[key])
+                lora.params[name].copy_(model.tp.shard_param(name, tensors[key], model.config))
 
 
 def merged(model):

@@ -97,6 +97,10 @@ class LocalHooks:
         sampling a few rows; training never needs it)."""
         return logits
 
+    def shard_param(self, name: str, full: torch.Tensor, config: ReaLModelConfig) -> torch.Tensor:
+        """This rank's shard of the whole parameter ``full`` named ``name``."""
+        return full
+
     def gather_model(self, model):
         """The whole single-device model (a collective under tensor parallelism; None on
         ranks that do not receive it)."""

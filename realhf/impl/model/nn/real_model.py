@@ -505,6 +505,11 @@ class ReaLModel(nn.Module):
             return self.save_hf(out_dir)
         from realhf.impl.model.nn.lora import save_peft
 
+        if self.tp.distributed:  # the whole model on one rank, which writes
+            full = self.tp.gather_model(self)
+            if full is not None:
+                save_peft(full, str(out_dir))
+            return
         save_peft(self, str(out_dir))
 
     def load_trained(self, model_dir: Union[str, os.PathLike]) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from realhf.api.core.allocation import ParallelismConfig
 from realhf.impl.model.nn.layers import EmbeddingLayer, OutputHead, TransformerBlock
+from realhf.impl.model.nn.lora import add_lora, all_parameters
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism.grid import ParallelGrid
@@ -163,10 +164,12 @@ class GridHooks(TensorParallel):
             layers=self.stage_range(cfg),
             **kwargs,
         )
-        src = dict(full.named_parameters())
+        if full.lora is not None:
+            add_lora(model, full.lora.spec, init=False)
+        src = dict(all_parameters(full))
         head_w = f"{cfg.head_layer_idx}.weight"
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in all_parameters(model):
                 whole = src[
                     "0.wte.weight" if model.head_copies_embedding and name == head_w else name
                 ]
@@ -180,7 +183,7 @@ class GridHooks(TensorParallel):
         # 1. Tensor shards -> whole stage parameters on tensor rank 0.
         stage: Dict[str, torch.Tensor] = {}
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in all_parameters(model):
                 local = p.detach().contiguous()
                 if self.size == 1:
                     stage[name] = local.cpu()
@@ -200,8 +203,10 @@ class GridHooks(TensorParallel):
                 return None
             stage = {k: v for part in parts for k, v in part.items()}
         full = ReaLModel(cfg, dtype=model.dtype, device="cpu", init_weights=False)
+        if model.lora is not None:
+            add_lora(full, model.lora.spec, init=False)
         with torch.no_grad():
-            for name, p in full.named_parameters():
+            for name, p in all_parameters(full):
                 p.copy_(stage[name])
         return full
 

@@ -17,6 +17,9 @@ parameter                                        split
 ``0.wte.weight``, LM head ``{n+1}.weight``        rows (vocabulary-parallel)
 norms, q/k norms, row-parallel biases, ``wpe``,   replicated
 the critic's value head
+LoRA ``lora_B`` of a column-parallel projection  as its base weight's rows
+LoRA ``lora_A`` of a row-parallel projection     columns (dim 1)
+the other LoRA matrices                           replicated
 ===============================================  =========================================
 
 Why hand-written rather than ``torch.distributed.tensor`` parallel styles: ReaLModel keeps
@@ -45,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from realhf.impl.model.modules import vocab_chunked
+from realhf.impl.model.nn.lora import add_lora, all_parameters
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.parallel_hooks import LocalHooks
 from realhf.impl.model.nn.real_model import ReaLModel
@@ -113,6 +117,13 @@ def shard_rule(name: str, config: ReaLModelConfig) -> Optional[Tuple[str, int]]:
     along dim 0, or one head copied when there are fewer heads than ranks).
     """
     layer, _, local = name.partition(".")
+    if local.endswith((".lora_A", ".lora_B")):
+        # LoRA adapters split the way their base weight does: a column-parallel one's B by
+        # rows (A whole), a row-parallel one's A by columns (B whole).
+        base = shard_rule(f"{layer}.{local.rsplit('.', 1)[0]}.weight", config)
+        if base == ("split", 1):
+            return base if local.endswith(".lora_A") else None
+        return None if local.endswith(".lora_A") else base
     layer = int(layer)
     if layer == 0:
         return ("split", 0) if local == "wte.weight" else None
@@ -335,6 +346,9 @@ class TensorParallel(LocalHooks):
         return torch.cat(parts, dim=-1)
 
     # -- norm and checkpoints --
+    def shard_param(self, name: str, full: torch.Tensor, config: ReaLModelConfig) -> torch.Tensor:
+        return shard_tensor(name, full, config, self.size, self.rank)
+
     def counts_in_norm(self, name: str, config: ReaLModelConfig) -> bool:
         """Whether this rank counts ``name`` in the global gradient norm."""
         return counts_in_norm(name, config, self.size, self.rank)
@@ -346,8 +360,10 @@ class TensorParallel(LocalHooks):
         if self.rank == 0:
             full = ReaLModel(cfg, dtype=model.dtype, device="cpu", init_weights=False)
         full_params = dict(full.named_parameters()) if full is not None else {}
+        if full is not None and model.lora is not None:
+            full_params.update(add_lora(full, model.lora.spec, init=False).params)
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in all_parameters(model):
                 local = p.detach().contiguous()
                 parts = [torch.empty_like(local) for _ in range(self.size)]
                 dist.all_gather(parts, local, group=self.group)
@@ -371,8 +387,10 @@ def shard_model(full: ReaLModel, tp: TensorParallel, device=None, **kwargs) -> R
         tp=tp,
         **kwargs,
     )
-    src = dict(full.named_parameters())
+    if full.lora is not None:
+        add_lora(model, full.lora.spec, init=False)
+    src = dict(all_parameters(full))
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in all_parameters(model):
             p.copy_(shard_tensor(name, src[name].detach(), full.config, tp.size, tp.rank))
     return model

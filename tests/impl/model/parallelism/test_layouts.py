@@ -29,7 +29,7 @@ import torch.distributed as dist
 from rank_processes import run_ranks
 from tiny_models import make_tiny_hf_model
 
-from realhf.api.cli_args import OptimizerConfig
+from realhf.api.cli_args import LoraConfig, OptimizerConfig
 from realhf.api.core.allocation import parse_parallelism
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import GenerationHyperparameters
@@ -38,6 +38,7 @@ from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.conversion.flat_file import load_flat, write_model
 from realhf.impl.model.interface.offline_generation import generate_offline
+from realhf.impl.model.nn.lora import add_lora, load_peft
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.parallelism import ParallelGrid, load_model
 from realhf.impl.model.parallelism.tensor_parallel import unshard_tensor
@@ -132,10 +133,46 @@ def _compute(model: ReaLModel, critic: ReaLModel, grid, items, zero_stage: int =
     engine = TrainEngine(model, _optimizer(zero_stage), grid=grid)
     stats = engine.train_batch(full.select_items(items), MB_SPEC, _lm_loss(tp), _lm_weight)
     out["stats"] = {k: stats[k] for k in ("loss", "grad_norm", "n_tokens", "mean_logp")}
+    trained = model.trained_parameters()  # (with LoRA: the adapters)
     if not zero_stage:  # ZeRO-1 averages each rank's shard only, not the whole .grad
-        out["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        out["grads"] = {n: p.grad.detach().clone() for n, p in trained}
+    out["weights"] = {n: p.detach().clone() for n, p in trained}
     return out
+
+
+#: the adapters of the "-lora" models (every projection; dropout off: layouts compare exactly)
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+def _whole_lora(path: str) -> ReaLModel:
+    """The single-device "-lora" model: fresh adapters (seed 5), then B drawn non-zero."""
+    m = ReaLModel.from_hf(path)
+    add_lora(m, LORA, generator=torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for n, p in m.lora.params.items():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.1, generator=g)
+    return m
+
+
+def _model(path: str, name: str, grid=None) -> ReaLModel:
+    """Model ``name`` on ``grid``'s layout (None: one device); a "-lora" name adds the
+    adapters of :func:`_whole_lora`, cut to this rank's part."""
+    if not name.endswith("-lora"):
+        return ReaLModel.from_hf(path) if grid is None else load_model(path, grid)
+    whole = _whole_lora(path)
+    if grid is None:
+        return whole
+    model = load_model(path, grid)
+    add_lora(model, LORA, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for n, p in model.lora.params.items():
+            part = model.tp.shard_param(n, whole.lora.params[n], model.config)
+            if n.endswith("lora_A"):  # a layout draws what one device draws
+                assert torch.equal(p, part), n
+            p.copy_(part)
+    return model
 
 
 # ---- rank process ---------------------------------------------------------------------
@@ -153,14 +190,17 @@ def _rank_main(args) -> None:
             layout, zero_stage = _parse(layout_str)
             grid = ParallelGrid.create(layout)
             for name, path in json.loads(args.models).items():
-                model = load_model(path, grid)
+                model = _model(path, name, grid)
                 critic = load_model(args.critic, grid, is_critic=True)
                 items = _replica_items(grid.dp_rank, grid.dp_size)
                 out = _compute(model, critic, grid, items, zero_stage)
                 if grid.dp_rank == 0:  # replicas are identical; one writes
                     saved = os.path.join(args.out_dir, f"{layout_str}-{name}-saved")
-                    model.save_hf(saved)
-                    write_model(model, saved + ".flat", version=3)  # weight_sync=shm
+                    if model.lora is not None:
+                        model.save_trained(saved)  # the adapters, gathered
+                    else:
+                        model.save_hf(saved)
+                        write_model(model, saved + ".flat", version=3)  # weight_sync=shm
                 out["coord"] = tuple(grid.coord)
                 results[f"{layout_str}/{name}"] = out
     finally:
@@ -197,7 +237,7 @@ def _reference(models, critic_path):
     # the engine's global token-mean scaling makes the same gradient.
     critic = ReaLModel.from_hf(critic_path, is_critic=True)
     everything = list(range(len(SEQLENS)))
-    return {n: _compute(ReaLModel.from_hf(p), critic, None, everything) for n, p in models.items()}
+    return {n: _compute(_model(p, n), critic, None, everything) for n, p in models.items()}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -206,7 +246,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert err <= TOL, f"{what}: max abs error {err:.3g} > {TOL}"
 
 
-def _check_layout(layout_str, name, ranks, ref, cfg: ReaLModelConfig, saved_dir) -> None:
+def _check_layout(
+    layout_str, name, ranks, ref, cfg: ReaLModelConfig, saved_dir, base_path=None
+) -> None:
     layout, zero_stage = _parse(layout_str)
     m = layout.tensor
     for r, res in enumerate(ranks):
@@ -234,6 +276,13 @@ def _check_layout(layout_str, name, ranks, ref, cfg: ReaLModelConfig, saved_dir)
                 _close(got, ref[key][ref_name], f"{layout_str} {name} {key[:-1]} {pname}")
                 seen.add(ref_name)
     assert seen == set(ref["weights"]), sorted(set(ref["weights"]) - seen)
+    if name.endswith("-lora"):  # the adapters a layout saves load on one device
+        saved = ReaLModel.from_hf(base_path)
+        add_lora(saved, LORA, init=False)
+        load_peft(saved, saved_dir)
+        for pname, p in saved.lora.params.items():
+            _close(p.detach(), ref["weights"][pname], f"{layout_str} {name} saved {pname}")
+        return
     saved = ReaLModel.from_hf(saved_dir)
     for pname, p in saved.named_parameters():
         _close(p.detach(), ref["weights"][pname], f"{layout_str} {name} save_hf {pname}")
@@ -274,7 +323,44 @@ def test_layouts_equal_the_single_device_model(
         for name in models:
             cfg = ReaLModel.from_hf(models[name]).config
             saved = str(tmp_path / f"{layout_str}-{name}-saved")
-            _check_layout(layout_str, name, ranks, ref[name], cfg, saved)
+            _check_layout(layout_str, name, ranks, ref[name], cfg, saved, models[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layouts", [(2, "d1p1m2,d1p2m1,d2p1m1,d2p1m1z"), (4, "d1p2m2")])
+def test_lora_layouts_equal_the_single_device_lora_model(
+    tmp_path, checkpoints, world, layouts, no_leftover_processes
+):
+    """LoRA adapters on every kind of layout: the logits, log-probs, generations, the
+    adapters' gradients and stepped values (shards put together) and the saved adapters
+    equal one device's to 1e-5; the base never trains."""
+    models, critic = checkpoints
+    lora = {"qwen2-lora": models["qwen2"]}
+    ref = _reference(lora, critic)
+    assert all(n.endswith((".lora_A", ".lora_B")) for n in ref["qwen2-lora"]["weights"])
+    run_ranks(
+        __file__,
+        world,
+        lambda r: [
+            "--store",
+            str(tmp_path / "store"),
+            "--layouts",
+            layouts,
+            "--models",
+            json.dumps(lora),
+            "--critic",
+            critic,
+        ],
+        str(tmp_path),
+        timeout=240,
+    )
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    cfg = ReaLModel.from_hf(models["qwen2"]).config
+    for layout_str in layouts.split(","):
+        saved = str(tmp_path / f"{layout_str}-qwen2-lora-saved")
+        _check_layout(
+            layout_str, "qwen2-lora", ranks, ref["qwen2-lora"], cfg, saved, models["qwen2"]
+        )
 
 
 if __name__ == "__main__":
