@@ -79,6 +79,12 @@ def parse_args():
         help="the roles' dtype; several (float32,bfloat16): each run per dtype, and the step "
         "time of bf16 over fp32 (bf16_step_over_fp32)",
     )
+    p.add_argument(
+        "--lora-ranks",
+        default="0",
+        help="the trained role's LoRA rank; several (0,16): each run per rank, 0 = full "
+        "fine-tuning, and the peak RSS of LoRA over full (lora_peak_over_full)",
+    )
     p.add_argument("--extra", default="", help="more key=value overrides, space separated")
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/realhf/shapes"))
     p.add_argument("--timeout", type=float, default=1800)
@@ -214,11 +220,14 @@ def write_data(args, workdir: str) -> Dict[str, str]:
     return paths
 
 
-def run_args(args, mode: str, path: str, scale: int, data: Dict[str, str], dtype: str) -> List[str]:
+def run_args(
+    args, mode: str, path: str, scale: int, data: Dict[str, str], dtype: str, lora: int = 0
+) -> List[str]:
     role = "model" if mode == "sft" else "actor"
     out = [
         f"{role}.path={path}",
         f"{role}.dtype={dtype}",
+        f"{role}.lora.rank={lora}",
         f"train_batch_size={args.batch * scale * (args.group_size if mode == 'sft' else 1)}",
         f"exp_ctrl.benchmark_steps={args.steps}",
     ]
@@ -235,11 +244,13 @@ def run_args(args, mode: str, path: str, scale: int, data: Dict[str, str], dtype
     return out + args.extra.split()
 
 
-def one_run(args, shape: str, mode: str, scale: int, workdir: str, data, dtype: str) -> dict:
+def one_run(
+    args, shape: str, mode: str, scale: int, workdir: str, data, dtype: str, lora: int = 0
+) -> dict:
     path = model_dir(shape, args.models_dir)
     name = EXPERIMENTS[mode]
-    trial = f"scale-{shape}-{mode}-x{scale}-{dtype}".replace(".", "_")
-    overrides = run_args(args, mode, path, scale, data, dtype)
+    trial = f"scale-{shape}-{mode}-x{scale}-{dtype}-r{lora}".replace(".", "_")
+    overrides = run_args(args, mode, path, scale, data, dtype, lora)
     overrides += [f"fileroot={workdir}", f"trial_name={trial}"]
     qs = get_quickstart_exp(name)
     cfg = parse_config(qs.config_cls, overrides)
@@ -252,6 +263,7 @@ def one_run(args, shape: str, mode: str, scale: int, workdir: str, data, dtype: 
             "mode": mode,
             "scale": scale,
             "dtype": dtype,
+            "lora_rank": lora,
             "fits": False,
             "need_gib": need / GiB,
             "available_gib": available / GiB,
@@ -302,6 +314,7 @@ def one_run(args, shape: str, mode: str, scale: int, workdir: str, data, dtype: 
         "mode": mode,
         "scale": scale,
         "dtype": dtype,
+        "lora_rank": lora,
         "wall_s": wall,
         "step_s": float(last.get("time", 0.0)),
         "split_s": split,
@@ -412,27 +425,33 @@ def main():
         data = write_data(args, workdir) if args.prompt_len else {}
         for shape in args.shapes.split(","):
             for mode in args.modes.split(","):
-                for scale in [int(x) for x in args.scales.split(",")]:
-                    for dtype in dtypes:
-                        r = one_run(args, shape, mode, scale, workdir, data, dtype)
-                        if r.get("fits") is False:
-                            results.append(r)
-                            print(
-                                f"\n{shape} {mode} x{scale} {dtype}: does not fit, nothing "
-                                f"started: {r['need_gib']:.1f} GiB of {r['available_gib']:.1f} "
-                                f"available; largest: {'; '.join(r['largest_terms'])}",
-                                flush=True,
-                            )
-                            continue
-                        fl = train_flops(r) if mode != "async" else None
-                        t_train = r["split_s"].get("training")
-                        peak = peaks[dtype]
-                        r["train_flops_over_peak"] = fl / t_train / peak if fl and t_train else None
-                        db = decode_bytes_per_s(r, args) if mode == "sync" else None
-                        r["decode_over_roofline"] = db / bandwidth if db else None
-                        r["tokens_per_train_s"] = r["tokens"] / t_train if t_train else None
+                for scale, dtype, lora in [
+                    (sc, d, int(lr))
+                    for sc in [int(x) for x in args.scales.split(",")]
+                    for d in dtypes
+                    for lr in args.lora_ranks.split(",")
+                ]:
+                    r = one_run(args, shape, mode, scale, workdir, data, dtype, lora)
+                    if r.get("fits") is False:
                         results.append(r)
-                        report(r)
+                        print(
+                            f"\n{shape} {mode} x{scale} {dtype} r{lora}: does not fit, "
+                            f"nothing started: {r['need_gib']:.1f} GiB of "
+                            f"{r['available_gib']:.1f} available; largest: "
+                            f"{'; '.join(r['largest_terms'])}",
+                            flush=True,
+                        )
+                        continue
+                    # (6 x parameters counts full training; LoRA's is not comparable)
+                    fl = train_flops(r) if mode != "async" and not lora else None
+                    t_train = r["split_s"].get("training")
+                    peak = peaks[dtype]
+                    r["train_flops_over_peak"] = fl / t_train / peak if fl and t_train else None
+                    db = decode_bytes_per_s(r, args) if mode == "sync" else None
+                    r["decode_over_roofline"] = db / bandwidth if db else None
+                    r["tokens_per_train_s"] = r["tokens"] / t_train if t_train else None
+                    results.append(r)
+                    report(r)
     not_fit = [r for r in results if r.get("fits") is False]
     results = [r for r in results if r.get("fits") is not False]
     rows = [{k: v for k, v in r.items() if k not in ("shape_info", "cfg", "last")} for r in results]
@@ -445,11 +464,34 @@ def main():
     flops = [r["train_flops_over_peak"] for r in results if r["train_flops_over_peak"]]
     decode = [r["decode_over_roofline"] for r in results if r["decode_over_roofline"]]
     # The same run in bf16 and fp32 (this script, this host, one after the other).
-    step = {(r["shape"], r["mode"], r["scale"], r["dtype"]): r["step_s"] for r in results}
+    step = {
+        (r["shape"], r["mode"], r["scale"], r["dtype"]): r["step_s"]
+        for r in results
+        if not r["lora_rank"]
+    }
     bf16_over_fp32 = {
         f"{sh}/{mo}/x{sc}": t / step[(sh, mo, sc, "float32")]
         for (sh, mo, sc, d), t in step.items()
         if d == "bfloat16" and step.get((sh, mo, sc, "float32"))
+    }
+    # The trainer's peak RSS with LoRA over full fine-tuning (None: full did not fit).
+    trainer_peak = {
+        (r["shape"], r["mode"], r["scale"], r["dtype"], r["lora_rank"]): max(
+            (m["peak_gib"] for k, m in r["memory"].items() if k.startswith("model_worker")),
+            default=None,
+        )
+        for r in results
+    }
+    lora_peak = {
+        f"{sh}/{mo}/x{sc}/{d}/r{lr}": {
+            "peak_gib": p,
+            "full_peak_gib": trainer_peak.get((sh, mo, sc, d, 0)),
+            "over_full": p / trainer_peak[(sh, mo, sc, d, 0)]
+            if p and trainer_peak.get((sh, mo, sc, d, 0))
+            else None,
+        }
+        for (sh, mo, sc, d, lr), p in trainer_peak.items()
+        if lr
     }
     print(
         json.dumps(
@@ -463,6 +505,7 @@ def main():
                 "train_flops_over_peak": min(flops) if flops else None,
                 "decode_over_roofline": min(decode) if decode else None,
                 "bf16_step_over_fp32": bf16_over_fp32,
+                "lora_peak_over_full": lora_peak,
                 "does_not_fit": not_fit,
                 "runs": rows,
             },
@@ -474,7 +517,7 @@ def main():
 def report(r: dict) -> None:
     split = ", ".join(f"{k} {v:.1f}s" for k, v in r["split_s"].items())
     print(
-        f"\n{r['shape']} {r['mode']} x{r['scale']} {r['dtype']}: "
+        f"\n{r['shape']} {r['mode']} x{r['scale']} {r['dtype']} r{r['lora_rank']}: "
         f"step {r['step_s']:.1f}s ({split}); {r['tokens']:.0f} tokens",
         flush=True,
     )

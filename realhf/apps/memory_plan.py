@@ -12,7 +12,8 @@ The estimate is analytic, per process, by kind of bytes:
   tensor shards of the layout (every role the worker hosts: actor, ref, critic, ...); twice
   for a built-in generation server on a CPU, which keeps its linear weights packed for oneDNN
   too (``pack_weights``).
-- ``gradients``: one gradient in the model's dtype, plus the fp32 sum of a bf16/fp16 model.
+- ``gradients``: one gradient in the model's dtype, plus the fp32 sum of a bf16/fp16 model
+  (with LoRA, ``actor.lora.rank > 0``, of the adapters only: the base is frozen).
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer
@@ -192,7 +193,15 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
         shape = Shape.of(spec.path, spec.is_critic)
         b = DTYPE_BYTES[spec.dtype]
         n = shape.n_params / (p * m)
-        terms["weights"] += int(n * b)
+        if getattr(spec, "adapters_of", None) is None:  # (else: the LoRA role's own base)
+            terms["weights"] += int(n * b)
+        if getattr(spec, "has_lora", False):
+            # Only the adapters train: their weights, gradients and optimizer state.
+            from realhf.impl.model.conversion.hf import config_from_hf_dir
+            from realhf.impl.model.nn.lora import adapter_numel
+
+            n = adapter_numel(spec.lora, config_from_hf_dir(spec.path)) / (p * m)
+            terms["weights"] += int(n * b)
         types = {ModelInterfaceType(c.interface_type) for c in calls.get(spec.role, [])}
         budgets = [
             c.mb_spec.max_tokens_per_mb
@@ -224,7 +233,12 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             running = min(load.seqs / d, load.gen_concurrency)
             kv = running * load.seq_len * 2 * layers * (shape.kv_dim / m) * b
             terms["kv cache"] += int(kv)
-        notes.append(f"{spec.role} {shape.n_params / 1e6:.0f}M {spec.dtype}")
+        note = f"{spec.role} {shape.n_params / 1e6:.0f}M {spec.dtype}"
+        if getattr(spec, "has_lora", False):
+            note += f" + LoRA r{spec.lora.rank} ({n * p * m / 1e6:.1f}M trained)"
+        elif getattr(spec, "adapters_of", None) is not None:
+            note = f"{spec.role}: {spec.adapters_of}'s base (no weights of its own)"
+        notes.append(note)
     return ProcessEstimate("model_worker", n_workers, terms, ", ".join(notes))
 
 

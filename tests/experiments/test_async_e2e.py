@@ -49,6 +49,13 @@ def _cmd(tmp_path, *args):
     ]
 
 
+def _run_to_the_end(tmp_path, *args):
+    """A run of ``args`` that must succeed; its run directory."""
+    r = subprocess.run(_cmd(tmp_path, *args), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return tmp_path / "async-ppo-math" / "run0"
+
+
 def _check_trained(run, n_steps):
     return quickstart_runs.check_trained(run, n_steps, B, ETA)
 
@@ -113,22 +120,14 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
 def test_a_lora_run_sends_the_servers_its_adapters_only(tmp_path):
     """actor.lora: the trainer publishes the adapters alone (a fraction of the model's
     bytes), the server applies them, and the run trains within the bound."""
-    r = subprocess.run(
-        _cmd(
-            tmp_path,
-            "actor.lora.rank=8",
-            "ppo.kl_ctl=0.05",  # the reference: the actor's base, adapters off
-            "exp_ctrl.benchmark_steps=3",
-            "eval=false",
-            "weight_sync=broadcast",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    run = _run_to_the_end(
+        tmp_path,
+        "actor.lora.rank=8",
+        "ppo.kl_ctl=0.05",  # the reference: the actor's base, adapters off
+        "exp_ctrl.benchmark_steps=3",
+        "eval=false",
+        "weight_sync=broadcast",
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run = tmp_path / "async-ppo-math" / "run0"
     rows = quickstart_runs.rows(run / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert "actor_train/ppo/ref_kl" in rows[0]
@@ -166,21 +165,13 @@ def _check_attacks_changed_nothing(run, probe, evil):
 def test_multi_turn_agent_trains_on_whole_conversations(tmp_path):
     # 16-token answers: the embedded SFT model gets some right at once, and the others get
     # the feedback and another turn.
-    r = subprocess.run(
-        _cmd(
-            tmp_path,
-            "max_turns=3",
-            "ppo.gen.max_new_tokens=16",
-            "exp_ctrl.benchmark_steps=3",
-            "eval=false",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+    run = _run_to_the_end(
+        tmp_path,
+        "max_turns=3",
+        "ppo.gen.max_new_tokens=16",
+        "exp_ctrl.benchmark_steps=3",
+        "eval=false",
     )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    run = tmp_path / "async-ppo-math" / "run0"
     rows = quickstart_runs.rows(run / "metrics.jsonl")
     assert [x["step"] for x in rows] == [1, 2, 3]
     assert all(x["rollout/staleness_max"] <= ETA for x in rows)

@@ -52,6 +52,7 @@ __all__ = [
     "LoraSpec",
     "LoraWeights",
     "add_lora",
+    "adapter_numel",
     "column_delta",
     "row_delta",
     "save_peft",
@@ -180,6 +181,12 @@ def _whole_shapes(cfg) -> Dict[str, Tuple[int, int]]:
         "up_proj": (cfg.intermediate_dim, cfg.hidden_dim),
         "down_proj": (cfg.hidden_dim, cfg.intermediate_dim),
     }
+
+
+def adapter_numel(spec: LoraSpec, cfg) -> int:
+    """Elements of the adapters ``spec`` puts on a whole model of config ``cfg``."""
+    shapes = _whole_shapes(cfg)
+    return cfg.n_layers * spec.rank * sum(sum(shapes[t]) for t in spec.target_modules)
 
 
 def _initialise(model, generator: Optional[torch.Generator]) -> None:

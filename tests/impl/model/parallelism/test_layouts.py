@@ -291,17 +291,8 @@ def _check_layout(
     assert torch.equal(saved.flat_params, ReaLModel.from_hf(saved_dir).flat_params), layout_str
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "world, layouts",
-    # "z": the same layout trained with ZeRO-1 (optimizer state sharded over the replicas)
-    [(2, "d1p1m2,d2p1m1,d1p2m1,d2p1m1z"), (4, "d2p1m2,d1p2m2,d2p2m1,d1p1m4,d2p1m2z,d2p2m1z")],
-)
-def test_layouts_equal_the_single_device_model(
-    tmp_path, checkpoints, world, layouts, no_leftover_processes
-):
-    models, critic = checkpoints
-    ref = _reference(models, critic)
+def _run_layouts(tmp_path, world: int, layouts: str, models: dict, critic: str) -> list:
+    """Run this file's rank processes on ``layouts``; every rank's results, in rank order."""
     run_ranks(
         __file__,
         world,
@@ -318,7 +309,21 @@ def test_layouts_equal_the_single_device_model(
         str(tmp_path),
         timeout=240,
     )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, layouts",
+    # "z": the same layout trained with ZeRO-1 (optimizer state sharded over the replicas)
+    [(2, "d1p1m2,d2p1m1,d1p2m1,d2p1m1z"), (4, "d2p1m2,d1p2m2,d2p2m1,d1p1m4,d2p1m2z,d2p2m1z")],
+)
+def test_layouts_equal_the_single_device_model(
+    tmp_path, checkpoints, world, layouts, no_leftover_processes
+):
+    models, critic = checkpoints
+    ref = _reference(models, critic)
+    ranks = _run_layouts(tmp_path, world, layouts, models, critic)
     for layout_str in layouts.split(","):
         for name in models:
             cfg = ReaLModel.from_hf(models[name]).config
@@ -338,23 +343,7 @@ def test_lora_layouts_equal_the_single_device_lora_model(
     lora = {"qwen2-lora": models["qwen2"]}
     ref = _reference(lora, critic)
     assert all(n.endswith((".lora_A", ".lora_B")) for n in ref["qwen2-lora"]["weights"])
-    run_ranks(
-        __file__,
-        world,
-        lambda r: [
-            "--store",
-            str(tmp_path / "store"),
-            "--layouts",
-            layouts,
-            "--models",
-            json.dumps(lora),
-            "--critic",
-            critic,
-        ],
-        str(tmp_path),
-        timeout=240,
-    )
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    ranks = _run_layouts(tmp_path, world, layouts, lora, critic)
     cfg = ReaLModel.from_hf(models["qwen2"]).config
     for layout_str in layouts.split(","):
         saved = str(tmp_path / f"{layout_str}-qwen2-lora-saved")

@@ -221,6 +221,15 @@ def dirs(tmp_path_factory):
     return two_model_versions(tmp_path_factory.mktemp("gsm"))
 
 
+def _shut_down(service, servers, sender=None) -> None:
+    service.stop()
+    for s in servers:
+        s.stop()
+        s.engine.close()
+    if sender is not None:
+        sender.close()
+
+
 @pytest.mark.parametrize("sync", ["disk", "shm", "broadcast"])
 def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp_path, sync):
     servers = [engine_server(dirs["v0"]) for _ in range(2)]
@@ -279,12 +288,7 @@ def test_weight_updates_reach_every_server_and_old_versions_are_pruned(dirs, tmp
             assert os.path.exists(tmp_path / "spare.flat")
         service.check()
     finally:
-        service.stop()
-        for s in servers:
-            s.stop()
-            s.engine.close()
-        if sender is not None:
-            sender.close()
+        _shut_down(service, servers, sender)
 
 
 def test_a_pull_of_a_version_the_trainer_replaced_moves_the_servers_to_the_newer_one(dirs):
@@ -323,11 +327,7 @@ def test_a_pull_of_a_version_the_trainer_replaced_moves_the_servers_to_the_newer
         assert all(s.engine.weight_version == 1 for s in servers)  # one load each
         service.check()
     finally:
-        service.stop()
-        for s in servers:
-            s.stop()
-            s.engine.close()
-        sender.close()
+        _shut_down(service, servers, sender)
 
 
 def test_a_server_that_fails_a_weight_update_leaves_service_and_rejoins(dirs, monkeypatch):
