@@ -353,6 +353,12 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             f"the {alloc.gen_backend} backend has none (use allocation_mode=gen.*); or use "
             "weight_sync=disk"
         )
+    if cfg.actor.lora.enabled and alloc.gen_backend == "sglang":
+        raise blocks.ExperimentSetupError(
+            f"actor.lora.rank={cfg.actor.lora.rank}: the SGLang backend takes no adapter "
+            "updates here yet; use allocation_mode=gen.* (built-in) or vllm.*, or "
+            "actor.lora.rank=0"
+        )
     if cfg.share_gpus:
         why = (
             f"share_gpus={cfg.share_gpus} is not a fraction in (0, 0.9)"

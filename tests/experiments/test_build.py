@@ -525,3 +525,18 @@ def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(in
     for args, needle in bad:
         with pytest.raises(ValueError, match=needle):
             build_ppo_math(parse_config(PPOMathConfig, base + args))
+
+
+def test_a_lora_async_run_gives_its_servers_the_adapters_shape_and_sglang_is_refused():
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+
+    def build(*args):
+        return build_async_ppo_math(parse_config(AsyncPPOMathConfig, list(args)))
+
+    for alloc, backend in (("gen.d1p1m1+d1p1m1", "builtin"), ("vllm.d1p1m1+d1p1m1", "vllm")):
+        exp = build("actor.lora.rank=16", f"allocation_mode={alloc}")
+        (server,) = exp.workers["generation_server"]
+        assert server.lora.rank == 16 and server.backend == backend
+    assert build().workers["generation_server"][0].lora is None
+    with pytest.raises(blocks.ExperimentSetupError, match="SGLang backend takes no adapter"):
+        build("actor.lora.rank=16", "allocation_mode=sglang.d1p1m1+d1p1m1")

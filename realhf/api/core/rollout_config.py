@@ -115,9 +115,10 @@ class GenerationServerConfig:
         registration_ttl_s: keepalive TTL of its ``names.gen_servers`` entry: the manager
             stops routing to a server whose entry expired.
         poll_interval_s: how often the worker checks the backend and the experiment status.
-        lora: the trainer's LoRA adapters (built-in backend only): the server serves
+        lora: the trainer's LoRA adapters (built-in and vLLM backends): the server serves
             ``model_path`` with adapters of this shape (fresh ones change nothing), and
-            every weight update carries the adapters alone.
+            every weight update carries the adapters alone (vLLM: an adapter directory,
+            loaded as a LoRA adapter per version).
     """
 
     model_path: str
@@ -146,16 +147,15 @@ class GenerationServerConfig:
     def __post_init__(self):
         ck = Checks("GenerationServerConfig", says_invalid=True)
         if self.lora is not None and (
-            not isinstance(self.lora, LoraConfig)
-            or self.backend not in (GenerationBackend.AUTO, GenerationBackend.BUILTIN)
+            not isinstance(self.lora, LoraConfig) or self.backend is GenerationBackend.SGLANG
         ):
             raise ck.bad(
                 "lora",
                 self.lora,
-                "LoRA adapters are served by the built-in backend only (allocation_mode "
-                "gen.d1p1m1+... or builtin.*); vLLM and SGLang take no adapter updates here yet",
+                "LoRA adapters are served by the built-in and the vLLM backends; SGLang takes "
+                "no adapter updates here yet (allocation_mode gen.* or vllm.*)",
             )
-        if self.lora is not None:
+        if self.lora is not None and self.backend is GenerationBackend.AUTO:
             object.__setattr__(self, "backend", GenerationBackend.BUILTIN)  # (not auto's SGLang)
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ck.bad("model_path", self.model_path, "give the HuggingFace directory to serve")

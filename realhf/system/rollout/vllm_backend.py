@@ -23,7 +23,9 @@ Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m
                                   with ``finish_reason=abort`` and their tokens so far
   ``POST /update_weights_from_    ``POST /collective_rpc`` ``reload_weights`` from the
   disk`` ``{"model_path"}``       published HF directory (:func:`tied_head_view`),
-                                  then ``/reset_prefix_cache``
+                                  then ``/reset_prefix_cache``; a LoRA run's adapter
+                                  directory: ``/v1/load_lora_adapter`` under a new
+                                  name that completions use from then on
   ``POST /continue_generation``   ``POST /resume``
   ``GET /health``                 ``GET /health``
   ``GET /metrics``                ``vllm:num_requests_running|waiting``,
@@ -85,6 +87,7 @@ from realhf.base.net.http_server import (
     require_run_token,
 )
 from realhf.impl.model.gen.weight_update import PauseGate, WeightPathRefused, allowed_weight_path
+from realhf.impl.model.nn.lora import is_adapter_dir
 from realhf.system.rollout.manager.routing import metric_samples
 from realhf.system.rollout.sglang_launcher import ServerProcess
 
@@ -209,6 +212,8 @@ class VLLMConfig:
     enforce_eager: bool = True
     num_threads: Optional[int] = None
     single_process: bool = False
+    #: LoRA adapters of this rank are loaded per weight version (None: full weights)
+    lora_rank: Optional[int] = None
     extra_args: Tuple[str, ...] = ()
 
     @property
@@ -228,6 +233,7 @@ def server_config(gen: GenerationServerConfig, name: str) -> VLLMConfig:
         max_num_seqs=gen.max_running_requests,
         seed=gen.seed,
         num_threads=gen.num_threads,
+        lora_rank=gen.lora.rank if gen.lora is not None else None,
     )
     allowed = {f.name for f in dataclasses.fields(VLLMConfig)} - set(base)
     unknown = sorted(set(gen.vllm_args) - allowed)
@@ -258,7 +264,24 @@ def build_command(config: VLLMConfig, python: str) -> List[str]:
         cmd += ["--max-model-len", str(config.max_model_len)]
     if config.single_process:
         cmd += ["--distributed-executor-backend", "uni"]
+    if config.lora_rank is not None:
+        # Two slots: a version's adapter loads before the last one's is unloaded.
+        cmd += ["--enable-lora", "--max-loras", "2", "--max-lora-rank", str(_vllm_rank(config))]
     return cmd + [str(a) for a in config.extra_args]
+
+
+#: the adapter ranks vLLM can be configured for (its --max-lora-rank choices)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _vllm_rank(config: VLLMConfig) -> int:
+    fits = [r for r in VLLM_LORA_RANKS if r >= config.lora_rank]
+    if not fits:
+        raise ValueError(
+            f"lora.rank={config.lora_rank}: vLLM serves adapters of rank up to "
+            f"{VLLM_LORA_RANKS[-1]}; use a smaller rank or the built-in backend"
+        )
+    return fits[0]
 
 
 class VLLMServer(ServerProcess):
@@ -283,6 +306,8 @@ class VLLMServer(ServerProcess):
             env.update(OMP_NUM_THREADS=str(config.num_threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
         if config.single_process:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if config.lora_rank is not None:  # /v1/load_lora_adapter at every weight version
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         super().__init__(
             "vLLM", build_command(config, python), config.url, log_path=log_path, env=env
         )
@@ -495,7 +520,8 @@ def create_adapter_app(
     # The weight-update protocol's rules for which answers keep their tokens (one
     # implementation for every backend: realhf.impl.model.gen.weight_update).
     gate = PauseGate()
-    state: Dict[str, Any] = {}
+    # "model": what completions ask for: the served base, or the current LoRA adapter's name
+    state: Dict[str, Any] = {"model": model_name, "adapters": 0}
     stop_ids = frozenset(int(t) for t in stop_token_ids)
 
     @contextlib.asynccontextmanager
@@ -547,7 +573,7 @@ def create_adapter_app(
             "POST",
             "/v1/completions",
             request_timeout_s,
-            json=_completion_body(model_name, ids, sp),
+            json=_completion_body(state["model"], ids, sp),
         )
         if status != 200:
             raise _Refused(status, data)
@@ -630,6 +656,8 @@ def create_adapter_app(
             return JSONResponse(
                 {"success": False, "message": f"model_path {path!r} is not a directory"}, 400
             )
+        if is_adapter_dir(path):
+            return await load_adapter(path)
         try:
             view = await asyncio.to_thread(tied_head_view, path, state["views"])
         except (OSError, RuntimeError, ValueError) as e:
@@ -646,6 +674,19 @@ def create_adapter_app(
         if reply.status_code != 200:
             return reply
         return await control("/reset_prefix_cache")
+
+    async def load_adapter(path: str) -> JSONResponse:
+        """A LoRA run's update: the version's adapter directory loads under a new name that
+        completions ask for from now on, and the last version's is unloaded."""
+        state["adapters"] += 1
+        name, old = f"{model_name}-lora{state['adapters']}", state["model"]
+        reply = await control("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+        if reply.status_code != 200:
+            return reply
+        state["model"] = name
+        if old != model_name:
+            await control("/v1/unload_lora_adapter", json={"lora_name": old})
+        return JSONResponse({"success": True, "message": f"LoRA adapter {path} as {name!r}"})
 
     @app.get("/health")
     async def health():

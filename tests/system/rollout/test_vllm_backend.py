@@ -505,3 +505,48 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
         adapter.stop()
         server.stop()
     assert not os.path.exists(server.rpc_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_vllm_serves_a_lora_runs_adapters_version_after_version(tmp_path, vllm_python):
+    """A LoRA run's server: vLLM starts with LoRA enabled at the run's rank, and each weight
+    update (an adapter directory, as the trainer publishes it) is loaded as a LoRA adapter
+    that completions use from then on; the log-probs are the adapted model's."""
+    from realhf.api.cli_args import LoraConfig
+    from realhf.impl.model.nn.lora import add_lora, save_peft
+
+    spec = LoraConfig(rank=8, alpha=16.0)
+    gen = GenerationServerConfig(model_path=ASSETS, backend="vllm", lora=spec)
+    cfg = dataclasses.replace(
+        vllm_backend.server_config(gen, "policy"),
+        max_model_len=128, num_threads=1, single_process=True,
+    )  # fmt: skip
+    assert cfg.lora_rank == 8 and "--enable-lora" in vllm_backend.build_command(cfg, "p")
+    server = vllm_backend.VLLMServer(cfg, python=vllm_python, log_path=str(tmp_path / "v.log"))
+    server.start(health_timeout=240)
+    adapter = _adapter(cfg.url, weights_root=str(tmp_path))
+    base = ReaLModel.from_hf(ASSETS).eval()
+    prompt = _prompts(1)[0]
+    try:
+        for version in (1, 2):
+            trained = ReaLModel.from_hf(ASSETS)
+            add_lora(trained, spec, generator=torch.Generator().manual_seed(version))
+            g = torch.Generator().manual_seed(10 + version)
+            with torch.no_grad():
+                for n, p in trained.lora.params.items():
+                    if n.endswith("lora_B"):
+                        p.normal_(0, 0.2, generator=g)
+            path = str(tmp_path / f"v{version}")
+            save_peft(trained.eval(), path, base_model_path=os.path.abspath(ASSETS))
+            reply = _post(adapter.url, "/update_weights_from_disk", {"model_path": path})
+            assert reply["success"] and f"policy-lora{version}" in reply["message"], reply
+            (out,) = _generate(adapter.url, [prompt], temperature=0.0, ignore_eos=True)
+            ids = out["output_ids"]
+            lps = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+            assert torch.allclose(lps, _recompute(trained, prompt, ids, 1.0), atol=1e-3)
+            assert not torch.allclose(lps, _recompute(base, prompt, ids, 1.0), atol=1e-2)
+    finally:
+        adapter.stop()
+        server.stop()
