@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import field
 from typing import List, Type, TypeVar
 
-from realhf.api.cli_args import OptimizerConfig
+from realhf.api.cli_args import LoraConfig, OptimizerConfig
 from realhf.api.cli_parser import parse_config
 from realhf.api.core.model_api import GenerationHyperparameters
 
@@ -58,6 +58,7 @@ class TrainEngineConfig:
     optimizer: OptimizerConfig = field(
         default_factory=lambda: OptimizerConfig(lr=2e-4, weight_decay=0.0)
     )
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from realhf.api.cli_args import OptimizerConfig
+from realhf.api.cli_args import LoraConfig, OptimizerConfig
 from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import FinetuneSpec, Model
 from realhf.api.core.rollout_api import GenerateGroupRequest, GroupGeneration
@@ -25,6 +25,8 @@ from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import TrainEngine as _Backend
 from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion import flat_file
+from realhf.impl.model.conversion.hf import save_tokenizer
+from realhf.impl.model.nn.lora import add_lora, save_peft
 
 __all__ = ["TrainEngine", "InferenceEngine"]
 
@@ -37,6 +39,9 @@ class TrainEngine:
         optimizer: AdamW settings and LR schedule.
         total_steps: optimizer steps of the run (the LR schedule's length).
         role: the model's name in logs.
+        lora: LoRA adapters (rank > 0): only they train, :meth:`save` writes them as a PEFT
+            directory and :meth:`upload_weights` sends them alone; start the servers from
+            :meth:`serving_dir`.  Draw them alike on every rank (seed torch first).
     """
 
     def __init__(
@@ -45,6 +50,7 @@ class TrainEngine:
         optimizer: Optional[OptimizerConfig] = None,
         total_steps: int = 1,
         role: str = "actor",
+        lora: Optional[LoraConfig] = None,
     ):
         from transformers import AutoTokenizer
 
@@ -60,6 +66,8 @@ class TrainEngine:
             self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(self.device)
         self.module = ReaLModel.from_hf(path, device=self.device)
+        if lora is not None and lora.enabled:
+            add_lora(self.module, lora)
         backend = _Backend(
             self.module,
             optimizer or OptimizerConfig(),
@@ -107,15 +115,17 @@ class TrainEngine:
         mode = getattr(engine, "weight_sync", "disk")
         first = not dist.is_initialized() or dist.get_rank() == 0
         # The module is one whole model on every rank (data parallelism only): rank 0
-        # publishes it, in the way the engine's servers load.
+        # publishes what trains (the whole model, or its LoRA adapters), in the way the
+        # engine's servers load.
+        m = self.module
         if mode == "disk":
             self.save(path)  # (itself rank 0 only)
         elif first and mode == "shm":
-            flat_file.write_model(self.module, path, self.version)
+            flat_file.write_flat(m.trained_flat, m.trained_spec, path, self.version)
         elif first:  # broadcast
             if self._sender is None:
                 self._sender = WeightSender()
-            self._sender.stage(self.module.flat_params, self.module.param_spec, self.version)
+            self._sender.stage(m.trained_flat, m.trained_spec, self.version)
             path = self._sender.address
         if dist.is_initialized():
             dist.barrier()
@@ -132,16 +142,29 @@ class TrainEngine:
             self._sender.close()
             self._sender = None
 
+    def serving_dir(self, path: str) -> str:
+        """What generation servers of this model start from: its HF directory, or with LoRA
+        the current adapters saved at ``path`` (a PEFT directory on the base, which servers
+        load as the base with adapters; rank 0 writes)."""
+        if self.module.lora is None:
+            return self.path
+        self.save(path)
+        return path
+
     def save(self, path: str) -> None:
-        """A HuggingFace directory of the current weights (with the tokenizer), written
-        complete before it is renamed into place (data-parallel ranks hold the same weights:
-        rank 0 writes)."""
+        """A HuggingFace directory of the current weights (with the tokenizer), or with LoRA
+        a PEFT adapter directory on the base; written complete before it is renamed into
+        place (data-parallel ranks hold the same weights: rank 0 writes)."""
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         tmp = path + ".tmp"
-        self.module.save_hf(tmp, tokenizer=self.path)
+        if self.module.lora is not None:
+            save_peft(self.module, tmp, base_model_path=os.path.abspath(self.path))
+            save_tokenizer(self.path, tmp)
+        else:
+            self.module.save_hf(tmp, tokenizer=self.path)
         if os.path.isdir(path):
             import shutil
 

@@ -55,7 +55,7 @@ def main():
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // (2 * world)))
     path = cfg.actor.path or TINY_MODEL
-    actor = TrainEngine(path, cfg.actor.optimizer, total_steps=cfg.steps)
+    actor = TrainEngine(path, cfg.actor.optimizer, total_steps=cfg.steps, lora=cfg.actor.lora)
     # The quickstart's async GRPO settings (one place), with this run's group and sampling.
     hp = dataclasses.replace(
         parse_config(AsyncPPOMathConfig, []).ppo,
@@ -78,9 +78,11 @@ def main():
         box = [tempfile.mkdtemp(prefix="realhf-lite-", dir="/dev/shm") if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         weights_root = box[0]
+    # The server starts from the model (with LoRA: the base and the fresh adapters).
+    served = actor.serving_dir(os.path.join(cfg.out_dir, "adapters-v0"))
     if rank == 0:  # one generation server and one executor for the whole job
         server = LocalGenerationServer(
-            path,
+            served,
             num_threads=max(1, (os.cpu_count() or 2) // 2),
             weights_root=None if shm else weights_root,
             shm_root=weights_root if shm else None,

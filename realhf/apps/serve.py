@@ -57,7 +57,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         prog="python -m realhf.apps.serve", description=__doc__.split("\n")[0]
     )
     p.add_argument(
-        "--model-path", required=True, help="HuggingFace directory (config.json + safetensors)"
+        "--model-path",
+        required=True,
+        help="HuggingFace directory (config.json + safetensors), or a PEFT LoRA adapter "
+        "directory (served on its base; updates then carry adapters)",
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
@@ -128,10 +131,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not os.path.isdir(args.model_path):
         print(f"error: --model-path {args.model_path!r} is not a directory", file=sys.stderr)
         return 2
-    if not os.path.isfile(os.path.join(args.model_path, "config.json")):
+    if not any(
+        os.path.isfile(os.path.join(args.model_path, f))
+        for f in ("config.json", "adapter_config.json")
+    ):
         print(
             f"error: --model-path {args.model_path!r} has no config.json; "
-            "pass a HuggingFace model directory",
+            "pass a HuggingFace model directory (or a PEFT LoRA adapter directory)",
             file=sys.stderr,
         )
         return 2

@@ -58,3 +58,24 @@ def test_lite_grpo_trains_within_the_bound_and_publishes_weights(tmp_path, nproc
     else:  # flat files in /dev/shm, removed at the end
         assert not (out / "weights").exists()
         assert not [d for d in set(os.listdir("/dev/shm")) - shm_before if "realhf-lite" in d]
+
+
+@pytest.mark.parametrize("nproc,sync", [(1, "disk"), (2, "broadcast")])
+def test_lite_grpo_with_lora_sends_the_server_its_adapters(tmp_path, nproc, sync):
+    """actor.lora: the server starts from the fresh adapters' directory on the base, and
+    each upload is the adapters alone (a PEFT directory, or a pull of the adapter buffer)."""
+    out, rows, log = _run(
+        tmp_path,
+        nproc,
+        "actor.lora.rank=8",
+        "actor.optimizer.lr=2e-3",
+        f"rollout.weight_sync={sync}",
+    )
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["staleness_max"] <= 1 for r in rows[1:])
+    assert "weights of version 3 on 1 servers" in log and f"(weight_sync={sync})" in log
+    assert (out / "adapters-v0" / "adapter_config.json").exists()
+    if sync == "disk":
+        v3 = sorted(os.listdir(out / "weights" / "v3"))
+        assert "adapter_model.safetensors" in v3 and "model.safetensors" not in v3
+        assert os.path.getsize(out / "weights" / "v3" / "adapter_model.safetensors") < 1 << 20
