@@ -33,9 +33,9 @@ from realhf.base import constants, logging, name_resolve, names, seeding
 from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
 from realhf.impl.model.comm.weight_broadcast import WeightSender
-from realhf.impl.model.conversion.flat_file import whole_model, write_flat, write_model
+from realhf.impl.model.conversion.flat_file import whole_model, write_flat
 from realhf.impl.model.conversion.hf import save_tokenizer
-from realhf.impl.model.nn.lora import add_lora, save_peft
+from realhf.impl.model.nn.lora import add_lora
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism import ParallelGrid, load_model
 from realhf.impl.model.parallelism.model import GridHooks
@@ -309,10 +309,11 @@ class RoleWeights:
                 self._publish_broadcast(role, version)
             else:
                 self._publish_hf(role, version)
-            flat = module.trained_flat if self.specs[role].has_lora else module.flat_params
+            flat = module.trained_flat
             logger.info(
                 f"published {role} version {version}: {flat.numel() * flat.element_size()} "
-                f"bytes{' (its LoRA adapters)' if self.specs[role].has_lora else ''} in "
+                f"bytes{' (its LoRA adapters)' if module.lora is not None else ''}"
+                f"{' of this rank' if module.tp.distributed else ''} in "
                 f"{time.monotonic() - t0:.3f}s (weight_sync={self.specs[role].weight_sync})"
             )
             if self.layouts.rank == 0:
@@ -332,8 +333,8 @@ class RoleWeights:
         if self.layouts.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         module = self.modules[role]
-        if self.specs[role].has_lora:
-            save_peft(module, tmp, base_model_path=os.path.abspath(self.specs[role].path))
+        if self.specs[role].has_lora:  # (a collective on sharded layouts, as save_hf)
+            module.save_trained(tmp, base_model_path=os.path.abspath(self.specs[role].path))
         else:
             module.save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
         if self.layouts.rank == 0:
@@ -343,11 +344,14 @@ class RoleWeights:
     def _publish_flat(self, role: str, version: int) -> None:
         # The servers hold single-device models: a sharded home layout gathers the whole
         # model onto its rank 0, which writes (a collective over the replica, as save_hf).
-        path, module = constants.weight_shm_path(role, version), self.modules[role]
-        if self.specs[role].has_lora:
-            write_flat(module.lora.flat, module.lora.param_spec, path, version)
-        else:
-            write_model(module, path, version)
+        full = whole_model(self.modules[role])
+        if full is not None:  # what trains: the whole model, or its LoRA adapters
+            write_flat(
+                full.trained_flat,
+                full.trained_spec,
+                constants.weight_shm_path(role, version),
+                version,
+            )
 
     def _publish_broadcast(self, role: str, version: int) -> None:
         # Gathered as for _publish_flat; the sender lives on the rank that holds the whole
@@ -355,9 +359,6 @@ class RoleWeights:
         full = whole_model(self.modules[role])
         if full is None:
             return
-        flat, param_spec = full.flat_params, full.param_spec
-        if full.lora is not None:
-            flat, param_spec = full.lora.flat, full.lora.param_spec
         sender = self.senders.get(role)
         if sender is None:
             sender = self.senders[role] = WeightSender(timeout=min(self.config.timeout, 120.0))
@@ -366,7 +367,7 @@ class RoleWeights:
                 sender.address,
                 replace=True,
             )
-        sender.stage(flat, param_spec, version)
+        sender.stage(full.trained_flat, full.trained_spec, version)
 
     def close(self) -> None:
         """Stop the weight senders (servers can pull nothing more from this worker)."""
@@ -401,7 +402,7 @@ class RoleWeights:
         if not spec.has_lora:
             module.save_hf(path, tokenizer=tokenizer)
             return
-        save_peft(module, path, base_model_path=os.path.abspath(spec.path))
+        module.save_trained(path, base_model_path=os.path.abspath(spec.path))
         if tokenizer is not None and self.layouts.rank == 0:
             save_tokenizer(tokenizer, path)  # (loaders of the directory find it there)
         if spec.lora.save_merged:

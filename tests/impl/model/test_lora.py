@@ -214,3 +214,12 @@ def test_an_adapter_directory_loads_as_a_model_and_an_engine_can_run_its_base(qw
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(FileNotFoundError, match="its base model 'nowhere' is not a directory"):
         ReaLModel.from_hf(str(tmp_path / "a"))
+
+
+def test_an_adapter_of_another_shape_is_refused_naming_both(qwen_dir, tmp_path):
+    m = _lora_model(qwen_dir, rank=4)
+    save_peft(m, str(tmp_path / "a"), base_model_path=qwen_dir)
+    other = ReaLModel.from_hf(qwen_dir)
+    add_lora(other, LoraSpec(4, alpha=16.0), init=False)  # the same rank, another scale
+    with pytest.raises(ValueError, match="alpha 8 on .*this model's: rank 4, alpha 16"):
+        load_peft(other, str(tmp_path / "a"))

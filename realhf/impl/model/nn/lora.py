@@ -77,8 +77,6 @@ TARGETS = {
 }
 assert tuple(TARGETS) == LORA_TARGET_MODULES
 DEFAULT_TARGETS = LORA_TARGET_MODULES
-#: row-parallel projections (their input is split under tensor parallelism)
-ROW_PARALLEL = ("o_proj", "down_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -90,14 +88,12 @@ LoraSpec = LoraConfig
 
 
 class LoraAdapter:
-    """One projection's pair (not a Module: its parameters are not the model's).
+    """One projection's pair (not a Module: its parameters are not the model's)."""
 
-    ``row``: a row-parallel projection (see the module docstring)."""
+    __slots__ = ("A", "B", "owner")
 
-    __slots__ = ("A", "B", "owner", "row")
-
-    def __init__(self, A: nn.Parameter, B: nn.Parameter, owner: "LoraWeights", row: bool):
-        self.A, self.B, self.owner, self.row = A, B, owner, row
+    def __init__(self, A: nn.Parameter, B: nn.Parameter, owner: "LoraWeights"):
+        self.A, self.B, self.owner = A, B, owner
 
     def _input(self, x: torch.Tensor) -> torch.Tensor:
         p = self.owner.spec.dropout
@@ -265,10 +261,10 @@ def add_lora(
     flat = torch.empty(total, dtype=model.dtype, device=model.device)
     model.lora = lora = LoraWeights(spec, param_spec, flat)
     lora.training = model.training
-    for idx, hf, path, mod in _targets(model):
+    for idx, _, path, mod in _targets(model):
         A = lora.params[f"{idx}.{path}.lora_A"]
         B = lora.params[f"{idx}.{path}.lora_B"]
-        mod.lora = LoraAdapter(A, B, lora, hf in ROW_PARALLEL)
+        mod.lora = LoraAdapter(A, B, lora)
     if init:
         _initialise(model, generator)
     for p in model.parameters():
@@ -400,11 +396,15 @@ def load_peft(model, adapter_dir: str) -> None:
 
     spec = read_peft_spec(adapter_dir)
     mine = model.lora.spec
-    if (spec.rank, set(spec.target_modules)) != (mine.rank, set(mine.target_modules)):
+    if (spec.rank, spec.alpha, spec.target_modules) != (
+        mine.rank,
+        mine.alpha,
+        mine.target_modules,
+    ):
         raise ValueError(
-            f"the adapter at {adapter_dir!r} has rank {spec.rank} on "
-            f"{sorted(spec.target_modules)}; this model's: rank {mine.rank} on "
-            f"{sorted(mine.target_modules)}"
+            f"the adapter at {adapter_dir!r} has rank {spec.rank}, alpha {spec.alpha:g} on "
+            f"{list(spec.target_modules)}; this model's: rank {mine.rank}, alpha "
+            f"{mine.alpha:g} on {list(mine.target_modules)}"
         )
     tensors = load_file(os.path.join(adapter_dir, ADAPTER_WEIGHTS))
     lora: LoraWeights = model.lora

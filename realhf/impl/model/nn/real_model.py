@@ -498,19 +498,19 @@ class ReaLModel(nn.Module):
 
         hf.load_weights(self, model_dir, check_config=True)
 
-    def save_trained(self, out_dir: Union[str, os.PathLike]) -> None:
+    def save_trained(
+        self, out_dir: Union[str, os.PathLike], base_model_path: Optional[str] = None
+    ) -> None:
         """Write what training changes (a recover checkpoint's weights): the HF directory,
-        or with LoRA the adapters alone in PEFT's format (a collective like :meth:`save_hf`)."""
+        or with LoRA the adapters alone in PEFT's format, naming ``base_model_path`` as
+        their base (a collective like :meth:`save_hf`)."""
         if self.lora is None:
             return self.save_hf(out_dir)
         from realhf.impl.model.nn.lora import save_peft
 
-        if self.tp.distributed:  # the whole model on one rank, which writes
-            full = self.tp.gather_model(self)
-            if full is not None:
-                save_peft(full, str(out_dir))
-            return
-        save_peft(self, str(out_dir))
+        full = self.tp.gather_model(self) if self.tp.distributed else self
+        if full is not None:  # (None: a rank that does not write)
+            save_peft(full, str(out_dir), base_model_path=base_model_path)
 
     def load_trained(self, model_dir: Union[str, os.PathLike]) -> None:
         """Load what :meth:`save_trained` wrote, in place."""
