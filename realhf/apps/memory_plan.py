@@ -200,7 +200,8 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             from realhf.impl.model.conversion.hf import config_from_hf_dir
             from realhf.impl.model.nn.lora import adapter_numel
 
-            n = adapter_numel(spec.lora, config_from_hf_dir(spec.path)) / (p * m)
+            cfg = config_from_hf_dir(spec.path, is_critic=spec.is_critic)
+            n = adapter_numel(spec.lora, cfg) / (p * m)
             terms["weights"] += int(n * b)
         types = {ModelInterfaceType(c.interface_type) for c in calls.get(spec.role, [])}
         budgets = [

@@ -328,11 +328,6 @@ def model_spec(
             f"{role}.lora.rank={cfg.lora.rank}: role {role!r} does not train, so it cannot "
             f"have LoRA adapters; set {role}.lora.rank=0"
         )
-    if cfg.lora.enabled and is_critic:
-        raise ExperimentSetupError(
-            f"{role}.lora.rank={cfg.lora.rank}: LoRA adapters are for policies, and role "
-            f"{role!r} is a critic (set {role}.lora.rank=0)"
-        )
     return ModelSpec(
         role=role,
         path=path,

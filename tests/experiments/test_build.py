@@ -508,6 +508,12 @@ def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(in
     specs = {m.role: m for m in exp.workers["model_worker"][0].models}
     assert specs["actor"].has_lora and specs["actor"].lora.rank == 8
     assert specs["ref"].adapters_of == "actor" and not specs["ref"].has_lora
+    # A critic trains adapters (and its value head) too.
+    exp = build_ppo_math(
+        parse_config(PPOMathConfig, base + ["ppo.disable_value=false", "critic.lora.rank=4"])
+    )
+    specs = {m.role: m for m in exp.workers["model_worker"][0].models}
+    assert specs["critic"].has_lora and specs["critic"].is_critic
     # A ref with weights of its own is a model of its own.
     own = build_ppo_math(parse_config(PPOMathConfig, base + [f"ref.path={init_model}"]))
     assert {m.role: m for m in own.workers["model_worker"][0].models}["ref"].adapters_of is None
@@ -516,7 +522,6 @@ def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(in
         (["actor.lora.rank=-2"], r"lora.rank=-2: use a positive integer"),
         (["actor.lora.target_modules=[q_proj,qkv]"], r"unknown \['qkv'\]"),
         (["actor.lora.dropout=1.5"], r"lora.dropout=1.5"),
-        (["ppo.disable_value=false", "critic.lora.rank=4"], "role 'critic' is a critic"),
         (
             ["allocation_mode=actor_gen:d2p1m1,actor_train:d1p1m1,ref_inf:d1p1m1,rew_inf:d1p1m1"],
             "reallocation does not carry adapters yet",

@@ -142,13 +142,12 @@ class ModelSpec:
             )
         if self.lora is not None and not isinstance(self.lora, LoraConfig):
             raise ck.bad("lora", self.lora, "use a LoraConfig or None")
-        if self.has_lora and (not self.trainable or self.is_critic):
+        if self.has_lora and not self.trainable:
             raise ck.bad(
                 "lora",
                 f"rank {self.lora.rank}",
-                f"role {self.role!r} "
-                + ("is a critic" if self.is_critic else "does not train")
-                + "; LoRA adapters are for trained policies (set its lora.rank=0)",
+                f"role {self.role!r} does not train; LoRA adapters are for trained roles "
+                "(set its lora.rank=0)",
             )
         if self.adapters_of is not None and (self.trainable or self.offload):
             raise ck.bad(

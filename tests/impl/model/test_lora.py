@@ -223,3 +223,52 @@ def test_an_adapter_of_another_shape_is_refused_naming_both(qwen_dir, tmp_path):
     add_lora(other, LoraSpec(4, alpha=16.0), init=False)  # the same rank, another scale
     with pytest.raises(ValueError, match="alpha 8 on .*this model's: rank 4, alpha 16"):
         load_peft(other, str(tmp_path / "a"))
+
+
+def test_a_lora_critic_trains_a_copy_of_its_value_head_and_equals_peft(qwen_dir, tmp_path):
+    """A critic (a reward model, PPO's critic) with adapters also trains its value head, as
+    PEFT's modules_to_save does: the saved directory loads with peft onto the HF
+    token-classification base and gives the same values."""
+    from peft import PeftModel
+    from transformers import AutoModelForTokenClassification
+
+    from realhf.api.cli_args import OptimizerConfig
+
+    torch.manual_seed(0)
+    critic = ReaLModel.from_hf(qwen_dir, is_critic=True)  # a fresh value head
+    base_dir = str(tmp_path / "critic")
+    critic.save_hf(base_dir)
+    add_lora(critic, LoraSpec(4, alpha=8.0), generator=torch.Generator().manual_seed(1))
+    head = critic.config.head_layer_idx
+    assert f"{head}.value_head.weight" in critic.lora.params
+    ids, cu = _batch(critic.config.vocab_size)
+    engine = TrainEngine(critic, OptimizerConfig(lr=1e-2, weight_decay=0.0))
+    sample = SequenceSample.from_default(
+        ids=[str(i) for i in range(len(SEQLENS))], seqlens=SEQLENS, data={"packed_input_ids": ids}
+    )
+
+    def value_loss(values, mb):
+        return values.float().pow(2).mean(), {}
+
+    before = critic.head.weight.detach().clone()
+    for _ in range(2):
+        engine.train_batch(sample, MicroBatchSpec(), value_loss, lambda mb: 1)
+    assert torch.equal(critic.head.weight, before)  # the base's head stays
+    assert not torch.equal(critic.lora.params[f"{head}.value_head.weight"], before)
+    save_peft(critic, str(tmp_path / "a"), base_model_path=base_dir)
+    critic.eval()
+    with torch.no_grad():
+        ours = critic(ids, cu)
+        hf = AutoModelForTokenClassification.from_pretrained(base_dir, dtype=torch.float32)
+        pm = PeftModel.from_pretrained(hf, str(tmp_path / "a")).eval()
+        theirs = torch.cat(
+            [
+                pm(input_ids=ids[a:b][None]).logits[0, :, 0]
+                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())
+            ]
+        )
+        assert (ours - theirs).abs().max() < 1e-5
+        # Merged: the same values from a plain critic; and the adapter directory loads back.
+        assert (merged(critic).eval()(ids, cu) - ours).abs().max() < 1e-5
+        again = ReaLModel.from_hf(str(tmp_path / "a"), is_critic=True).eval()
+        assert torch.equal(again(ids, cu), ours)

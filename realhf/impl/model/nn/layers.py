@@ -293,7 +293,9 @@ class OutputHead(nn.Module):
         ``[T, 1 + vocab]``: its values, then the logits of the tied LM head."""
         x = _norm(self.ln_f, h, self.config)
         if self.config.is_critic:
-            values = F.linear(x, self.weight, self.bias)
+            # A LoRA critic trains a copy of its value head (PEFT's modules_to_save).
+            w, b = getattr(self, "lora_value", None) or (self.weight, self.bias)
+            values = F.linear(x, w, b)
             if tied_weight is None:
                 return values.squeeze(-1)
             return torch.cat([values, F.linear(self.tp.copy_in(x), tied_weight)], dim=-1)

@@ -77,6 +77,8 @@ TARGETS = {
 }
 assert tuple(TARGETS) == LORA_TARGET_MODULES
 DEFAULT_TARGETS = LORA_TARGET_MODULES
+#: a LoRA critic's trained copy of its value head: ``{n+1}.value_head.{weight,bias}``
+VALUE_HEAD = "value_head"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -180,9 +182,11 @@ def _whole_shapes(cfg) -> Dict[str, Tuple[int, int]]:
 
 
 def adapter_numel(spec: LoraSpec, cfg) -> int:
-    """Elements of the adapters ``spec`` puts on a whole model of config ``cfg``."""
+    """Elements of the adapters ``spec`` puts on a whole model of config ``cfg`` (a
+    critic's value head included)."""
     shapes = _whole_shapes(cfg)
-    return cfg.n_layers * spec.rank * sum(sum(shapes[t]) for t in spec.target_modules)
+    n = cfg.n_layers * spec.rank * sum(sum(shapes[t]) for t in spec.target_modules)
+    return n + (cfg.hidden_dim + 1 if cfg.is_critic else 0)
 
 
 def _initialise(model, generator: Optional[torch.Generator]) -> None:
@@ -233,8 +237,6 @@ def add_lora(
             "LoRA adapters are supported on the llama-like families (llama, qwen2, qwen3, "
             "mistral), whose projections are separate; gpt2 fuses q, k and v"
         )
-    if model.config.is_critic:
-        raise ValueError("LoRA adapters are for policies (causal LMs), not critics")
     tp, r = model.tp, spec.rank
     if tp.size > 1 and spec.dropout > 0:
         raise ValueError(
@@ -257,6 +259,10 @@ def add_lora(
             decls.append((f"{TARGETS[hf]}.lora_A", (r, in_dim)))
             decls.append((f"{TARGETS[hf]}.lora_B", (out_dim, r)))
         layers.append((block.block_idx + 1, decls))
+    head = model.config.head_layer_idx
+    if model.config.is_critic and model.has_head:  # the value head trains whole, as a copy
+        layers.append((head, [(VALUE_HEAD + ".weight", (1, model.config.hidden_dim))]))
+        layers[-1][1].append((VALUE_HEAD + ".bias", (1,)))
     param_spec, total = build_param_spec(layers)
     flat = torch.empty(total, dtype=model.dtype, device=model.device)
     model.lora = lora = LoraWeights(spec, param_spec, flat)
@@ -265,6 +271,12 @@ def add_lora(
         A = lora.params[f"{idx}.{path}.lora_A"]
         B = lora.params[f"{idx}.{path}.lora_B"]
         mod.lora = LoraAdapter(A, B, lora)
+    if f"{head}.{VALUE_HEAD}.weight" in lora.params:
+        w, b = (lora.params[f"{head}.{VALUE_HEAD}.{n}"] for n in ("weight", "bias"))
+        model.head.lora_value = (w, b)
+        with torch.no_grad():  # from the model's own (loaded or fresh) value head
+            w.copy_(model.head.weight)
+            b.copy_(model.head.bias)
     if init:
         _initialise(model, generator)
     for p in model.parameters():
@@ -290,6 +302,21 @@ def _hf_module_names(model) -> Dict[str, str]:
     return out
 
 
+def _critic_head_name(model) -> str:
+    from realhf.impl.model.conversion.families import get_family
+
+    return get_family(model.config.family).critic_head
+
+
+def _value_head(model) -> Dict[str, str]:
+    """A LoRA critic's trained value head: our parameter name -> PEFT's key ({} if none)."""
+    head = model.config.head_layer_idx
+    if f"{head}.{VALUE_HEAD}.weight" not in model.lora.params:
+        return {}
+    hf = _PEFT_PREFIX + _critic_head_name(model)
+    return {f"{head}.{VALUE_HEAD}.{n}": f"{hf}.{n}" for n in ("weight", "bias")}
+
+
 def _whole(model) -> None:
     if getattr(model.tp, "distributed", False) or model.layer_range != (
         0,
@@ -312,12 +339,15 @@ def save_peft(model, out_dir: str, base_model_path: Optional[str] = None) -> Non
     for ours, theirs in names.items():
         for m in ("lora_A", "lora_B"):
             tensors[f"{theirs}.{m}.weight"] = lora.params[f"{ours}.{m}"].detach().cpu().clone()
+    score = _value_head(model)
+    for ours, theirs in score.items():
+        tensors[theirs] = lora.params[ours].detach().cpu().clone()
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     s = lora.spec
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "TOKEN_CLS" if score else "CAUSAL_LM",
         "base_model_name_or_path": base_model_path,
         "r": s.rank,
         "lora_alpha": s.alpha,
@@ -329,7 +359,7 @@ def save_peft(model, out_dir: str, base_model_path: Optional[str] = None) -> Non
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
-        "modules_to_save": None,
+        "modules_to_save": [_critic_head_name(model)] if score else None,
         "layers_to_transform": None,
         "layers_pattern": None,
         "rank_pattern": {},
@@ -381,6 +411,11 @@ def read_peft_spec(adapter_dir: str) -> LoraSpec:
     for key in ("use_rslora", "use_dora"):
         if c.get(key):
             raise ValueError(f"{path}: {key}=true is not supported")
+    extra = [m for m in c.get("modules_to_save") or () if m not in ("score", "classifier")]
+    if extra:
+        raise ValueError(
+            f"{path}: modules_to_save {extra} are not supported (a critic's value head is)"
+        )
     targets = c.get("target_modules")
     if isinstance(targets, str):
         raise ValueError(f"{path}: a regex target_modules is not supported; list the modules")
@@ -415,6 +450,13 @@ def load_peft(model, adapter_dir: str) -> None:
                 if key not in tensors:
                     raise KeyError(f"{adapter_dir}: {ADAPTER_WEIGHTS} lacks {key}")
                 lora.params[name].copy_(model.tp.shard_param(name, tensors[key], model.config))
+        for ours, theirs in _value_head(model).items():
+            if theirs not in tensors:
+                raise KeyError(
+                    f"{adapter_dir}: {ADAPTER_WEIGHTS} lacks {theirs} (a critic's adapter "
+                    "holds its value head)"
+                )
+            lora.params[ours].copy_(tensors[theirs])
 
 
 def merged(model):
@@ -427,8 +469,12 @@ def merged(model):
     for _, _, _, mod in _targets(out):
         del mod.lora
     out.lora = None
+    if getattr(out.head, "lora_value", None) is not None:
+        del out.head.lora_value
     params = dict(out.named_parameters())
     with torch.no_grad():
+        for ours in _value_head(model):
+            params[ours.replace(f".{VALUE_HEAD}", "")].copy_(lora.params[ours])
         for idx, _, path, _ in _targets(model):
             A = lora.params[f"{idx}.{path}.lora_A"].float()
             B = lora.params[f"{idx}.{path}.lora_B"].float()
