@@ -93,14 +93,18 @@ class _Maps:
         self._maps: Dict[Tuple[int, int, int], Tuple[mmap.mmap, str]] = {}
         self._lock = threading.Lock()
 
-    def get(self, path: str, fd: int) -> mmap.mmap:
-        """The mapping of ``path``, open as ``fd``: the one kept, or a new one."""
+    def get(self, path: str, fd: int, keep: bool = True) -> mmap.mmap:
+        """The mapping of ``path``, open as ``fd``: the one kept, or a new one (kept for
+        the next time unless ``keep`` is False: then it lives as long as its users)."""
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, st.st_size)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        if not keep:
+            return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=prot)
         with self._lock:
             if key in self._maps:
+                self._trim()  # (files deleted since: their memory goes)
                 return self._maps[key][0]
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
             mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=prot)
             if self.writable:
                 try:  # one call instead of a fault per page at the first copy
@@ -322,14 +326,9 @@ def _mapped(path, param_spec, version, numel, keep=True) -> Tuple[torch.Tensor, 
         return torch.empty(0, dtype=dtype), got
     fd = os.open(path, os.O_RDONLY)
     try:
-        if keep:
-            mm = _READER_MAPS.get(path, fd)
-        else:
-            mm = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        mm = _READER_MAPS.get(path, fd, keep)
     finally:
         os.close(fd)
-    if keep:
-        _READER_MAPS.trim()
     with warnings.catch_warnings():
         # Read-only on purpose: a server that wrote into its weights would fault here
         # rather than change (or silently detach from) the file every server reads.

@@ -190,6 +190,13 @@ _BINS_PER_NAT = 64
 _BIN_NATS = 40
 
 
+def _in_nucleus(sorted_vals: torch.Tensor, top_p, mass_before=0.0) -> torch.Tensor:
+    """The nucleus rule over probabilities in decreasing order along the last dim (after
+    ``mass_before`` of more likely ones): a token is in while the mass before it is below
+    ``top_p``, so the most likely token always is."""
+    return (mass_before + sorted_vals.cumsum(-1) - sorted_vals) < top_p
+
+
 def _nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The nucleus of each row of ``probs`` (``[R, V]``, normalised) as a mask, without
     sorting the row: the same tokens as keeping them in decreasing order while the mass
@@ -205,12 +212,11 @@ def _nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     top = logp.amax(-1, keepdim=True)
     bins = ((top - logp) * _BINS_PER_NAT).clamp_(max=nbins - 1).long()  # 0: the most likely
     mass = probs.new_zeros(R, nbins).scatter_add_(-1, bins, probs)
-    before_bin = mass.cumsum(-1) - mass
     # The bin of the token where the mass before reaches top_p: the last bin whose mass
-    # before it is below top_p.
-    last = ((before_bin < top_p[:, None]).sum(-1) - 1).clamp(min=0)
+    # before it is below top_p (bins are in decreasing order of probability).
+    last = (_in_nucleus(mass, top_p[:, None]).sum(-1) - 1).clamp(min=0)
     keep = bins < last[:, None]
-    before = before_bin.gather(-1, last[:, None])[:, 0]
+    before = (mass.cumsum(-1) - mass).gather(-1, last[:, None])[:, 0]
     for i in range(R):
         idx = (bins[i] == last[i]).nonzero().squeeze(-1)  # in vocabulary order
         if idx.numel() == 0:  # (a row summing to just under top_p: every bin is in)
@@ -219,7 +225,7 @@ def _nucleus_mask(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         order = None
         if not bool((vals == vals[0]).all()):  # one value (bf16 ties): already sorted
             vals, order = vals.sort(descending=True, stable=True)
-        inside = (before[i] + vals.cumsum(0) - vals) < top_p[i]
+        inside = _in_nucleus(vals, top_p[i], before[i])
         keep[i, idx[inside] if order is None else idx[order[inside]]] = True
     return keep
 
@@ -229,7 +235,5 @@ def _nucleus(sorted_probs, k, top_p, uniforms) -> torch.Tensor:
     its first ``k`` entries and its nucleus ``top_p``."""
     rank = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     keep = rank.unsqueeze(0) < k.unsqueeze(-1)
-    # Nucleus: keep a token while the mass before it is below top_p, so the
-    # most likely token always survives.
-    keep &= (sorted_probs.cumsum(-1) - sorted_probs) < top_p.unsqueeze(-1)
+    keep &= _in_nucleus(sorted_probs, top_p.unsqueeze(-1))
     return _inverse_cdf(sorted_probs * keep, uniforms)
