@@ -199,9 +199,12 @@ class WeightSender:
         self._snap: Optional[_Snapshot] = None
         self._staging: Optional[int] = None  # the version being copied in, if any
         self._pairs: Dict[str, object] = {}
-        #: per pair: the last version it pulled, and whether a transfer on it is running
+        #: per pair: the last version it pulled; the transfers answered on it and not yet
+        #: ended (a pull's sender side may still be ending when the next pull is answered),
+        #: and the lock that runs them one at a time
         self._pulled: Dict[str, int] = {}
-        self._busy_pairs: set = set()
+        self._busy_pairs: Dict[str, int] = {}
+        self._pair_locks: Dict[str, threading.Lock] = {}
         #: transfers finished / failed so far, and the last failure (for logs and tests)
         self.sent = 0
         self.failed = 0
@@ -257,6 +260,7 @@ class WeightSender:
             groups = [self._pairs.pop(name, None) for name in stale]
             for name in stale:
                 del self._pulled[name]
+                self._pair_locks.pop(name, None)
         for name, group in zip(stale, groups):
             if group is not None:
                 _drop(group)
@@ -324,8 +328,10 @@ class WeightSender:
             snap.busy += 1
             # Marked here, under the lock that staging takes: a version staged before the
             # transfer starts must not drop this pair as stale.
-            self._busy_pairs.add(req["pair"])
-            self._pulled[req["pair"]] = snap.version
+            pair = req["pair"]
+            self._busy_pairs[pair] = self._busy_pairs.get(pair, 0) + 1
+            self._pair_locks.setdefault(pair, threading.Lock())
+            self._pulled[pair] = snap.version
         answer = {
             "ok": True,
             "version": snap.version,
@@ -339,6 +345,21 @@ class WeightSender:
         return answer, snap
 
     def _transfer(self, snap: _Snapshot, req: dict, nonce: str) -> None:
+        name = req["pair"]
+        try:
+            with self._pair_locks[name]:  # after the pair's previous transfer has ended
+                self._transfer_on_pair(snap, req, nonce)
+        finally:
+            with self._lock:
+                snap.busy -= 1
+                self._busy_pairs[name] -= 1
+                if not self._busy_pairs[name]:
+                    del self._busy_pairs[name]
+                    if name not in self._pairs:  # (failed: the pair is gone)
+                        self._pair_locks.pop(name, None)
+                self._lock.notify_all()
+
+    def _transfer_on_pair(self, snap: _Snapshot, req: dict, nonce: str) -> None:
         name, who = req["pair"], f"server {req.get('server')!r}"
         t0 = time.monotonic()
         group = None
@@ -380,11 +401,6 @@ class WeightSender:
             if group is not None:
                 _drop(group)
             logger.warning(why + "; its pair is dropped, the other servers go on")
-        finally:
-            with self._lock:
-                snap.busy -= 1
-                self._busy_pairs.discard(name)
-                self._lock.notify_all()
 
     def wait_transfers(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until no transfer is running; False if one still

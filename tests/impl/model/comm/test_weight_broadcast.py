@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from weight_senders import HalfSender
+from weight_senders import HalfSender, SlowTailSender
 
 from realhf.impl.model.comm import weight_broadcast as wb
 from realhf.impl.model.comm.weight_broadcast import (
@@ -59,6 +59,26 @@ def test_a_pulled_version_equals_the_staged_one_and_the_pair_is_reused(sender, r
     # One pair served both pulls.
     assert sender.wait_transfers(10)
     assert sender.sent == 2 and len(sender._pairs) == 1 and sender.failed == 0
+
+
+def test_a_pull_answered_while_the_last_transfer_ends_waits_for_it_and_both_count(receiver):
+    """CI 2026-11-29: the sender's side of a transfer ended after the server's next pull was
+    answered, and that end cleared the pair's busy mark while the next transfer ran (so
+    wait_transfers returned with one transfer uncounted).  Transfers on a pair now run one
+    after the other and are counted apart."""
+    sender = SlowTailSender(host=HOST, timeout=5.0, bucket_bytes=BUCKET)
+    try:
+        dst = torch.zeros(N)
+        sender.stage(_weights(), SPEC, 1)
+        receiver.receive(sender.address, 1, dst, SPEC, timeout=10)
+        sender.stage(_weights(2), SPEC, 2)
+        receiver.receive(sender.address, 2, dst, SPEC, timeout=10)  # the first still ends
+        assert torch.equal(dst, _weights(2))
+        assert sender._busy_pairs  # the second transfer's end is still to come
+        assert sender.wait_transfers(10)
+        assert sender.sent == 2 and sender.failed == 0 and not sender._busy_pairs
+    finally:
+        sender.close()
 
 
 def test_a_pair_that_stops_pulling_is_dropped_and_its_server_can_come_back(sender, receiver):
