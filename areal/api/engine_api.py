@@ -25,8 +25,7 @@ from realhf.impl.model import ReaLModel
 from realhf.impl.model.backend import TrainEngine as _Backend
 from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion import flat_file
-from realhf.impl.model.conversion.hf import save_tokenizer
-from realhf.impl.model.nn.lora import add_lora, save_peft
+from realhf.impl.model.nn.lora import add_lora
 
 __all__ = ["TrainEngine", "InferenceEngine"]
 
@@ -160,11 +159,9 @@ class TrainEngine:
         if dist.is_initialized() and dist.get_rank() != 0:
             return
         tmp = path + ".tmp"
-        if self.module.lora is not None:
-            save_peft(self.module, tmp, base_model_path=os.path.abspath(self.path))
-            save_tokenizer(self.path, tmp)
-        else:
-            self.module.save_hf(tmp, tokenizer=self.path)
+        self.module.save_trained(
+            tmp, base_model_path=os.path.abspath(self.path), tokenizer=self.path
+        )
         if os.path.isdir(path):
             import shutil
 

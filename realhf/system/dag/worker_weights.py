@@ -34,7 +34,6 @@ from realhf.impl.model.backend import InferenceEngine, TrainEngine
 from realhf.impl.model.backend.offload import Offloader, free_storage, regrow_storage
 from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import whole_model, write_flat
-from realhf.impl.model.conversion.hf import save_tokenizer
 from realhf.impl.model.nn.lora import add_lora
 from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.impl.model.parallelism import ParallelGrid, load_model
@@ -332,11 +331,13 @@ class RoleWeights:
         tmp = final + ".tmp"
         if self.layouts.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        module = self.modules[role]
-        if self.specs[role].has_lora:  # (a collective on sharded layouts, as save_hf)
-            module.save_trained(tmp, base_model_path=os.path.abspath(self.specs[role].path))
-        else:
-            module.save_hf(tmp, tokenizer=self.config.tokenizer_path or None)
+        # (a collective on sharded layouts; a LoRA version is its adapters, no tokenizer)
+        spec = self.specs[role]
+        self.modules[role].save_trained(
+            tmp,
+            base_model_path=os.path.abspath(spec.path),
+            tokenizer=None if spec.has_lora else self.config.tokenizer_path or None,
+        )
         if self.layouts.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
@@ -399,11 +400,6 @@ class RoleWeights:
         path), and the merged model under ``path/merged`` if ``lora.save_merged``."""
         spec, module = self.specs[role], self.modules[role]
         tokenizer = self.config.tokenizer_path or None
-        if not spec.has_lora:
-            module.save_hf(path, tokenizer=tokenizer)
-            return
-        module.save_trained(path, base_model_path=os.path.abspath(spec.path))
-        if tokenizer is not None and self.layouts.rank == 0:
-            save_tokenizer(tokenizer, path)  # (loaders of the directory find it there)
-        if spec.lora.save_merged:
+        module.save_trained(path, base_model_path=os.path.abspath(spec.path), tokenizer=tokenizer)
+        if spec.has_lora and spec.lora.save_merged:
             module.save_hf(os.path.join(path, "merged"), tokenizer=tokenizer)

@@ -462,15 +462,8 @@ def load_peft(model, adapter_dir: str) -> None:
 def merged(model):
     """A copy of ``model`` without adapters whose weights have them folded in
     (``W + scale · B A``; what a merged ``save_hf`` writes)."""
-    import copy
-
-    out = copy.deepcopy(model)
+    out = model.copy_base()
     lora: LoraWeights = model.lora
-    for _, _, _, mod in _targets(out):
-        del mod.lora
-    out.lora = None
-    if getattr(out.head, "lora_value", None) is not None:
-        del out.head.lora_value
     params = dict(out.named_parameters())
     with torch.no_grad():
         for ours in _value_head(model):

@@ -265,7 +265,9 @@ class ReaLModel(nn.Module):
         with torch.no_grad():
             self.flat_params.copy_(flat)
 
-    def __deepcopy__(self, memo):
+    def copy_base(self) -> "ReaLModel":
+        """A copy of the model without its LoRA adapters (weights, trainable flags and mode
+        kept), in a flat buffer of its own."""
         # The default deepcopy clones every parameter separately, which would
         # leave the copy's parameters outside its flat buffer.
         new = type(self)(
@@ -279,14 +281,18 @@ class ReaLModel(nn.Module):
             layers=self.layer_range,
         )
         new.load_flat(self.flat_params.detach())
+        for (_, src), (_, dst) in zip(self.named_parameters(), new.named_parameters()):
+            dst.requires_grad_(src.requires_grad)
+        new.train(self.training)
+        return new
+
+    def __deepcopy__(self, memo):
+        new = self.copy_base()
         if self.lora is not None:
             from realhf.impl.model.nn.lora import add_lora
 
             add_lora(new, self.lora.spec, init=False).use_flat(self.lora.flat.detach().clone())
             new.lora.enabled = self.lora.enabled
-        for (_, src), (_, dst) in zip(self.named_parameters(), new.named_parameters()):
-            dst.requires_grad_(src.requires_grad)
-        new.train(self.training)
         memo[id(self)] = new
         return new
 
@@ -499,18 +505,25 @@ class ReaLModel(nn.Module):
         hf.load_weights(self, model_dir, check_config=True)
 
     def save_trained(
-        self, out_dir: Union[str, os.PathLike], base_model_path: Optional[str] = None
+        self,
+        out_dir: Union[str, os.PathLike],
+        base_model_path: Optional[str] = None,
+        tokenizer=None,
     ) -> None:
-        """Write what training changes (a recover checkpoint's weights): the HF directory,
-        or with LoRA the adapters alone in PEFT's format, naming ``base_model_path`` as
-        their base (a collective like :meth:`save_hf`)."""
+        """Write what training changes (a recover checkpoint's weights, a saved model): the
+        HF directory, or with LoRA the adapters alone in PEFT's format, naming
+        ``base_model_path`` as their base; with ``tokenizer`` (as for :meth:`save_hf`) in
+        either case.  A collective like :meth:`save_hf`."""
         if self.lora is None:
-            return self.save_hf(out_dir)
+            return self.save_hf(out_dir, tokenizer)
+        from realhf.impl.model.conversion.hf import save_tokenizer
         from realhf.impl.model.nn.lora import save_peft
 
         full = self.tp.gather_model(self) if self.tp.distributed else self
         if full is not None:  # (None: a rank that does not write)
             save_peft(full, str(out_dir), base_model_path=base_model_path)
+            if tokenizer is not None:  # (loaders of the directory find it there)
+                save_tokenizer(tokenizer, str(out_dir))
 
     def load_trained(self, model_dir: Union[str, os.PathLike]) -> None:
         """Load what :meth:`save_trained` wrote, in place."""

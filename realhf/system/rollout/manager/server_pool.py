@@ -369,7 +369,7 @@ class ServerPool:
             failed, newer = [], None
             for s, r in zip(targets, results):
                 if isinstance(r, UpdateSuperseded):
-                    newer = max(newer or r.newer, r.newer)
+                    newer = r.newer if newer is None else max(newer, r.newer)
                 elif isinstance(r, ServerGone):
                     self.mark_dead(s, f"unreachable during the weight update to version {version}")
                 elif isinstance(r, WeightUpdateError):
