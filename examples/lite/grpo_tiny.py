@@ -148,6 +148,10 @@ def main():
         actor.close()
         if shm and rank == 0:
             shutil.rmtree(weights_root, ignore_errors=True)
+    # Together: a rank that tore its process group down while rank 0 was still stopping
+    # the server and the executor aborted in gloo's teardown ("terminate called without an
+    # active exception", SIGABRT; CI 2026-11-29).
+    dist.barrier()
     dist.destroy_process_group()
 
 
