@@ -123,6 +123,56 @@ def make_tiny_hf_model(
     return str(path)
 
 
+#: token ids of the tiny vision-language model (vocabulary 128)
+VL_TOKENS = dict(vision_start_token_id=120, vision_end_token_id=121, image_token_id=122,
+                 video_token_id=123)  # fmt: skip
+
+
+def tiny_vl_config(**text_overrides):
+    """A transformers Qwen2_5_VLConfig: the tiny qwen2 text model, a 2-block ViT whose first
+    block attends in windows of 2x2 merged tokens, and M-RoPE sections (2, 3, 3)."""
+    import transformers
+
+    text = dict(_TINY["qwen2"], tie_word_embeddings=False)
+    text.update(text_overrides)
+    text["rope_parameters"] = dict(
+        rope_type="default", rope_theta=text.pop("rope_theta"), mrope_section=[2, 3, 3]
+    )
+    tie = text.pop("tie_word_embeddings")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                  out_hidden_size=text["hidden_size"], patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])  # fmt: skip
+    return transformers.AutoConfig.for_model(
+        "qwen2_5_vl",
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        vision_config=vision,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=1,
+        **VL_TOKENS,
+        **text,
+    )
+
+
+def make_tiny_vl_model(
+    path: Union[str, os.PathLike], *, seed: int = 0, perturb: float = 0.02, **text_overrides
+) -> str:
+    """Write a random tiny Qwen2.5-VL (``tiny_vl_config``) to ``path``; returns the path."""
+    import transformers
+
+    config = tiny_vl_config(**text_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+        if perturb:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn_like(p) * perturb)
+    os.makedirs(str(path), exist_ok=True)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
 class TinyItems:
     """A dataset of ``n`` one-token prompts (``i0``, ``i1``, ...) for a ShardLoader."""
 
@@ -139,3 +189,4 @@ class TinyItems:
 
     def __getitem__(self, j: int):
         return self.items[j]
+

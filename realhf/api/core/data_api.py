@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -604,3 +604,122 @@ class SequenceSample:
         kind = "meta" if self.data is None else "data"
         meta = sorted(self.metadata)
         return f"SequenceSample(bs={len(self)}, {kind}, tokens={tokens}, metadata={meta})"
+
+
+# ---------------------------------------------------------------------------- images
+# Images in a batch: the tensors a vision-language model takes, and the keys that hold them.
+#
+# A SequenceSample item with images carries two keys (IMAGE_KEYS), one "sequence" each per
+# item, whatever number of answers the item has (the images belong to its prompt):
+# ``pixel_values`` [patches, patch_dim] float32, the HF image processor's output for all the
+# item's images, and ``image_grid_thw`` [images, 3] int64, each image's patch grid.  An item
+# without images has zero rows in both.  vision_inputs_of turns a (micro-)batch into the
+# model's VisionInputs, repeating an item's images for each of its sequences (a GRPO group
+# of answers shares its prompt's images).
+
+#: the SequenceSample keys of an item's images
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+
+
+@dataclasses.dataclass
+class VisionInputs:
+    """The images of a packed batch, in the order of their placeholders.
+
+    Attributes:
+        pixel_values: ``[N, patch_dim]`` the patches of every image, back to back.
+        grid_thw: ``LongTensor[n_images, 3]``: each image's patch grid (t, h, w); image
+            ``i`` holds ``t * h * w`` rows of ``pixel_values`` and fills
+            ``t * h * w / spatial_merge_size**2`` placeholders.
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: torch.Tensor
+
+    def __post_init__(self):
+        if self.pixel_values.dim() != 2:
+            raise ValueError(
+                f"pixel_values must be [patches, patch_dim], got {tuple(self.pixel_values.shape)}"
+            )
+        if self.grid_thw.dim() != 2 or self.grid_thw.shape[-1] != 3:
+            raise ValueError(f"grid_thw must be [images, 3], got {tuple(self.grid_thw.shape)}")
+        n = int(self.grid_thw.prod(-1).sum()) if self.grid_thw.numel() else 0
+        if n != self.pixel_values.shape[0]:
+            raise ValueError(
+                f"grid_thw describes {n} patches but pixel_values has "
+                f"{self.pixel_values.shape[0]} rows"
+            )
+
+    @property
+    def n_images(self) -> int:
+        """Images in the batch."""
+        return self.grid_thw.shape[0]
+
+    def tokens_per_image(self, merge_size: int) -> List[int]:
+        """Placeholders each image fills."""
+        return (self.grid_thw.prod(-1) // merge_size**2).tolist()
+
+    def to(self, device) -> "VisionInputs":
+        """A copy on ``device``."""
+        return VisionInputs(self.pixel_values.to(device), self.grid_thw.to(device))
+
+
+def vision_inputs_of(sample, device=None) -> Optional[VisionInputs]:
+    """The images of a SequenceSample as one :class:`VisionInputs` in the order of its
+    sequences (each item's repeated per sequence of ``packed_input_ids``); None when the
+    sample has no image keys or no images."""
+    if sample.data is None or not all(k in sample.keys for k in IMAGE_KEYS):
+        return None
+    pix, grid = (sample.data[k] for k in IMAGE_KEYS)
+    if grid is None or grid.shape[0] == 0:
+        return None
+    n_seqs = [len(lens) for lens in sample.seqlens["packed_input_ids"]]
+    pix_items = torch.split(pix, [sum(x) for x in sample.seqlens["pixel_values"]])
+    grid_items = torch.split(grid, [sum(x) for x in sample.seqlens["image_grid_thw"]])
+    pixels: List[torch.Tensor] = []
+    grids: List[torch.Tensor] = []
+    for n, p, g in zip(n_seqs, pix_items, grid_items):
+        pixels += [p] * n
+        grids += [g] * n
+    out = VisionInputs(torch.cat(pixels), torch.cat(grids).long())
+    return out if device is None else out.to(device)
+
+
+def image_sample(ids, pixel_values, grid_thw, pixel_lens, grid_lens):
+    """A SequenceSample of only the image keys: item ``i`` (id ``ids[i]``) holds
+    ``pixel_lens[i]`` patch rows and ``grid_lens[i]`` images."""
+
+    return SequenceSample(
+        keys=set(IMAGE_KEYS),
+        trailing_shapes={"pixel_values": tuple(pixel_values.shape[1:]), "image_grid_thw": (3,)},
+        dtypes={"pixel_values": pixel_values.dtype, "image_grid_thw": torch.int64},
+        ids=list(ids),
+        seqlens={
+            "pixel_values": [[int(n)] for n in pixel_lens],
+            "image_grid_thw": [[int(n)] for n in grid_lens],
+        },
+        data={"pixel_values": pixel_values, "image_grid_thw": grid_thw.long()},
+    )
+
+
+def images_per_sequence(sample, seq_ids):
+    """The image keys of ``sample`` re-cut with one item per sequence (ids ``seq_ids``, in
+    the order of ``packed_input_ids``' sequences): each sequence gets its item's images.
+    None when the sample has no image keys."""
+    if sample.data is None or not all(k in sample.keys for k in IMAGE_KEYS):
+        return None
+    n_seqs = [len(lens) for lens in sample.seqlens["packed_input_ids"]]
+    pix = torch.split(sample.data["pixel_values"], sample.item_tokens("pixel_values"))
+    grid = torch.split(sample.data["image_grid_thw"], sample.item_tokens("image_grid_thw"))
+    pixels, grids, plens, glens = [], [], [], []
+    for n, p, g in zip(n_seqs, pix, grid):
+        pixels += [p] * n
+        grids += [g] * n
+        plens += [p.shape[0]] * n
+        glens += [g.shape[0]] * n
+    return image_sample(seq_ids, torch.cat(pixels), torch.cat(grids), plens, glens)
+
+
+def keys_with_images(sample, keys) -> List[str]:
+    """``keys`` plus the image keys ``sample`` holds: what an interface selects for a forward
+    pass (the model needs the images of the sequences it reads)."""
+    return list(keys) + [k for k in IMAGE_KEYS if k in sample.keys and k not in keys]

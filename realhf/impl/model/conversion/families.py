@@ -17,7 +17,7 @@ import dataclasses
 from types import ModuleType
 from typing import Any, Dict, List, Optional
 
-from realhf.impl.model.conversion import gpt2, llama_like
+from realhf.impl.model.conversion import gpt2, llama_like, qwen2_5_vl
 from realhf.impl.model.conversion.hf_config import UnsupportedCheckpoint
 from realhf.impl.model.conversion.rules import WeightRule, copy_rule
 from realhf.impl.model.nn.model_config import ReaLModelConfig
@@ -86,6 +86,15 @@ _ALL = [
         llama_like,
     ),
     HFFamily("gpt2", "gpt2", "GPT2LMHeadModel", "GPT2ForTokenClassification", "classifier", gpt2),
+    # (no token-classification class exists: qwen2_5_vl.check_representable refuses critics)
+    HFFamily(
+        "qwen2_5_vl",
+        "qwen2_5_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLForTokenClassification",
+        "score",
+        qwen2_5_vl,
+    ),
 ]
 FAMILIES: Dict[str, HFFamily] = {f.name: f for f in _ALL}
 _BY_MODEL_TYPE = {f.model_type: f for f in _ALL}

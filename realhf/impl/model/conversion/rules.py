@@ -6,7 +6,9 @@ its expected HF shape, and the layout change between the two:
 - ``copy``: same tensor;
 - ``transpose``: gpt2's ``Conv1D`` stores ``[in, out]``, we store ``[out, in]``;
 - ``split``: one HF tensor is several of ours, cut along dim 0 (biases);
-- ``split_transpose``: cut along HF dim 1, then transpose (gpt2 ``c_attn``).
+- ``split_transpose``: cut along HF dim 1, then transpose (gpt2 ``c_attn``);
+- ``flatten``: HF's ``[out, *in]`` kernel is our ``[out, prod(in)]`` matrix (a vision
+  tower's patch convolution, whose stride equals its kernel).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-KINDS = ("copy", "transpose", "split", "split_transpose")
+KINDS = ("copy", "transpose", "split", "split_transpose", "flatten")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,8 @@ class WeightRule:
             return [t]
         if self.kind == "transpose":
             return [t.t()]
+        if self.kind == "flatten":
+            return [t.reshape(t.shape[0], -1)]
         if self.kind == "split":
             return list(torch.split(t, list(self.sizes), dim=0))
         return [p.t() for p in torch.split(t, list(self.sizes), dim=1)]
@@ -54,6 +58,8 @@ class WeightRule:
             return ts[0].contiguous()
         if self.kind == "transpose":
             return ts[0].t().contiguous()
+        if self.kind == "flatten":
+            return ts[0].reshape(self.hf_shape).contiguous()
         if self.kind == "split":
             return torch.cat(list(ts), dim=0).contiguous()
         return torch.cat([t.t() for t in ts], dim=1).contiguous()

@@ -59,6 +59,25 @@ def rope_cos_sin(
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+def mrope_cos_sin(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    dtype: torch.dtype,
+    section: Tuple[int, ...],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Multimodal RoPE (Qwen2-VL's): cos and sin ``[T, head_dim]`` for positions ``[3, T]``.
+
+    The frequency pairs are cut into ``section`` (temporal, height, width) bands, and
+    band ``i`` rotates by position axis ``i``.  With three equal axes this is
+    :func:`rope_cos_sin`.
+    """
+    freqs = position_ids.float()[..., None] * inv_freq.float()  # [3, T, head_dim / 2]
+    bands = freqs.split(list(section), dim=-1)
+    freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

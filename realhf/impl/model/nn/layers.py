@@ -37,6 +37,7 @@ from realhf.impl.model.nn.lora import column_delta, row_delta
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.packed_linear import packed_or_none
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
+from realhf.impl.model.nn.vision import VisionInputs, vision_forward, vision_param_decls
 
 # (local name, shape, init) with init in {"normal", "ones", "zeros"}.
 ParamDecl = Tuple[str, Tuple[int, ...], str]
@@ -119,7 +120,8 @@ def _linear_decls(prefix: str, out_dim: int, in_dim: int, bias: bool) -> List[Pa
 
 
 class EmbeddingLayer(nn.Module):
-    """Layer 0: token embedding, plus learned positions for gpt2."""
+    """Layer 0: token embedding, plus learned positions for gpt2, plus the vision tower
+    of a vision-language model (whose image tokens replace the image placeholders)."""
 
     def __init__(self, config: ReaLModelConfig, tp: LocalHooks = LOCAL):
         super().__init__()
@@ -132,13 +134,33 @@ class EmbeddingLayer(nn.Module):
         decls = [("wte.weight", (cfg.vocab_size, cfg.hidden_dim), "normal")]
         if cfg.abs_position_embedding:
             decls.append(("wpe.weight", (cfg.n_positions, cfg.hidden_dim), "normal"))
+        if cfg.vision is not None:
+            decls += vision_param_decls(cfg.vision)
         return decls
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``[T]`` token ids (and positions) -> hidden states ``[T, hidden_dim]``."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        images: Optional[VisionInputs] = None,
+    ) -> torch.Tensor:
+        """``[T]`` token ids (and positions, and images) -> hidden states ``[T, hidden_dim]``."""
         h = self.tp.embed(input_ids, self.wte.weight)
         if self.config.abs_position_embedding:
             h = h + F.embedding(position_ids, self.wpe.weight)
+        if images is not None and images.n_images:
+            v = self.config.vision
+            feats = vision_forward(self.visual, v, images, _ACTIVATIONS[v.activation])
+            where = input_ids == v.image_token_id
+            if int(where.sum()) != feats.shape[0]:
+                raise ValueError(
+                    f"the tokens hold {int(where.sum())} image placeholders (id "
+                    f"{v.image_token_id}) but the {images.n_images} images make "
+                    f"{feats.shape[0]} image tokens"
+                )
+            # (index_put, not in place on h: the embedding's output may be a view a
+            # backward needs)
+            h = h.index_put((where.nonzero().squeeze(-1),), feats.to(h.dtype))
         return h
 
 

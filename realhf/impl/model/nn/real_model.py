@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from realhf.impl.model.modules.rotary import rope_cos_sin, rope_inv_freq
+from realhf.impl.model.modules.rotary import mrope_cos_sin, rope_cos_sin, rope_inv_freq
 from realhf.impl.model.modules.shared_prefix import SharedPrefix
 from realhf.impl.model.nn.flat_param import ParamSpec, build_param_spec, flat_view
 from realhf.impl.model.nn.layers import (
@@ -39,6 +39,7 @@ from realhf.impl.model.nn.layers import (
 )
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
+from realhf.impl.model.nn.vision import VisionInputs, mrope_positions
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -338,6 +339,10 @@ class ReaLModel(nn.Module):
                 device=dev,
                 scaling=self.config.rope_scaling,
             )
+        if position_ids.dim() == 2:  # [3, T]: multimodal RoPE
+            return mrope_cos_sin(
+                position_ids, self._inv_freq_cache[dev], self.dtype, self.config.mrope_section
+            )
         return rope_cos_sin(position_ids, self._inv_freq_cache[dev], self.dtype)
 
     def forward(
@@ -350,6 +355,7 @@ class ReaLModel(nn.Module):
         max_seqlen: Optional[int] = None,
         hidden: Optional[torch.Tensor] = None,
         shared_prefix: Optional[SharedPrefix] = None,
+        images: Optional[VisionInputs] = None,
     ) -> torch.Tensor:
         """Run the packed batch through the layers this model holds.
 
@@ -370,7 +376,12 @@ class ReaLModel(nn.Module):
             shared_prefix: compute each shared prompt once (see
                 :mod:`realhf.impl.model.modules.shared_prefix`); the output still has one
                 row per packed token.  Whole models without a sliding window only, and
-                without ``position_ids`` / ``attn_fn`` / ``hidden``.
+                without ``position_ids`` / ``attn_fn`` / ``hidden`` / ``images``.
+            images: the batch's images (a vision-language model): the vision tower's
+                tokens replace the image placeholders (on the stage with the embedding),
+                and the default positions become multimodal RoPE positions ``[3, T]``
+                (:func:`~realhf.impl.model.nn.vision.mrope_positions`).  Explicit
+                ``position_ids`` of such a model may be ``[3, T]``.
 
         Returns:
             ``[T, vocab_size]`` logits (``[T, vocab_size / tp]``, this rank's vocabulary
@@ -386,9 +397,16 @@ class ReaLModel(nn.Module):
             raise ValueError(f"cu_seqlens must be 1-D [B+1], got shape {tuple(cu_seqlens.shape)}")
         T = input_ids.shape[0]
         sp = shared_prefix
+        if images is not None and self.config.vision is None:
+            raise ValueError(
+                f"images were given to a {self.config.family} model, which has no vision "
+                "tower; use a vision-language model (family qwen2_5_vl)"
+            )
         if sp is not None:
             if attn_fn is not None or position_ids is not None or hidden is not None:
                 raise ValueError("shared_prefix sets positions and attention itself")
+            if images is not None:
+                raise ValueError("shared_prefix does not take images (multimodal positions)")
             if not (self.has_embedding and self.has_head) or self.config.sliding_window:
                 raise ValueError(
                     "shared_prefix needs a whole model (not a pipeline stage) without a "
@@ -405,11 +423,19 @@ class ReaLModel(nn.Module):
             input_ids, position_ids = input_ids[sp.keep], sp.position_ids
             cu_seqlens = cu_seqlens.new_tensor([0, input_ids.shape[0]])
         if position_ids is None:
-            position_ids = packed_position_ids(cu_seqlens, T)
-        elif position_ids.shape != input_ids.shape:
+            if images is not None and images.n_images:
+                v = self.config.vision
+                position_ids = mrope_positions(input_ids, cu_seqlens, images.grid_thw, v)
+                position_ids = position_ids.position_ids
+            else:
+                position_ids = packed_position_ids(cu_seqlens, T)
+        elif position_ids.shape != input_ids.shape and not (
+            self.config.mrope_section is not None and position_ids.shape == (3, T)
+        ):
             raise ValueError(
                 f"position_ids shape {tuple(position_ids.shape)} must equal input_ids "
                 f"shape {tuple(input_ids.shape)}"
+                + (" (or [3, T] multimodal positions)" if self.config.mrope_section else "")
             )
         # The RoPE tables are built once per forward and shared by all blocks.
         cos, sin = self._rope_tables(position_ids)
@@ -430,7 +456,7 @@ class ReaLModel(nn.Module):
                 f"hidden has shape {tuple(hidden.shape)}; expected [T, hidden_dim] = "
                 f"[{T}, {self.config.hidden_dim}]"
             )
-        h = self.embedding(input_ids, position_ids) if hidden is None else hidden
+        h = self.embedding(input_ids, position_ids, images) if hidden is None else hidden
         checkpoint = (
             self.gradient_checkpointing
             and self.training
