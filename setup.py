@@ -122,6 +122,9 @@ setup(
         # so that a default run never silently lacks an output.
         "matplotlib",
         "tensorboard",
+        # dataset and request images (vision-language models): decoding, checks, and the
+        # HF image processor's PIL backend (no torchvision)
+        "pillow",
     ],
     extras_require={
         # etcd-sdk-python (module `pyetcd`, the maintained fork of etcd3 with the same

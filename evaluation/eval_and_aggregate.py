@@ -103,7 +103,9 @@ def evaluate(
     import torch
     from transformers import AutoTokenizer
 
+    from realhf.api.core.data_api import VisionInputs
     from realhf.api.core.gen_api import GenerateRequest, SamplingParams
+    from realhf.impl.dataset.images import RowImages
     from realhf.impl.model import ReaLModel
     from realhf.impl.model.gen.engine import GenerationEngine
     from realhf.impl.model.gen.engine_config import EngineConfig
@@ -127,8 +129,18 @@ def evaluate(
             problems = load_problems(path)[:max_problems]
             t0 = time.monotonic()
             prompts = [tok(p["prompt"], add_special_tokens=False)["input_ids"] for p in problems]
+            images = [None] * len(problems)
+            if RowImages.needed(problems):  # a visual task: placeholders expanded, pixels
+                rows = RowImages(path, tok)
+                for i, p in enumerate(problems):
+                    prompts[i] = rows.expand(i, p, prompts[i], f"{path} ({p['query_id']})")
+                    pix, grid = rows.pixels(i)
+                    images[i] = VisionInputs(pix, grid) if grid.shape[0] else None
             greedy = SamplingParams(max_new_tokens=max_gen_tokens, temperature=0.0)
-            reqs = [GenerateRequest(input_ids=ids, sampling=greedy) for ids in prompts]
+            reqs = [
+                GenerateRequest(input_ids=ids, sampling=greedy, images=im)
+                for ids, im in zip(prompts, images)
+            ]
             if n_samples > 0:
                 sp = SamplingParams(
                     max_new_tokens=max_gen_tokens,
@@ -139,7 +151,9 @@ def evaluate(
                 for i, ids in enumerate(prompts):
                     base = SamplingParams(**{**sp.__dict__, "sampling_seed": seed * 1_000_003 + i})
                     reqs += [
-                        GenerateRequest(input_ids=ids, sampling=base.for_sample(j))
+                        GenerateRequest(
+                            input_ids=ids, sampling=base.for_sample(j), images=images[i]
+                        )
                         for j in range(n_samples)
                     ]
             outs = engine.generate(reqs)

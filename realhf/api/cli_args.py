@@ -36,7 +36,7 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("float32", "bfloat16", "float16")
 #: the embedded tasks (model + data under realhf/assets/), chosen with ``task=NAME``:
 #: 2-digit arithmetic with ~6-token answers, and worked chains of 10-240 tokens
-EMBEDDED_TASKS = ("tiny_arith", "tiny_long")
+EMBEDDED_TASKS = ("tiny_arith", "tiny_long", "tiny_visual")
 #: the projections LoRA adapters can go on (HuggingFace's module names)
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -403,7 +403,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         )
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, epoch_size, B)
     mb_spec = cfg.mb.spec
-    mfcs = ppo_mfcs(cfg, mb_spec, include_gen=False)
+    mfcs = ppo_mfcs(cfg, mb_spec, include_gen=False, images=blocks.dataset_has_images(train))
     hp = cfg.ppo
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
 

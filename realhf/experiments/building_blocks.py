@@ -32,7 +32,7 @@ from realhf.base import constants
 ASSETS_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 #: asset directory of each embedded task (cli_args.EMBEDDED_TASKS): a complete HF model
 #: directory (the task's SFT model and tokenizer) with data/{train,eval,sft}.jsonl
-TASK_DIRS = {"tiny_arith": "tiny", "tiny_long": "tiny_long"}
+TASK_DIRS = {"tiny_arith": "tiny", "tiny_long": "tiny_long", "tiny_visual": "tiny_visual"}
 ASSETS = os.path.join(ASSETS_ROOT, "tiny")
 #: the embedded tiny SFT model (a complete HF directory with its tokenizer)
 TINY_MODEL = ASSETS
@@ -107,6 +107,29 @@ def checked_len(dataset_cls, path: str, tokenizer, **kwargs) -> int:
         _CHECKED_LENGTHS[key] = len(ds)
         _LONGEST[path] = max(_LONGEST.get(path, 0), ds.longest())
     return _CHECKED_LENGTHS[key]
+
+
+def dataset_has_images(path: str) -> bool:
+    """Whether any row of the jsonl file ``path`` has ``images`` (the MFCs that read its
+    items then take the image keys, :data:`~realhf.api.core.data_api.IMAGE_KEYS`)."""
+    import json
+
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if '"images"' in line:
+                try:
+                    if json.loads(line).get("images"):
+                        return True
+                except (json.JSONDecodeError, AttributeError):
+                    continue  # (the dataset's own load reports malformed rows)
+    return False
+
+
+def with_images(keys: Sequence[str], images: bool) -> Tuple[str, ...]:
+    """``keys`` plus the image keys when the items have images."""
+    from realhf.api.core.data_api import IMAGE_KEYS
+
+    return tuple(keys) + (IMAGE_KEYS if images else ())
 
 
 def longest_item(path: str) -> Optional[int]:

@@ -239,14 +239,17 @@ class PPOMathConfig(BaseExperimentConfig):
 
 # Long on purpose: one block per MFC of the graph, each pruned by the options that need it,
 # so the whole dataflow graph can be read in one place.
-def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = True) -> list:
-    """The MFCs of PPO for `cfg` (without actor_gen for async PPO)."""
+def ppo_mfcs(
+    cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = True, images: bool = False
+) -> list:
+    """The MFCs of PPO for `cfg` (without actor_gen for async PPO); with ``images`` the
+    prompts' images go to every MFC that runs the policy, its reference or the critic."""
     hp = dataclasses.replace(cfg.ppo, seed=cfg.seed)  # one seed for the whole run
     n = cfg.train_batch_size
     actor = cfg.actor.interfaces(hp)  # ppo_actor unless actor.*_interface say otherwise
+    seq_keys = blocks.with_images(("packed_input_ids", "prompt_mask"), images)
     train_keys = [
-        "packed_input_ids",
-        "prompt_mask",
+        *seq_keys,
         "packed_logprobs",
         "rewards",
         "seq_no_eos_mask",
@@ -260,7 +263,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 interface_type="generate",
                 interface_impl=actor.gen,
                 n_seqs=n,
-                input_keys=("packed_prompts",),
+                input_keys=blocks.with_images(("packed_prompts",), images),
                 output_keys=GEN_KEYS,
                 mb_spec=mb_spec,
             )
@@ -320,7 +323,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 interface_type="inference",
                 interface_impl=actor.inf,
                 n_seqs=n,
-                input_keys=("packed_input_ids", "prompt_mask"),  # prompt_mask: shared prompts
+                input_keys=seq_keys,  # prompt_mask: shared prompts
                 output_keys=("packed_ref_logprobs",),
                 output_key_remap={"logprobs": "packed_ref_logprobs"},
                 mb_spec=mb_spec,
@@ -335,7 +338,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 interface_type="inference",
                 interface_impl=actor.inf,
                 n_seqs=n,
-                input_keys=("packed_input_ids", "prompt_mask"),  # prompt_mask: shared prompts
+                input_keys=seq_keys,  # prompt_mask: shared prompts
                 output_keys=("proximal_logprobs",),
                 output_key_remap={"logprobs": "proximal_logprobs"},
                 mb_spec=mb_spec,
@@ -351,7 +354,7 @@ def ppo_mfcs(cfg: PPOMathConfig, mb_spec: MicroBatchSpec, include_gen: bool = Tr
                 interface_type="inference",
                 interface_impl=critic,
                 n_seqs=n,
-                input_keys=("packed_input_ids", "prompt_mask", "seq_no_eos_mask"),
+                input_keys=(*seq_keys, "seq_no_eos_mask"),
                 output_keys=("values",),
                 mb_spec=mb_spec,
             )
@@ -464,7 +467,7 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     train, eval_, size = checked_math_data(cfg, tok)
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     mb_spec = cfg.mb.spec
-    mfcs = ppo_mfcs(cfg, mb_spec)
+    mfcs = ppo_mfcs(cfg, mb_spec, images=blocks.dataset_has_images(train))
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
     models = model_specs(cfg, actor_path)
     return blocks.trainer_experiment(

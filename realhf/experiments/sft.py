@@ -88,7 +88,9 @@ def build_sft(cfg: SFTConfig) -> ExperimentConfig:
             interface_type="train_step",
             interface_impl="sft",
             n_seqs=cfg.train_batch_size,
-            input_keys=("packed_input_ids", "prompt_mask"),
+            input_keys=blocks.with_images(
+                ("packed_input_ids", "prompt_mask"), blocks.dataset_has_images(data)
+            ),
             mb_spec=mb_spec,
             log_return_value=True,
         )

@@ -148,7 +148,7 @@ def test_parse_text_body():
         ({"input_ids": [1, "a"]}, "every prompt"),
         ({"input_ids": [1], "stream": True}, "streaming is not supported"),
         ({"input_ids": [1], "bogus": 1}, "bogus=1 is invalid: unknown field"),
-        ({"input_ids": [1], "image_data": "x.png"}, "image_data"),
+        ({"input_ids": [1], "image_data": 7}, "image_data"),
         ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
         ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "one value per prompt"),
         ({"input_ids": [1], "top_logprobs_num": 5}, "top logprobs"),

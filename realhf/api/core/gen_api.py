@@ -55,6 +55,8 @@ import os
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from realhf.api.core.data_api import VisionInputs
+
 GREEDY_EPS = 1e-6
 
 
@@ -292,12 +294,17 @@ class GenerateRequest:
         input_ids: prompt token ids (non-empty).
         sampling: sampling parameters with ``n == 1``.
         return_logprob: whether the output carries per-token logprobs.
+        images: the prompt's images (a vision-language model): one image placeholder
+            run in ``input_ids`` per image, already expanded to its token count (see
+            "images" in :mod:`realhf.api.core.data_api`).  Requests of one prompt may
+            share the object.
     """
 
     input_ids: Tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
     rid: str = ""
     return_logprob: bool = True
+    images: Optional[VisionInputs] = None
 
     def __post_init__(self):
         ids = self.input_ids
@@ -433,9 +440,9 @@ _GENERATE_FIELDS = (
     "logprob_start_len",
     "top_logprobs_num",
     "log_metrics",
+    "image_data",
 )
 _NEUTRAL_GENERATE_FIELDS: Dict[str, Any] = {
-    "image_data": None,
     "input_embeds": None,
     "lora_path": None,
     "custom_logit_processor": None,
@@ -458,6 +465,8 @@ class GenerateBatch:
         return_text_in_logprobs: fill the token text in logprob entries.
         rid: request ids per prompt (generated when absent).
         batched: whether the body carried a list of prompts (answer is a list).
+        image_data: per prompt, its images as data URLs (``data:image/png;base64,...``),
+            in the order of the prompt's image placeholders; empty lists without images.
     """
 
     prompts: List[Optional[List[int]]]
@@ -467,14 +476,18 @@ class GenerateBatch:
     return_text_in_logprobs: bool
     rid: List[str]
     batched: bool
+    image_data: Optional[List[List[str]]] = None
 
     @property
     def returns_list(self) -> bool:
         """SGLang answers with a list for a batch input or for ``n > 1``."""
         return self.batched or any(s.n > 1 for s in self.sampling)
 
-    def requests(self, prompts: List[List[int]]) -> List[List[GenerateRequest]]:
-        """Expand into engine requests: per prompt, one request per sample."""
+    def requests(
+        self, prompts: List[List[int]], images: Optional[List[Optional[VisionInputs]]] = None
+    ) -> List[List[GenerateRequest]]:
+        """Expand into engine requests: per prompt, one request per sample (``images``: per
+        prompt, its processed images)."""
         out = []
         for i, ids in enumerate(prompts):
             sp = self.sampling[i]
@@ -487,6 +500,7 @@ class GenerateBatch:
                         sampling=sp.for_sample(j),
                         rid=rid,
                         return_logprob=self.return_logprob[i],
+                        images=None if images is None else images[i],
                     )
                 )
             out.append(reqs)
@@ -568,6 +582,7 @@ def parse_generate_body(body: Any) -> GenerateBatch:
         rids = list(rid)
     else:
         raise _bad("rid", rid, "use a string or one string per prompt")
+    image_data = _image_data(body.get("image_data"), n, batched)
     return GenerateBatch(
         prompts=[list(p) if p is not None else None for p in prompts],
         texts=texts,
@@ -576,4 +591,26 @@ def parse_generate_body(body: Any) -> GenerateBatch:
         return_text_in_logprobs=rit,
         rid=rids,
         batched=batched,
+        image_data=image_data,
     )
+
+
+def _image_data(value: Any, n_prompts: int, batched: bool) -> Optional[List[List[str]]]:
+    """SGLang's ``image_data``: for one prompt a data URL or a list of them; for a batch one
+    such entry (or null) per prompt."""
+
+    def one(v: Any) -> List[str]:
+        v = [] if v is None else [v] if isinstance(v, str) else v
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise _bad(
+                "image_data", v, "use a data URL (data:image/png;base64,...) or a list of them"
+            )
+        return list(v)
+
+    if value is None:
+        return None
+    if not batched:
+        return [one(value)]
+    if not isinstance(value, list) or len(value) != n_prompts:
+        raise _bad("image_data", value, f"give one entry (or null) per prompt ({n_prompts})")
+    return [one(v) for v in value]

@@ -297,11 +297,13 @@ _MESSAGES: Dict[str, type] = {
 
 @dataclasses.dataclass(frozen=True)
 class GenerateGroupRequest:
-    """Agent -> rollout worker (``obs_queue``): generate ``gconfig.n`` answers to ``prompt_ids``."""
+    """Agent -> rollout worker (``obs_queue``): generate ``gconfig.n`` answers to ``prompt_ids``
+    (with ``image_data``, the prompt's images as data URLs, for a vision-language model)."""
 
     qid: str
     prompt_ids: Tuple[int, ...]
     gconfig: GenerationHyperparameters
+    image_data: Tuple[str, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

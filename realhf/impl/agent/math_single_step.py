@@ -130,7 +130,12 @@ class MathSingleStepAgent(Agent):
         if not self._gradable(qid, meta):
             return []
         await obs_queue.put(
-            GenerateGroupRequest(qid, tuple(prompt.data["packed_prompts"].tolist()), self.gconfig)
+            GenerateGroupRequest(
+                qid,
+                tuple(prompt.data["packed_prompts"].tolist()),
+                self.gconfig,
+                image_data=tuple(meta.get("image_data") or ()),
+            )
         )
         gen = self._expect(await act_queue.get(), GroupGeneration)
         verdicts = await self._grade(qid, meta, gen.output_ids, env)

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.data_api import IMAGE_KEYS, SequenceSample
 
 __all__ = ["Conversation", "build_conversation_trajectory"]
 
@@ -90,13 +90,14 @@ def build_conversation_trajectory(
         "rewards": one,
         "packed_prompts": [[len(prompt.data["packed_prompts"])]],
     }
-    metadata = {k: list(v) for k, v in prompt.metadata.items()}
+    # (image_data: the prompt's images as data URLs, for the generation servers only)
+    metadata = {k: list(v) for k, v in prompt.metadata.items() if k != "image_data"}
     for k, v in (extra_metadata or {}).items():
         metadata[k] = [v]
     if turns:
         metadata["turn_verdicts"] = [[list(c.verdicts) for c in convs]]
         metadata["n_turns"] = [[len(c.verdicts) for c in convs]]
-    return SequenceSample(
+    out = SequenceSample(
         keys=set(data),
         trailing_shapes={k: () for k in data},
         dtypes={k: v.dtype for k, v in data.items()},
@@ -105,3 +106,9 @@ def build_conversation_trajectory(
         data=data,
         metadata=metadata,
     )
+    if prompt.data is not None and all(k in prompt.keys for k in IMAGE_KEYS):
+        # The prompt's images travel with the trajectory: training reads them again.
+        images = prompt.select(IMAGE_KEYS)
+        images.ids, images.metadata = [qid], {}
+        out.update_(images)
+    return out

@@ -62,9 +62,15 @@ def shard(rows: list, dp_rank: int, world_size: int) -> list:
 
 
 class ItemDataset:
-    """A list of one-item `SequenceSample`s, the form model workers load datasets in."""
+    """A list of one-item `SequenceSample`s, the form model workers load datasets in.
+
+    A dataset with images sets ``row_images`` (a
+    :class:`~realhf.impl.dataset.images.RowImages`): reading an item then adds its image
+    keys.
+    """
 
     items: list
+    row_images = None
 
     def _finish(
         self, path: str, dropped: int, why: str, dp_rank: int, world_size: int, log
@@ -89,4 +95,6 @@ class ItemDataset:
         )
 
     def __getitem__(self, i: int):
+        if self.row_images is not None:
+            return self.row_images.attach(i, self.items[i])
         return self.items[i]

@@ -5,6 +5,13 @@ Row: ``{"query_id": str, "prompt": str, "task": "math", "solutions": ["\\boxed{4
 `SequenceSample` with key ``packed_prompts`` (the tokenized prompt) and metadata
 ``query_id``, ``task``, ``solutions`` / ``input_output`` for the reward.
 Prompts longer than ``max_prompt_len`` tokens are dropped, with a count in the log.
+
+Rows may carry ``images`` (paths relative to the file, or data URLs) for a
+vision-language model: the prompt then holds one image placeholder per image (what the
+model's chat template writes, e.g. ``<|vision_start|><|image_pad|><|vision_end|>``),
+expanded to the image's token count, and each item gains the image keys
+(:mod:`realhf.impl.dataset.images`).  A missing, unreadable or oversized image fails the
+load naming its row.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import torch
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.registry import register_dataset
 from realhf.base import logging
+from realhf.impl.dataset.images import RowImages
 from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard
 
 logger = logging.getLogger("math_dataset")
@@ -69,8 +77,13 @@ class MathPromptDataset(ItemDataset):
         # (any chat template is part of the dataset's prompt text).
         encoded = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
         self.items: list[SequenceSample] = []
+        if RowImages.needed(rows):
+            self.row_images = RowImages(dataset_path, tokenizer)
         dropped = 0
         for row, toks in zip(rows, encoded):
+            if self.row_images is not None:
+                where = f"{dataset_path} (query_id {row['query_id']})"
+                toks = self.row_images.expand(len(self.items), row, toks, where)
             if len(toks) > max_prompt_len or not toks:
                 dropped += 1
                 continue

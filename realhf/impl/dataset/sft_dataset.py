@@ -3,6 +3,9 @@
 Row: ``{"id": str, "prompt": str, "answer": str}``. Each item is the tokenized
 ``prompt + answer + EOS`` as ``packed_input_ids`` with ``prompt_mask`` (1 over the
 prompt) so the loss covers the answer tokens only.
+
+Rows may carry ``images`` for a vision-language model, as in
+:mod:`realhf.impl.dataset.math_dataset` (placeholders in the prompt, one per image).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 from realhf.api.core.data_api import SequenceSample
 from realhf.api.core.registry import register_dataset
 from realhf.base import logging
+from realhf.impl.dataset.images import RowImages
 from realhf.impl.dataset.jsonl import DatasetError, ItemDataset, read_jsonl, shard
 
 logger = logging.getLogger("sft_dataset")
@@ -44,6 +48,8 @@ class PromptAnswerDataset(ItemDataset):
         prompts = tokenizer([r["prompt"] for r in rows], add_special_tokens=False)["input_ids"]
         answers = tokenizer([r["answer"] for r in rows], add_special_tokens=False)["input_ids"]
         self.items: list[SequenceSample] = []
+        if RowImages.needed(rows):
+            self.row_images = RowImages(dataset_path, tokenizer)
         seen = set()
         dropped = 0
         for row, p, a in zip(rows, prompts, answers):
@@ -51,6 +57,9 @@ class PromptAnswerDataset(ItemDataset):
             if rid in seen:
                 raise DatasetError(f"{dataset_path}: id {rid!r} appears more than once")
             seen.add(rid)
+            if self.row_images is not None:
+                where = f"{dataset_path} (id {rid})"
+                p = self.row_images.expand(len(self.items), row, p, where)
             # EOS is part of the answer: the model learns to stop. An empty prompt leaves no
             # position to predict the first answer token from.
             toks = p + a + [tokenizer.eos_token_id]

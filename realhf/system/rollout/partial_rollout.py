@@ -198,6 +198,8 @@ class PartialRolloutManager(UncappedSession):
                 "return_logprob": True,
                 "stream": False,
             }
+            if req.image_data:  # every member reads the prompt's images
+                body["image_data"] = [list(req.image_data)] * len(todo)
             try:
                 outs = await self._generate(sched.url, body, len(todo))
             except _Overloaded as e:

@@ -188,3 +188,40 @@ def test_images_for_a_text_model_and_vl_critics_are_refused(vl_dir, tiny_hf_dir,
     with pytest.raises(UnsupportedCheckpoint, match="no token-classification class"):
         critic.save_hf(tmp_path / "critic")
 
+
+def test_a_batch_with_and_without_images_packs_and_trains(vl_dir):
+    from realhf.api.cli_args import OptimizerConfig
+    from realhf.api.core.data_api import MicroBatchSpec, SequenceSample, image_sample
+    from realhf.impl.model.backend.train import TrainEngine
+
+    seqs = _batch()  # items with two images, none, one ending the prompt, a 1-token image
+    items = []
+    for i, (ids, pix, grid) in enumerate(seqs):
+        it = SequenceSample.from_default(
+            ids=[f"q{i}"], seqlens=[[len(ids)] * 2],  # two answers per prompt, as GRPO
+            data={"packed_input_ids": torch.tensor(ids * 2)},
+        )  # fmt: skip
+        it.update_(image_sample([f"q{i}"], pix, grid, [pix.shape[0]], [grid.shape[0]]))
+        items.append(it)
+    batch = SequenceSample.gather(items)
+    engine = TrainEngine(
+        ReaLModel.from_hf(vl_dir), OptimizerConfig(lr=1e-3, weight_decay=0.0, eps=1e-8)
+    )
+    before = engine.model.embedding.visual.patch_embed.weight.detach().clone()
+
+    def loss_fn(logits, mb):
+        ids = mb.data["packed_input_ids"].to(logits.device)
+        loss = torch.nn.functional.cross_entropy(logits[:-1].float(), ids[1:])
+        return loss, {}
+
+    losses = []
+    for _ in range(3):  # micro-batches of two items: mixed and image-only ones
+        stats = engine.train_batch(batch, MicroBatchSpec(n_mbs=2), loss_fn, lambda mb: 1.0)
+        losses.append(stats["loss"])
+    assert losses[-1] < losses[0]
+    assert not torch.equal(engine.model.embedding.visual.patch_embed.weight, before)
+    # Without its image keys the batch is refused, not read as plain tokens.
+    with pytest.raises(ValueError, match="image placeholders .* but no images"):
+        engine.train_batch(
+            batch.select(["packed_input_ids"]), MicroBatchSpec(), loss_fn, lambda mb: 1.0
+        )

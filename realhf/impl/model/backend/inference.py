@@ -10,7 +10,8 @@ engine. Interfaces then call
 - ``model.module.model`` for the raw ReaLModel (e.g. to generate from it).
 
 Every sample must carry ``packed_input_ids`` (one or more sequences per item); the network
-runs as ``model(input_ids [T], cu_seqlens [B+1])`` on each micro-batch.  With a pipeline
+runs as ``model(input_ids [T], cu_seqlens [B+1])`` on each micro-batch, with the items'
+images (:mod:`realhf.api.core.data_api`, "images") when the sample carries them.  With a pipeline
 layout (``grid`` with ``pipe > 1``) the micro-batches stream through the stages and the last
 stage's result is broadcast, so every rank of a data-parallel replica returns the same.
 """
@@ -23,7 +24,7 @@ from typing import Callable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.data_api import IMAGE_KEYS, MicroBatchSpec, SequenceSample, vision_inputs_of
 from realhf.impl.model.modules.shared_prefix import SharedPrefix, prompt_lengths
 from realhf.impl.model.nn.parallel_hooks import LOCAL, LocalHooks
 
@@ -33,6 +34,22 @@ __all__ = ["InferenceEngine", "PostHook", "mb_inputs"]
 #: (``[T, vocab]`` logits or ``[T]`` values) into the tensor to return, packed item after
 #: item along dim 0 (e.g. next-token log-probs, ``L - 1`` per sequence).
 PostHook = Callable[[torch.Tensor, SequenceSample], torch.Tensor]
+
+
+def mb_images(mb: SequenceSample, model, device: torch.device):
+    """The micro-batch's images for ``model``; refuses image placeholders without images
+    (a vision-language model would read them as plain tokens and learn nothing from the
+    image: the MFC's input keys then lack the image keys)."""
+    images = vision_inputs_of(mb, device)
+    v = getattr(getattr(model, "config", None), "vision", None)
+    if images is None and v is not None and "packed_input_ids" in mb.keys:
+        if bool((mb.data["packed_input_ids"] == v.image_token_id).any()):
+            raise ValueError(
+                f"the batch has image placeholders (token {v.image_token_id}) but no images: "
+                f"its keys {sorted(mb.keys)} lack {list(IMAGE_KEYS)}; add them to the MFC's "
+                "input keys"
+            )
+    return images
 
 
 def mb_inputs(mb: SequenceSample, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,6 +170,9 @@ class InferenceEngine:
         """The network output of one micro-batch on a whole (not pipelined) model, each
         shared prompt computed once when the micro-batch marks its prompts."""
         ids, cu = mb_inputs(mb, self.device)
+        images = mb_images(mb, self.model, self.device)
+        if images is not None:  # (multimodal positions: no shared prompts)
+            return self.model(ids, cu, images=images)
         sp = None
         mask = mb.data.get("prompt_mask") if mb.data is not None else None
         if self.share_prompts and mask is not None and not self.model.config.sliding_window:
@@ -172,7 +192,7 @@ class InferenceEngine:
 
         def run(x: Optional[torch.Tensor], i: int) -> torch.Tensor:
             ids, cu = mb_inputs(mbs[i], device)
-            return self.model(ids, cu, hidden=x)
+            return self.model(ids, cu, hidden=x, images=mb_images(mbs[i], self.model, device))
 
         return run
 

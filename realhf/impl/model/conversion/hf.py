@@ -42,6 +42,9 @@ TOKENIZER_FILES = (
     # Not a tokenizer file, but it names the EOS ids generation stops at: it travels with
     # the tokenizer so a saved directory generates like the source.
     "generation_config.json",
+    # A vision-language model's image processor: its prompts cannot be built without it.
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 # Prefixes some checkpoints of a family omit (old gpt2 files have "h.0...").

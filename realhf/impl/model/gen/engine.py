@@ -62,6 +62,7 @@ from realhf.impl.model.nn.lora import is_adapter_dir
 from realhf.impl.model.nn.packed_linear import WeightPacker, packing_supported
 from realhf.impl.model.nn.parallel_hooks import LOCAL
 from realhf.impl.model.nn.real_model import ReaLModel
+from realhf.impl.model.nn.vision import VisionInputs, mrope_positions
 
 logger = logging.getLogger("gen_engine")
 
@@ -206,6 +207,19 @@ class GenerationEngine:
         n_cache_layers = len(blocks) if blocks else mc.n_layers
         self.sliding_window = getattr(mc, "sliding_window", None)
         self.context_length = config.context_length or mc.n_positions
+        #: a vision-language model's vision tower config (None: text only)
+        self.vision = getattr(mc, "vision", None)
+        # Vision tokens are never sampled: a generated image placeholder would have no
+        # image behind it when the answer is trained on.
+        v = self.vision
+        self._banned = (
+            None
+            if v is None
+            else torch.tensor(
+                sorted({v.image_token_id, v.video_token_id, v.vision_start_token_id,
+                        v.vision_end_token_id} & set(range(self.vocab_size)))
+            )
+        )  # fmt: skip
         defaults = set(int(t) for t in eos_token_ids)
         if pad_token_id is not None:
             defaults.add(int(pad_token_id))
@@ -306,6 +320,7 @@ class GenerationEngine:
                 f"the prompt has {plen} tokens; the context length is {self.context_length}, "
                 "so at most {0} prompt tokens fit".format(self.context_length - 1)
             )
+        self._check_images(req)
         mnt = req.sampling.max_new_tokens
         if mnt is None:
             mnt = self.context_length - plen
@@ -316,6 +331,22 @@ class GenerationEngine:
                 f"{self.context_length - plen}"
             )
         return mnt
+
+    def _check_images(self, req: GenerateRequest) -> None:
+        if req.images is not None and self.vision is None:
+            raise InvalidRequestError(
+                "the request has images, but the model has no vision tower (a text-only model)"
+            )
+        if self.vision is None:
+            return
+        grid = None if req.images is None else req.images.grid_thw
+        try:  # the placeholders must match the images before the request reaches a batch
+            mrope_positions(
+                torch.tensor(req.input_ids), torch.tensor([0, len(req.input_ids)]), grid,
+                self.vision,
+            )  # fmt: skip
+        except ValueError as e:
+            raise InvalidRequestError(f"images: {e}") from None
 
     def submit(self, req: GenerateRequest) -> "concurrent.futures.Future[GenerateOutput]":
         """Queue one request; the future resolves to its :class:`GenerateOutput`.
@@ -636,13 +667,17 @@ class GenerationEngine:
         dev = self.device
         B = len(decode)
         ids = [s.output_ids[-1] for s in decode]
-        positions = [s.length - 1 for s in decode]
+        positions = [s.length - 1 + s.rope_delta for s in decode]
         bounds = list(range(B + 1))
         pbounds = [0]
-        first: Dict[Tuple[int, ...], int] = {}  # prompt -> its index among the unique ones
+        # prompt (tokens, and its images: one object per prompt) -> index among unique ones
+        first: Dict[Tuple[Tuple[int, ...], int], int] = {}
         owner: List[int] = []  # per admitted sequence: the unique prompt it reads
+        mrope: Dict[int, Any] = {}  # unique prompt with images -> its MRopePositions
+        images: List[VisionInputs] = []
         for s in prefill:
-            u = first.setdefault(tuple(s.req.input_ids), len(first))
+            key = (tuple(s.req.input_ids), id(s.req.images))
+            u = first.setdefault(key, len(first))
             owner.append(u)
             if u == len(pbounds) - 1:  # a prompt not seen yet in this step
                 n = s.prompt_len
@@ -650,13 +685,28 @@ class GenerationEngine:
                 positions.extend(range(n))
                 bounds.append(bounds[-1] + n)
                 pbounds.append(pbounds[-1] + n)
+                if s.req.images is not None and s.req.images.n_images:
+                    mrope[u] = mrope_positions(
+                        torch.tensor(s.req.input_ids), torch.tensor([0, n]),
+                        s.req.images.grid_thw, self.vision,
+                    )  # fmt: skip
+                    images.append(s.req.images)
+            if u in mrope:
+                s.rope_delta = mrope[u].deltas[0]
         pos_t = torch.tensor(positions, device=dev)
+        model_pos = pos_t
+        if mrope:  # multimodal positions [3, T]: text rows repeat theirs on the three axes
+            model_pos = pos_t.expand(3, -1).clone()
+            for u, mp in mrope.items():
+                lo = B + pbounds[u]
+                model_pos[:, lo : lo + mp.position_ids.shape[1]] = mp.position_ids.to(dev)
         cache = self.cache
         dattn = pattn = src_t = None
         if decode:
             dattn = DecodeAttention(
                 torch.tensor([s.slot for s in decode], device=dev),
-                pos_t[:B] + 1,
+                # (tokens in the cache: the RoPE position differs after an image)
+                torch.tensor([s.length for s in decode], device=dev),
                 sliding_window=self.sliding_window,
                 impl=self.decode_impl,
             )
@@ -685,11 +735,18 @@ class GenerationEngine:
                 outs.append(pattn(q[B:], kp, vp))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+        extra = {}
+        if images:
+            extra["images"] = VisionInputs(
+                torch.cat([x.pixel_values for x in images]).to(dev),
+                torch.cat([x.grid_thw for x in images]).to(dev),
+            )
         logits = self._run_model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(bounds, dtype=torch.int32, device=dev),
-            position_ids=pos_t,
+            position_ids=model_pos,
             attn_fn=attn_fn,
+            **extra,
         )
         if prefill:  # each admitted sequence samples from its prompt's last position
             rows = list(range(B)) + [bounds[B + 1 + u] - 1 for u in owner]
@@ -697,6 +754,8 @@ class GenerationEngine:
             self.total_prompt_tokens += pbounds[-1]
         # Vocabulary shards of a tensor-parallel model are joined for these rows only.
         logits = self._gather_logits(logits)
+        if self._banned is not None:
+            logits = logits.index_fill(-1, self._banned.to(logits.device), float("-inf"))
         return sample(logits, self._sampling_batch(decode + prefill))
 
     def _sampling_batch(self, seqs: List[Sequence]) -> SamplingBatch:

@@ -6,9 +6,15 @@ them (see *Authentication* below):
 Generation routes (the app's api key, when it has one):
 
 - ``POST /generate`` — ``input_ids`` or ``text``, ``sampling_params``,
-  ``return_logprob``; answers ``{text?, output_ids, meta_info}`` (a list for a
-  batch input or ``n > 1``).
-- ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI); ``GET /v1/models``.
+  ``return_logprob``, ``image_data``; answers ``{text?, output_ids, meta_info}`` (a list
+  for a batch input or ``n > 1``).
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI; a chat message's
+  content may hold ``image_url`` parts); ``GET /v1/models``.
+
+Images (a vision-language model): data URLs only (``data:image/png;base64,...``: the
+server opens no files and fetches nothing), one per image placeholder of the prompt (the
+chat template writes one per image part), in order; the model directory's image processor
+turns them into patches and expands the placeholders (prompts expanded already are kept).
 
 Control routes (the run's token):
 
@@ -80,6 +86,7 @@ import fastapi
 import orjson
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from realhf.api.core.data_api import VisionInputs
 from realhf.api.core.gen_api import (
     GenerateOutput,
     GenerateRequest,
@@ -93,6 +100,7 @@ from realhf.base.net.http_server import (
     require_api_key,
     require_run_token,
 )
+from realhf.impl.dataset.images import ImageError, VisionProcessor, load_image
 from realhf.impl.model.comm.weight_broadcast import WeightsSuperseded
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
@@ -186,6 +194,39 @@ class _Served:
         self.timeout = engine.config.request_timeout_s
         #: the weight-update protocol's rules for /generate (see :mod:`.weight_update`)
         self.gate = PauseGate()
+        #: a vision-language model's image processor (None: text only)
+        self.vision = None
+        if getattr(engine, "vision", None) is not None and model_path:
+            self.vision = VisionProcessor.from_model_dir(model_path)
+
+    async def with_images(
+        self, ids: List[int], urls: Optional[List[str]]
+    ) -> Tuple[List[int], Optional[VisionInputs]]:
+        """A prompt's ids with its image placeholders expanded, and its processed images
+        (given as data URLs: the server reads no files and fetches nothing)."""
+        if not urls:
+            return ids, None
+        if self.vision is None:
+            raise InvalidRequestError(
+                "images were sent, but this server's model is not a vision-language model "
+                "(or its directory has no preprocessor_config.json)"
+            )
+        bad = next((u for u in urls if not u.startswith("data:")), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"image {bad[:40]!r}: send images as data URLs (data:image/png;base64,...); "
+                "this server reads no files and fetches no URLs"
+            )
+
+        def process():
+            try:
+                images = [load_image(u, "") for u in urls]
+                expanded, pixels, grid = self.vision(ids, images, "the prompt")
+            except ImageError as e:
+                raise InvalidRequestError(f"images: {e}") from None
+            return expanded, VisionInputs(pixels, grid)
+
+        return await asyncio.to_thread(process)  # (decoding and resizing: off the loop)
 
     def check_size(self, n_sequences: int) -> None:
         """A request must fit the engine's queue: one that never could is a 400, before it
@@ -292,7 +333,11 @@ async def generate(request: fastapi.Request, served: _Served):
         prompts = [tokenizer.encode(t) for t in batch.texts]
     else:
         prompts = batch.prompts
-    outs = await served.run_gated(batch.requests(prompts))
+    images = None
+    if batch.image_data is not None and any(batch.image_data):
+        done = [await served.with_images(p, u) for p, u in zip(prompts, batch.image_data)]
+        prompts, images = [d[0] for d in done], [d[1] for d in done]
+    outs = await served.run_gated(batch.requests(prompts, images))
     results = []
     for i, per_prompt in enumerate(outs):
         for o in per_prompt:
@@ -551,9 +596,13 @@ async def completions(request: fastapi.Request, served: _Served):
 @_handle_errors(openai=True)
 async def chat_completions(request: fastapi.Request, served: _Served):
     tokenizer = served.tokenizer
-    ids, sp, logprobs = openai_api.chat_prompt(await _json_body(request), tokenizer)
+    ids, sp, logprobs, urls = openai_api.chat_prompt(await _json_body(request), tokenizer)
     served.check_size(sp.n)
-    group = [GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j)) for j in range(sp.n)]
+    ids, images = await served.with_images(ids, urls)
+    group = [
+        GenerateRequest(input_ids=tuple(ids), sampling=sp.for_sample(j), images=images)
+        for j in range(sp.n)
+    ]
     outs = await served.run([group])
     return _json(openai_api.chat_response(outs[0], served.served_model_name, tokenizer, logprobs))
 

@@ -112,8 +112,42 @@ def completion_prompts(body: Any, tokenizer) -> Tuple[List[List[int]], SamplingP
     return prompts, sp, lp is not None
 
 
-def chat_prompt(body: Any, tokenizer) -> Tuple[List[int], SamplingParams, bool]:
-    """Parse a ``/v1/chat/completions`` body; the prompt comes from the chat template."""
+def _message_images(msgs: List[Dict[str, Any]]) -> List[str]:
+    """The image URLs of the messages' content parts, in order; checks every part.
+
+    A content is a string or a list of parts ``{"type": "text", "text": ...}`` /
+    ``{"type": "image_url", "image_url": {"url": ...}}`` (OpenAI's form).
+    """
+    urls: List[str] = []
+    for m in msgs:
+        content = m.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not content:
+            raise InvalidRequestError(
+                "a message's content must be a string or a non-empty list of parts"
+            )
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            url = part.get("image_url") if kind == "image_url" else None
+            url = url.get("url") if isinstance(url, dict) else None
+            if not isinstance(url, str):
+                raise InvalidRequestError(
+                    'content parts are {"type": "text", "text": str} or {"type": '
+                    '"image_url", "image_url": {"url": "data:image/png;base64,..."}}'
+                )
+            urls.append(url)
+    return urls
+
+
+def chat_prompt(body: Any, tokenizer) -> Tuple[List[int], SamplingParams, bool, List[str]]:
+    """Parse a ``/v1/chat/completions`` body; the prompt comes from the chat template.
+
+    Returns the prompt ids, sampling, whether log-probs are wanted, and the image URLs of
+    the messages in order (the chat template writes one image placeholder per image part).
+    """
     body = _check_fields(body, _CHAT_FIELDS)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
@@ -126,11 +160,15 @@ def chat_prompt(body: Any, tokenizer) -> Tuple[List[int], SamplingParams, bool]:
         or not all(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
+            and isinstance(m.get("content"), (str, list))
             for m in msgs
         )
     ):
-        raise InvalidRequestError("messages must be a non-empty list of {role, content} strings")
+        raise InvalidRequestError(
+            "messages must be a non-empty list of {role, content} (a string, or a list of "
+            "text and image_url parts)"
+        )
+    images = _message_images(msgs)
     text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     # The template writes every special token the model expects (BOS where it has one);
     # encode must not add its own on top.
@@ -139,7 +177,7 @@ def chat_prompt(body: Any, tokenizer) -> Tuple[List[int], SamplingParams, bool]:
         raise InvalidRequestError("top_logprobs > 0 is not supported")
     # max_completion_tokens replaced the deprecated max_tokens in OpenAI's chat API.
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return ids, _sampling(body, max_tokens), bool(body.get("logprobs"))
+    return ids, _sampling(body, max_tokens), bool(body.get("logprobs")), images
 
 
 def _usage(outs: List[GenerateOutput], prompt_lens: List[int]) -> Dict[str, int]:

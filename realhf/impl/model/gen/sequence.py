@@ -39,6 +39,7 @@ class Sequence:
         "output_ids",
         "output_logprobs",
         "submit_time",
+        "rope_delta",
     )
 
     def __init__(self, req: GenerateRequest, max_new_tokens: int, stop_ids: FrozenSet[int]):
@@ -52,6 +53,8 @@ class Sequence:
         self.output_ids: List[int] = []
         self.output_logprobs: List[float] = []
         self.submit_time = time.monotonic()
+        #: a prompt with images: decoding token ``L`` sits at RoPE position ``L + delta``
+        self.rope_delta = 0
 
     @property
     def rid(self) -> str:

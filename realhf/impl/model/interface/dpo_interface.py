@@ -21,7 +21,7 @@ from typing import Dict
 
 import torch
 
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample, keys_with_images
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
@@ -86,7 +86,11 @@ class DPOInterface(ModelInterface):
             return dpo_loss(*split_pairs(pi), *split_pairs(ref), self.beta, self.kind)
 
         st = engine.train_batch(
-            data.select(_KEYS), mb_spec, loss_fn, len, version_steps=model.version.global_step
+            data.select(keys_with_images(data, _KEYS)),
+            mb_spec,
+            loss_fn,
+            len,
+            version_steps=model.version.global_step,
         )
         model.inc_version()
         with stats_tracker.scope("dpo"):

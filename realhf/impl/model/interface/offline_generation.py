@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.data_api import IMAGE_KEYS, SequenceSample, VisionInputs
 from realhf.api.core.gen_api import GenerateOutput, GenerateRequest
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.gen.engine import GenerationEngine
@@ -67,7 +67,8 @@ def generate_offline(
     requests: List[GenerateRequest] = []
     offset = 0
     base = gconfig.to_sampling_params(vocab_size=model.config.vocab_size)
-    for item_id, (plen,) in zip(prompts.ids, per_item):
+    images = _item_images(prompts)
+    for item_id, (plen,), item_images in zip(prompts.ids, per_item, images):
         prompt = flat[offset : offset + plen]
         offset += plen
         if plen < 1 or plen >= context:
@@ -86,7 +87,12 @@ def generate_offline(
         )
         for j in range(gconfig.n):
             requests.append(
-                GenerateRequest(input_ids=prompt, sampling=sp.for_sample(j), rid=f"{item_id}@{j}")
+                GenerateRequest(
+                    input_ids=prompt,
+                    sampling=sp.for_sample(j),
+                    rid=f"{item_id}@{j}",
+                    images=item_images,  # (one object: the engine prefills the prompt once)
+                )
             )
 
     longest = max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
@@ -120,6 +126,18 @@ def generate_offline(
     out = outputs_to_sample(prompts.ids, gconfig.n, requests, outputs, version)
     # The prompts' metadata (e.g. reference solutions) travels on to the reward interface.
     out.metadata = {k: list(v) for k, v in prompts.metadata.items()}
+    return out
+
+
+def _item_images(prompts: SequenceSample) -> List[Optional[VisionInputs]]:
+    """Each item's images (None for an item without, or a sample without image keys)."""
+    if prompts.data is None or not all(k in prompts.keys for k in IMAGE_KEYS):
+        return [None] * len(prompts)
+    out: List[Optional[VisionInputs]] = []
+    pix = torch.split(prompts.data["pixel_values"], prompts.item_tokens("pixel_values"))
+    grid = torch.split(prompts.data["image_grid_thw"], prompts.item_tokens("image_grid_thw"))
+    for p, g in zip(pix, grid):
+        out.append(VisionInputs(p, g.long()) if g.shape[0] else None)
     return out
 
 

@@ -35,7 +35,7 @@ from typing import Dict
 
 import torch
 
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample, keys_with_images
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
@@ -144,7 +144,7 @@ class RewardModelInterface(ModelInterface):
             return self._loss(out, mb, engine.tp)
 
         st = engine.train_batch(
-            data.select(_KEYS),
+            data.select(keys_with_images(data, _KEYS)),
             mb_spec,
             loss_fn,
             len,  # one pair per item: pairs weigh equally in the global mean
@@ -171,7 +171,10 @@ class RewardModelInterface(ModelInterface):
         check_pairs(data, "rw evaluate")
         engine = engine_of(model)
         rewards = engine.forward(
-            data.select(_KEYS), mb_spec, _rewards, [[1, 1] for _ in data.ids]
+            data.select(keys_with_images(data, _KEYS)),
+            mb_spec,
+            _rewards,
+            [[1, 1] for _ in data.ids],
         ).double()
         loss, st = bradley_terry_loss(*split_pairs(rewards))
         return {
@@ -188,7 +191,11 @@ class RewardModelInterface(ModelInterface):
         engine = engine_of(model)
         keys = [k for k in _KEYS if k in data.keys]
         lens = [[1] * n for n in seqs_per_item(data)]
-        scores = engine.forward(data.select(keys), mb_spec, _rewards, lens).float().cpu()
+        scores = (
+            engine.forward(data.select(keys_with_images(data, keys)), mb_spec, _rewards, lens)
+            .float()
+            .cpu()
+        )
         with stats_tracker.scope("rw"):
             stats_tracker.denominator(n_scored=torch.ones_like(scores, dtype=torch.bool))
             stats_tracker.stat(denominator="n_scored", score=scores)

@@ -19,7 +19,7 @@ from typing import Dict
 
 import torch
 
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample, keys_with_images
 from realhf.api.core.model_api import Model, ModelInterface
 from realhf.api.core.registry import register_interface
 from realhf.base import stats_tracker
@@ -71,7 +71,7 @@ class SFTInterface(ModelInterface):
         require_keys(data, _KEYS, "sft train_step")
         engine = engine_of(model, train=True)
         st = engine.train_batch(
-            data.select(_KEYS),
+            data.select(keys_with_images(data, _KEYS)),
             mb_spec,
             _loss_fn(engine.tp),
             _answer_tokens,
@@ -96,7 +96,7 @@ class SFTInterface(ModelInterface):
         """Answer-token loss and perplexity of ``data`` (token mean over data-parallel ranks)."""
         require_keys(data, _KEYS, "sft evaluate")
         engine = engine_of(model)
-        sample = data.select(_KEYS)
+        sample = data.select(keys_with_images(data, _KEYS))
         _loss = _loss_fn(engine.tp)
 
         def nll_sum(logits: torch.Tensor, mb: SequenceSample) -> torch.Tensor:

@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample, keys_with_images
 from realhf.api.core.model_api import Model
 from realhf.impl.algorithms.advantages import group_outcome_advantages, per_token
 from realhf.impl.model.interface.helpers import (
@@ -115,7 +115,13 @@ def sample_logprobs(
         return gather_packed_shifted_log_probs(logits, cu, ids, temperature, tp=engine.tp)
 
     lens = [[n - 1 for n in item] for item in data.seqlens["packed_input_ids"]]
-    logp = engine.forward(data.select(["packed_input_ids"]), mb_spec, hook, lens).float().cpu()
+    logp = (
+        engine.forward(
+            data.select(keys_with_images(data, ["packed_input_ids"])), mb_spec, hook, lens
+        )
+        .float()
+        .cpu()
+    )
     return SequenceSample(
         keys={key},
         trailing_shapes={key: ()},

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
+from realhf.api.core.data_api import MicroBatchSpec, SequenceSample, keys_with_images
 from realhf.api.core.model_api import Model, ModelInterface, RolloutContext
 from realhf.api.core.registry import register_interface
 from realhf.impl.algorithms import ppo as F
@@ -77,7 +77,9 @@ class PPOCriticInterface(ModelInterface):
         """Values of every token (key ``values``)."""
         require_keys(data, ["packed_input_ids"], "ppo_critic inference")
         engine = engine_of(model)
-        values = engine.forward(data.select(["packed_input_ids"]), mb_spec).float()
+        values = engine.forward(
+            data.select(keys_with_images(data, ["packed_input_ids"])), mb_spec
+        ).float()
         if values.dim() != 1:
             raise ValueError(
                 f"ppo_critic got outputs of shape {tuple(values.shape)}; the critic must be a "

@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from realhf.api.core.data_api import SequenceSample
+from realhf.api.core.data_api import SequenceSample, images_per_sequence
 from realhf.base import stats_tracker
 from realhf.impl.algorithms import advantages as A
 from realhf.impl.algorithms import ppo as F
@@ -100,6 +100,8 @@ class PPOBatch:
     returns: torch.Tensor
     mean_kl: float
     n_seqs_global: int
+    #: the sequences' images (one item per sequence), or None
+    images: Optional[SequenceSample] = None
 
     def to_sample(self, **extra: torch.Tensor) -> SequenceSample:
         """One item per sequence with the keys the actor loss needs (``packed_input_ids``,
@@ -118,7 +120,10 @@ class PPOBatch:
         if self.ref_logp is not None:
             data["ref_logp"] = self.ref_logp
         data.update(extra)
-        return SequenceSample.from_default(ids=self.seq_ids, seqlens=self.seqlens, data=data)
+        out = SequenceSample.from_default(ids=self.seq_ids, seqlens=self.seqlens, data=data)
+        if self.images is not None:
+            out.update_(self.images)
+        return out
 
 
 # Long on purpose: one pipeline (mask -> rewards -> KL -> GAE -> normalisation) whose steps
@@ -238,8 +243,9 @@ def prepare_ppo_batch(
         stats_tracker.scalar(reduce_type="sum", **{"ppo/n_filtered_groups": n_filtered})
         stats_tracker.scalar(reduce_type="sum", **{"ppo/n_unscored_seqs": int(unscored.sum())})
         stats_tracker.scalar(**{"ppo/kl_coef": kl_coef})
+    seq_ids = sequence_ids(data)
     return PPOBatch(
-        seq_ids=sequence_ids(data),
+        seq_ids=seq_ids,
         seqlens=seqlens,
         input_ids=ids,
         cu_seqlens=cu,
@@ -255,6 +261,7 @@ def prepare_ppo_batch(
         returns=returns.float(),
         mean_kl=mean_kl,
         n_seqs_global=int(totals[2]),
+        images=images_per_sequence(data, seq_ids),
     )
 
 
