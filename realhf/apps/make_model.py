@@ -48,6 +48,8 @@ class Shape:
     architecture: str  # the ForCausalLM class
     params: str  # what the released model has, for --list
     fields: Dict[str, Any]
+    #: the embedded asset directory whose tokenizer (and image processor) the shape gets
+    tokenizer: str = "tiny"
 
 
 # Public config.json fields of each released model (architecture only: no weights).
@@ -82,14 +84,46 @@ SHAPES: Dict[str, Shape] = {
              rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
                                high_freq_factor=4.0, original_max_position_embeddings=8192)),
     ),
+    # Qwen2.5-VL-3B's language model and vision tower; its vision token ids are the embedded
+    # visual task's tokenizer's (which the directory gets), not the released 151652-151656.
+    "qwen2.5-vl-3b": Shape(
+        "qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration", "3.75B",
+        dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+             num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+             tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=128000,
+             rope_parameters=dict(rope_type="default", rope_theta=1000000.0,
+                                  mrope_section=[16, 24, 24]),
+             vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420,
+                                num_heads=16, out_hidden_size=2048, patch_size=14,
+                                spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                                fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+                                hidden_act="silu")),
+        tokenizer="tiny_visual",
+    ),
 }  # fmt: skip
 
+#: the vision token ids a vision-language shape takes from its tokenizer directory
+_VISION_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id",
+                  "vision_end_token_id")  # fmt: skip
+#: files of a vision-language shape's asset directory it gets beside the tokenizer's
+VISION_FILES = ("preprocessor_config.json",)
 
-def _special_ids() -> Dict[str, int]:
-    """bos/eos/pad ids of the embedded tokenizer, from its config.json."""
-    with open(os.path.join(TOKENIZER_DIR, "config.json")) as f:
+
+def _tokenizer_dir(shape: str) -> str:
+    return os.path.join(os.path.dirname(TOKENIZER_DIR), SHAPES[shape].tokenizer)
+
+
+def _special_ids(shape: str = "qwen2.5-0.5b") -> Dict[str, int]:
+    """bos/eos/pad ids (and a vision shape's vision token ids) of the shape's embedded
+    tokenizer, from its directory's config.json."""
+    with open(os.path.join(_tokenizer_dir(shape), "config.json")) as f:
         cfg = json.load(f)
-    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    ids = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+    if "text_config" in cfg:  # (a vision-language config keeps them there)
+        ids.update({k: cfg["text_config"][k] for k in ("bos_token_id", "eos_token_id",
+                                                      "pad_token_id")})  # fmt: skip
+        ids.update({k: cfg[k] for k in _VISION_TOKENS})
+    return ids
 
 
 def hf_config(shape: str, layers: Optional[int] = None, dtype: str = "bfloat16"):
@@ -107,8 +141,17 @@ def hf_config(shape: str, layers: Optional[int] = None, dtype: str = "bfloat16")
             )
         fields["num_hidden_layers"] = layers
     return AutoConfig.for_model(
-        s.model_type, architectures=[s.architecture], dtype=dtype, **fields, **_special_ids()
+        s.model_type, architectures=[s.architecture], dtype=dtype, **fields, **_special_ids(shape)
     )
+
+
+def build_hf_model(config, **kwargs):
+    """The transformers model of ``config`` (a vision-language config is no causal LM's)."""
+    import transformers
+
+    if config.model_type == "qwen2_5_vl":
+        return transformers.Qwen2_5_VLForConditionalGeneration._from_config(config, **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def make_model(
@@ -122,7 +165,6 @@ def make_model(
 ) -> str:
     """Write the random model of ``shape`` to ``out_dir``; return ``out_dir``."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"--dtype {dtype!r}: give bfloat16, float16 or float32")
@@ -132,26 +174,28 @@ def make_model(
     # Built without storage, then drawn here in the target dtype: transformers' own init
     # takes ~7x as long (a 152k x 896 embedding: 17 s against 2.5 s).  Matrices
     # N(0, initializer_range), norm weights 1, biases 0, as transformers initialises them.
+    text = config.get_text_config()
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model = build_hf_model(config, dtype=getattr(torch, dtype))
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives a tied head storage of its own: share it again
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():  # a tied head is listed once
             if p.dim() > 1:
-                p.normal_(0.0, config.initializer_range, generator=gen)
+                p.normal_(0.0, text.initializer_range, generator=gen)
             elif "norm" in name:
                 p.fill_(1.0)
             else:
                 p.zero_()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
-    for name in TOKENIZER_FILES:
-        shutil.copy(os.path.join(TOKENIZER_DIR, name), out_dir)
+    tok_dir = _tokenizer_dir(shape)
+    for name in TOKENIZER_FILES + (VISION_FILES if tok_dir != TOKENIZER_DIR else ()):
+        shutil.copy(os.path.join(tok_dir, name), out_dir)
     n = sum(p.numel() for p in model.parameters())
     with open(os.path.join(out_dir, "shape.json"), "w") as f:
-        json.dump({"shape": shape, "layers": config.num_hidden_layers, "dtype": dtype,
+        json.dump({"shape": shape, "layers": text.num_hidden_layers, "dtype": dtype,
                    "seed": seed, "parameters": n}, f, indent=1)  # fmt: skip
     return out_dir
 

@@ -19,6 +19,7 @@ RELEASED = {
     "qwen2.5-1.5b": 1.54e9,
     "qwen3-0.6b": 596e6,
     "llama3.2-1b": 1.24e9,
+    "qwen2.5-vl-3b": 3.75e9,
 }
 
 
@@ -26,15 +27,18 @@ RELEASED = {
 def test_each_shape_has_the_released_models_size_and_our_model_reads_its_config(shape):
     config = mm.hf_config(shape)
     with torch.device("meta"):  # no storage: the full 1.5B shape costs nothing here
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = mm.build_hf_model(config)
     n = sum(p.numel() for p in model.parameters())
     assert abs(n - RELEASED[shape]) <= 0.01 * RELEASED[shape], n
     ours = get_family(config.model_type).config_from_hf(config, shape, is_critic=False)
-    assert (ours.vocab_size, ours.n_layers) == (config.vocab_size, config.num_hidden_layers)
+    text = config.get_text_config()
+    assert (ours.vocab_size, ours.n_layers) == (text.vocab_size, text.num_hidden_layers)
     assert ours.tied_embedding
     assert (ours.rope_scaling is not None) == (shape == "llama3.2-1b")
     # the embedded tokenizer's special ids, so that answers can end
-    assert (config.eos_token_id, config.pad_token_id) == (0, 1)
+    assert (text.eos_token_id, text.pad_token_id) == (0, 1)
+    if shape == "qwen2.5-vl-3b":  # the vision tokens of the visual task's tokenizer
+        assert ours.vision.depth == 32 and ours.vision.image_token_id == 270
 
 
 @pytest.mark.slow
