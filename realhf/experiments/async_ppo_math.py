@@ -389,6 +389,13 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     tok = blocks.load_tokenizer(actor_path)
     train, eval_, size = checked_math_data(cfg, tok)
+    images = blocks.dataset_has_images(train)
+    if images and alloc.gen_backend in ("sglang", "vllm"):
+        raise blocks.ExperimentSetupError(
+            f"{train} has images, and the {alloc.gen_backend} backend is not given them by "
+            "this system yet; serve vision-language models with the built-in backend "
+            "(allocation_mode=gen.*)"
+        )
     B = cfg.train_batch_size
     if size // cfg.n_rollout_workers < 1:
         raise blocks.ExperimentSetupError(
@@ -403,7 +410,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         )
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, epoch_size, B)
     mb_spec = cfg.mb.spec
-    mfcs = ppo_mfcs(cfg, mb_spec, include_gen=False, images=blocks.dataset_has_images(train))
+    mfcs = ppo_mfcs(cfg, mb_spec, include_gen=False, images=images)
     hp = cfg.ppo
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
 

@@ -545,3 +545,21 @@ def test_a_lora_async_run_gives_its_servers_the_adapters_shape_and_sglang_is_ref
     assert build().workers["generation_server"][0].lora is None
     with pytest.raises(blocks.ExperimentSetupError, match="SGLang backend takes no adapter"):
         build("actor.lora.rank=16", "allocation_mode=sglang.d1p1m1+d1p1m1")
+
+
+def test_a_dataset_with_images_gives_every_model_mfc_the_image_keys():
+    from realhf.api.core.data_api import IMAGE_KEYS
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+
+    exp = build_ppo_math(parse_config(PPOMathConfig, ["task=tiny_visual", "ppo.kl_ctl=0.1"]))
+    mfcs = exp.workers["master_worker"][0].mfcs
+    assert {m.name for m in mfcs} == {"actor_gen", "rew_inf", "ref_inf", "actor_train"}
+    for mfc in mfcs:
+        reads_model = mfc.name != "rew_inf"  # (the verifier reads only the answers' text)
+        assert (set(IMAGE_KEYS) <= set(mfc.input_keys)) == reads_model, mfc.name
+    with pytest.raises(blocks.ExperimentSetupError, match="has images.*vllm backend"):
+        build_async_ppo_math(
+            parse_config(
+                AsyncPPOMathConfig, ["task=tiny_visual", "allocation_mode=vllm.d1p1m1+d1p1m1"]
+            )
+        )

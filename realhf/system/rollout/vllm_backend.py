@@ -592,6 +592,14 @@ def create_adapter_app(
                 {"error": "the vllm adapter takes input_ids only (the rollouts send token ids)"},
                 status_code=400,
             )
+        if batch.image_data is not None and any(batch.image_data):
+            # vLLM takes images through its chat route or pre-rendered features, not with
+            # a token-id prompt: refused rather than answered without the images.
+            return JSONResponse(
+                {"error": "the vllm adapter does not pass images on; serve vision-language "
+                 "models with the built-in backend (allocation_mode=gen.*)"},
+                status_code=400,
+            )  # fmt: skip
         n_seqs = sum(sp.n for sp in batch.sampling)
         if n_seqs > MAX_SEQUENCES_PER_REQUEST:
             # Checked before expanding: n comes from the client, and expanding n = 2**63

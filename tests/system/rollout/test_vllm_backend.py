@@ -412,6 +412,10 @@ def test_the_adapter_refuses_oversized_and_malformed_bodies_with_a_400(monkeypat
             body = {"input_ids": [[2]], "sampling_params": {"max_new_tokens": 1, "n": n}}
             r = requests.post(adapter.url + "/generate", json=body, timeout=10)
             assert r.status_code == 400 and "at most 4" in r.json()["error"], r.text
+        # Images are refused, not dropped (vLLM would answer without them).
+        body = {"input_ids": [2, 3], "image_data": "data:image/png;base64,AAAA"}
+        r = requests.post(adapter.url + "/generate", json=body, timeout=10)
+        assert r.status_code == 400 and "does not pass images on" in r.json()["error"], r.text
         assert vllm.events == [], "nothing reached vLLM"
         body = {"input_ids": [[2], [3]], "sampling_params": {"max_new_tokens": 1, "n": 2}}
         assert requests.post(adapter.url + "/generate", json=body, timeout=30).status_code == 200
