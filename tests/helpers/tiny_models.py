@@ -111,9 +111,14 @@ def make_tiny_hf_model(
     import transformers
 
     config = tiny_hf_config(family, **overrides)
+    return _save_random(transformers.AutoModelForCausalLM.from_config, config, path, seed, perturb)
+
+
+def _save_random(build, config, path, seed: int, perturb: float) -> str:
+    """``build(config)`` under ``seed``, every parameter perturbed, saved to ``path``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = build(config)
         if perturb:
             with torch.no_grad():
                 for p in model.parameters():
@@ -161,16 +166,9 @@ def make_tiny_vl_model(
     import transformers
 
     config = tiny_vl_config(**text_overrides)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-        if perturb:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(torch.randn_like(p) * perturb)
-    os.makedirs(str(path), exist_ok=True)
-    model.save_pretrained(str(path))
-    return str(path)
+    return _save_random(
+        transformers.Qwen2_5_VLForConditionalGeneration, config, path, seed, perturb
+    )
 
 
 class TinyItems:

@@ -262,24 +262,35 @@ class VisionProcessor:
         self, ids: Sequence[int], images: List[Image.Image], where: str = "the prompt"
     ) -> Tuple[List[int], torch.Tensor, torch.Tensor]:
         """``(token ids, pixel_values [patches, patch_dim] float32, grid_thw [images, 3])``
-        of a tokenized prompt and its images.  A prompt whose placeholders are expanded
-        already (one per image token, as a dataset item holds them) is kept as it is."""
+        of a tokenized prompt and its images (:meth:`expand`, then :meth:`pixels`)."""
+        pixels, grid = self.pixels(images)
+        return self.expand(ids, images, where), pixels, grid
+
+    def expand(
+        self, ids: Sequence[int], images: List[Image.Image], where: str = "the prompt"
+    ) -> List[int]:
+        """The prompt's ids with each image placeholder repeated once per token its image
+        becomes (counted from the image size, without processing the pixels).  A prompt
+        whose placeholders are expanded already (as a dataset item holds them) is kept."""
         img = self.image_token_id
         n = sum(1 for t in ids if t == img)
-        pixels, grid = self.pixels(images)
-        per_image = (grid.prod(-1) // self.merge_size**2).tolist()
+        per_image = [
+            self.image_processor.get_number_of_image_patches(im.height, im.width, {})
+            // self.merge_size**2
+            for im in images
+        ]
         if n != len(images) and _runs(ids, img) == per_image:  # expanded already
-            return list(ids), pixels, grid
+            return list(ids)
         if n != len(images):
             raise ImageError(
-                f"{where}: holds {n} image placeholders (token {self.image_token_id}) for "
-                f"{len(images)} images; write one image part (its placeholder) per image"
+                f"{where}: holds {n} image placeholders (token {img}) for {len(images)} "
+                "images; write one image part (its placeholder) per image"
             )
         counts = iter(per_image)
         expanded: List[int] = []
         for t in ids:
-            expanded += [t] * next(counts) if t == self.image_token_id else [t]
-        return expanded, pixels, grid
+            expanded += [t] * next(counts) if t == img else [t]
+        return expanded
 
     def pixels(self, images: List[Image.Image]) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(pixel_values [patches, patch_dim] float32, grid_thw [images, 3] int64)``."""
@@ -338,12 +349,9 @@ class RowImages:
         """Item ``index``'s prompt ids with its image placeholders expanded (the row's
         images are loaded and checked here, so a bad one fails the load naming ``where``)."""
         images = load_row_images(row, self.base_dir, where)
-        expanded, _, _ = self(ids, images, where)
+        expanded = self.processor.expand(ids, images, where)
         self._rows[index] = (list(row.get("images") or []), where)
         return expanded
-
-    def __call__(self, ids, images, where):
-        return self.processor(ids, images, where)
 
     def pixels(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Item ``index``'s ``(pixel_values, grid_thw)`` (no rows without images)."""
