@@ -57,7 +57,32 @@ def _direct(srv, vl_dir, prompt: str, images, n: int):
     return list(srv.engine.generate([req], timeout=60)[0].output_ids)
 
 
-def test_generate_with_image_data_equals_the_engine(server, vl_dir):
+def _hf_greedy(srv, vl_dir, prompt: str, images, n: int):
+    """transformers' greedy answer (the vision tokens banned, as the engine bans them)."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    proc = VisionProcessor.from_model_dir(vl_dir)
+    ids, pixels, grid = proc(srv.tok(prompt, add_special_tokens=False)["input_ids"], images)
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32).eval()
+    vision_ids = srv.tok.convert_tokens_to_ids(
+        ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    )
+    out = hf.generate(
+        input_ids=torch.tensor([ids]),
+        mm_token_type_ids=torch.tensor([[int(t == proc.image_token_id) for t in ids]]),
+        pixel_values=pixels,
+        image_grid_thw=grid,
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        bad_words_ids=[[t] for t in vision_ids],
+    )
+    return out[0, len(ids) :].tolist()
+
+
+def test_generate_with_image_data_equals_the_engine_and_hf_generate(server, vl_dir):
     img = _image(20)
     ids = server.tok(PH + "Compute.", add_special_tokens=False)["input_ids"]
     body = {
@@ -69,6 +94,7 @@ def test_generate_with_image_data_equals_the_engine(server, vl_dir):
     assert r.status_code == 200, r.text
     got = r.json()["output_ids"]
     assert got == _direct(server, vl_dir, PH + "Compute.", [img], 8)
+    assert got == _hf_greedy(server, vl_dir, PH + "Compute.", [img], 8)
     assert r.json()["meta_info"]["prompt_tokens"] == len(ids) + 2  # 1 placeholder -> 3 tokens
 
 
