@@ -614,8 +614,8 @@ class SequenceSample:
 # ``pixel_values`` [patches, patch_dim] float32, the HF image processor's output for all the
 # item's images, and ``image_grid_thw`` [images, 3] int64, each image's patch grid.  An item
 # without images has zero rows in both.  vision_inputs_of turns a (micro-)batch into the
-# model's VisionInputs, repeating an item's images for each of its sequences (a GRPO group
-# of answers shares its prompt's images).
+# model's VisionInputs: an item's images serve each of its sequences (a GRPO group of
+# answers shares its prompt's images), and an image is stored, and encoded, once.
 
 #: the SequenceSample keys of an item's images
 IMAGE_KEYS = ("pixel_values", "image_grid_thw")
@@ -625,15 +625,23 @@ IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 class VisionInputs:
     """The images of a packed batch, in the order of their placeholders.
 
+    Each image is stored once: a prompt's images read by each of a group's answers (or the
+    same image in several prompts) are one entry that ``index`` names several times, so the
+    vision tower runs once per distinct image.
+
     Attributes:
-        pixel_values: ``[N, patch_dim]`` the patches of every image, back to back.
-        grid_thw: ``LongTensor[n_images, 3]``: each image's patch grid (t, h, w); image
-            ``i`` holds ``t * h * w`` rows of ``pixel_values`` and fills
+        pixel_values: ``[N, patch_dim]`` the patches of every distinct image, back to back.
+        grid_thw: ``LongTensor[n_distinct, 3]``: each distinct image's patch grid (t, h, w);
+            image ``i`` holds ``t * h * w`` rows of ``pixel_values`` and fills
             ``t * h * w / spatial_merge_size**2`` placeholders.
+        index: ``LongTensor[n_images]``: for each image of the batch (each run of
+            placeholders, in order), which distinct image it is; None: the distinct images
+            in order, once each.
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
+    index: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         if self.pixel_values.dim() != 2:
@@ -648,25 +656,46 @@ class VisionInputs:
                 f"grid_thw describes {n} patches but pixel_values has "
                 f"{self.pixel_values.shape[0]} rows"
             )
+        if (
+            self.index is not None
+            and self.index.numel()
+            and (int(self.index.min()) < 0 or int(self.index.max()) >= self.grid_thw.shape[0])
+        ):
+            raise ValueError(f"index names images outside the {self.grid_thw.shape[0]} given")
 
     @property
     def n_images(self) -> int:
-        """Images in the batch."""
-        return self.grid_thw.shape[0]
+        """Images in the batch (placeholder runs), repeats included."""
+        return self.grid_thw.shape[0] if self.index is None else self.index.numel()
 
-    def tokens_per_image(self, merge_size: int) -> List[int]:
-        """Placeholders each image fills."""
-        return (self.grid_thw.prod(-1) // merge_size**2).tolist()
+    @property
+    def slot_grids(self) -> torch.Tensor:
+        """``[n_images, 3]``: the grid of each image of the batch, in placeholder order."""
+        return self.grid_thw if self.index is None else self.grid_thw[self.index.to("cpu")]
 
     def to(self, device) -> "VisionInputs":
-        """A copy on ``device``."""
-        return VisionInputs(self.pixel_values.to(device), self.grid_thw.to(device))
+        """A copy on ``device`` (``index`` stays where it is: it is read on the host)."""
+        return VisionInputs(self.pixel_values.to(device), self.grid_thw.to(device), self.index)
+
+    @staticmethod
+    def concat(parts: Sequence["VisionInputs"]) -> "VisionInputs":
+        """The images of ``parts`` one after the other, repeats kept as repeats."""
+        index, n = [], 0
+        for p in parts:
+            local = torch.arange(p.grid_thw.shape[0]) if p.index is None else p.index.cpu()
+            index.append(local + n)
+            n += p.grid_thw.shape[0]
+        return VisionInputs(
+            torch.cat([p.pixel_values for p in parts]),
+            torch.cat([p.grid_thw for p in parts]),
+            torch.cat(index) if any(p.index is not None for p in parts) else None,
+        )
 
 
 def vision_inputs_of(sample, device=None) -> Optional[VisionInputs]:
     """The images of a SequenceSample as one :class:`VisionInputs` in the order of its
-    sequences (each item's repeated per sequence of ``packed_input_ids``); None when the
-    sample has no image keys or no images."""
+    sequences (each item's images once per sequence of ``packed_input_ids``), each distinct
+    image stored once; None when the sample has no image keys or no images."""
     if sample.data is None or not all(k in sample.keys for k in IMAGE_KEYS):
         return None
     pix, grid = (sample.data[k] for k in IMAGE_KEYS)
@@ -675,13 +704,32 @@ def vision_inputs_of(sample, device=None) -> Optional[VisionInputs]:
     n_seqs = [len(lens) for lens in sample.seqlens["packed_input_ids"]]
     pix_items = torch.split(pix, [sum(x) for x in sample.seqlens["pixel_values"]])
     grid_items = torch.split(grid, [sum(x) for x in sample.seqlens["image_grid_thw"]])
-    pixels: List[torch.Tensor] = []
-    grids: List[torch.Tensor] = []
+    distinct: List[tuple] = []  # (pixels, grid) of each distinct image
+    seen: dict = {}  # a cheap key of an image -> its candidates among `distinct`
+    index: List[int] = []
     for n, p, g in zip(n_seqs, pix_items, grid_items):
-        pixels += [p] * n
-        grids += [g] * n
-    out = VisionInputs(torch.cat(pixels), torch.cat(grids).long())
+        g = g.long()
+        images = torch.split(p, g.prod(-1).tolist()) if g.shape[0] else ()
+        item = [_distinct_image(x, gi, distinct, seen) for x, gi in zip(images, g)]
+        index += item * n
+    out = VisionInputs(
+        torch.cat([d[0] for d in distinct]),
+        torch.stack([d[1] for d in distinct]),
+        torch.tensor(index, dtype=torch.long),
+    )
     return out if device is None else out.to(device)
+
+
+def _distinct_image(pixels: torch.Tensor, grid: torch.Tensor, distinct: list, seen: dict) -> int:
+    """The position of the image ``(pixels, grid)`` in ``distinct``, appended if new.
+    Images are compared whole (``torch.equal``) among those of the same grid and sum."""
+    key = (tuple(grid.tolist()), float(pixels.sum()))
+    for j in seen.get(key, ()):
+        if torch.equal(distinct[j][0], pixels):
+            return j
+    seen.setdefault(key, []).append(len(distinct))
+    distinct.append((pixels, grid))
+    return len(distinct) - 1
 
 
 def image_sample(ids, pixel_values, grid_thw, pixel_lens, grid_lens):

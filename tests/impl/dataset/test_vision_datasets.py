@@ -119,7 +119,22 @@ def test_images_follow_each_sequence_of_an_item(tmp_path, tok):
     )
     sample.update_(SequenceSample.gather([a, b]).select(IMAGE_KEYS))
     vi = vision_inputs_of(sample)
-    assert vi.grid_thw.tolist() == [[1, 2, 4]] * 2  # a's image once per answer
-    assert torch.equal(vi.pixel_values[:8], vi.pixel_values[8:])
+    assert vi.slot_grids.tolist() == [[1, 2, 4]] * 2  # a's image for each of its answers
+    assert vi.grid_thw.tolist() == [[1, 2, 4]] and vi.index.tolist() == [0, 0]  # stored once
+    assert torch.equal(vi.pixel_values, a.data["pixel_values"])
     per_seq = images_per_sequence(sample, [f"s{i}" for i in range(5)])
     assert per_seq.seqlens["image_grid_thw"] == [[1], [1], [0], [0], [0]]
+    # One item per sequence (as PPO trains): the copies are found equal and stored once.
+    again = vision_inputs_of(_with(per_seq))
+    assert again.grid_thw.shape[0] == 1 and again.index.tolist() == [0, 0]
+
+
+def _with(images):
+    """``images`` (one item per sequence) beside 5 sequences of tokens."""
+    s = SequenceSample.from_default(
+        ids=list(images.ids),
+        seqlens=[[5], [6], [4], [4], [4]],
+        data={"packed_input_ids": torch.zeros(23, dtype=torch.long)},
+    )
+    s.update_(images)
+    return s

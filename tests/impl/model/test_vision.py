@@ -225,3 +225,23 @@ def test_a_batch_with_and_without_images_packs_and_trains(vl_dir):
         engine.train_batch(
             batch.select(["packed_input_ids"]), MicroBatchSpec(), loss_fn, lambda mb: 1.0
         )
+
+
+def test_an_image_stored_once_and_indexed_equals_it_repeated(vl_dir):
+    """Two answers reading one prompt's two images: encoded once (``index``) or twice, the
+    same logits and the same gradients."""
+    ids, pix, grid = _batch()[0]
+    tokens = torch.tensor(ids + ids)
+    cu = torch.tensor([0, len(ids), 2 * len(ids)], dtype=torch.int32)
+    twice = VisionInputs(torch.cat([pix, pix]), torch.cat([grid, grid]))
+    once = VisionInputs(pix, grid, index=torch.tensor([0, 1, 0, 1]))
+    assert once.n_images == twice.n_images == 4
+    outs, grads = [], []
+    for images in (twice, once):
+        model = ReaLModel.from_hf(vl_dir)
+        out = model(tokens, cu, images=images)
+        out.logsumexp(-1).mean().backward()
+        outs.append(out.detach())
+        grads.append(model.embedding.visual.patch_embed.weight.grad.clone())
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)

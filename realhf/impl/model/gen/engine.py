@@ -339,7 +339,7 @@ class GenerationEngine:
             )
         if self.vision is None:
             return
-        grid = None if req.images is None else req.images.grid_thw
+        grid = None if req.images is None else req.images.slot_grids
         try:  # the placeholders must match the images before the request reaches a batch
             mrope_positions(
                 torch.tensor(req.input_ids), torch.tensor([0, len(req.input_ids)]), grid,
@@ -688,7 +688,7 @@ class GenerationEngine:
                 if s.req.images is not None and s.req.images.n_images:
                     mrope[u] = mrope_positions(
                         torch.tensor(s.req.input_ids), torch.tensor([0, n]),
-                        s.req.images.grid_thw, self.vision,
+                        s.req.images.slot_grids, self.vision,
                     )  # fmt: skip
                     images.append(s.req.images)
             if u in mrope:
@@ -737,10 +737,7 @@ class GenerationEngine:
 
         extra = {}
         if images:
-            extra["images"] = VisionInputs(
-                torch.cat([x.pixel_values for x in images]).to(dev),
-                torch.cat([x.grid_thw for x in images]).to(dev),
-            )
+            extra["images"] = VisionInputs.concat(images).to(dev)
         logits = self._run_model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(bounds, dtype=torch.int32, device=dev),

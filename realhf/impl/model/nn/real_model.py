@@ -425,7 +425,7 @@ class ReaLModel(nn.Module):
         if position_ids is None:
             if images is not None and images.n_images:
                 v = self.config.vision
-                position_ids = mrope_positions(input_ids, cu_seqlens, images.grid_thw, v)
+                position_ids = mrope_positions(input_ids, cu_seqlens, images.slot_grids, v)
                 position_ids = position_ids.position_ids
             else:
                 position_ids = packed_position_ids(cu_seqlens, T)

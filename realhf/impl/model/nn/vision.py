@@ -152,7 +152,8 @@ def _segments_attention(q, k, v, lengths: Sequence[int]) -> torch.Tensor:
 
 
 def vision_forward(visual, v: VisionConfig, images: VisionInputs, act) -> torch.Tensor:
-    """Merged image tokens ``[n_placeholders, out_dim]`` of ``images``, in placeholder order.
+    """Merged image tokens ``[n_placeholders, out_dim]`` of ``images``, in placeholder order
+    (each distinct image encoded once).
 
     ``visual`` is the module holding the ``visual.*`` parameters; ``act`` the MLP
     activation function.
@@ -184,7 +185,12 @@ def vision_forward(visual, v: VisionConfig, images: VisionInputs, act) -> torch.
     mg = visual.merger
     y = rms_norm(x, mg.ln_q.weight, eps).view(N // unit, unit * D)
     y = F.linear(F.gelu(F.linear(y, mg.fc1.weight, mg.fc1.bias)), mg.fc2.weight, mg.fc2.bias)
-    return y[torch.argsort(order)]
+    y = y[torch.argsort(order)]
+    if images.index is None:
+        return y
+    # Each distinct image was encoded once; its tokens go to every placeholder run of it.
+    parts = y.split((grid.prod(-1) // unit).tolist())
+    return torch.cat([parts[i] for i in images.index.tolist()])
 
 
 # ---- multimodal RoPE positions ---------------------------------------------
