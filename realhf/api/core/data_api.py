@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any, Iterable, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -637,11 +637,15 @@ class VisionInputs:
         index: ``LongTensor[n_images]``: for each image of the batch (each run of
             placeholders, in order), which distinct image it is; None: the distinct images
             in order, once each.
+        seq_images: per sequence of the batch, the distinct images it reads, in order (set
+            by :func:`vision_inputs_of`): sequences whose prompts are shared must share
+            their images too (:class:`~realhf.impl.model.modules.shared_prefix.SharedPrefix`).
     """
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
     index: Optional[torch.Tensor] = None
+    seq_images: Optional[List[Tuple[int, ...]]] = None
 
     def __post_init__(self):
         if self.pixel_values.dim() != 2:
@@ -675,7 +679,14 @@ class VisionInputs:
 
     def to(self, device) -> "VisionInputs":
         """A copy on ``device`` (``index`` stays where it is: it is read on the host)."""
-        return VisionInputs(self.pixel_values.to(device), self.grid_thw.to(device), self.index)
+        return dataclasses.replace(
+            self, pixel_values=self.pixel_values.to(device), grid_thw=self.grid_thw.to(device)
+        )
+
+    def select(self, slots: Sequence[int]) -> "VisionInputs":
+        """Only the batch's images ``slots`` (positions in placeholder order), in order."""
+        full = torch.arange(self.grid_thw.shape[0]) if self.index is None else self.index.cpu()
+        return VisionInputs(self.pixel_values, self.grid_thw, full[list(slots)])
 
     @staticmethod
     def concat(parts: Sequence["VisionInputs"]) -> "VisionInputs":
@@ -707,15 +718,18 @@ def vision_inputs_of(sample, device=None) -> Optional[VisionInputs]:
     distinct: List[tuple] = []  # (pixels, grid) of each distinct image
     seen: dict = {}  # a cheap key of an image -> its candidates among `distinct`
     index: List[int] = []
+    seq_images: List[Tuple[int, ...]] = []
     for n, p, g in zip(n_seqs, pix_items, grid_items):
         g = g.long()
         images = torch.split(p, g.prod(-1).tolist()) if g.shape[0] else ()
         item = [_distinct_image(x, gi, distinct, seen) for x, gi in zip(images, g)]
         index += item * n
+        seq_images += [tuple(item)] * n
     out = VisionInputs(
         torch.cat([d[0] for d in distinct]),
         torch.stack([d[1] for d in distinct]),
         torch.tensor(index, dtype=torch.long),
+        seq_images,
     )
     return out if device is None else out.to(device)
 

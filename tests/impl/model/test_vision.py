@@ -245,3 +245,47 @@ def test_an_image_stored_once_and_indexed_equals_it_repeated(vl_dir):
         grads.append(model.embedding.visual.patch_embed.weight.grad.clone())
     torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=0)
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
+def test_shared_prompts_with_images_equal_the_full_pack(vl_dir):
+    """Three answers to each of two prompts with images, and a third prompt with the first
+    one's tokens but other pixels: computed with each prompt once (its images encoded once)
+    the logits and gradients are the full pack's; the look-alike prompt is not shared."""
+    from realhf.api.core.data_api import SequenceSample, image_sample, vision_inputs_of
+    from realhf.impl.model.modules.shared_prefix import SharedPrefix, prompt_lengths
+
+    g = torch.Generator().manual_seed(5)
+    items = []
+    prompts = [_sequence([[1, 4, 6]], [3, 2], g), _sequence([[1, 2, 2], [1, 2, 4]], [1, 1, 2], g)]
+    ids0, pix0, grid0 = prompts[0]
+    prompts.append((ids0, torch.randn(pix0.shape, generator=g), grid0))  # same tokens
+    for i, (ids, pix, grid) in enumerate(prompts):
+        answers = [torch.randint(0, 100, (4 + j,), generator=g).tolist() for j in range(3)]
+        seqs = [ids + a for a in answers]
+        item = SequenceSample.from_default(
+            ids=[f"p{i}"], seqlens=[[len(s) for s in seqs]],
+            data={"packed_input_ids": torch.tensor([t for s in seqs for t in s]),
+                  "prompt_mask": torch.tensor([t < len(ids) for s in seqs
+                                               for t in range(len(s))])},
+        )  # fmt: skip
+        item.update_(image_sample([f"p{i}"], pix, grid, [pix.shape[0]], [grid.shape[0]]))
+        items.append(item)
+    batch = SequenceSample.gather(items)
+    tokens, cu = batch.data["packed_input_ids"], batch.cu_seqlens("packed_input_ids")
+    images = vision_inputs_of(batch)
+    assert images.grid_thw.shape[0] == 4  # 1 + 2 + the look-alike's 1, however many answers
+    bounds = cu.tolist()
+    sp = SharedPrefix.from_prompts(
+        tokens, bounds, prompt_lengths(batch.data["prompt_mask"], bounds), images.seq_images
+    )
+    assert sp.keeps_prompt == [True, False, False] * 3  # the look-alike leads its own group
+    outs, grads = [], []
+    for shared in (None, sp):
+        model = ReaLModel.from_hf(vl_dir)
+        out = model(tokens, cu, images=images, shared_prefix=shared)
+        out.logsumexp(-1).mean().backward()
+        outs.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)

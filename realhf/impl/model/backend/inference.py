@@ -171,14 +171,17 @@ class InferenceEngine:
         shared prompt computed once when the micro-batch marks its prompts."""
         ids, cu = mb_inputs(mb, self.device)
         images = mb_images(mb, self.model, self.device)
-        if images is not None:  # (multimodal positions: no shared prompts)
-            return self.model(ids, cu, images=images)
         sp = None
         mask = mb.data.get("prompt_mask") if mb.data is not None else None
         if self.share_prompts and mask is not None and not self.model.config.sliding_window:
             bounds = cu.tolist()
-            sp = SharedPrefix.from_prompts(ids, bounds, prompt_lengths(mask, bounds))
-        return self.model(ids, cu, shared_prefix=sp)
+            sp = SharedPrefix.from_prompts(
+                ids,
+                bounds,
+                prompt_lengths(mask, bounds),
+                None if images is None else images.seq_images,  # equal prompts, equal images
+            )
+        return self.model(ids, cu, shared_prefix=sp, images=images)
 
     # ---- pipeline parallelism ----------------------------------------------------------
 

@@ -15,7 +15,7 @@ their gradients sum over the group where the prompt is shared.  On the embedded 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -44,7 +44,11 @@ class SharedPrefix:
 
     @classmethod
     def from_prompts(
-        cls, input_ids: torch.Tensor, cu_seqlens: Sequence[int], prompt_lens: Sequence[int]
+        cls,
+        input_ids: torch.Tensor,
+        cu_seqlens: Sequence[int],
+        prompt_lens: Sequence[int],
+        extra_keys: Optional[Sequence[tuple]] = None,
     ) -> Optional["SharedPrefix"]:
         """Share the prompts of a pack; ``None`` when no two sequences have the same one.
 
@@ -52,6 +56,8 @@ class SharedPrefix:
             input_ids: ``[T]`` the full pack's tokens.
             cu_seqlens: ``B + 1`` sequence offsets.
             prompt_lens: per sequence, how many of its first tokens are its prompt.
+            extra_keys: per sequence, what else its prompt must share to be shared (the
+                images a vision-language prompt reads: equal tokens, other images).
         """
         ids = input_ids.tolist()
         bounds = [int(x) for x in cu_seqlens]
@@ -59,7 +65,7 @@ class SharedPrefix:
             raise ValueError(
                 f"{len(prompt_lens)} prompt lengths for {len(bounds) - 1} sequences; give one each"
             )
-        leaders: Dict[Tuple[int, ...], int] = {}  # prompt -> its leader's first shared row
+        leaders: Dict[tuple, int] = {}  # prompt (and its extra key) -> its leader's first row
         keep: List[int] = []
         pos: List[int] = []
         expand = [0] * len(ids)
@@ -67,9 +73,10 @@ class SharedPrefix:
         pl: List[int] = []
         own_s: List[int] = []
         own_l: List[int] = []
-        for (s, e), p in zip(zip(bounds[:-1], bounds[1:]), prompt_lens):
+        extra = extra_keys if extra_keys is not None else [()] * len(prompt_lens)
+        for (s, e), p, x in zip(zip(bounds[:-1], bounds[1:]), prompt_lens, extra):
             p = min(int(p), e - s)
-            key = tuple(ids[s : s + p]) if p > 0 else None
+            key = (tuple(ids[s : s + p]), x) if p > 0 else None
             lead = leaders.get(key) if key is not None else None
             start = len(keep)
             if lead is None:  # a leader (or a sequence without a prompt to share)
@@ -98,6 +105,11 @@ class SharedPrefix:
             own_start=own_s,
             own_len=own_l,
         )
+
+    @property
+    def keeps_prompt(self) -> List[bool]:
+        """Per sequence, whether it computes its own prompt (a leader, or unshared)."""
+        return [n == 0 for n in self.prefix_len]
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention on the shared pack (``[T_shared, heads, head_dim]``)."""

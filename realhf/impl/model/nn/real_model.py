@@ -376,7 +376,8 @@ class ReaLModel(nn.Module):
             shared_prefix: compute each shared prompt once (see
                 :mod:`realhf.impl.model.modules.shared_prefix`); the output still has one
                 row per packed token.  Whole models without a sliding window only, and
-                without ``position_ids`` / ``attn_fn`` / ``hidden`` / ``images``.
+                without ``position_ids`` / ``attn_fn`` / ``hidden``; with ``images`` each
+                prompt's images are encoded for its leader only (``seq_images`` needed).
             images: the batch's images (a vision-language model): the vision tower's
                 tokens replace the image placeholders (on the stage with the embedding),
                 and the default positions become multimodal RoPE positions ``[3, T]``
@@ -405,8 +406,11 @@ class ReaLModel(nn.Module):
         if sp is not None:
             if attn_fn is not None or position_ids is not None or hidden is not None:
                 raise ValueError("shared_prefix sets positions and attention itself")
-            if images is not None:
-                raise ValueError("shared_prefix does not take images (multimodal positions)")
+            if images is not None and images.n_images and images.seq_images is None:
+                raise ValueError(
+                    "shared_prefix with images needs VisionInputs.seq_images (which images "
+                    "each sequence reads; vision_inputs_of sets it)"
+                )
             if not (self.has_embedding and self.has_head) or self.config.sliding_window:
                 raise ValueError(
                     "shared_prefix needs a whole model (not a pipeline stage) without a "
@@ -420,7 +424,19 @@ class ReaLModel(nn.Module):
             )
         cu_seqlens = cu_seqlens.to(input_ids.device)
         if sp is not None:  # the attention reads sp's rows, not cu_seqlens
-            input_ids, position_ids = input_ids[sp.keep], sp.position_ids
+            position_ids = sp.position_ids
+            if images is not None and images.n_images:
+                # The full pack's multimodal positions, at the kept rows; the images of the
+                # sequences that keep their prompt (the others read it from their leader's).
+                full = mrope_positions(input_ids, cu_seqlens, images.slot_grids, self.config.vision)
+                position_ids = full.position_ids[:, sp.keep]
+                slots, first = [], 0
+                for seq, own_prompt in zip(images.seq_images, sp.keeps_prompt):
+                    if own_prompt:
+                        slots += range(first, first + len(seq))
+                    first += len(seq)
+                images = images.select(slots)
+            input_ids = input_ids[sp.keep]
             cu_seqlens = cu_seqlens.new_tensor([0, input_ids.shape[0]])
         if position_ids is None:
             if images is not None and images.n_images:
@@ -430,7 +446,7 @@ class ReaLModel(nn.Module):
             else:
                 position_ids = packed_position_ids(cu_seqlens, T)
         elif position_ids.shape != input_ids.shape and not (
-            self.config.mrope_section is not None and position_ids.shape == (3, T)
+            self.config.mrope_section is not None and position_ids.shape == (3, input_ids.shape[0])
         ):
             raise ValueError(
                 f"position_ids shape {tuple(position_ids.shape)} must equal input_ids "
