@@ -1,12 +1,11 @@
 """The committed preference pairs (examples/paired/make_pairs.py -> realhf/assets/tiny/data/)."""
 
-import importlib.util
-import json
 import pathlib
 import random
 import re
 
 import pytest
+from example_scripts import load_script, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DATA = ROOT / "realhf" / "assets" / "tiny" / "data"
@@ -14,17 +13,10 @@ _PROMPT = re.compile(r"^Compute (\d+)([+\-*])(\d+)\.$")
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "make_pairs", ROOT / "examples" / "paired" / "make_pairs.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/paired/make_pairs.py", "make_pairs")
 
 
-def _read(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+_read = read_jsonl
 
 
 def test_pairs_are_correct_vs_wrong_and_held_out_from_training():

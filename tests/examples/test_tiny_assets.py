@@ -7,7 +7,6 @@ qwen2 model directory), and that both scripts reproduce the committed files byte
 
 import collections
 import filecmp
-import importlib.util
 import json
 import pathlib
 import random
@@ -15,6 +14,7 @@ import re
 import shutil
 
 import pytest
+from example_scripts import load_script, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "realhf" / "assets" / "tiny"
@@ -29,17 +29,10 @@ TOKENIZER_FILES = [
 
 
 def _load_script(name):
-    spec = importlib.util.spec_from_file_location(
-        f"tiny_{name}", ROOT / "examples" / "tiny" / f"{name}.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(f"examples/tiny/{name}.py", f"tiny_{name}")
 
 
-def _read(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+_read = read_jsonl
 
 
 _PROMPT = re.compile(r"^Compute (\d+)([+\-*])(\d+)\.$")

@@ -5,13 +5,13 @@ the answer lengths have the long tail the task exists for (in the data and under
 policy, sampled with our engine), and that ``task=tiny_long`` selects it.
 """
 
-import importlib.util
 import json
 import pathlib
 import re
 import statistics
 
 import pytest
+from example_scripts import load_script, read_jsonl
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "realhf" / "assets" / "tiny_long"
@@ -20,18 +20,11 @@ EVAL_COPY = ROOT / "evaluation" / "data" / "tiny_long" / "test.jsonl"
 _PROMPT = re.compile(r"^Compute (\d+)\+(\d+)\*(\d+)\.$")
 
 
-def _read(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+_read = read_jsonl
 
 
 def _make_data():
-    spec = importlib.util.spec_from_file_location(
-        "long_make_data", ROOT / "examples" / "tiny_long" / "make_data.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/tiny_long/make_data.py", "long_make_data")
 
 
 def _tail(lengths):

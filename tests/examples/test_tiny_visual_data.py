@@ -7,11 +7,10 @@ solution is right, that the splits are disjoint, and that the script reproduces 
 committed files byte for byte.
 """
 
-import importlib.util
-import json
 import pathlib
 
 import pytest
+from example_scripts import load_script, read_jsonl
 from PIL import Image, ImageChops
 
 from realhf.impl.dataset.images import load_row_images
@@ -22,17 +21,10 @@ DATA = ROOT / "realhf" / "assets" / "tiny_visual" / "data"
 
 @pytest.fixture(scope="module")
 def mk():
-    spec = importlib.util.spec_from_file_location(
-        "tiny_visual_make_data", ROOT / "examples" / "tiny_visual" / "make_data.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("examples/tiny_visual/make_data.py", "tiny_visual_make_data")
 
 
-def _read(path):
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+_read = read_jsonl
 
 
 def _ink_bbox(img):

@@ -193,12 +193,7 @@ def make_tiny_visual_model(path: Union[str, os.PathLike], seed: int = 1) -> str:
     """The embedded visual task's untrained VLM (``examples/tiny_visual/make_model.py``:
     the tiny text model, a random vision tower, the tokenizer with the vision tokens and
     the image processor) written to ``path``."""
-    import importlib.util
+    from example_scripts import load_script
 
-    script = os.path.join(
-        os.path.dirname(__file__), "..", "..", "examples", "tiny_visual", "make_model.py"
-    )
-    spec = importlib.util.spec_from_file_location("tiny_visual_make_model", script)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/tiny_visual/make_model.py", "tiny_visual_make_model")
     return mod.make_model(str(path), seed)
