@@ -289,3 +289,33 @@ def test_shared_prompts_with_images_equal_the_full_pack(vl_dir):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
+
+
+def test_lora_adapters_of_a_vlm_load_in_peft_and_leave_the_tower_alone(vl_dir, tmp_path):
+    """save_peft names a VLM's adapters by transformers' module paths (the language model is
+    ``model.language_model``) and excludes the tower, whose MLP names the targets match:
+    HF + PEFT then compute our logits with images."""
+    from peft import PeftModel
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    from realhf.api.cli_args import LoraConfig
+    from realhf.impl.model.nn.lora import add_lora, save_peft
+
+    model = ReaLModel.from_hf(vl_dir).eval()
+    add_lora(model, LoraConfig(rank=4, alpha=8.0), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for n, p in model.lora.params.items():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    save_peft(model, str(tmp_path / "adapter"), base_model_path=vl_dir)
+    seqs = _batch()[:1]
+    ids, pix, grid = seqs[0]
+    with torch.no_grad():
+        ours = model(torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32),
+                     images=VisionInputs(pix, grid))  # fmt: skip
+        hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(vl_dir, dtype=torch.float32)
+        peft = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+        assert not [n for n, _ in peft.named_modules() if ".visual." in n and "lora" in n]
+        assert [n for n, _ in peft.named_modules() if "language_model" in n and "lora_A" in n]
+        theirs = _hf_logits(peft, ids, pix, grid)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)

@@ -51,6 +51,16 @@ class HFFamily:
             kw["architectures"] = [self.causal_arch]
         return kw
 
+    def peft_module(self, hf_name: str) -> str:
+        """The transformers module path (PEFT's adapter names) of checkpoint name
+        ``hf_name``; the same for every family but those whose model nests differently."""
+        return getattr(self.converter, "peft_module", lambda n: n)(hf_name)
+
+    @property
+    def peft_exclude(self) -> Optional[str]:
+        """PEFT's ``exclude_modules`` (a regex) for adapters of this family, or None."""
+        return getattr(self.converter, "PEFT_EXCLUDE", None)
+
     def weight_rules(self, cfg: ReaLModelConfig) -> List[WeightRule]:
         """All rules for ``cfg``, including the critic's value head."""
         rules = list(self.converter.weight_rules(cfg))

@@ -27,6 +27,18 @@ from realhf.impl.model.nn.model_config import ReaLModelConfig, VisionConfig
 #: the vision token ids, top-level keys of the HF config
 TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
+#: PEFT adapters name modules by their path in the transformers model, where the language
+#: model is ``model.language_model`` (the checkpoint says ``model.``); and they leave the
+#: vision tower alone (its MLP has gate/up/down_proj too, which a LoRA target list matches)
+PEFT_EXCLUDE = r".*\.visual\..*"
+
+
+def peft_module(hf_name: str) -> str:
+    """The transformers module path of the checkpoint tensor name ``hf_name`` (no suffix)."""
+    if hf_name.startswith("model.") and not hf_name.startswith("model.language_model."):
+        return "model.language_model." + hf_name.removeprefix("model.")
+    return hf_name
+
 
 def _as_qwen2(cfg: ReaLModelConfig) -> ReaLModelConfig:
     return dataclasses.replace(cfg, family="qwen2", vision=None, mrope_section=None)

@@ -292,13 +292,14 @@ def _hf_module_names(model) -> Dict[str, str]:
     from realhf.impl.model.conversion.families import get_family
 
     cfg = model.config
-    rules = {r.ours[0]: r for r in get_family(cfg.family).weight_rules(cfg) if len(r.ours) == 1}
+    fam = get_family(cfg.family)
+    rules = {r.ours[0]: r for r in fam.weight_rules(cfg) if len(r.ours) == 1}
     out = {}
     for idx, _, path, _ in _targets(model):
         rule = rules.get(f"{idx}.{path}.weight")
         if rule is None or rule.kind != "copy":
             raise ValueError(f"no HuggingFace name for {idx}.{path}.weight in this family")
-        out[f"{idx}.{path}"] = _PEFT_PREFIX + rule.hf_name.removesuffix(".weight")
+        out[f"{idx}.{path}"] = _PEFT_PREFIX + fam.peft_module(rule.hf_name.removesuffix(".weight"))
     return out
 
 
@@ -365,6 +366,11 @@ def save_peft(model, out_dir: str, base_model_path: Optional[str] = None) -> Non
         "rank_pattern": {},
         "alpha_pattern": {},
     }
+    from realhf.impl.model.conversion.families import get_family
+
+    exclude = get_family(model.config.family).peft_exclude
+    if exclude is not None:  # (a vision tower's MLP names match the target list too)
+        config["exclude_modules"] = exclude
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -419,6 +425,9 @@ def read_peft_spec(adapter_dir: str) -> LoraSpec:
     targets = c.get("target_modules")
     if isinstance(targets, str):
         raise ValueError(f"{path}: a regex target_modules is not supported; list the modules")
+    # (exclude_modules keeps PEFT off a vision tower, which our adapters never touch)
+    if not isinstance(c.get("exclude_modules"), (str, list, type(None))):
+        raise ValueError(f"{path}: exclude_modules must be a regex, a list or null")
     return LoraSpec(
         int(c["r"]), float(c["lora_alpha"]), float(c.get("lora_dropout", 0.0)), list(targets)
     )
