@@ -249,6 +249,7 @@ class WeightSender:
         snap = _Snapshot(int(version), buf, layout_digest(param_spec), per)
         with self._lock:
             self._snap, self._staging = snap, None
+            self._lock.notify_all()  # pulls that arrived during the copy go on
             # A server that pulled none of the last versions is gone (replaced, or out of
             # service): its pair's sockets go.  Should it come back, it makes a new pair
             # at its next pull, as after a failed transfer.
@@ -300,6 +301,14 @@ class WeightSender:
             # rendezvous under the old name would meet stale keys in the store.
             return {"ok": False, "new_pair": True, "error": f"{who}: pair unknown here"}, None
         with self._lock:
+            if self._snap is None and self._staging is not None:
+                # A version is being copied in (one memcpy; CI 2026-11-29: a pull of the
+                # version before it was refused here, and the run failed).  The pull waits
+                # for the copy and is then answered as any other: the new version, or
+                # superseded by it.
+                self._lock.wait_for(
+                    lambda: self._snap is not None or self._closing.is_set(), self.timeout
+                )
             snap = self._snap
             if snap is None:
                 why = (

@@ -265,3 +265,34 @@ def test_a_server_that_dies_or_hangs_mid_transfer_is_dropped_alone(sender, recei
     finally:
         child.kill()
         child.join(10)
+
+
+def test_a_pull_during_staging_waits_for_the_copy_and_learns_of_the_new_version(sender, receiver):
+    """CI 2026-11-29 (test_killed_trainer_resumes_exactly): a server pulled version 6 while
+    the trainer was copying version 7 in, was refused ("staging weight version 7 now") and
+    the run failed.  Such a pull now waits for the copy: an older version is then
+    superseded by the new one (the pool pulls that instead), the staged one is sent."""
+    import threading
+
+    dst = torch.zeros(N)
+    sender.stage(_weights(6), SPEC, 6)
+    with sender._lock:  # what stage() does first: the copy of version 7 is under way
+        snap6, sender._snap, sender._staging = sender._snap, None, 7
+    results = {}
+
+    def pull(version):
+        try:
+            results[version] = receiver.receive(sender.address, version, dst, SPEC, timeout=10)
+        except Exception as e:  # noqa: BLE001
+            results[version] = e
+
+    t = threading.Thread(target=pull, args=(6,))
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive()  # waiting for the copy, not refused
+    sender._snap = snap6  # (the copy's buffer: stage() reuses the idle one)
+    sender.stage(_weights(7), SPEC, 7)
+    t.join(10)
+    assert isinstance(results[6], WeightsSuperseded) and results[6].newer == 7
+    pull(7)
+    assert results[7] == N * 4 and torch.equal(dst, _weights(7))
