@@ -703,24 +703,29 @@ class VisionInputs:
         )
 
 
+def item_images(sample) -> Optional[List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Per item, ``(pixel_values, grid_thw)`` of its images (views; zero rows without
+    images); None when the sample has no image keys."""
+    if sample.data is None or not all(k in sample.keys for k in IMAGE_KEYS):
+        return None
+    pix = torch.split(sample.data["pixel_values"], sample.item_tokens("pixel_values"))
+    grid = torch.split(sample.data["image_grid_thw"], sample.item_tokens("image_grid_thw"))
+    return [(p, g.long()) for p, g in zip(pix, grid)]
+
+
 def vision_inputs_of(sample, device=None) -> Optional[VisionInputs]:
     """The images of a SequenceSample as one :class:`VisionInputs` in the order of its
     sequences (each item's images once per sequence of ``packed_input_ids``), each distinct
     image stored once; None when the sample has no image keys or no images."""
-    if sample.data is None or not all(k in sample.keys for k in IMAGE_KEYS):
-        return None
-    pix, grid = (sample.data[k] for k in IMAGE_KEYS)
-    if grid is None or grid.shape[0] == 0:
+    items = item_images(sample)
+    if items is None or sample.data["image_grid_thw"].shape[0] == 0:
         return None
     n_seqs = [len(lens) for lens in sample.seqlens["packed_input_ids"]]
-    pix_items = torch.split(pix, [sum(x) for x in sample.seqlens["pixel_values"]])
-    grid_items = torch.split(grid, [sum(x) for x in sample.seqlens["image_grid_thw"]])
     distinct: List[tuple] = []  # (pixels, grid) of each distinct image
     seen: dict = {}  # a cheap key of an image -> its candidates among `distinct`
     index: List[int] = []
     seq_images: List[Tuple[int, ...]] = []
-    for n, p, g in zip(n_seqs, pix_items, grid_items):
-        g = g.long()
+    for n, (p, g) in zip(n_seqs, items):
         images = torch.split(p, g.prod(-1).tolist()) if g.shape[0] else ()
         item = [_distinct_image(x, gi, distinct, seen) for x, gi in zip(images, g)]
         index += item * n
@@ -767,13 +772,12 @@ def images_per_sequence(sample, seq_ids):
     """The image keys of ``sample`` re-cut with one item per sequence (ids ``seq_ids``, in
     the order of ``packed_input_ids``' sequences): each sequence gets its item's images.
     None when the sample has no image keys."""
-    if sample.data is None or not all(k in sample.keys for k in IMAGE_KEYS):
+    items = item_images(sample)
+    if items is None:
         return None
     n_seqs = [len(lens) for lens in sample.seqlens["packed_input_ids"]]
-    pix = torch.split(sample.data["pixel_values"], sample.item_tokens("pixel_values"))
-    grid = torch.split(sample.data["image_grid_thw"], sample.item_tokens("image_grid_thw"))
     pixels, grids, plens, glens = [], [], [], []
-    for n, p, g in zip(n_seqs, pix, grid):
+    for n, (p, g) in zip(n_seqs, items):
         pixels += [p] * n
         grids += [g] * n
         plens += [p.shape[0]] * n

@@ -353,15 +353,18 @@ class RowImages:
         self._rows[index] = (list(row.get("images") or []), where)
         return expanded
 
+    def _images(self, index: int) -> Tuple[list, List[Image.Image]]:
+        """Item ``index``'s image references and the images, loaded again."""
+        refs, where = self._rows.get(index, ([], ""))
+        return refs, load_row_images({"images": refs}, self.base_dir, where)
+
     def pixels(self, index: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Item ``index``'s ``(pixel_values, grid_thw)`` (no rows without images)."""
-        refs, where = self._rows.get(index, ([], ""))
-        return self.processor.pixels(load_row_images({"images": refs}, self.base_dir, where))
+        return self.processor.pixels(self._images(index)[1])
 
     def attach(self, index: int, item):
         """``item`` (a one-item SequenceSample) with its image keys."""
-        refs, where = self._rows.get(index, ([], ""))
-        images = load_row_images({"images": refs}, self.base_dir, where)
+        refs, images = self._images(index)
         pixels, grid = self.processor.pixels(images)
         out = image_sample(item.ids, pixels, grid, [pixels.shape[0]], [grid.shape[0]])
         # The images as data URLs too: what an HTTP generation server is sent (it opens no

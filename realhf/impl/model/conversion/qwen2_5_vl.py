@@ -40,6 +40,16 @@ def peft_module(hf_name: str) -> str:
     return hf_name
 
 
+#: VisionConfig field -> vision_config key, for the fields copied as they are
+_VISION_FIELDS = (
+    ("depth", "depth"), ("hidden_dim", "hidden_size"), ("n_heads", "num_heads"),
+    ("intermediate_dim", "intermediate_size"), ("out_dim", "out_hidden_size"),
+    ("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
+    ("in_channels", "in_channels"), ("spatial_merge_size", "spatial_merge_size"),
+    ("window_size", "window_size"),
+)  # fmt: skip
+
+
 def _as_qwen2(cfg: ReaLModelConfig) -> ReaLModelConfig:
     return dataclasses.replace(cfg, family="qwen2", vision=None, mrope_section=None)
 
@@ -53,16 +63,7 @@ def config_from_hf(family: str, hf, source: str) -> ReaLModelConfig:
         raise UnsupportedCheckpoint(f"{source}: text_config.rope_parameters has no mrope_section")
     vc = hf.vision_config
     vision = VisionConfig(
-        depth=vc.depth,
-        hidden_dim=vc.hidden_size,
-        n_heads=vc.num_heads,
-        intermediate_dim=vc.intermediate_size,
-        out_dim=vc.out_hidden_size,
-        patch_size=vc.patch_size,
-        temporal_patch_size=vc.temporal_patch_size,
-        in_channels=vc.in_channels,
-        spatial_merge_size=vc.spatial_merge_size,
-        window_size=vc.window_size,
+        **{ours: getattr(vc, theirs) for ours, theirs in _VISION_FIELDS},
         fullatt_block_indexes=tuple(vc.fullatt_block_indexes),
         activation=activation_from_hf(vc.hidden_act, "vision_config.hidden_act", source),
         rope_theta=float((getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
@@ -91,16 +92,7 @@ def config_to_hf(cfg: ReaLModelConfig) -> Dict[str, Any]:
     kw["rope_parameters"] = dict(kw["rope_parameters"], mrope_section=list(cfg.mrope_section))
     v = cfg.vision
     kw["vision_config"] = dict(
-        depth=v.depth,
-        hidden_size=v.hidden_dim,
-        num_heads=v.n_heads,
-        intermediate_size=v.intermediate_dim,
-        out_hidden_size=v.out_dim,
-        patch_size=v.patch_size,
-        temporal_patch_size=v.temporal_patch_size,
-        in_channels=v.in_channels,
-        spatial_merge_size=v.spatial_merge_size,
-        window_size=v.window_size,
+        **{theirs: getattr(v, ours) for ours, theirs in _VISION_FIELDS},
         fullatt_block_indexes=list(v.fullatt_block_indexes),
         hidden_act=activation_to_hf(v.activation, "qwen2_5_vl"),
         tokens_per_second=v.tokens_per_second,

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import torch
 
-from realhf.api.core.data_api import IMAGE_KEYS, SequenceSample, VisionInputs
+from realhf.api.core.data_api import SequenceSample, VisionInputs, item_images
 from realhf.api.core.gen_api import GenerateOutput, GenerateRequest
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.gen.engine import GenerationEngine
@@ -68,7 +68,7 @@ def generate_offline(
     offset = 0
     base = gconfig.to_sampling_params(vocab_size=model.config.vocab_size)
     images = _item_images(prompts)
-    for item_id, (plen,), item_images in zip(prompts.ids, per_item, images):
+    for item_id, (plen,), prompt_images in zip(prompts.ids, per_item, images):
         prompt = flat[offset : offset + plen]
         offset += plen
         if plen < 1 or plen >= context:
@@ -91,7 +91,7 @@ def generate_offline(
                     input_ids=prompt,
                     sampling=sp.for_sample(j),
                     rid=f"{item_id}@{j}",
-                    images=item_images,  # (one object: the engine prefills the prompt once)
+                    images=prompt_images,  # (one object: the engine prefills the prompt once)
                 )
             )
 
@@ -131,14 +131,10 @@ def generate_offline(
 
 def _item_images(prompts: SequenceSample) -> List[Optional[VisionInputs]]:
     """Each item's images (None for an item without, or a sample without image keys)."""
-    if prompts.data is None or not all(k in prompts.keys for k in IMAGE_KEYS):
+    items = item_images(prompts)
+    if items is None:
         return [None] * len(prompts)
-    out: List[Optional[VisionInputs]] = []
-    pix = torch.split(prompts.data["pixel_values"], prompts.item_tokens("pixel_values"))
-    grid = torch.split(prompts.data["image_grid_thw"], prompts.item_tokens("image_grid_thw"))
-    for p, g in zip(pix, grid):
-        out.append(VisionInputs(p, g.long()) if g.shape[0] else None)
-    return out
+    return [VisionInputs(p, g) if g.shape[0] else None for p, g in items]
 
 
 def outputs_to_sample(
