@@ -23,8 +23,9 @@ The estimate is analytic, per process, by kind of bytes:
 - ``logits``: one micro-batch's ``[T, V/m]`` logits in the model's dtype, twice for training
   (their gradient); log-probs and entropy are vocabulary-chunked, so nothing larger.
 - ``kv cache``: ``2 x layers x kv dim`` values per token: a trainer's generation sizes its
-  cache to the step's sequences (those generated at once x their length); a generation
-  server reserves and zero-fills ``max_running_requests x context_length`` tokens up front.
+  cache to the step's sequences (those generated at once x their length, a group's prompt
+  once); a generation server reserves and zero-fills ``kv_cache_tokens`` (default
+  ``max_running_requests x context_length``) tokens up front.
 - ``runtime``: the interpreter, torch and the libraries (measured: ~0.6 GiB for a model
   worker or generation server, less for the other processes).
 
@@ -232,7 +233,9 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             terms["logits"] = max(terms["logits"], int(logits))
         if ModelInterfaceType.GENERATE in types:
             running = min(load.seqs / d, load.gen_concurrency)
-            kv = running * load.seq_len * 2 * layers * (shape.kv_dim / m) * b
+            # (a group's answers hold their prompt's pages once: gen/kv_cache.py)
+            shared = (running - running / max(1, load.group)) * load.shared_prompt
+            kv = (running * load.seq_len - shared) * 2 * layers * (shape.kv_dim / m) * b
             terms["kv cache"] += int(kv)
         note = f"{spec.role} {shape.n_params / 1e6:.0f}M {spec.dtype}"
         if getattr(spec, "has_lora", False):
@@ -253,9 +256,10 @@ def _generation_server(server, load: Workload) -> ProcessEstimate:
     if _packs(server):  # realhf.impl.model.nn.packed_linear: the linear weights once more
         terms["weights"] *= 2
         notes += ", packed copy"
-    # The engine reserves and zero-fills every slot's whole context up front.
+    # The engine reserves and zero-fills its whole KV cache up front.
     slots, slot_len = server.max_running_requests, server.context_length or shape.n_positions
-    terms["kv cache"] = int(slots * slot_len * 2 * shape.n_layers * shape.kv_dim * b)
+    kv_tokens = getattr(server, "kv_cache_tokens", None) or slots * slot_len
+    terms["kv cache"] = int(kv_tokens * 2 * shape.n_layers * shape.kv_dim * b)
     # Decoding holds [running, V] logits (prefill: the last position of each sequence only).
     terms["logits"] = int(min(slots, max(1, load.seqs)) * shape.vocab * 4)
     return ProcessEstimate("generation_server", 1, terms, notes)

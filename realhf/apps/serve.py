@@ -71,6 +71,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--context-length", type=int, default=None, help="default: the model's n_positions"
     )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        help="KV cache positions over all running requests (a request reserves prompt + "
+        "max_new_tokens, a group's shared prompt once); default: max-running-requests x "
+        "context-length",
+    )
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument(
@@ -145,6 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         config = EngineConfig(
             max_running_requests=args.max_running_requests,
             context_length=args.context_length,
+            kv_cache_tokens=args.kv_cache_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
             max_queued_requests=args.max_queued_requests,
             dtype=args.dtype,

@@ -84,9 +84,8 @@ class GenServerOptions:
     max_running_requests: Optional[int] = field(
         default=None,
         metadata={
-            "help": "sequences one generation server decodes at once (each holds a KV slot "
-            "of context_length tokens); empty = the answers the run can have in flight "
-            "(max_concurrent_rollouts x group_size), at most 256"
+            "help": "sequences one generation server decodes at once; empty = the answers "
+            "the run can have in flight (max_concurrent_rollouts x group_size), at most 256"
         },
     )
     context_length: Optional[int] = field(
@@ -95,6 +94,15 @@ class GenServerOptions:
             "help": "longest prompt + answer a server holds; empty = what the run can ask "
             "(dataset.max_prompt_len + max_turns x ppo.gen.max_new_tokens + 256 per feedback), "
             "at most the model's limit"
+        },
+    )
+    kv_cache_tokens: Optional[int] = field(
+        default=None,
+        metadata={
+            "help": "KV cache positions of one built-in server (a request reserves prompt + "
+            "answer; a group admitted together holds its prompt once); empty = "
+            "max_running_requests x context_length, what the answers in flight need when a "
+            "weight update has cut them all (resumed answers share no prompt)"
         },
     )
     num_threads: Optional[int] = field(
@@ -414,9 +422,9 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     hp = cfg.ppo
     data_args = dict(max_prompt_len=cfg.dataset.max_prompt_len)
 
-    # Each server reserves (and zero-fills) slots x context KV tokens up front: size them by
-    # what this run can ask, not by the model's limit (32k positions x 256 slots of a 0.5B
-    # model would be 192 GiB).
+    # Each server reserves (and zero-fills) its KV cache up front: size it by what this run
+    # can ask, not by the model's limit (32k positions x 256 sequences of a 0.5B model would
+    # be 192 GiB).
     in_flight = (cfg.max_concurrent_rollouts or B) * hp.group_size
     server_slots = cfg.gen_server.max_running_requests or min(MAX_SERVER_SLOTS, in_flight)
     server_context = cfg.gen_server.context_length or min(
@@ -434,6 +442,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             api_key=cfg.gen_server.api_key,
             max_running_requests=server_slots,
             context_length=server_context,
+            kv_cache_tokens=cfg.gen_server.kv_cache_tokens,
             dtype=cfg.actor.dtype,
             seed=cfg.seed + i,  # servers must not sample identical streams
             num_threads=cfg.gen_server.num_threads or _threads(n_gen),

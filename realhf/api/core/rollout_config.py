@@ -81,9 +81,10 @@ class GenerationServerConfig:
             a :class:`GenerationBackend` or its name, stored as the enum.
         host: address to listen on; None = this host's IP.
         port: TCP port; 0 picks a free one.
-        max_running_requests, context_length, dtype, device, seed, num_threads,
-            pack_weights, request_timeout_s: the built-in engine's settings
-            (``EngineConfig``).  With
+        max_running_requests, context_length, kv_cache_tokens, dtype, device, seed,
+            num_threads, pack_weights, request_timeout_s: the built-in engine's settings
+            (``EngineConfig``; vLLM and SGLang size their caches themselves and ignore
+            ``kv_cache_tokens``).  With
             ``backend=vllm`` all but ``device`` apply too (``num_threads``: vLLM's OpenMP
             threads); vLLM places itself (its CPU build on the CPU, its CUDA build on the
             GPUs of ``CUDA_VISIBLE_DEVICES``), so ``device`` must stay ``auto`` there.
@@ -127,6 +128,7 @@ class GenerationServerConfig:
     port: int = 0
     max_running_requests: int = 64
     context_length: Optional[int] = None
+    kv_cache_tokens: Optional[int] = None
     dtype: str = "float32"
     device: str = "auto"
     seed: int = 1
@@ -165,6 +167,7 @@ class GenerationServerConfig:
             raise ck.bad("port", self.port, "use 0 (any free port) or a port in 1..65535")
         ck.integer(self, "max_running_requests", 1)
         ck.integer(self, "context_length", 2, allow_none=True)
+        ck.integer(self, "kv_cache_tokens", 2, allow_none=True)
         ck.integer(self, "num_threads", 1, allow_none=True)
         ck.integer(self, "max_concurrent_requests", 1)
         if self.dtype not in ("float32", "bfloat16", "float16"):

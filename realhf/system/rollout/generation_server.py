@@ -115,6 +115,7 @@ class GenerationServer(Worker):
         engine_config = EngineConfig(
             max_running_requests=config.max_running_requests,
             context_length=config.context_length,
+            kv_cache_tokens=config.kv_cache_tokens,
             dtype=config.dtype,
             device=config.device,
             seed=config.seed,

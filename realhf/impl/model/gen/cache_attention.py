@@ -1,4 +1,4 @@
-"""Attention of new tokens against the slot KV cache (see :mod:`.kv_cache`).
+"""Attention of new tokens against the paged KV cache (see :mod:`.kv_cache`).
 
 Two cases, each with a CPU and a device-agnostic path:
 
@@ -61,38 +61,41 @@ if _nb is not None:
     # processes skip the JIT.
     @_nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _decode_kernel(
-        q, k_new, v_new, kc, vc, slots, lens, window, scale, out
+        q, k_new, v_new, kc, vc, table, lens, page, window, scale, out
     ):  # pragma: no cover
-        # q, out: [B, n_kv, g, d]; k_new, v_new: [B, n_kv, d]; kc, vc: [S, n_kv,
-        # cap, d]. Per (sequence, kv head): store the new key/value at position
-        # lens-1 of the slot, then scores of each of the g query heads against
-        # the cached keys (four keys per pass: four independent accumulators
-        # keep the FMA units busy), softmax, and the weighted sum of the values.
-        # Each work item owns its cache row and output rows (slots are
-        # distinct), so there are no races.
+        # q, out: [B, n_kv, g, d]; k_new, v_new: [B, n_kv, d]; kc, vc: [N, n_kv, d] (the
+        # pool); table: [B, max_pages]. Position t of sequence b lives at pool row
+        # table[b, t // page] * page + t % page. Per (sequence, kv head): store the new
+        # key/value at position lens-1, then scores of each of the g query heads against
+        # the cached keys (four keys per pass: four independent accumulators keep the FMA
+        # units busy), softmax, and the weighted sum of the values. A work item writes
+        # only its own sequence's last row (on a page of its own, never shared) and its
+        # output rows, so there are no races.
         B, n_kv, g, d = q.shape
         for w in _nb.prange(B * n_kv):
             b = w // n_kv
             h = w % n_kv
-            s = slots[b]
             hi = lens[b]
-            kc[s, h, hi - 1, :] = k_new[b, h, :]
-            vc[s, h, hi - 1, :] = v_new[b, h, :]
+            r = table[b, (hi - 1) // page] * page + (hi - 1) % page
+            kc[r, h, :] = k_new[b, h, :]
+            vc[r, h, :] = v_new[b, h, :]
             lo = 0
             if window > 0 and hi > window:
                 lo = hi - window
             n = hi - lo
-            K = kc[s, h, lo:hi]
-            V = vc[s, h, lo:hi]
+            rows = _np.empty(n, dtype=_np.int64)
+            for t in range(n):
+                p = lo + t
+                rows[t] = table[b, p // page] * page + p % page
             sc = _np.empty((g, n), dtype=_np.float32)
             for gi in range(g):
                 qrow = q[b, h, gi] * scale
                 t = 0
                 while t + 4 <= n:
-                    k0 = K[t]
-                    k1 = K[t + 1]
-                    k2 = K[t + 2]
-                    k3 = K[t + 3]
+                    k0 = kc[rows[t], h]
+                    k1 = kc[rows[t + 1], h]
+                    k2 = kc[rows[t + 2], h]
+                    k3 = kc[rows[t + 3], h]
                     a0 = _np.float32(0.0)
                     a1 = _np.float32(0.0)
                     a2 = _np.float32(0.0)
@@ -109,7 +112,7 @@ if _nb is not None:
                     sc[gi, t + 3] = a3
                     t += 4
                 while t < n:
-                    kr = K[t]
+                    kr = kc[rows[t], h]
                     a = _np.float32(0.0)
                     for x in range(d):
                         a += qrow[x] * kr[x]
@@ -128,7 +131,7 @@ if _nb is not None:
                 acc = _np.zeros(d, dtype=_np.float32)
                 for t in range(n):
                     p = row[t] * inv
-                    vr = V[t]
+                    vr = vc[rows[t], h]
                     for x in range(d):
                         acc[x] += p * vr[x]
                 out[b, h, gi, :] = acc
@@ -160,53 +163,52 @@ class DecodeAttention:
     """Decode attention for one step; built once per step, called once per layer.
 
     Args:
-        slots: ``[B]`` long, the cache slot of each query.
-        lens: ``[B]`` long, valid cached positions per query (the new token's
-            key/value already written, so ``lens = position + 1``).
-        n_slots: number of slots that may be in use (``max(slots) + 1`` is enough).
+        tables: per query, the page table of its sequence (:mod:`.kv_cache`).
+        lens: per query, valid cached positions (the new token's key/value
+            included, so ``lens = position + 1``).
+        page_size: positions per page.
         sliding_window: attend to at most this many recent positions, or ``None``.
         impl: ``"numba"`` or ``"padded"`` (resolved with :func:`select_decode_impl`).
+        device: where the index tensors live.
     """
 
     def __init__(
         self,
-        slots: torch.Tensor,
-        lens: torch.Tensor,
+        tables: List[List[int]],
+        lens: List[int],
         *,
+        page_size: int,
         sliding_window: Optional[int],
         impl: str,
+        device=None,
     ):
         self.impl = impl = DecodeImpl(impl)
         self.window = sliding_window or 0
-        self.B = slots.numel()
+        self.page = page_size
+        self.B = len(lens)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         if impl is DecodeImpl.NUMBA:
             # Converted once per step, not per layer: the kernel takes numpy arrays.
-            self._slots = slots.cpu().numpy().astype(_np.int64)
-            self._lens = lens.cpu().numpy().astype(_np.int64)
+            self._table = table.numpy()
+            self._lens = _np.asarray(lens, dtype=_np.int64)
             return
-        # Padded path: view the slot range [0, hi) and scatter queries into it.
-        self.hi = int(slots.max().item()) + 1
-        self.lmax = int(lens.max().item())
-        self.slots = slots
-        self.positions = lens - 1
-        self.contiguous = self.hi == self.B and bool(
-            (slots == torch.arange(self.B, device=slots.device)).all()
-        )
-        row_len = torch.zeros(self.hi, dtype=torch.long, device=slots.device)
-        row_len[slots] = lens
-        pos = torch.arange(self.lmax, device=slots.device)
-        valid = pos.unsqueeze(0) < row_len.unsqueeze(1)
+        # Padded path: pool rows of every sequence's positions [0, max(lens)).
+        lens_t = torch.tensor(lens, dtype=torch.long)
+        self.lmax = int(lens_t.max())
+        pos = torch.arange(self.lmax)
+        rows = table[:, pos // page_size] * page_size + pos % page_size
+        self.new_rows = rows[torch.arange(self.B), lens_t - 1].to(device)
+        self.rows = rows.flatten().to(device)
+        valid = pos.unsqueeze(0) < lens_t.unsqueeze(1)
         if self.window:
-            valid &= pos.unsqueeze(0) >= (row_len - self.window).unsqueeze(1)
-        # Idle rows keep one valid position so that softmax stays finite; their
-        # outputs are never read.
-        valid[:, 0] |= row_len == 0
-        self.mask = valid[:, None, None, :]
+            valid &= pos.unsqueeze(0) >= (lens_t - self.window).unsqueeze(1)
+        self.mask = valid[:, None, None, :].to(device)
 
     def __call__(self, q, k, v, kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
-        """Store ``k, v [B, n_kv, d]`` at position ``lens - 1`` of each slot of one
-        layer's ``kc, vc [S, n_kv, cap, d]``, then attend ``q [B, n_q, d]``;
-        returns ``[B, n_q, d]``."""
+        """Store ``k, v [B, n_kv, d]`` at position ``lens - 1`` of each sequence in one
+        layer's pool ``kc, vc [N, n_kv, d]``, then attend ``q [B, n_q, d]``; returns
+        ``[B, n_q, d]``."""
         B, n_q, d = q.shape
         n_kv = kc.shape[1]
         g = n_q // n_kv
@@ -221,28 +223,22 @@ class DecodeAttention:
                     v.float().contiguous().numpy(),
                     kc.numpy(),
                     vc.numpy(),
-                    self._slots,
+                    self._table,
                     self._lens,
+                    self.page,
                     self.window,
                     _np.float32(scale),
                     out.numpy(),
                 )
             return out.view(B, n_q, d).to(q.dtype)
-        # Index tensors around a slice: the target is [B, n_kv, d], the layout of k and v.
-        kc[self.slots, :, self.positions] = k.to(kc.dtype)
-        vc[self.slots, :, self.positions] = v.to(vc.dtype)
-        qg = q.view(B, n_kv, g, d)
-        # SDPA's batch dim runs over cache rows [0, hi); queries of sequences whose slots
-        # are not exactly 0..B-1 are scattered into those rows (zeros elsewhere).
-        if not self.contiguous:
-            full = q.new_zeros(self.hi, n_kv, g, d)
-            full[self.slots] = qg
-            qg = full
-        o = F.scaled_dot_product_attention(
-            qg, kc[: self.hi, :, : self.lmax], vc[: self.hi, :, : self.lmax], attn_mask=self.mask
-        )
-        if not self.contiguous:
-            o = o[self.slots]
+        kc.index_copy_(0, self.new_rows, k.to(kc.dtype))
+        vc.index_copy_(0, self.new_rows, v.to(vc.dtype))
+        # One gather per layer: [B, L, n_kv, d], viewed as SDPA's [B, n_kv, L, d]
+        # (index_select: ~8x faster than advanced indexing on a CPU).
+        shape = (B, self.lmax, n_kv, d)
+        keys = kc.index_select(0, self.rows).view(shape).transpose(1, 2)
+        values = vc.index_select(0, self.rows).view(shape).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.view(B, n_kv, g, d), keys, values, attn_mask=self.mask)
         return o.reshape(B, n_q, d)
 
 

@@ -3,9 +3,9 @@
 A dedicated thread owns the model, the KV cache and the scheduler, and loops::
 
     apply commands (new requests, aborts, pause, weight updates)
-    admit waiting requests into free slots
+    admit waiting requests while KV pages for their whole length are free
     one packed forward: a token for every running sequence + the new prompts
-    sample, append, finish sequences that stopped, free their slots
+    sample, append, finish sequences that stopped, free their pages
 
 Callers on other threads (the HTTP server's event loop, tests, benchmarks) use
 :meth:`GenerationEngine.submit`, which returns a ``concurrent.futures.Future``,
@@ -55,7 +55,7 @@ from realhf.impl.model.gen.cache_attention import (
     select_decode_impl,
 )
 from realhf.impl.model.gen.engine_config import EngineConfig
-from realhf.impl.model.gen.kv_cache import SlotKVCache, check_cache_fits
+from realhf.impl.model.gen.kv_cache import PagedKVCache, check_cache_fits
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.sequence import Sequence
 from realhf.impl.model.nn.lora import is_adapter_dir
@@ -113,15 +113,17 @@ class EngineClosedError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Add:
-    """Queue a new sequence; its own future resolves when it finishes."""
+    """Queue new sequences, in one piece (a group is admitted together and shares its
+    prompt's cache pages); each future resolves when its sequence finishes."""
 
-    seq: Sequence
+    seqs: Tuple[Sequence, ...]
 
     def done(self, result: Any) -> None:
         pass  # the sequence resolves its future when it finishes, not when it is queued
 
     def fail(self, exc: BaseException) -> None:
-        self.seq.fail(exc)
+        for seq in self.seqs:
+            seq.fail(exc)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,15 +229,13 @@ class GenerationEngine:
         self._load_weights = load_weights or (lambda m, path: m.load_hf_weights(path))
         self._serving_file = False  # the weights are a flat file's read-only mapping (shm)
         self.device = next(iter(model.parameters())).device
-        check_cache_fits(
-            mc, config.max_running_requests, self.context_length, config.torch_dtype, self.device
-        )
-        self.cache = SlotKVCache(
+        kv_tokens = config.kv_cache_tokens or config.max_running_requests * self.context_length
+        check_cache_fits(mc, kv_tokens, config.torch_dtype, self.device)
+        self.cache = PagedKVCache(
             n_layers=n_cache_layers,
             n_kv_heads=mc.n_kv_heads,
             head_dim=mc.head_dim,
-            n_slots=config.max_running_requests,
-            slot_len=self.context_length,
+            n_tokens=kv_tokens,
             dtype=config.torch_dtype,
             device=self.device,
         )
@@ -251,11 +251,12 @@ class GenerationEngine:
             self._packer = WeightPacker(model, batch_hint=min(config.max_running_requests, 64))
         self.scheduler = Scheduler(
             self.cache,
+            max_running=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
             max_queued_requests=config.max_queued_requests,
         )
-        # One row of pre-drawn uniforms per slot: token i of the sequence in a
-        # slot uses uniforms[slot, i], drawn from the request's own generator.
+        # One row of pre-drawn uniforms per running row: token i of the sequence in
+        # row r uses uniforms[r, i], drawn from the request's own generator.
         self._uniforms = torch.zeros(config.max_running_requests, self.context_length)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
@@ -274,8 +275,9 @@ class GenerationEngine:
         self._occupancy = _OccupancyLog.from_env(config.max_running_requests)
         self._thread = threading.Thread(target=self._loop, name="gen-engine", daemon=True)
         logger.info(
-            f"engine: {config.max_running_requests} slots x {self.context_length} tokens, "
-            f"cache {self.cache.nbytes / 2**20:.1f} MiB reserved on {self.device}, "
+            f"engine: up to {config.max_running_requests} sequences of up to "
+            f"{self.context_length} tokens, KV cache of {self.cache.n_tokens} tokens "
+            f"({self.cache.nbytes / 2**20:.1f} MiB) on {self.device}, "
             f"decode attention {self.decode_impl}"
         )
 
@@ -322,8 +324,22 @@ class GenerationEngine:
             )
         self._check_images(req)
         mnt = req.sampling.max_new_tokens
+        room = self.cache.n_tokens - plen  # a sequence reserves its whole length (kv_cache)
         if mnt is None:
-            mnt = self.context_length - plen
+            mnt = min(self.context_length - plen, room)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {plen} tokens; the KV cache holds {self.cache.n_tokens} "
+                "(kv_cache_tokens), so at most {0} prompt tokens fit".format(
+                    self.cache.n_tokens - 1
+                )
+            )
+        if plen + mnt > self.cache.n_tokens:
+            raise InvalidRequestError(
+                f"prompt ({plen} tokens) + max_new_tokens ({mnt}) exceeds the KV cache of "
+                f"{self.cache.n_tokens} tokens (kv_cache_tokens); lower max_new_tokens to at "
+                f"most {room} or raise kv_cache_tokens"
+            )
         if plen + mnt > self.context_length:
             raise InvalidRequestError(
                 f"prompt ({plen} tokens) + max_new_tokens ({mnt}) exceeds the context length "
@@ -353,25 +369,41 @@ class GenerationEngine:
 
         Raises :class:`InvalidRequestError` at once for requests that can never run.
         """
-        mnt = self.check_request(req)
-        stops = frozenset(req.sampling.stop_token_ids)
-        if not req.sampling.ignore_eos:
-            stops = stops | self.default_stop_ids
-        seq = Sequence(req, mnt, stops)
-        if mnt == 0:
-            seq.finish(FinishReason("length", length=0))
-            return seq.future
-        if self._closing:
-            raise EngineClosedError("the generation engine is closed")
-        self._inbox.put(_Add(seq))
-        self._wake.set()
-        return seq.future
+        return self.submit_all([req])[0]
+
+    def submit_all(
+        self, reqs: Seq[GenerateRequest]
+    ) -> List["concurrent.futures.Future[GenerateOutput]"]:
+        """Queue requests together: they reach the scheduler in one piece, so the answers
+        of a group are admitted in one step and share their prompt's cache pages.
+
+        Raises :class:`InvalidRequestError` before queueing any when one can never run.
+        """
+        seqs = []
+        for req in reqs:
+            mnt = self.check_request(req)
+            stops = frozenset(req.sampling.stop_token_ids)
+            if not req.sampling.ignore_eos:
+                stops = stops | self.default_stop_ids
+            seqs.append(Sequence(req, mnt, stops))
+        queued = []
+        for seq in seqs:
+            if seq.max_new_tokens == 0:
+                seq.finish(FinishReason("length", length=0))
+            else:
+                queued.append(seq)
+        if queued:
+            if self._closing:
+                raise EngineClosedError("the generation engine is closed")
+            self._inbox.put(_Add(tuple(queued)))
+            self._wake.set()
+        return [seq.future for seq in seqs]
 
     def generate(
         self, reqs: Seq[GenerateRequest], timeout: Optional[float] = None
     ) -> List[GenerateOutput]:
         """Submit requests and wait for all outputs (in order)."""
-        return self.collect(reqs, [self.submit(r) for r in reqs], timeout)
+        return self.collect(reqs, self.submit_all(reqs), timeout)
 
     def collect(
         self,
@@ -453,7 +485,7 @@ class GenerationEngine:
             "num_running_reqs": len(self.scheduler.running),
             "num_queue_reqs": len(self.scheduler.waiting) + self._inbox.qsize(),
             "num_used_tokens": self.scheduler.num_used_tokens,
-            "max_total_num_tokens": self.cache.n_slots * self.cache.slot_len,
+            "max_total_num_tokens": self.cache.n_tokens,
             "gen_throughput": sum(n for _, n in recent) / span if span > 0 else 0.0,
             "prompt_tokens_total": self.total_prompt_tokens,
             "generation_tokens_total": self.total_generated_tokens,
@@ -528,7 +560,7 @@ class GenerationEngine:
                 cmd.done(result)
 
     def _add(self, cmd: _Add) -> None:
-        self.scheduler.add(cmd.seq)
+        self.scheduler.add_all(cmd.seqs)
 
     def _abort(self, cmd: _Abort) -> bool:
         seq = self.scheduler.find(cmd.rid)
@@ -634,7 +666,7 @@ class GenerationEngine:
         self.weights_incomplete = None
 
     def step(self) -> None:
-        """One engine iteration: admit waiting requests into free slots, then one
+        """One engine iteration: admit waiting requests into the cache, then one
         packed forward that decodes a token for every running sequence and
         prefills the admitted prompts, then sample and retire finished ones."""
         if self._packer is not None and not self._packer.done:
@@ -663,7 +695,8 @@ class GenerationEngine:
         # each), then the admitted prompts. One forward serves both, so new
         # arrivals cost no extra pass over the weights. Admitted requests with the
         # same prompt (the group of answers GRPO samples per prompt) share one
-        # prefill: the prompt runs once and its keys/values go to each one's slot.
+        # prefill: the prompt runs once; its full pages are written once and shared,
+        # and each answer gets its own copy of the last, partial page.
         dev = self.device
         B = len(decode)
         ids = [s.output_ids[-1] for s in decode]
@@ -676,8 +709,7 @@ class GenerationEngine:
         mrope: Dict[int, Any] = {}  # unique prompt with images -> its MRopePositions
         images: List[VisionInputs] = []
         for s in prefill:
-            key = (tuple(s.req.input_ids), id(s.req.images))
-            u = first.setdefault(key, len(first))
+            u = first.setdefault(s.prompt_key, len(first))
             owner.append(u)
             if u == len(pbounds) - 1:  # a prompt not seen yet in this step
                 n = s.prompt_len
@@ -704,22 +736,24 @@ class GenerationEngine:
         dattn = pattn = src_t = None
         if decode:
             dattn = DecodeAttention(
-                torch.tensor([s.slot for s in decode], device=dev),
+                [s.pages for s in decode],
                 # (tokens in the cache: the RoPE position differs after an image)
-                torch.tensor([s.length for s in decode], device=dev),
+                [s.length for s in decode],
+                page_size=cache.page_size,
                 sliding_window=self.sliding_window,
                 impl=self.decode_impl,
+                device=dev,
             )
         if prefill:
             pattn = PrefillAttention(pbounds, sliding_window=self.sliding_window, device=dev)
-            src, pslots, ppos = [], [], []  # cache writes: packed row -> (slot, position)
+            src, rows = [], []  # cache writes: packed row -> pool row
             for s, u in zip(prefill, owner):
-                src.extend(range(pbounds[u], pbounds[u + 1]))
-                pslots.extend([s.slot] * s.prompt_len)
-                ppos.extend(range(s.prompt_len))
+                # (a group mate's positions below shared_tokens are on the first one's pages)
+                src.extend(range(pbounds[u] + s.shared_tokens, pbounds[u + 1]))
+                rows.extend(cache.rows(s.pages, s.shared_tokens, s.prompt_len))
             if len(first) < len(prefill):
                 src_t = torch.tensor(src, device=dev)
-            pslots_t, ppos_t = torch.tensor(pslots, device=dev), torch.tensor(ppos, device=dev)
+            rows_t = torch.tensor(rows, device=dev)
 
         def attn_fn(layer, q, k, v):
             layer -= self._first_block
@@ -729,9 +763,9 @@ class GenerationEngine:
             if pattn is not None:
                 kp, vp = k[B:], v[B:]
                 if src_t is None:
-                    cache.write(layer, pslots_t, ppos_t, kp, vp)
+                    cache.write(layer, rows_t, kp, vp)
                 else:
-                    cache.write(layer, pslots_t, ppos_t, kp[src_t], vp[src_t])
+                    cache.write(layer, rows_t, kp[src_t], vp[src_t])
                 outs.append(pattn(q[B:], kp, vp))
             return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -798,7 +832,7 @@ class GenerationEngine:
                 done.append((s, FinishReason("stop", matched=t)))
             elif s.n_out >= s.max_new_tokens:
                 done.append((s, FinishReason("length", length=s.n_out)))
-        # Free the slots before resolving futures, so that a caller woken by its
+        # Free the pages before resolving futures, so that a caller woken by its
         # result already sees the capacity back.
         self.scheduler.release([s for s, _ in done])
         for s, reason in done:

@@ -21,11 +21,16 @@ class EngineConfig:
     """Limits and numerics of :class:`~realhf.impl.model.gen.engine.GenerationEngine`.
 
     Attributes:
-        max_running_requests: sequences decoded together (= KV cache slots).
-            More requests wait in the queue.
+        max_running_requests: most sequences decoded together; more wait in the
+            queue (also while the KV cache has no room for them).
         context_length: most tokens (prompt + generated) per sequence; ``None``
-            uses the model's ``n_positions``. Cache memory is
-            ``max_running_requests * context_length`` tokens.
+            uses the model's ``n_positions``.
+        kv_cache_tokens: the KV cache's budget: token positions held at once
+            over all running sequences (:mod:`~realhf.impl.model.gen.kv_cache`),
+            each ``2 * n_layers * n_kv_heads * head_dim * dtype bytes``. A request
+            reserves ``prompt + max_new_tokens`` positions when admitted (a
+            group's shared prompt once), and one that needs more than the whole
+            cache is refused. ``None``: ``max_running_requests * context_length``.
         max_prefill_tokens: prompt tokens admitted per engine step.
         max_queued_requests: waiting requests beyond this are refused.
         seed: seeds the engine's generator for requests without
@@ -52,6 +57,7 @@ class EngineConfig:
 
     max_running_requests: int = 64
     context_length: Optional[int] = None
+    kv_cache_tokens: Optional[int] = None
     max_prefill_tokens: int = 4096
     max_queued_requests: int = 100_000
     seed: int = 1
@@ -73,6 +79,12 @@ class EngineConfig:
             not isinstance(self.context_length, int) or self.context_length < 2
         ):
             _fail("context_length", self.context_length, "use an integer >= 2 or None")
+        if self.kv_cache_tokens is not None and (
+            not isinstance(self.kv_cache_tokens, int)
+            or isinstance(self.kv_cache_tokens, bool)
+            or self.kv_cache_tokens < 2
+        ):
+            _fail("kv_cache_tokens", self.kv_cache_tokens, "use an integer >= 2 or None")
         if self.dtype not in _DTYPES:
             _fail("dtype", self.dtype, f"use one of {sorted(_DTYPES)}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -245,7 +245,8 @@ class _Served:
         flat = [r for g in groups for r in g]
         for r in flat:  # validate everything before queueing anything
             engine.check_request(r)
-        futs = [asyncio.wrap_future(engine.submit(r)) for r in flat]
+        # In one piece: a group's answers are admitted together and share their prompt.
+        futs = [asyncio.wrap_future(f) for f in engine.submit_all(flat)]
         try:
             outs = await asyncio.wait_for(asyncio.gather(*futs), self.timeout)
         except asyncio.TimeoutError:
@@ -549,7 +550,7 @@ async def get_server_info(request: fastapi.Request, served: Served):
         "served_model_name": served.served_model_name,
         "context_length": engine.context_length,
         "max_running_requests": engine.config.max_running_requests,
-        "max_total_num_tokens": engine.cache.n_slots * engine.cache.slot_len,
+        "max_total_num_tokens": engine.cache.n_tokens,
         "decode_attention": engine.decode_impl,
         "protocol": f"sglang {SGLANG_PROTOCOL_VERSION}",
         "stats": engine.stats(),

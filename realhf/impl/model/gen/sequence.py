@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import time
-from typing import FrozenSet, List
+from typing import FrozenSet, List, Tuple
 
 from realhf.api.core.gen_api import FinishReason, GenerateOutput, GenerateRequest
 
@@ -16,6 +16,11 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+def prompt_key(req: GenerateRequest) -> Tuple:
+    """Equal for requests with the same prompt: its tokens and its image object."""
+    return (tuple(req.input_ids), id(req.images))
 
 
 class Sequence:
@@ -36,6 +41,9 @@ class Sequence:
         "future",
         "status",
         "slot",
+        "pages",
+        "shared_tokens",
+        "prompt_key",
         "output_ids",
         "output_logprobs",
         "submit_time",
@@ -49,7 +57,14 @@ class Sequence:
         self.stop_ids = stop_ids
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.status = SeqStatus.WAITING
+        #: its row among the running sequences (< max_running_requests), -1 when not running
         self.slot = -1
+        #: its page table in the KV cache (see :mod:`.kv_cache`), empty when not running
+        self.pages: List[int] = []
+        #: leading prompt positions on pages shared with a group mate (written by the mate)
+        self.shared_tokens = 0
+        #: equal for requests whose prompts (tokens and image object) are the same
+        self.prompt_key: Tuple = prompt_key(req)
         self.output_ids: List[int] = []
         self.output_logprobs: List[float] = []
         self.submit_time = time.monotonic()

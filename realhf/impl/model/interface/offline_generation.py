@@ -19,6 +19,8 @@ from realhf.api.core.gen_api import GenerateOutput, GenerateRequest
 from realhf.api.core.model_api import GenerationHyperparameters
 from realhf.impl.model.gen.engine import GenerationEngine
 from realhf.impl.model.gen.engine_config import EngineConfig
+from realhf.impl.model.gen.kv_cache import PAGE_SIZE, pages_for, tokens_to_hold
+from realhf.impl.model.gen.sequence import prompt_key
 from realhf.impl.model.interface.helpers import require_keys, stable_seed
 
 __all__ = ["generate_offline", "outputs_to_sample"]
@@ -96,9 +98,19 @@ def generate_offline(
             )
 
     longest = max(len(r.input_ids) + r.sampling.max_new_tokens for r in requests)
+    running = max(1, min(max_running_requests, len(requests)))
+    # The cache holds every request at once (a group's prompt once), or the longest
+    # `running` of them, whichever is smaller.
+    kv_tokens = min(
+        tokens_to_hold(
+            (prompt_key(r), len(r.input_ids), r.sampling.max_new_tokens) for r in requests
+        ),
+        running * pages_for(longest) * PAGE_SIZE,
+    )
     cfg = EngineConfig(
-        max_running_requests=max(1, min(max_running_requests, len(requests))),
+        max_running_requests=running,
         context_length=max(2, min(context, longest)),
+        kv_cache_tokens=max(2, kv_tokens),
         max_prefill_tokens=max(4096, max(len(r.input_ids) for r in requests)),
         dtype=_DTYPE_NAMES[model.flat_params.dtype],
         device=str(model.flat_params.device),
@@ -115,7 +127,7 @@ def generate_offline(
     model.eval()
     # Queued before the engine thread starts, so it admits them all at once: tensor-parallel
     # ranks then run the same batches in the same order (their forwards are collectives).
-    futures = [engine.submit(r) for r in requests]
+    futures = engine.submit_all(requests)
     engine.start()
     try:
         outputs = engine.collect(requests, futures, timeout=timeout_s)

@@ -1,4 +1,4 @@
-"""Decode/prefill attention against the slot cache, checked against plain softmax attention."""
+"""Decode/prefill attention against the paged cache, checked against plain softmax attention."""
 
 import math
 
@@ -12,7 +12,7 @@ from realhf.impl.model.gen.cache_attention import (
     prefill_attention,
     select_decode_impl,
 )
-from realhf.impl.model.gen.kv_cache import SlotKVCache
+from realhf.impl.model.gen.kv_cache import PagedKVCache, pages_for
 
 N_Q, N_KV, D = 4, 2, 16
 
@@ -32,50 +32,65 @@ def _impls():
     return ["padded"] + (["numba"] if numba_available() else [])
 
 
-@pytest.mark.parametrize("impl", _impls())
-@pytest.mark.parametrize("window", [None, 5])
-def test_decode_matches_reference_for_scattered_slots(impl, window):
-    torch.manual_seed(0)
-    cache = SlotKVCache(
-        n_layers=2,
+def _cache(n_tokens=128, page_size=4, n_layers=2):
+    return PagedKVCache(
+        n_layers=n_layers,
         n_kv_heads=N_KV,
         head_dim=D,
-        n_slots=8,
-        slot_len=32,
+        n_tokens=n_tokens,
+        page_size=page_size,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
+
+
+def _positions(cache, table, n, layer):
+    """[n_kv, n, d] keys and values of a sequence's first n positions (reference gather)."""
+    rows = torch.tensor(cache.rows(table, 0, n))
+    return cache.k[layer, rows].transpose(0, 1), cache.v[layer, rows].transpose(0, 1)
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_follows_scattered_page_tables(impl, window):
+    torch.manual_seed(0)
+    cache = _cache()
     cache.k.normal_()
     cache.v.normal_()
-    slots = torch.tensor([6, 1, 3])  # not contiguous, not sorted
-    lens = torch.tensor([9, 1, 20])
+    # Tables out of order, of different lengths, and two sequences sharing their first
+    # page (a group's prompt); every last position is on a page of the sequence's own.
+    tables = [[7, 2, 30], [7, 13], [11, 3, 20, 5, 0, 9]]
+    lens = [9, 6, 21]
     q = torch.randn(3, N_Q, D)
     k_new, v_new = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
-    attn = DecodeAttention(slots, lens, sliding_window=window, impl=impl)
+    attn = DecodeAttention(tables, lens, page_size=4, sliding_window=window, impl=impl)
     out = attn(q, k_new, v_new, cache.k[1], cache.v[1])
-    # the new key/value landed at position lens - 1 of each slot
+    for b in range(3):  # the new key/value landed at position lens - 1
+        (row,) = cache.rows(tables[b], lens[b] - 1, lens[b])
+        torch.testing.assert_close(cache.k[1, row], k_new[b])
+        torch.testing.assert_close(cache.v[1, row], v_new[b])
     for b in range(3):
-        torch.testing.assert_close(cache.k[1, slots[b], :, lens[b] - 1], k_new[b])
-        torch.testing.assert_close(cache.v[1, slots[b], :, lens[b] - 1], v_new[b])
-    for b in range(3):
-        s, L = slots[b].item(), lens[b].item()
-        ref = _ref_attn(q[b], cache.k[1, s, :, :L], cache.v[1, s, :, :L], window)
+        k, v = _positions(cache, tables[b], lens[b], 1)
+        ref = _ref_attn(q[b], k, v, window)
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("impl", _impls())
-def test_decode_contiguous_slots(impl):
+def test_decode_one_page_per_sequence_equals_contiguous_attention(impl):
     torch.manual_seed(1)
-    kc = torch.randn(4, N_KV, 16, D)
-    vc = torch.randn(4, N_KV, 16, D)
-    slots, lens = torch.arange(4), torch.tensor([3, 16, 1, 7])
+    cache = _cache(n_tokens=64, page_size=16, n_layers=1)
+    cache.k.normal_()
+    cache.v.normal_()
+    tables, lens = [[0], [1], [2], [3]], [3, 16, 1, 7]
     q = torch.randn(4, N_Q, D)
-    k_new = kc[torch.arange(4), :, lens - 1].clone()
-    v_new = vc[torch.arange(4), :, lens - 1].clone()
-    out = DecodeAttention(slots, lens, sliding_window=None, impl=impl)(q, k_new, v_new, kc, vc)
-    for b in range(4):
-        ref = _ref_attn(q[b], kc[b, :, : lens[b]], vc[b, :, : lens[b]])
-        torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-4)
+    k_new = torch.stack([cache.k[0, 16 * b + n - 1] for b, n in enumerate(lens)]).clone()
+    v_new = torch.stack([cache.v[0, 16 * b + n - 1] for b, n in enumerate(lens)]).clone()
+    attn = DecodeAttention(tables, lens, page_size=16, sliding_window=None, impl=impl)
+    out = attn(q, k_new, v_new, cache.k[0], cache.v[0])
+    for b, n in enumerate(lens):
+        kk = cache.k[0, 16 * b : 16 * b + n].transpose(0, 1)
+        vv = cache.v[0, 16 * b : 16 * b + n].transpose(0, 1)
+        torch.testing.assert_close(out[b], _ref_attn(q[b], kk, vv), atol=1e-5, rtol=1e-4)
 
 
 def test_select_decode_impl():
@@ -109,66 +124,46 @@ def test_prefill_is_causal_per_prompt(window, lens, padded):
             torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-4)
 
 
-def test_cache_write_places_tokens_at_slot_and_position():
-    cache = SlotKVCache(
-        n_layers=3,
-        n_kv_heads=N_KV,
-        head_dim=D,
-        n_slots=4,
-        slot_len=8,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
+def test_cache_rows_and_write_follow_the_page_table():
+    cache = _cache(n_tokens=32, page_size=4, n_layers=3)
+    assert cache.rows([5, 2], 2, 7) == [22, 23, 8, 9, 10]
     k, v = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
-    cache.write(2, torch.tensor([3, 3, 0]), torch.tensor([0, 1, 5]), k, v)
-    torch.testing.assert_close(cache.k[2, 3, :, 0], k[0])
-    torch.testing.assert_close(cache.k[2, 3, :, 1], k[1])
-    torch.testing.assert_close(cache.v[2, 0, :, 5], v[2])
+    cache.write(2, torch.tensor(cache.rows([5, 2], 3, 6)), k, v)
+    torch.testing.assert_close(cache.k[2, 23], k[0])
+    torch.testing.assert_close(cache.k[2, 8], k[1])
+    torch.testing.assert_close(cache.v[2, 9], v[2])
 
 
-def test_cache_slots_are_lowest_first_and_checked():
-    cache = SlotKVCache(
-        n_layers=1,
-        n_kv_heads=1,
-        head_dim=2,
-        n_slots=3,
-        slot_len=4,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-    assert [cache.alloc(), cache.alloc()] == [0, 1]
-    cache.free(0)
-    assert cache.alloc() == 0
-    assert cache.alloc() == 2 and cache.n_free == 0
-    with pytest.raises(RuntimeError, match="no free slot"):
-        cache.alloc()
-    cache.free(1)
-    with pytest.raises(RuntimeError, match="not allocated"):
-        cache.free(1)
-    assert cache.nbytes == 2 * 1 * 3 * 1 * 4 * 2 * 4
-    assert cache.bytes_per_token == cache.nbytes // 12
+def test_pages_are_lowest_first_reference_counted_and_checked():
+    cache = _cache(n_tokens=10, page_size=4, n_layers=1)  # rounded up to 3 pages
+    assert cache.n_pages == 3 and cache.n_tokens == 12
+    assert cache.alloc(2) == [0, 1]
+    cache.share([0])  # a group mate holds page 0 too
+    cache.free([0, 1])
+    assert cache.n_free == 2  # page 0 is still held
+    assert cache.alloc(2) == [1, 2] and cache.n_free == 0
+    with pytest.raises(RuntimeError, match="1 pages asked, 0 free"):
+        cache.alloc(1)
+    cache.free([0])
+    with pytest.raises(RuntimeError, match="page 0 is not allocated"):
+        cache.free([0])
+    with pytest.raises(RuntimeError, match="page 0 is not allocated"):
+        cache.share([0])
+    assert cache.nbytes == 2 * 1 * 12 * N_KV * D * 4
+    assert cache.bytes_per_token == 1 * N_KV * D * 4 * 2
+    assert pages_for(17, 16) == 2 and pages_for(16, 16) == 1
 
 
 def test_new_cache_is_finite_even_in_reused_memory():
     # The padded decode path multiplies masked positions by weight 0, and
     # 0 * NaN is NaN: a cache that reused freed memory holding NaNs made the
     # engine emit token 0 (seen only when the whole suite ran in one process).
-    kw = dict(
-        n_layers=2,
-        n_kv_heads=N_KV,
-        head_dim=D,
-        n_slots=4,
-        slot_len=16,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
     for _ in range(3):
-        junk = torch.full((2, 4, N_KV, 16, D), float("nan"))
+        junk = torch.full((2, 64, N_KV, D), float("nan"))
         del junk
-        cache = SlotKVCache(**kw)
+        cache = _cache(n_tokens=64, page_size=4)
         assert torch.count_nonzero(cache.k) == 0 and torch.count_nonzero(cache.v) == 0
-    slots, lens = torch.tensor([0, 2]), torch.tensor([3, 1])
-    attn = DecodeAttention(slots, lens, sliding_window=None, impl="padded")
+    attn = DecodeAttention([[0], [3, 1]], [3, 1], page_size=4, sliding_window=None, impl="padded")
     out = attn(
         torch.randn(2, N_Q, D),
         torch.randn(2, N_KV, D),

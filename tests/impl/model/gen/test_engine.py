@@ -92,9 +92,45 @@ def test_more_requests_than_slots_join_and_leave_every_step(model, make_engine):
     for r, o in zip(reqs, outs):
         assert list(o.output_ids) == reference_greedy(model, list(r.input_ids), len(o.output_ids))
         assert len(o.output_ids) == r.sampling.max_new_tokens
-    assert eng.cache.n_free == 3 and eng.scheduler.idle
+    assert eng.cache.n_free == eng.cache.n_pages and eng.scheduler.idle
     st = eng.stats()
     assert st["generation_tokens_total"] == sum(lens) and st["num_requests_total"] == len(lens)
+
+
+@pytest.mark.parametrize("impl", impls)
+def test_a_group_shares_its_prompts_cache_pages_and_decodes_exactly(
+    model, make_engine, impl, tmp_path, monkeypatch
+):
+    from realhf.impl.model.gen.engine import OCCUPANCY_DIR_ENV
+
+    monkeypatch.setenv(OCCUPANCY_DIR_ENV, str(tmp_path))
+    # A 40-token prompt (pages of 16: two full, 8 tokens on a third) and 8 new tokens:
+    # unshared, 4 answers take 4 x 3 pages = 192 tokens; sharing, 3 + 3 x 1 pages = 96.
+    prompt = [(7 * i) % 200 + 2 for i in range(40)]
+    eng = make_engine(max_running_requests=4, kv_cache_tokens=96, decode_attn_impl=impl)
+    lens = [8, 5, 8, 3]
+    outs = eng.generate([GenerateRequest(input_ids=prompt, sampling=greedy(n)) for n in lens])
+    for n, o in zip(lens, outs):
+        assert list(o.output_ids) == reference_greedy(model, prompt, n)
+    eng.close()
+    (path,) = tmp_path.iterdir()
+    running = [int(line.split("\t")[1]) for line in path.read_text().splitlines()]
+    assert max(running) == 4  # all four ran together in 96 tokens of cache
+    assert eng.cache.n_free == eng.cache.n_pages  # every page given back
+
+
+def test_requests_wait_for_cache_room_and_one_larger_than_the_cache_is_refused(model, make_engine):
+    eng = make_engine(max_running_requests=8, kv_cache_tokens=48)  # 3 pages of 16
+    reqs = [GenerateRequest(input_ids=PROMPTS[i % 4] + [i], sampling=greedy(20)) for i in range(5)]
+    for r, o in zip(reqs, eng.generate(reqs, timeout=120)):
+        assert list(o.output_ids) == reference_greedy(model, list(r.input_ids), 20)
+    with pytest.raises(InvalidRequestError, match="exceeds the KV cache of 48 tokens"):
+        eng.submit(GenerateRequest(input_ids=PROMPTS[1], sampling=greedy(42)))
+    with pytest.raises(InvalidRequestError, match="at most 47 prompt tokens fit"):
+        eng.submit(GenerateRequest(input_ids=[3] * 48, sampling=greedy(1)))
+    # without max_new_tokens a request gets what the cache can hold
+    o = eng.generate([GenerateRequest(input_ids=PROMPTS[0], sampling=greedy(None))])[0]
+    assert len(o.output_ids) == 48 - len(PROMPTS[0])
 
 
 def test_stop_tokens_min_new_tokens_and_ignore_eos(model, make_engine):
@@ -377,14 +413,16 @@ def test_a_failed_step_fails_in_flight_requests_and_the_engine_keeps_serving(mod
         assert "injected forward failure" in eng.last_error
         o = eng.generate([GenerateRequest(input_ids=[4, 5], sampling=greedy(5))], timeout=30)[0]
         assert list(o.output_ids) == reference_greedy(model, [4, 5], 5)
-        assert eng.cache.n_free == 2
+        assert eng.cache.n_free == eng.cache.n_pages
     finally:
         eng.close()
 
 
 def test_a_cache_that_cannot_fit_is_refused(model):
-    with pytest.raises(ValueError, match="lower EngineConfig.max_running_requests"):
+    with pytest.raises(ValueError, match="lower EngineConfig.kv_cache_tokens to at most"):
         GenerationEngine(model, EngineConfig(max_running_requests=100_000, context_length=100_000))
+    with pytest.raises(ValueError, match="KV cache needs .* GiB for 10000000000 tokens"):
+        GenerationEngine(model, EngineConfig(kv_cache_tokens=10**10))
 
 
 def test_occupancy_log_records_every_step_when_asked(model, make_engine, tmp_path, monkeypatch):
