@@ -1,4 +1,5 @@
-"""Keep Python's cyclic garbage collector off the objects a long-running process made at start.
+"""Keep Python's cyclic garbage collector off the objects a long-running process made at
+start, and give the C heap's free memory back to the system.
 
 A server or worker loads a model, a tokenizer, FastAPI and torch modules: millions of
 objects that live until exit.  The collector's older generations are scanned whole every
@@ -12,9 +13,13 @@ objects made while serving are ever scanned.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import gc
+from typing import Optional
 
-__all__ = ["freeze_startup_objects"]
+__all__ = ["freeze_startup_objects", "trim_heap"]
 
 
 def freeze_startup_objects() -> int:
@@ -34,3 +39,27 @@ def freeze_startup_objects() -> int:
     gc.collect(1)
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+def trim_heap() -> Optional[bool]:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim(0)``).
+
+    Tensors under glibc's mmap threshold (which grows to 32 MB as large blocks are freed)
+    live on the heap, and a freed one stays in the process until the heap above it is free
+    too.  A training step frees gigabytes of such activations after its backward pass: at
+    the 0.5B shape in bf16 a model worker kept 1.9 GiB of them between calls and, worse,
+    next to the 1.8 GiB fp32 gradient allocated after the backward (a fresh mapping, which
+    cannot reuse them).  Trimming costs 20-80 ms there.  Returns whether memory was given
+    back, or None where there is no glibc.
+    """
+    fn = _malloc_trim()
+    return None if fn is None else bool(fn(0))

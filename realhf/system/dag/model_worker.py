@@ -50,6 +50,7 @@ from realhf.api.core.dfg import MFCDef
 from realhf.api.core.model_api import StepInfo
 from realhf.api.core.worker_api import ModelWorkerConfig
 from realhf.base import seeding, stats_tracker
+from realhf.base.gcutil import trim_heap
 from realhf.base.storage import recover
 from realhf.impl.dataset.shard_loader import ShardLoader
 from realhf.impl.model.parallelism import ParallelGrid
@@ -283,6 +284,8 @@ class ModelWorker(Worker):
                     output = out.meta()
             # Every rank of the MFC's layout runs the call, so all reach this collective.
             stats.update(_export_stats(grid))
+            # What the call freed goes back to the system, not into the next call's peak.
+            trim_heap()
         if mfc.is_train and self.weights.specs[mfc.role].publish_weights:
             t = time.monotonic()
             self.weights.publish(mfc.role, req.step.global_step + 1)

@@ -61,6 +61,7 @@ from realhf.api.core.data_api import MicroBatchSpec, SequenceSample
 from realhf.api.core.model_api import FinetuneSpec
 from realhf.base import logging
 from realhf.base.distributed import dist_util
+from realhf.base.gcutil import trim_heap
 from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
 from realhf.impl.model.backend.offload import free_storage, regrow_storage
@@ -279,6 +280,10 @@ class TrainEngine(InferenceEngine):
         self._check_grad_views()
         if self._master_grad_clear:  # the first micro-batch: a converting copy, no add
             if self.master is not None:
+                if self._grad_storage.device.type == "cpu":
+                    # The backward pass just freed the activations, on the C heap: give
+                    # them back first, or the fp32 buffer (a fresh mapping) comes on top.
+                    trim_heap()
                 regrow_storage(self._grad_storage)  # (given back by zero_grad)
             self.master_grad.copy_(self.flat_grad)
             self._master_grad_clear = False
@@ -355,7 +360,7 @@ class TrainEngine(InferenceEngine):
         self.flat_grad.zero_()
         self._master_grad_clear = True
         if self.master is not None:
-            # Until then it holds nothing: its memory goes back for the forward and backward
+            # Until then it holds nothing: its memory stays out of the forward and backward
             # passes, where a step peaks (1.8 GiB at 0.5B).  (Under ZeRO-1 the buffer is
             # what is reduce-scattered, padding included: it stays.)
             free_storage(self._grad_storage)
@@ -415,6 +420,11 @@ class TrainEngine(InferenceEngine):
         step = self.n_steps if version_steps is None else int(version_steps)
         lr = self.lr_schedule(step)
         grad_norm, skipped = self._optimizer_step(total, step, lr)
+        if self.master is not None:
+            # Applied: the fp32 gradient's memory goes back until the next step's first
+            # accumulation (1.8 GiB at 0.5B, held through generation and inference before).
+            free_storage(self._grad_storage)
+            self._master_grad_clear = True
 
         out = {
             "loss": float(reduced[0]),

@@ -273,16 +273,39 @@ def _bf16_engine(**opt):
     return TrainEngine(tiny_model().to(torch.bfloat16), optimizer_config(**opt))
 
 
+def _applied_grads(engine):
+    """The fp32 gradients each step applies (the engine frees them after the step)."""
+    applied = []
+    step = engine._optimizer_step
+
+    def keep(*args):
+        applied.append(engine.master_grad.clone())
+        return step(*args)
+
+    engine._optimizer_step = keep
+    return applied
+
+
 def test_bf16_model_keeps_fp32_master_weights_gradient_and_adam_state():
     engine = _bf16_engine()
     assert engine.master.dtype == engine.master_grad.dtype == torch.float32
     assert engine.model.dtype == engine.flat_grad.dtype == torch.bfloat16
+    applied = _applied_grads(engine)
     engine.train_batch(batch(), MicroBatchSpec(max_tokens_per_mb=14), lm_loss, lm_weight)
     for p, state in engine.optimizer.state.items():
         assert p.dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
     # the model holds the master weights rounded to bf16
     assert torch.equal(engine.model.flat_params, engine.master.to(torch.bfloat16))
-    assert engine.flat_grad.abs().sum() == 0 and engine.master_grad.abs().sum() > 0
+    assert engine.flat_grad.abs().sum() == 0 and applied[0].abs().sum() > 0
+    # Between steps the fp32 gradient holds no memory; the next step regrows it.
+    assert engine.master_grad.untyped_storage().nbytes() == 0
+    # The next step regrows it and starts from zero: its gradient is that of a fresh
+    # engine on the same (bf16) weights.
+    fresh = TrainEngine(copy.deepcopy(engine.model), optimizer_config())
+    fresh_applied = _applied_grads(fresh)
+    for e in (engine, fresh):
+        e.train_batch(batch(), MicroBatchSpec(max_tokens_per_mb=14), lm_loss, lm_weight)
+    torch.testing.assert_close(applied[1], fresh_applied[0], rtol=0, atol=0)
     assert TrainEngine(tiny_model(), optimizer_config()).master is None  # fp32: none needed
 
 
@@ -293,6 +316,7 @@ def test_bf16_gradients_accumulate_in_fp32_across_micro_batches(chunk, monkeypat
     if chunk is not None:
         monkeypatch.setattr(train_module, "_ACCUMULATE_CHUNK", chunk)
     engine = _bf16_engine()
+    applied = _applied_grads(engine)
     spec = MicroBatchSpec(max_tokens_per_mb=14)
     engine.train_batch(batch(), spec, lm_loss, lm_weight)
     mbs = batch().split(spec)[0]
@@ -305,7 +329,7 @@ def test_bf16_gradients_accumulate_in_fp32_across_micro_batches(chunk, monkeypat
         (loss * (lm_weight(mb) / total)).backward()
         for name, p in model.named_parameters():  # in the flat buffer's layout
             flat_view(ref, model.param_spec[name]).add_(p.grad.float())
-    torch.testing.assert_close(engine.master_grad, ref, rtol=0, atol=0)
+    torch.testing.assert_close(applied[0], ref, rtol=0, atol=0)
 
 
 def test_bf16_updates_below_half_an_ulp_are_kept_by_the_master_weights():
