@@ -29,7 +29,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from realhf.impl.model.modules import grad_in_place
 from realhf.impl.model.modules.attention import packed_causal_attention
+from realhf.impl.model.modules.gated_act import gated_act
 from realhf.impl.model.modules.norm import norm, rms_norm
 from realhf.impl.model.modules.rotary import apply_rope
 from realhf.impl.model.modules.shared_prefix import SharedPrefix
@@ -277,8 +279,8 @@ class TransformerBlock(nn.Module):
                 gate, up = pk(x).chunk(2, dim=-1)
                 gate = _plus(gate, column_delta(m.gate_proj, x, tp))
                 up = _plus(up, column_delta(m.up_proj, x, tp))
-                return _row_linear(m.down_proj, self._act(gate) * up, tp)
-            a = self._act(_linear(m.gate_proj, x, tp)) * _linear(m.up_proj, x, tp)
+                return _row_linear(m.down_proj, gated_act(self._act, gate, up), tp)
+            a = gated_act(self._act, _linear(m.gate_proj, x, tp), _linear(m.up_proj, x, tp))
             return _row_linear(m.down_proj, a, tp)
         return _row_linear(m.c_proj, self._act(_linear(m.c_fc, x, tp)), tp)
 
@@ -325,4 +327,5 @@ class OutputHead(nn.Module):
         pk = packed_or_none(self, "packed", [w])
         if pk is not None:
             return pk(x)
-        return F.linear(self.tp.copy_in(x), w)
+        # (its weight gradient is added into .grad in place: modules/grad_in_place.py)
+        return grad_in_place.linear(self.tp.copy_in(x), w)

@@ -30,9 +30,8 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
-from realhf.impl.model.modules import vocab_chunked
+from realhf.impl.model.modules import grad_in_place, vocab_chunked
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 
 __all__ = ["LocalHooks", "LOCAL"]
@@ -64,7 +63,7 @@ class LocalHooks:
 
     def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """Token embedding ``[T, hidden]`` of ``input_ids`` from this rank's rows ``weight``."""
-        return F.embedding(input_ids, weight)
+        return grad_in_place.embed(input_ids, weight)
 
     def kv_weight(self, w: torch.Tensor) -> torch.Tensor:
         """A key/value projection weight or bias, as used in forward."""

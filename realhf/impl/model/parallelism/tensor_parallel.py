@@ -45,9 +45,8 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from realhf.impl.model.modules import vocab_chunked
+from realhf.impl.model.modules import grad_in_place, vocab_chunked
 from realhf.impl.model.nn.lora import add_lora, all_parameters
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.nn.parallel_hooks import LocalHooks
@@ -307,11 +306,11 @@ class TensorParallel(LocalHooks):
 
     def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
-            return F.embedding(input_ids, weight)
+            return grad_in_place.embed(input_ids, weight)
         start = self.rank * weight.shape[0]
         local = input_ids - start
         outside = (local < 0) | (local >= weight.shape[0])
-        h = F.embedding(local.masked_fill(outside, 0), weight)
+        h = grad_in_place.embed(local.masked_fill(outside, 0), weight)
         return self.reduce_out(h.masked_fill(outside.unsqueeze(-1), 0.0))
 
     def kv_weight(self, w: torch.Tensor) -> torch.Tensor:
