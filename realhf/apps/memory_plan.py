@@ -13,7 +13,10 @@ The estimate is analytic, per process, by kind of bytes:
   for a built-in generation server on a CPU, which keeps its linear weights packed for oneDNN
   too (``pack_weights``).
 - ``gradients``: one gradient in the model's dtype, plus the fp32 sum of a bf16/fp16 model
-  (with LoRA, ``actor.lora.rank > 0``, of the adapters only: the base is frozen).
+  (with LoRA, ``actor.lora.rank > 0``, of the adapters only: the base is frozen).  The fp32
+  sum exists from the end of the backward pass to the optimizer step, when the activations
+  and logits are gone, so only what it exceeds them by counts (all of it under ZeRO-1,
+  whose buffer stays).
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer
@@ -217,7 +220,6 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
         layers = -(-shape.n_layers // p)
         per_layer = 8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate
         if spec.trainable:
-            terms["gradients"] += int(n * (b + (4 if b < 4 else 0)))
             z = d if spec.optimizer_config.zero_stage == 1 else 1
             terms["optimizer"] += int(n * (8 + (4 if b < 4 else 0)) / z)
             if spec.gradient_checkpointing:
@@ -228,6 +230,10 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             # the logits of a training micro-batch and their gradient
             logits = 2 * train_tokens * (shape.vocab / m) * b
             terms["logits"] = max(terms["logits"], int(logits))
+            fp32_grad = 4 * n if b < 4 else 0  # (TrainEngine frees it after the step)
+            if z == 1:
+                fp32_grad = max(0, fp32_grad - act - logits)
+            terms["gradients"] += int(n * b + fp32_grad)
         if types - {ModelInterfaceType.TRAIN_STEP, ModelInterfaceType.GENERATE}:
             logits = tokens * (shape.vocab / m) * b  # an inference call's logits
             terms["logits"] = max(terms["logits"], int(logits))

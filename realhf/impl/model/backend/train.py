@@ -27,10 +27,12 @@ master weights (a flat copy of ``trained_flat``) with an fp32 gradient buffer an
 moments: after each micro-batch's backward the low-precision gradient is added into the fp32
 buffer (pipelined steps add once, after the schedule), which is what is all-reduced, clipped
 and applied to the master weights; the model gets them back rounded to its dtype.  Bytes per
-parameter: fp32 model 16 (weights 4, gradient 4, Adam 8); bf16 model 20 (weights 2,
-gradient 2, master 4, fp32 gradient 4, Adam 8) -- more than fp32 at rest, for matmuls at
-bf16 speed and activations of half the size.  Without master weights an update smaller
-than half a bf16 ulp of its weight (a relative change below ~2**-9) would be lost.
+parameter: fp32 model 16 (weights 4, gradient 4, Adam 8); bf16 model 16 between steps
+(weights 2, gradient 2, master 4, Adam 8) and 20 from the end of the backward pass to the
+optimizer step (the fp32 gradient 4, allocated once the activations are freed, and freed
+once applied) -- about fp32's, for matmuls at bf16 speed and activations of half the size.
+Without master weights an update smaller than half a bf16 ulp of its weight (a relative
+change below ~2**-9) would be lost.
 
 ZeRO-1 (``optimizer.zero_stage=1``): the master weights and Adam moments are sharded over
 the data-parallel group (:mod:`realhf.impl.model.backend.zero`); the gradient is
