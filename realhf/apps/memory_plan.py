@@ -13,10 +13,11 @@ The estimate is analytic, per process, by kind of bytes:
   for a built-in generation server on a CPU, which keeps its linear weights packed for oneDNN
   too (``pack_weights``).
 - ``gradients``: one gradient in the model's dtype, plus the fp32 sum of a bf16/fp16 model
-  (with LoRA, ``actor.lora.rank > 0``, of the adapters only: the base is frozen).  The fp32
-  sum exists from the end of the backward pass to the optimizer step, when the activations
-  and logits are gone, so only what it exceeds them by counts (all of it under ZeRO-1,
-  whose buffer stays).
+  (with LoRA, ``actor.lora.rank > 0``, of the adapters only: the base is frozen).  A
+  training step frees the fp32 sum for its forward and backward passes and allocates it
+  again after the first, when the activations and logits are gone, so the step counts only
+  what it exceeds them by (all of it under ZeRO-1, whose buffer stays).  It is kept
+  between calls, which this peak of the training call does not count.
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer
@@ -230,7 +231,7 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             # the logits of a training micro-batch and their gradient
             logits = 2 * train_tokens * (shape.vocab / m) * b
             terms["logits"] = max(terms["logits"], int(logits))
-            fp32_grad = 4 * n if b < 4 else 0  # (TrainEngine frees it after the step)
+            fp32_grad = 4 * n if b < 4 else 0  # (freed by TrainEngine.zero_grad)
             if z == 1:
                 fp32_grad = max(0, fp32_grad - act - logits)
             terms["gradients"] += int(n * b + fp32_grad)

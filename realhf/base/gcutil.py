@@ -58,7 +58,7 @@ def trim_heap() -> Optional[bool]:
     too.  A training step frees gigabytes of such activations after its backward pass: at
     the 0.5B shape in bf16 a model worker kept 1.9 GiB of them between calls and, worse,
     next to the 1.8 GiB fp32 gradient allocated after the backward (a fresh mapping, which
-    cannot reuse them).  Trimming costs 20-80 ms there.  Returns whether memory was given
+    cannot reuse them).  Trimming costs 3-80 ms there.  Returns whether memory was given
     back, or None where there is no glibc.
     """
     fn = _malloc_trim()

@@ -15,7 +15,7 @@ import collections
 import heapq
 from typing import Deque, Dict, Iterable, List, Optional
 
-from realhf.impl.model.gen.kv_cache import PagedKVCache, pages_for
+from realhf.impl.model.gen.kv_cache import PagedKVCache, pages_to_admit
 from realhf.impl.model.gen.sequence import SeqStatus, Sequence
 
 
@@ -64,9 +64,9 @@ class Scheduler:
     def pages_needed(self, seq: Sequence, mate: Optional[Sequence] = None) -> int:
         """Pages ``seq`` takes when admitted; with a ``mate`` of the same prompt already
         admitted, its prompt's full pages are shared."""
-        P = self.cache.page_size
-        total = pages_for(seq.prompt_len + seq.max_new_tokens, P)
-        return total - (seq.prompt_len // P if mate is not None else 0)
+        return pages_to_admit(
+            seq.prompt_len, seq.max_new_tokens, mate is not None, self.cache.page_size
+        )
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence (FCFS)."""

@@ -56,6 +56,15 @@ def pages_for(n_tokens: int, page_size: int = PAGE_SIZE) -> int:
     return -(-n_tokens // page_size)
 
 
+def pages_to_admit(
+    prompt_len: int, new_tokens: int, shares_prompt: bool, page_size: int = PAGE_SIZE
+) -> int:
+    """Pages a sequence takes when admitted: its whole length, less the prompt's full
+    pages when a group mate admitted with it holds them (``shares_prompt``)."""
+    shared = prompt_len // page_size if shares_prompt else 0
+    return pages_for(prompt_len + new_tokens, page_size) - shared
+
+
 def tokens_to_hold(
     requests: Iterable[Tuple[Hashable, int, int]], page_size: int = PAGE_SIZE
 ) -> int:
@@ -65,11 +74,8 @@ def tokens_to_hold(
     seen = set()
     pages = 0
     for key, plen, new in requests:
-        pages += pages_for(plen + new, page_size)
-        if key in seen:
-            pages -= plen // page_size
-        else:
-            seen.add(key)
+        pages += pages_to_admit(plen, new, key in seen, page_size)
+        seen.add(key)
     return pages * page_size
 
 
