@@ -17,7 +17,9 @@ The estimate is analytic, per process, by kind of bytes:
   training step frees the fp32 sum for its forward and backward passes and allocates it
   again after the first, when the activations and logits are gone, so the step counts only
   what it exceeds them by (all of it under ZeRO-1, whose buffer stays).  It is kept
-  between calls, which this peak of the training call does not count.
+  between calls, which this peak of the training call does not count; the gradient in the
+  model's dtype is freed during the calls that do not train (``TrainEngine.
+  gradients_released``), which is what makes room for generation's packed weights.
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer

@@ -34,6 +34,7 @@ same partition and computes the same results (the engines' contract):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -270,7 +271,11 @@ class ModelWorker(Worker):
                 data.remap_keys_(mfc.input_key_remap)
             model.version = req.step
             _seed_call(self.config.seed, f"{mfc.name}:call{req.call}", req.step, grid)
-            with self.weights.onloaded(mfc.role):
+            # A call that does not train the role leaves its gradient memory free.
+            idle = (
+                contextlib.nullcontext() if mfc.is_train else self.weights.idle_gradients(mfc.role)
+            )
+            with self.weights.onloaded(mfc.role), idle:
                 result = getattr(self.interfaces[mfc.name], mfc.interface_type.value)(
                     model, data, mfc.mb_spec
                 )
@@ -319,7 +324,7 @@ class ModelWorker(Worker):
             model.version = req.step
             items = [self.eval_loader.dataset[i] for i in range(len(self.eval_loader))]
             _seed_call(self.config.seed, "evaluate", req.step, grid)
-            with self.weights.onloaded(spec.role):
+            with self.weights.onloaded(spec.role), self.weights.idle_gradients(spec.role):
                 local = self.evaluator.evaluate(model, SequenceSample.gather(items), spec.mb_spec)
             local = {k: float(v) for k, v in (local or {}).items()}
         # Item-weighted mean over the replicas (one entry each: a replica's ranks evaluated

@@ -244,6 +244,18 @@ class RoleWeights:
         finally:
             off.offload()
 
+    @contextlib.contextmanager
+    def idle_gradients(self, role: str):
+        """For work on ``role``'s weights that does not train them (its generation and
+        inference calls, writing them): its train engine's gradient buffer gives its memory
+        back for the duration (``TrainEngine.gradients_released``)."""
+        engine = self.engines.get(role)
+        if not isinstance(engine, TrainEngine):
+            yield
+            return
+        with engine.gradients_released():
+            yield
+
     # ---- reallocation -------------------------------------------------------
 
     def release_replica(self, mfc: MFCDef) -> None:
@@ -333,11 +345,12 @@ class RoleWeights:
             shutil.rmtree(tmp, ignore_errors=True)
         # (a collective on sharded layouts; a LoRA version is its adapters, no tokenizer)
         spec = self.specs[role]
-        self.modules[role].save_trained(
-            tmp,
-            base_model_path=os.path.abspath(spec.path),
-            tokenizer=None if spec.has_lora else self.config.tokenizer_path or None,
-        )
+        with self.idle_gradients(role):
+            self.modules[role].save_trained(
+                tmp,
+                base_model_path=os.path.abspath(spec.path),
+                tokenizer=None if spec.has_lora else self.config.tokenizer_path or None,
+            )
         if self.layouts.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(tmp, final)
@@ -400,6 +413,9 @@ class RoleWeights:
         path), and the merged model under ``path/merged`` if ``lora.save_merged``."""
         spec, module = self.specs[role], self.modules[role]
         tokenizer = self.config.tokenizer_path or None
-        module.save_trained(path, base_model_path=os.path.abspath(spec.path), tokenizer=tokenizer)
-        if spec.has_lora and spec.lora.save_merged:
-            module.save_hf(os.path.join(path, "merged"), tokenizer=tokenizer)
+        with self.idle_gradients(role):
+            module.save_trained(
+                path, base_model_path=os.path.abspath(spec.path), tokenizer=tokenizer
+            )
+            if spec.has_lora and spec.lora.save_merged:
+                module.save_hf(os.path.join(path, "merged"), tokenizer=tokenizer)

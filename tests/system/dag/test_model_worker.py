@@ -119,7 +119,22 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
         ids = meta.ids
         step = StepInfo(0, 0, 0)
 
+        # A call on the actor that does not train it runs with its gradient memory freed.
+        grad_bytes = {}
+
+        def spy(name, run):
+            def call_and_record(*a, **k):
+                engine = worker.weights.engines["actor"]
+                grad_bytes[name] = engine.flat_grad.untyped_storage().nbytes()
+                return run(*a, **k)
+
+            return call_and_record
+
+        for name, kind in (("gen", "generate"), ("train", "train_step")):
+            iface = worker.interfaces[name]
+            setattr(iface, kind, spy(name, getattr(iface, kind)))
         out = call(Handle.GENERATE, MFCRequest("gen", step, (), meta.select(["packed_input_ids"])))
+        assert grad_bytes["gen"] == 0
         assert out.output.keys == {"a_out"} and sorted(out.output.ids) == sorted(ids)
         assert out.output.data is None and out.end >= out.start
         a_meta = out.output
@@ -131,6 +146,8 @@ def test_model_worker_runs_the_toy_graph_and_every_handle(tmp_path, env):
         train_meta.update_(c.output)
         t = call(Handle.TRAIN_STEP, MFCRequest("train", step, (), train_meta))
         assert t.output is None
+        actor_grad = worker.weights.engines["actor"].flat_grad
+        assert grad_bytes["train"] >= actor_grad.numel() * actor_grad.element_size()
         assert t.stats["mismatches"] == 0.0 and t.stats["n_items"] == 3.0
         assert t.stats["loss"] > 0 and t.stats["lr"] > 0
         # publish_weights: an HF dir of version 1 and the name-resolve key.

@@ -385,3 +385,34 @@ def test_weights_loaded_into_a_bf16_model_are_not_overwritten_by_stale_masters()
     # one step from the loaded weights, not from the old master copy
     step = (engine.model.flat_params.float() - new.float()).abs().max()
     assert step < 0.05, step
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_gradients_released_between_steps_frees_the_buffer_and_changes_nothing(dtype, zero_stage):
+    """A call on the trained model that does not train (generation, inference, a save)
+    runs with the gradient buffer of the model's dtype freed; it comes back zeroed and the
+    next steps are those of an engine that never released it."""
+    engines = [
+        TrainEngine(tiny_model().to(dtype), optimizer_config(zero_stage=zero_stage))
+        for _ in range(2)
+    ]
+    spec = MicroBatchSpec(max_tokens_per_mb=14)
+    for e in engines:
+        e.train_batch(batch(), spec, lm_loss, lm_weight)
+    released, kept = engines
+    storage = released.flat_grad.untyped_storage()
+    with released.gradients_released():
+        assert storage.nbytes() == 0
+        b = batch(seed=3)
+        ids, cu = b.data["packed_input_ids"], b.cu_seqlens("packed_input_ids")
+        with torch.no_grad():  # the model itself still runs
+            torch.testing.assert_close(released.model(ids, cu), kept.model(ids, cu))
+    assert storage.nbytes() >= released.flat_grad.numel() * released.flat_grad.element_size()
+    assert released.flat_grad.abs().sum() == 0
+    for p in released.model.parameters():  # the grads are views of the regrown buffer
+        assert p.grad.untyped_storage().data_ptr() == storage.data_ptr()
+    for step in range(2):
+        for e in engines:
+            e.train_batch(batch(seed=4 + step), spec, lm_loss, lm_weight)
+        assert torch.equal(released.model.flat_params, kept.model.flat_params)
