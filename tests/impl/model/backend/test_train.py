@@ -416,3 +416,30 @@ def test_gradients_released_between_steps_frees_the_buffer_and_changes_nothing(d
         for e in engines:
             e.train_batch(batch(seed=4 + step), spec, lm_loss, lm_weight)
         assert torch.equal(released.model.flat_params, kept.model.flat_params)
+
+
+@pytest.mark.parametrize("chunk", [None, 1000])
+@pytest.mark.parametrize("clip", [0.0, 1e-3])
+def test_bf16_step_of_one_micro_batch_needs_no_fp32_gradient_buffer(chunk, clip, monkeypatch):
+    """One micro-batch on one rank: the fp32 sum would hold the bf16 gradient converted, so
+    the step converts it a run of parameters at a time instead (runs of ~``chunk``
+    elements).  The weights, moments and grad norms are those of the path through the fp32
+    buffer, to the bit, with clipping too, and the fp32 buffer is never allocated."""
+    if chunk is not None:
+        monkeypatch.setattr(train_module, "_ACCUMULATE_CHUNK", chunk)
+    direct, ref = (_bf16_engine(gradient_clipping=clip) for _ in range(2))
+    results = []
+    for engine, flag in ((direct, True), (ref, False)):
+        monkeypatch.setattr(train_module, "_DIRECT_STEP", flag)
+        stats = [engine.train_batch(batch(seed=s), WHOLE, lm_loss, lm_weight) for s in (1, 2)]
+        assert all(st["n_mbs"] == 1 for st in stats)
+        states = [engine.optimizer.state[p] for p in engine._optimized_params()]
+        moments = torch.cat([t.flatten() for st in states for t in st.values()])
+        results.append((engine.master.clone(), moments, [st["grad_norm"] for st in stats]))
+        empty = engine._grad_storage.untyped_storage().nbytes() == 0
+        assert empty == flag  # (the reference's fp32 sum is kept after its step)
+    (w, m, norms), (w_ref, m_ref, norms_ref) = results
+    assert torch.equal(w, w_ref) and torch.equal(m, m_ref) and norms == norms_ref
+    if clip:
+        assert min(norms) > clip  # the clipping was exercised
+    assert torch.equal(direct.model.flat_params, direct.master.to(torch.bfloat16))
