@@ -19,7 +19,9 @@ The estimate is analytic, per process, by kind of bytes:
   what it exceeds them by (all of it under ZeRO-1, whose buffer stays).  It is kept
   between calls, which this peak of the training call does not count; the gradient in the
   model's dtype is freed during the calls that do not train (``TrainEngine.
-  gradients_released``), which is what makes room for generation's packed weights.
+  gradients_released``), which is what makes room for generation's packed weights.  A
+  step of one micro-batch on one rank (no pipeline) has no fp32 sum at all: it applies the
+  bf16 gradient, converted a chunk at a time.
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer
@@ -234,7 +236,9 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
             logits = 2 * train_tokens * (shape.vocab / m) * b
             terms["logits"] = max(terms["logits"], int(logits))
             fp32_grad = 4 * n if b < 4 else 0  # (freed by TrainEngine.zero_grad)
-            if z == 1:
+            if d == 1 and p == 1 and train_tokens >= step_tokens // load.train_splits:
+                fp32_grad = 0  # one micro-batch on one rank: stepped from the bf16 gradient
+            elif z == 1:
                 fp32_grad = max(0, fp32_grad - act - logits)
             terms["gradients"] += int(n * b + fp32_grad)
         if types - {ModelInterfaceType.TRAIN_STEP, ModelInterfaceType.GENERATE}:

@@ -34,7 +34,10 @@ the forward and backward passes (allocated after the first, once the activations
 gradient in the model's dtype holds nothing between steps: calls on the model that do not
 train it (its generation, inference, evaluation, writing its weights) run inside
 :meth:`TrainEngine.gradients_released`, which frees it (the model worker does this), so a
-bf16 model's generation holds 18 bytes per parameter and an fp32 model's 12.
+bf16 model's generation holds 18 bytes per parameter and an fp32 model's 12.  A step of one
+micro-batch on one rank has no fp32 gradient at all (16 bytes per parameter): the fp32 sum
+would be the bf16 gradient converted, so the step converts it a run of parameters at a time
+as it applies it (:meth:`TrainEngine._step_from_model_grad`).
 Without master weights an update smaller than half a bf16 ulp of its weight (a relative
 change below ~2**-9) would be lost.
 
