@@ -392,10 +392,9 @@ class TrainEngine(InferenceEngine):
 
         For calls on the trained model that do not train (its own generation in sync PPO,
         log-prob inference, an evaluation): between steps that buffer holds nothing a
-        later step reads (with master weights it was zeroed into the fp32 one; without, the
-        next step zeroes it first).  It is ``N x 2`` bytes in bf16 (0.92 GiB at 0.5B) and
-        ``N x 4`` in fp32, and would otherwise sit under the call's own peak: generation's
-        packed weights, inference's logits.
+        later step reads (the next step zeroes it first).  It is ``N x 2`` bytes in bf16
+        (0.92 GiB at 0.5B) and ``N x 4`` in fp32, and would otherwise sit under the call's
+        own peak: generation's packed weights, inference's logits.
 
         The memory is taken back right after the call, not at the next step: on a VM that
         reports free pages to its host (virtio-balloon free page reporting), memory that
