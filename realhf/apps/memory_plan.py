@@ -25,9 +25,10 @@ The estimate is analytic, per process, by kind of bytes:
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer
-  ``8h + 2kv + 4I`` values (norm inputs and outputs, q/k/v, attention output, the MLP's
-  gate, up and product), or the layer inputs only plus one layer's worth with gradient
-  checkpointing.
+  ``b(3I + 4h + 3q + 2kv) + 8h`` bytes in bf16 (:meth:`Shape.layer_activation_bytes`:
+  the norms' inputs and outputs and their fp32 copies, q/k/v, the attention's output, the
+  MLP's gate, up and product; more with q/k norms), or the layer inputs only plus one
+  layer's worth with gradient checkpointing.
 - ``logits``: one micro-batch's ``[T, V/m]`` logits in the model's dtype, twice for training
   (their gradient); log-probs and entropy are vocabulary-chunked, so nothing larger.
 - ``kv cache``: ``2 x layers x kv dim`` values per token: a trainer's generation sizes its
@@ -78,6 +79,22 @@ class Shape:
     vocab: int
     kv_dim: int  # key (= value) width: kv heads x head dim
     n_positions: int  # the longest context the model takes
+    q_dim: int = 0  # query width: query heads x head dim (0: the hidden width)
+    qk_norm: bool = False  # per-head norms on q and k (qwen3)
+
+    def layer_activation_bytes(self, b: int) -> int:
+        """Bytes one layer keeps per token for backward, in a model of ``b`` bytes per value
+        (what autograd saves, counted with ``saved_tensors_hooks`` on qwen2.5-0.5b and
+        qwen3-0.6b: within 3%): both norms' inputs and outputs (their fp32 copies too, in
+        bf16), the attention's q, k, v, output and the output projection's input, the
+        MLP's gate, up and product; with q/k norms their inputs (fp32) and outputs."""
+        q = self.q_dim or self.hidden
+        fp32_copies = b < 4
+        out = b * (3 * self.intermediate + 4 * self.hidden + 3 * q + 2 * self.kv_dim)
+        out += 8 * self.hidden if fp32_copies else 0
+        if self.qk_norm:
+            out += b * (q + self.kv_dim) + (4 * (q + self.kv_dim) if fp32_copies else 0)
+        return out
 
     @staticmethod
     @functools.lru_cache(maxsize=16)
@@ -97,6 +114,8 @@ class Shape:
             vocab=1 if is_critic else cfg.vocab_size,
             kv_dim=cfg.kv_dim,
             n_positions=cfg.n_positions,
+            q_dim=cfg.n_q_heads * cfg.head_dim,
+            qk_norm=bool(cfg.qk_layernorm),
         )
 
 
@@ -223,14 +242,14 @@ def _model_worker(worker, n_workers: int, load: Workload) -> ProcessEstimate:
         # A training call steps the optimizer on each of its mini-batches in turn.
         train_tokens = min([max(1, step_tokens // load.train_splits)] + budgets)
         layers = -(-shape.n_layers // p)
-        per_layer = 8 * shape.hidden + 2 * shape.kv_dim + 4 * shape.intermediate
+        per_layer = shape.layer_activation_bytes(b)
         if spec.trainable:
             z = d if spec.optimizer_config.zero_stage == 1 else 1
             terms["optimizer"] += int(n * (8 + (4 if b < 4 else 0)) / z)
             if spec.gradient_checkpointing:
-                act = train_tokens * (layers * shape.hidden + per_layer) * b
+                act = train_tokens * (layers * shape.hidden * b + per_layer)
             else:
-                act = train_tokens * layers * per_layer * b
+                act = train_tokens * layers * per_layer
             terms["activations"] = max(terms["activations"], int(act))
             # the logits of a training micro-batch and their gradient
             logits = 2 * train_tokens * (shape.vocab / m) * b
