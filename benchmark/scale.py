@@ -254,7 +254,12 @@ def one_run(
     overrides += [f"fileroot={workdir}", f"trial_name={trial}"]
     qs = get_quickstart_exp(name)
     cfg = parse_config(qs.config_cls, overrides)
-    est_list = memory_plan.estimate(cfg, qs.build(cfg))
+    # What quickstart will do: the memory options the config leaves empty are chosen first
+    # (micro-batch token budget, gradient checkpointing), so the estimate is of that run.
+    experiment, chosen = memory_plan.choose_unset(cfg, qs.build)
+    est_list = memory_plan.estimate(cfg, experiment)
+    for note in chosen:
+        print(f"{shape} {mode} {dtype}: {note}", flush=True)
     estimates = {e.kind: e for e in est_list}
     need, available = memory_plan.host_total(est_list), memory_plan.available_memory()
     if need > available:  # the run would be refused: say which terms do not fit instead

@@ -25,10 +25,10 @@ The estimate is analytic, per process, by kind of bytes:
 - ``optimizer``: Adam's two fp32 moments, plus the fp32 master weights of a bf16/fp16
   model; ZeRO-1 (``optimizer.zero_stage=1``) divides them by the data-parallel size.
 - ``activations``: what backward keeps of a training micro-batch: per token and layer
-  ``b(3I + 4h + 3q + 2kv) + 8h`` bytes in bf16 (:meth:`Shape.layer_activation_bytes`:
-  the norms' inputs and outputs and their fp32 copies, q/k/v, the attention's output, the
-  MLP's gate, up and product; more with q/k norms), or the layer inputs only plus one
-  layer's worth with gradient checkpointing.
+  ``b(3I + 4h + 3q + 2kv)`` bytes (:meth:`Shape.layer_activation_bytes`: the norms'
+  inputs and outputs, q/k/v, the attention's output, the MLP's gate, up and product; more
+  with q/k norms), or the layer inputs only plus one layer's worth with gradient
+  checkpointing.
 - ``logits``: one micro-batch's ``[T, V/m]`` logits in the model's dtype, twice for training
   (their gradient); log-probs and entropy are vocabulary-chunked, so nothing larger.
 - ``kv cache``: ``2 x layers x kv dim`` values per token: a trainer's generation sizes its
@@ -64,6 +64,10 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DEFAULT_SEQ_LEN = 1024
 
 
+#: the share of the available memory the options chosen for a run may plan to use
+CHOICE_HEADROOM = 0.9
+
+
 class MemoryPlanError(ValueError):
     """A run's processes would not fit in this host's memory."""
 
@@ -85,15 +89,13 @@ class Shape:
     def layer_activation_bytes(self, b: int) -> int:
         """Bytes one layer keeps per token for backward, in a model of ``b`` bytes per value
         (what autograd saves, counted with ``saved_tensors_hooks`` on qwen2.5-0.5b and
-        qwen3-0.6b: within 3%): both norms' inputs and outputs (their fp32 copies too, in
-        bf16), the attention's q, k, v, output and the output projection's input, the
-        MLP's gate, up and product; with q/k norms their inputs (fp32) and outputs."""
+        qwen3-0.6b: within 1%): both norms' inputs and outputs, the attention's q, k, v,
+        output and the output projection's input, the MLP's gate, up and product; with
+        q/k norms their inputs as well."""
         q = self.q_dim or self.hidden
-        fp32_copies = b < 4
         out = b * (3 * self.intermediate + 4 * self.hidden + 3 * q + 2 * self.kv_dim)
-        out += 8 * self.hidden if fp32_copies else 0
         if self.qk_norm:
-            out += b * (q + self.kv_dim) + (4 * (q + self.kv_dim) if fp32_copies else 0)
+            out += b * (q + self.kv_dim)
         return out
 
     @staticmethod
@@ -442,7 +444,8 @@ def choose_unset(cfg, build, available: Optional[int] = None):
 
     ``gradient_checkpointing`` (per model) and ``mb.max_tokens_per_mb`` left empty are off /
     no budget, unless a local run (with ``memory_check``) would then not fit in
-    ``available`` bytes (default: this host's available memory): then checkpointing is
+    ``CHOICE_HEADROOM`` of ``available`` bytes (default: this host's available memory):
+    then checkpointing is
     turned on for the models that left it empty, and if that is not enough the largest
     power-of-two token budget that fits is set.  ``notes`` says what was chosen and why.
     """
@@ -464,10 +467,16 @@ def choose_unset(cfg, build, available: Optional[int] = None):
     if not auto or not (unset or budget_unset):
         return exp, []
     available = available_memory() if available is None else available
+    # Options are chosen to leave room for the estimate's error (measured peaks came within
+    # 5% of it, and a run that overshoots the host is killed, not slowed).
+    room = int(available * CHOICE_HEADROOM)
     need = host_total(estimate(cfg, exp))
-    if need <= available:
+    if need <= room:
         return exp, []
-    why = f"without: {_gib(need)} GiB, {_gib(available)} GiB available"
+    why = (
+        f"without: {_gib(need)} GiB, {_gib(available)} GiB available, "
+        f"{CHOICE_HEADROOM:.0%} of it planned"
+    )
 
     def fits_with(ckpt: bool):
         """The first fitting (checkpointing, budget) with checkpointing ``ckpt``, else None.
@@ -480,7 +489,7 @@ def choose_unset(cfg, build, available: Optional[int] = None):
                 mb.max_tokens_per_mb = budget
             exp = build(cfg)
             total = host_total(estimate(cfg, exp))
-            if total <= available:
+            if total <= room:
                 return exp, total
         return None
 
