@@ -87,6 +87,9 @@ def test_a_pair_that_stops_pulling_is_dropped_and_its_server_can_come_back(sende
     dst = torch.zeros(N)
     sender.stage(_weights(), SPEC, 1)
     receiver.receive(sender.address, 1, dst, SPEC, timeout=10)
+    # The receiver returns once its bytes landed; the sender's side of the transfer ends
+    # a moment later, and a pair still in a transfer is never dropped.
+    assert sender.wait_transfers(10)
     assert len(sender._pairs) == 1
     for v in range(2, 2 + wb.STALE_PAIR_VERSIONS):
         sender.stage(_weights(v), SPEC, v)
