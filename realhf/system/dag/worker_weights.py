@@ -244,17 +244,14 @@ class RoleWeights:
         finally:
             off.offload()
 
-    @contextlib.contextmanager
     def idle_gradients(self, role: str):
         """For work on ``role``'s weights that does not train them (its generation and
         inference calls, writing them): its train engine's gradient buffer gives its memory
         back for the duration (``TrainEngine.gradients_released``)."""
         engine = self.engines.get(role)
-        if not isinstance(engine, TrainEngine):
-            yield
-            return
-        with engine.gradients_released():
-            yield
+        if isinstance(engine, TrainEngine):
+            return engine.gradients_released()
+        return contextlib.nullcontext()
 
     # ---- reallocation -------------------------------------------------------
 

@@ -609,19 +609,20 @@ class TrainEngine(InferenceEngine):
         else:
             clip = self.config.gradient_clipping
             coef = clip / (grad_norm + 1e-6) if clip > 0 and grad_norm > clip else None
-            if self._direct:
-                self._step_from_model_grad(lr, coef)
-            elif self._zero is not None:
+            if self._zero is not None:
                 if coef is not None:
                     self._zero.grad.mul_(coef)
                 self._zero.step(lr)
                 self._mark_published()
             else:
-                if coef is not None:
-                    self.grad.mul_(coef)
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr
-                self.optimizer.step()
+                if self._direct:
+                    self._step_from_model_grad(coef)
+                else:
+                    if coef is not None:
+                        self.grad.mul_(coef)
+                    self.optimizer.step()
             if self.master is not None:
                 with torch.no_grad():
                     self.model.trained_flat.copy_(self.master)
@@ -630,7 +631,7 @@ class TrainEngine(InferenceEngine):
         self.n_skipped += int(skipped)
         return grad_norm, skipped
 
-    def _step_from_model_grad(self, lr: float, coef: Optional[float]) -> None:
+    def _step_from_model_grad(self, coef: Optional[float]) -> None:
         """AdamW on the master weights with the model's low-precision gradient, converted
         (and clipped by ``coef``) into fp32 for a run of parameters of about
         ``_ACCUMULATE_CHUNK`` elements at a time.
@@ -640,18 +641,16 @@ class TrainEngine(InferenceEngine):
         (4 bytes per parameter) or its page faults (0.5-1 s a step at 0.5B on this VM).
         AdamW updates each tensor on its own, so stepping runs of them in turn, each with
         only its own gradients set, is one step."""
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         runs: List[List[int]] = []
-        size = 0
+        size = longest = 0
         for i, mp in enumerate(self._master_params):
             if not runs or size + mp.numel() > _ACCUMULATE_CHUNK:
                 runs.append([])
                 size = 0
             runs[-1].append(i)
             size += mp.numel()
-        sizes = [sum(self._master_params[i].numel() for i in run) for run in runs]
-        buf = self.master.new_empty(max(sizes))
+            longest = max(longest, size)
+        buf = self.master.new_empty(longest)
         for mp in self._master_params:  # a step takes every parameter that has a grad
             mp.grad = None
         try:
