@@ -201,8 +201,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
         metadata={
             "help": "how new weights reach the generation servers: 'disk' (a HuggingFace "
             "directory per version under the run's cache; any backend, any host), 'shm' "
-            "(one flat file per version in /dev/shm that each built-in server maps: the "
-            "fastest; trainer and servers on one host, mode=local) or 'broadcast' (each "
+            "(one flat file per version in /dev/shm that each server maps, built-in or "
+            "vLLM: the fastest; trainer and servers on one host, mode=local) or 'broadcast' (each "
             "built-in server pulls the trainer's copy over a gloo/nccl pair; any host)"
         },
     )
@@ -381,10 +381,13 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         if why:
             raise blocks.ExperimentSetupError(f"cannot share GPUs: {why}; or set share_gpus=0")
     if cfg.weight_sync == "shm":
-        # Its files live in this host's /dev/shm, and only the built-in engine maps them.
+        # Its files live in this host's /dev/shm; the built-in engine and vLLM's worker
+        # (realhf.system.rollout.vllm_worker_ext) map them.
         why = (
-            f"the {alloc.gen_backend} backend cannot map them (use allocation_mode=gen.*)"
-            if alloc.gen_backend in ("sglang", "vllm")
+            "the sglang backend cannot map them (use allocation_mode=gen.* or vllm.*)"
+            if alloc.gen_backend == "sglang"
+            else "vLLM loads LoRA adapters from a directory only (use allocation_mode=gen.*)"
+            if alloc.gen_backend == "vllm" and cfg.actor.lora.enabled
             else f"mode={cfg.mode} may place servers on other hosts (use mode=local)"
             if cfg.mode != "local"
             else None

@@ -489,8 +489,13 @@ def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_wher
     assert build().workers["gserver_manager"][0].weight_sync == "disk"
     with pytest.raises(ValueError, match="weight_sync='nvlink': use one of disk, shm"):
         build("weight_sync=nvlink")
-    with pytest.raises(blocks.ExperimentSetupError, match="the vllm backend cannot map them"):
-        build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1")
+    # vLLM's worker maps them too (realhf.system.rollout.vllm_worker_ext), but not adapters
+    vllm = build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1")
+    assert vllm.workers["gserver_manager"][0].weight_sync == "shm"
+    with pytest.raises(blocks.ExperimentSetupError, match="vLLM loads LoRA adapters from a"):
+        build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1", "actor.lora.rank=4")
+    with pytest.raises(blocks.ExperimentSetupError, match="the sglang backend cannot map"):
+        build("weight_sync=shm", "allocation_mode=sglang.d1p1m1+d1p1m1")
     with pytest.raises(blocks.ExperimentSetupError, match="mode=slurm may place servers"):
         build("weight_sync=shm", "mode=slurm")
     # broadcast works across hosts, with the built-in engine only

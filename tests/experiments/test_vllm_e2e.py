@@ -1,9 +1,10 @@
 """async-ppo-math on vLLM generation servers (``allocation_mode=vllm.d1p1m1+d1p1m1``).
 
 One run through real processes with vLLM's CPU build (the venv of the ``vllm_python``
-fixture): the trainer's versions reach vLLM by its disk reload, rollouts are interrupted
+fixture): the trainer's versions reach vLLM through shared memory (``weight_sync=shm``:
+vLLM's worker maps each flat file; the disk reload is tested in test_vllm_backend), rollouts are interrupted
 and resubmitted as with our servers, the staleness bound holds, and the greedy accuracy
-rises (32.4% -> 42.6% in 30 steps, 2 min 15 s, on 2026-11-27).  At step 4 the vLLM process
+rises (32.4% -> 45.2% in 30 steps, 87 s with shm, on 2026-11-29).  At step 4 the vLLM process
 is SIGKILLed: the generation server worker reports it, the launcher restarts the worker
 (a new vLLM, ~30 s), the manager brings it to the trainer's version, and the run ends with
 every step trained exactly once.
@@ -26,6 +27,9 @@ ARGS = [
     "worker_timeout=240",
     # no vLLM worker process (the default's three processes are test_vllm_backend's)
     "gen_server.vllm_single_process=true",
+    # new weights by a flat file in /dev/shm that vLLM's worker maps (the disk reload is
+    # test_vllm_backend's)
+    "weight_sync=shm",
 ]
 
 

@@ -214,6 +214,8 @@ class GenerationServer(Worker):
             stop_token_ids=stops,
             request_timeout_s=config.request_timeout_s,
             weights_root=self._weights_root(config),
+            shm_root=constants.weight_shm_root(self.experiment_name, self.trial_name),
+            model_dir=config.model_path,
             api_keys=generation_api_keys(config.api_key, host),
             max_concurrent_requests=config.max_concurrent_requests,
         )

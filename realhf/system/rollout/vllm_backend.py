@@ -26,6 +26,11 @@ Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m
                                   then ``/reset_prefix_cache``; a LoRA run's adapter
                                   directory: ``/v1/load_lora_adapter`` under a new
                                   name that completions use from then on
+  ``POST /update_weights_from_    ``POST /collective_rpc`` ``realhf_load_flat``: vLLM's
+  shm`` ``{path, weight_version}``  worker maps the flat file (``weight_sync=shm``) and
+                                  reloads the HF tensors a recipe makes of views of it
+                                  (:mod:`.vllm_worker_ext`, its ``--worker-extension-cls``;
+                                  :func:`flat_recipe`), then ``/reset_prefix_cache``
   ``POST /continue_generation``   ``POST /resume``
   ``GET /health``                 ``GET /health``
   ``GET /metrics``                ``vllm:num_requests_running|waiting``,
@@ -57,6 +62,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import json
 import os
 import shutil
 import subprocess
@@ -86,8 +93,18 @@ from realhf.base.net.http_server import (
     require_api_key,
     require_run_token,
 )
-from realhf.impl.model.gen.weight_update import PauseGate, WeightPathRefused, allowed_weight_path
+from realhf.impl.model.conversion.families import get_family
+from realhf.impl.model.conversion.flat_file import FlatFileError, hf_recipe
+from realhf.impl.model.conversion.hf import config_from_hf_dir
+from realhf.impl.model.conversion.hf_config import CheckpointError
+from realhf.impl.model.gen.weight_update import (
+    PauseGate,
+    WeightPathRefused,
+    allowed_weight_path,
+    versioned_load_body,
+)
 from realhf.impl.model.nn.lora import is_adapter_dir
+from realhf.system.rollout import vllm_worker_ext
 from realhf.system.rollout.manager.routing import metric_samples
 from realhf.system.rollout.sglang_launcher import ServerProcess
 
@@ -101,6 +118,7 @@ __all__ = [
     "VLLMServer",
     "build_command",
     "create_adapter_app",
+    "flat_recipe",
     "ensure_venv",
     "find_vllm_python",
     "server_config",
@@ -245,6 +263,11 @@ def server_config(gen: GenerationServerConfig, name: str) -> VLLMConfig:
     return VLLMConfig(**base, **dict(gen.vllm_args))
 
 
+#: :mod:`realhf.system.rollout.vllm_worker_ext`, as vLLM imports it: a copy in a private
+#: directory on its PYTHONPATH (vLLM's venv has torch, not realhf's other dependencies)
+_EXT_MODULE = "realhf_vllm_worker_ext"
+
+
 def build_command(config: VLLMConfig, python: str) -> List[str]:
     """The ``python -m vllm.entrypoints.openai.api_server ...`` argument list."""
     cmd = [
@@ -257,6 +280,8 @@ def build_command(config: VLLMConfig, python: str) -> List[str]:
         "--seed", str(config.seed),
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
+        # realhf_load_flat, for weight_sync=shm (VLLMServer puts the module on its path)
+        "--worker-extension-cls", f"{_EXT_MODULE}.RealhfWeightLoader",
     ]  # fmt: skip
     if config.enforce_eager:
         cmd.append("--enforce-eager")
@@ -319,6 +344,13 @@ class VLLMServer(ServerProcess):
         # by default) and never removes: a private directory (0700), removed on stop().
         # Not the run dir: a unix socket's path must stay under 108 bytes.
         self.rpc_dir = self.env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="realhf-vllm-")
+        # The worker extension, alone in a directory of its own on vLLM's module path.
+        ext_dir = os.path.join(self.rpc_dir, "py")
+        os.mkdir(ext_dir, 0o700)
+        shutil.copy(vllm_worker_ext.__file__, os.path.join(ext_dir, _EXT_MODULE + ".py"))
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (ext_dir, os.environ.get("PYTHONPATH", "")) if p
+        )
         return super().start(health_timeout)
 
     def stop(self, timeout: float = 30.0) -> Optional[int]:
@@ -402,8 +434,6 @@ def tied_head_view(path: str, root: str) -> str:
     output head ("ParallelLMHead: Failed to load weights" in its log) and serves a mix of
     two versions.  With the head in the checkpoint it is loaded like any other layer.
     """
-    import json
-
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -453,6 +483,27 @@ def _is_embedding_name(key: str) -> bool:
     return any(key == name or key.endswith("." + name) for name in TIED_EMBEDDINGS)
 
 
+@functools.lru_cache(maxsize=4)
+def _rules(model_dir: str) -> tuple:
+    cfg = config_from_hf_dir(model_dir)
+    return cfg, tuple(get_family(cfg.family).weight_rules(cfg))
+
+
+def flat_recipe(path: str, version: int, model_dir: str) -> List[dict]:
+    """The recipe (:mod:`.vllm_worker_ext`) of the HF tensors vLLM loads from the flat file
+    ``path`` of ``version``, by the conversion rules of the model in ``model_dir``.  A tied
+    output head gets a tensor of its own, the input embedding's, for the reason given in
+    :func:`tied_head_view`.  Raises FlatFileError (a file that is not of this version and
+    model) or CheckpointError (a model directory of no family we convert)."""
+    cfg, rules = _rules(os.path.realpath(model_dir))
+    recipe = hf_recipe(path, version, rules)
+    names = {e["name"] for e in recipe}
+    if cfg.tied_embedding and OUTPUT_HEAD not in names:
+        embed = next(e for e in recipe if _is_embedding_name(e["name"]))
+        recipe.append({**embed, "name": OUTPUT_HEAD})
+    return recipe
+
+
 class _VLLMDown(Exception):
     pass
 
@@ -469,6 +520,7 @@ ADAPTER_UNLIMITED_PATHS = (
     "/pause_generation",
     "/continue_generation",
     "/update_weights_from_disk",
+    "/update_weights_from_shm",
 )
 
 #: How long a failed ``/generate`` waits for its cancelled sequences to let go of vLLM.
@@ -507,6 +559,8 @@ def create_adapter_app(
     request_timeout_s: float = 3600.0,
     control_timeout_s: float = 600.0,
     weights_root: Optional[str] = None,
+    shm_root: Optional[str] = None,
+    model_dir: Optional[str] = None,
     api_keys: Optional[Sequence[str]] = None,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
 ) -> fastapi.FastAPI:
@@ -515,7 +569,9 @@ def create_adapter_app(
     ``stop_token_ids`` are the model's EOS / pad ids: a ``stop`` finish that vLLM reports
     without a matched id ended on one of them.  ``weights_root``, ``api_keys`` and
     ``max_concurrent_requests`` (``gen_server.max_concurrent_requests``: requests in flight,
-    more are answered 503) as in :func:`realhf.impl.model.gen.http_app.create_app`.
+    more are answered 503) as in :func:`realhf.impl.model.gen.http_app.create_app`;
+    ``shm_root`` likewise bounds ``/update_weights_from_shm``, whose flat files are read by
+    the conversion rules of the model served from ``model_dir`` (:func:`flat_recipe`).
     """
     # The weight-update protocol's rules for which answers keep their tokens (one
     # implementation for every backend: realhf.impl.model.gen.weight_update).
@@ -679,6 +735,35 @@ def create_adapter_app(
         finally:
             if view != path:
                 shutil.rmtree(view, ignore_errors=True)
+        if reply.status_code != 200:
+            return reply
+        return await control("/reset_prefix_cache")
+
+    @app.post("/update_weights_from_shm", dependencies=[require_run_token()])
+    async def update_weights_from_shm(request: fastapi.Request):
+        """A flat weight file (``weight_sync=shm``): vLLM's worker maps it and loads the HF
+        tensors the recipe makes of it (:mod:`.vllm_worker_ext`), in place."""
+        try:
+            path, version = versioned_load_body(await request.json(), "path", "<flat file>")
+        except (InvalidRequestError, ValueError) as e:
+            return JSONResponse({"success": False, "message": str(e)}, 400)
+        try:
+            path = allowed_weight_path(path, shm_root)
+        except WeightPathRefused as e:
+            return JSONResponse({"success": False, "message": str(e)}, 403)
+        if model_dir is None:
+            return JSONResponse(
+                {"success": False, "message": "the adapter was started without model_dir"}, 400
+            )
+        try:
+            recipe = await asyncio.to_thread(flat_recipe, path, version, model_dir)
+        except (FlatFileError, CheckpointError) as e:
+            return JSONResponse({"success": False, "message": str(e)}, 400)
+        rpc = {
+            "method": "realhf_load_flat",
+            "kwargs": {"path": path, "version": version, "recipe": json.dumps(recipe)},
+        }
+        reply = await control("/collective_rpc", json=rpc)
         if reply.status_code != 200:
             return reply
         return await control("/reset_prefix_cache")

@@ -223,3 +223,39 @@ def test_a_served_mapping_is_read_only(tmp_path, model_dir):
     out = torch.empty_like(a.flat_params)
     load_flat(out, a.param_spec, path, 1)
     assert torch.equal(out, a.flat_params)  # the file is as written
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt2"])
+def test_the_hf_recipe_builds_what_save_hf_writes_from_views_of_the_file(tmp_path, family):
+    """What vLLM's worker loads with ``weight_sync=shm`` (it has no realhf): the recipe's
+    tensors equal the HF checkpoint ``save_hf`` writes, bit for bit.  GPT-2 covers the
+    transposed and concatenated kinds (its ``c_attn`` is three of our matrices)."""
+    from safetensors.torch import load_file
+
+    from realhf.impl.model.conversion.families import get_family
+    from realhf.impl.model.conversion.flat_file import hf_recipe
+    from realhf.system.rollout.vllm_worker_ext import assemble, map_file
+
+    trained = _perturbed(make_tiny_hf_model(family, tmp_path / family), seed=9)
+    path = str(tmp_path / "shm" / "v4.flat")
+    write_model(trained, path, version=4)
+    trained.save_hf(str(tmp_path / "hf"))
+    want = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    rules = get_family(trained.config.family).weight_rules(trained.config)
+    recipe = hf_recipe(path, 4, rules)
+    # JSON on its way to vLLM
+    flat, version = map_file(path, 4)
+    got = dict(assemble(flat, json.loads(json.dumps(recipe))))
+    assert version == 4 and set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    if family == "gpt2":
+        assert any(e["transpose"] and len(e["pieces"]) == 3 for e in recipe)
+    with pytest.raises(FlatFileError, match="holds weight version 4, not the 5 asked for"):
+        hf_recipe(path, 5, rules)
+    with pytest.raises(ValueError, match="holds weight version 4, not the 5 asked for"):
+        map_file(path, 5)
+    other = ReaLModel.from_hf(make_tiny_hf_model("qwen3", tmp_path / "q3", seed=1))
+    q3_rules = get_family("qwen3").weight_rules(other.config)
+    with pytest.raises(FlatFileError, match="its layout is not the served model's"):
+        hf_recipe(path, 4, q3_rules)

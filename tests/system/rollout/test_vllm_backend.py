@@ -5,9 +5,9 @@ registers the adapter, and the adapter speaks the protocol our clients use.
 One server start (~30 s) covers, in order: log-probs equal to our trainer's recompute
 (fp32, to 1e-3, at temperature 1 and 0.7), seeded sampling, EOS stops; a pause during a
 long batch, a weight update from a published directory and a continue, after which the
-batch's tokens are all the old weights' and new outputs the new weights'; a killed vLLM
-failing the worker with a message that names it.  Without vLLM: the adapter's answers
-when vLLM cannot be reached.
+batch's tokens are all the old weights' and new outputs the new weights'; an update from a
+flat file in shared memory (``weight_sync=shm``); a killed vLLM failing the worker with a
+message that names it.  Without vLLM: the adapter's answers when vLLM cannot be reached.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from gen_server_worker import start_generation_server
 
 from realhf.api.core.allocation import parse_allocation_mode
 from realhf.api.core.rollout_config import GenerationBackend, GenerationServerConfig
-from realhf.base import name_resolve, names
+from realhf.base import constants, name_resolve, names
 from realhf.base.net import network
 from realhf.base.net.http_server import ServerThread, auth_headers
 from realhf.impl.model import ReaLModel
+from realhf.impl.model.conversion.flat_file import write_model
 from realhf.system.rollout import vllm_backend
 from realhf.system.rollout.manager.routing import parse_metrics
 from realhf.system.worker.base import WorkerStatus, read_error, read_status
@@ -175,6 +176,17 @@ def test_vllm_server_generates_pauses_reloads_and_is_watched(
             lps = torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]])
             assert torch.allclose(lps, _recompute(new, p, ids, 1.0), atol=1e-3)
             assert not torch.allclose(lps, _recompute(old, p, ids, 1.0), atol=1e-2)
+        # weight_sync=shm, as the server worker wires it: flat files from the run's shm root
+        flat = constants.weight_shm_path("actor", 1, "exp", trial)
+        try:
+            write_model(old, flat, 1)
+            reply = _post(url, "/update_weights_from_shm", {"path": flat, "weight_version": 1})
+            assert reply["success"], reply
+        finally:
+            shutil.rmtree(constants.weight_shm_root("exp", trial), ignore_errors=True)
+        for p, o in zip(prompts, _generate(url, prompts, temperature=0.0)):
+            lps = torch.tensor([e[0] for e in o["meta_info"]["output_token_logprobs"]])
+            assert torch.allclose(lps, _recompute(old, p, o["output_ids"], 1.0), atol=1e-3)
         bad = requests.post(
             url + "/update_weights_from_disk",
             json={"model_path": str(tmp_path / "nope")},
@@ -472,7 +484,9 @@ def test_num_threads_reaches_vllm_as_its_openmp_threads():
 def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_python):
     """A GPT-2 model (``lm_head`` tied to ``transformer.wte``) served by vLLM takes a weight
     update whole: its answers' log-probs are then the new weights', output head included
-    (the update used to be refused: no ``embed_tokens`` in the checkpoint)."""
+    (the update used to be refused: no ``embed_tokens`` in the checkpoint).  The same by
+    ``weight_sync=shm`` (a flat file that vLLM's worker maps), which serves what a disk
+    update of the same weights serves, to the bit."""
     from tiny_models import make_tiny_hf_model
     from transformers import AutoModelForCausalLM
 
@@ -487,22 +501,54 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
         model_path=v0, port=network.find_free_port(host="127.0.0.1"), max_model_len=128,
         num_threads=1, single_process=True,
     )  # fmt: skip
+    v2 = _perturbed_copy(v0, tmp_path / "v2", seed=4)
     server = vllm_backend.VLLMServer(cfg, python=vllm_python, log_path=str(tmp_path / "v.log"))
     server.start(health_timeout=240)
-    adapter = _adapter(cfg.url, weights_root=str(tmp_path))
+    shm = tmp_path / "shm"
+    adapter = _adapter(cfg.url, weights_root=str(tmp_path), shm_root=str(shm), model_dir=v0)
+    prompt = [5, 6, 7, 8]
+
+    def greedy():
+        (out,) = _generate(adapter.url, [prompt], temperature=0.0, ignore_eos=True)
+        lps = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+        return out["output_ids"], lps
+
+    @torch.no_grad()
+    def serves(path, ids, lps):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        return torch.allclose(lps, ref, atol=1e-3)
+
+    def shm_update(path, version, file_version=None):
+        # as the trainer publishes it: our flat buffer, under the run's shm root
+        flat = str(shm / "actor" / f"v{version}.flat")
+        write_model(ReaLModel.from_hf(path), flat, file_version or version)
+        body = {"path": flat, "weight_version": version}
+        return requests.post(adapter.url + "/update_weights_from_shm", json=body,
+                             headers=auth_headers(), timeout=120)  # fmt: skip
+
     try:
         reply = _post(adapter.url, "/update_weights_from_disk", {"model_path": v1})
         assert reply["success"], reply
-        prompt = [5, 6, 7, 8]
-        (out,) = _generate(adapter.url, [prompt], temperature=0.0, ignore_eos=True)
-        ids = out["output_ids"]
-        lps = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
-        with torch.no_grad():
-            for path, close in ((v1, True), (v0, False)):
-                hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-                logits = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
-                ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
-                assert torch.allclose(lps, ref, atol=1e-3) is close, (path, lps, ref)
+        ids, lps = greedy()
+        assert serves(v1, ids, lps) and not serves(v0, ids, lps)
+
+        # weight_sync=shm: the worker extension maps the flat file and loads the HF tensors
+        # a recipe makes of it (c_attn transposed and concatenated, the tied head)
+        assert shm_update(v2, 1).json()["success"]
+        ids2, lps2 = greedy()
+        assert serves(v2, ids2, lps2) and not serves(v1, ids2, lps2)
+        # the same weights by either path serve the same answer, to the bit
+        assert shm_update(v1, 2).json()["success"]
+        assert greedy()[0] == ids and torch.equal(greedy()[1], lps)
+        # a file of another version, or outside the shm root, is refused; nothing changes
+        r = shm_update(v2, 3, file_version=4)
+        assert r.status_code == 400 and "holds weight version 4, not the 3" in r.text
+        r = requests.post(adapter.url + "/update_weights_from_shm", headers=auth_headers(),
+                          json={"path": str(tmp_path / "x.flat"), "weight_version": 5})  # fmt: skip
+        assert r.status_code == 403 and "outside" in r.json()["message"]
+        assert torch.equal(greedy()[1], lps)
         # a private directory for vLLM's ipc sockets (none in one process), which stop() removes
         assert stat.S_IMODE(os.stat(server.rpc_dir).st_mode) == 0o700
     finally:

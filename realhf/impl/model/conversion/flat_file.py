@@ -42,11 +42,12 @@ import mmap
 import os
 import threading
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from realhf.impl.model.conversion.checkpoint import _SAFE_DTYPES, read_safetensors_header
+from realhf.impl.model.conversion.rules import WeightRule
 from realhf.impl.model.nn.flat_param import ParamSpec
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "load_flat",
     "map_flat",
     "flat_dtype",
+    "hf_recipe",
     "read_header",
     "retire",
 ]
@@ -288,6 +290,28 @@ def load_flat(
     with torch.no_grad():
         flat.copy_(src)
     return got
+
+
+def hf_recipe(path: str, version: int, rules: Sequence[WeightRule]) -> List[dict]:
+    """How a process without realhf builds the HuggingFace tensors of the flat file
+    ``path`` (which must hold ``version``) from views of it: one
+    :meth:`~realhf.impl.model.conversion.rules.WeightRule.hf_recipe` per rule of the
+    model's family (``rules``).  The file's layout must hold every parameter the rules
+    read, and nothing else.  Raises :class:`FlatFileError`."""
+    header = read_header(path)
+    got = int(header["__metadata__"]["version"])
+    if got != version:
+        raise FlatFileError(f"{path} holds weight version {got}, not the {version} asked for")
+    layout = {n: (off, shape) for n, off, shape in json.loads(header["__metadata__"]["layout"])}
+    wanted = {n for r in rules for n in r.ours}
+    if wanted != set(layout):
+        missing, extra = sorted(wanted - set(layout)), sorted(set(layout) - wanted)
+        raise FlatFileError(
+            f"{path}: its layout is not the served model's (missing {missing[:3]}, "
+            f"unexpected {extra[:3]}); the trainer and the server must load the same "
+            "architecture"
+        )
+    return [r.hf_recipe(layout) for r in rules]
 
 
 def flat_dtype(path: str) -> torch.dtype:

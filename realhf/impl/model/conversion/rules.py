@@ -14,7 +14,7 @@ its expected HF shape, and the layout change between the two:
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -63,6 +63,20 @@ class WeightRule:
         if self.kind == "split":
             return torch.cat(list(ts), dim=0).contiguous()
         return torch.cat([t.t() for t in ts], dim=1).contiguous()
+
+    def hf_recipe(self, layout: Dict[str, Tuple[int, Sequence[int]]]) -> dict:
+        """:meth:`to_hf` as data: how to build this HF tensor from views of a flat buffer in
+        which each of ``ours`` lies at ``layout[name] = (offset, shape)``.  The HF tensor is
+        ``cat([p.t() if transpose else p for p in pieces], dim)`` reshaped to ``shape``
+        (read by :func:`realhf.system.rollout.vllm_worker_ext.assemble`, in a process that
+        has no realhf)."""
+        return {
+            "name": self.hf_name,
+            "pieces": [[int(layout[n][0]), [int(s) for s in layout[n][1]]] for n in self.ours],
+            "transpose": self.kind in ("transpose", "split_transpose"),
+            "dim": 1 if self.kind == "split_transpose" else 0,
+            "shape": list(self.hf_shape),
+        }
 
 
 def copy_rule(hf_name: str, ours: str, shape: Sequence[int]) -> WeightRule:

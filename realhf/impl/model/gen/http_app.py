@@ -105,7 +105,12 @@ from realhf.impl.model.comm.weight_broadcast import WeightsSuperseded
 from realhf.impl.model.gen import openai_api
 from realhf.impl.model.gen.batch_scheduler import QueueFullError
 from realhf.impl.model.gen.engine import EngineClosedError, GenerationEngine
-from realhf.impl.model.gen.weight_update import PauseGate, WeightPathRefused, allowed_weight_path
+from realhf.impl.model.gen.weight_update import (
+    PauseGate,
+    WeightPathRefused,
+    allowed_weight_path,
+    versioned_load_body,
+)
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:
@@ -413,27 +418,10 @@ async def update_weights_from_disk(request: fastapi.Request, served: _Served):
     )
 
 
-def _versioned_load(body: Any, field: str, example: str) -> Tuple[str, int]:
-    """``body[field]`` (a string) and ``body["weight_version"]`` (an int) of a load request
-    that must hold exactly these two; InvalidRequestError otherwise."""
-    version = body.get("weight_version") if isinstance(body, dict) else None
-    if (
-        not isinstance(body, dict)
-        or not isinstance(body.get(field), str)
-        or not isinstance(version, int)
-        or isinstance(version, bool)
-    ):
-        raise InvalidRequestError(f'send {{"{field}": "{example}", "weight_version": <int>}}')
-    extra = set(body) - {field, "weight_version"}
-    if extra:
-        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
-    return body[field], version
-
-
 @control_router.post("/update_weights_from_shm")
 @_handle_errors(openai=False)
 async def update_weights_from_shm(request: fastapi.Request, served: _Served):
-    path, version = _versioned_load(await _json_body(request), "path", "<flat weight file>")
+    path, version = versioned_load_body(await _json_body(request), "path", "<flat weight file>")
     return await _load_weights(
         served,
         path,
@@ -445,7 +433,7 @@ async def update_weights_from_shm(request: fastapi.Request, served: _Served):
 @control_router.post("/update_weights_from_broadcast")
 @_handle_errors(openai=False)
 async def update_weights_from_broadcast(request: fastapi.Request, served: _Served):
-    sender, version = _versioned_load(await _json_body(request), "sender", "<host:port>")
+    sender, version = versioned_load_body(await _json_body(request), "sender", "<host:port>")
     # No root to check: the sender must answer with the run's MAC and prove the secret.
     return await _load_weights(
         served,

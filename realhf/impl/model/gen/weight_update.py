@@ -64,11 +64,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Tuple
 
 import aiohttp
 
-from realhf.api.core.gen_api import FinishReason, FinishType, GenerateOutput
+from realhf.api.core.gen_api import (
+    FinishReason,
+    FinishType,
+    GenerateOutput,
+    InvalidRequestError,
+)
 from realhf.api.core.rollout_config import WeightSync
 from realhf.base.net.http_server import auth_headers
 
@@ -81,6 +86,7 @@ __all__ = [
     "WeightPathRefused",
     "update_server",
     "allowed_weight_path",
+    "versioned_load_body",
     "PauseGate",
 ]
 
@@ -108,6 +114,23 @@ def _load_body(step: str, path: str, version: int) -> dict:
     if step == LOAD_STEPS[WeightSync.DISK]:
         return {"model_path": path}
     return {}
+
+
+def versioned_load_body(body: object, field: str, example: str) -> Tuple[str, int]:
+    """``body[field]`` (a string) and ``body["weight_version"]`` (an int) of a load request
+    that must hold exactly these two; InvalidRequestError otherwise."""
+    version = body.get("weight_version") if isinstance(body, dict) else None
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get(field), str)
+        or not isinstance(version, int)
+        or isinstance(version, bool)
+    ):
+        raise InvalidRequestError(f'send {{"{field}": "{example}", "weight_version": <int>}}')
+    extra = set(body) - {field, "weight_version"}
+    if extra:
+        raise InvalidRequestError(f"unknown fields {sorted(extra)}")
+    return body[field], version
 
 
 class WeightUpdateError(RuntimeError):
