@@ -22,6 +22,13 @@ trainer model's (the tests check the loaded bits exactly; later tokens of a rand
 near-tie in bf16, where the server's cached decode and a full forward may part).
 
     python benchmark/weight_sync.py --shapes tiny,qwen2.5-0.5b,qwen2.5-1.5b --servers 1,2
+    python benchmark/weight_sync.py --backend vllm   # vLLM's CPU build
+
+With ``--backend vllm`` each server is vLLM (one thread, one process) behind the adapter
+of :mod:`realhf.system.rollout.vllm_backend`: ``disk`` is its reload from the HF directory,
+``shm`` and ``broadcast`` its worker's load of the flat file or of the pulled copy
+(:mod:`realhf.system.rollout.vllm_worker_ext`); vLLM reports no load count, so only the
+greedy token is checked.
 
 Each mode first runs ``--warmup`` untimed-for-the-median updates (reported apart, as
 ``first_seconds``): the first versions of a mode allocate what later ones reuse (the flat
@@ -79,6 +86,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", help="trainer and server weights")
     p.add_argument("--models-dir", default=os.path.expanduser("~/.cache/realhf/shapes"))
     p.add_argument("--workdir", default=None, help="where disk versions go (default: a temp dir)")
+    p.add_argument(
+        "--backend",
+        default="builtin",
+        choices=("builtin", "vllm"),
+        help="the servers: ours (realhf.apps.serve) or vLLM behind its adapter",
+    )
     return p.parse_args(argv)
 
 
@@ -123,6 +136,44 @@ class Servers:
             p.wait(30)
 
 
+class VLLMServers:
+    """``n`` vLLM CPU servers of ``path`` (one thread, one process each), each behind the
+    adapter a generation server worker puts in front of it, on loopback."""
+
+    def __init__(self, path: str, n: int, dtype: str, weights_root: str, shm_root: str, logdir):
+        from realhf.base.net import network
+        from realhf.base.net.http_server import ServerThread
+        from realhf.system.rollout import vllm_backend
+
+        python = vllm_backend.find_vllm_python()
+        self.vllm, self.adapters, self.urls = [], [], []
+        try:
+            for i in range(n):
+                cfg = vllm_backend.VLLMConfig(
+                    model_path=path, port=network.find_free_port(host="127.0.0.1"),
+                    dtype=dtype, max_model_len=64, max_num_seqs=2, num_threads=1,
+                    single_process=True,
+                )  # fmt: skip
+                log = os.path.join(logdir, f"vllm{i}.log")
+                self.vllm.append(vllm_backend.VLLMServer(cfg, python=python, log_path=log))
+                self.vllm[-1].start(health_timeout=SERVER_START_S)
+                app = vllm_backend.create_adapter_app(
+                    cfg.url, cfg.served_model_name, weights_root=weights_root,
+                    shm_root=shm_root, model_dir=path,
+                )  # fmt: skip
+                self.adapters.append(ServerThread(app, host="127.0.0.1", port=0).start(30))
+                self.urls.append(self.adapters[-1].url)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for a in self.adapters:
+            a.stop()
+        for v in self.vllm:
+            v.stop()
+
+
 def _ready_url(proc: subprocess.Popen, log: str) -> str:
     """The URL a server prints once it is warm; an error naming its log if it exits or
     says nothing within SERVER_START_S."""
@@ -148,8 +199,8 @@ async def _update_all(urls: List[str], version: int, where: str, mode: str) -> N
         )
 
 
-def _served(urls: List[str]) -> List[tuple]:
-    """(greedy tokens, weight loads so far) of each server."""
+def _served(urls: List[str], loads: bool = True) -> List[tuple]:
+    """(greedy tokens, weight loads so far) of each server (vLLM: loads None)."""
     import requests
 
     body = {
@@ -159,8 +210,11 @@ def _served(urls: List[str]) -> List[tuple]:
     out = []
     for u in urls:
         r = requests.post(u + "/generate", json=body, headers=auth_headers(), timeout=600)
-        info = requests.get(u + "/get_server_info", headers=auth_headers(), timeout=60).json()
-        out.append((r.json()["output_ids"], info["stats"]["weight_version"]))
+        got = None
+        if loads:
+            info = requests.get(u + "/get_server_info", headers=auth_headers(), timeout=60)
+            got = info.json()["stats"]["weight_version"]
+        out.append((r.json()["output_ids"], got))
     return out
 
 
@@ -196,7 +250,8 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
         weights_root = os.path.join(workdir, "disk")
         shm_root = tempfile.mkdtemp(prefix="realhf-bench-", dir="/dev/shm")
         os.makedirs(weights_root, exist_ok=True)
-        servers = Servers(path, n, args.dtype, weights_root, shm_root, workdir)
+        kind = VLLMServers if args.backend == "vllm" else Servers
+        servers = kind(path, n, args.dtype, weights_root, shm_root, workdir)
         sender = WeightSender(timeout=600.0)
         loads = 0
         try:
@@ -226,13 +281,15 @@ def run_shape(args, shape: str, workdir: str) -> List[dict]:
                         retire(prev)
                     prev = where
                 loads += args.warmup + args.repeats
-                want = (_reference_greedy(model), loads)
-                got = _served(servers.urls)
+                builtin = args.backend == "builtin"
+                want = (_reference_greedy(model), loads if builtin else None)
+                got = _served(servers.urls, loads=builtin)
                 if any(g != want for g in got):
                     raise AssertionError(
                         f"{shape} {mode}: servers answer (tokens, loads) {got}, want {want}"
                     )
                 row = dict(
+                    backend=args.backend,
                     shape=shape,
                     servers=n,
                     mode=mode,
@@ -302,7 +359,13 @@ def main(argv=None) -> int:
     print(table(rows))
     print(
         json.dumps(
-            {"host": host_facts(), "dtype": args.dtype, "shapes": summarize(rows), "rows": rows}
+            {
+                "host": host_facts(),
+                "backend": args.backend,
+                "dtype": args.dtype,
+                "shapes": summarize(rows),
+                "rows": rows,
+            }
         )
     )
     return 0

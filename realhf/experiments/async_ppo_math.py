@@ -203,7 +203,8 @@ class AsyncPPOMathConfig(PPOMathConfig):
             "directory per version under the run's cache; any backend, any host), 'shm' "
             "(one flat file per version in /dev/shm that each server maps, built-in or "
             "vLLM: the fastest; trainer and servers on one host, mode=local) or 'broadcast' (each "
-            "built-in server pulls the trainer's copy over a gloo/nccl pair; any host)"
+            "server, built-in or vLLM, pulls the trainer's copy over a gloo/nccl pair; any "
+            "host)"
         },
     )
     share_gpus: float = field(
@@ -355,12 +356,19 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=True)
     n_gen, layout = alloc.gen.data, alloc.train
     n_train = layout.world_size
-    if cfg.weight_sync == "broadcast" and alloc.gen_backend in ("sglang", "vllm"):
+    if cfg.weight_sync == "broadcast" and alloc.gen_backend == "sglang":
         raise blocks.ExperimentSetupError(
-            f"weight_sync=broadcast needs the built-in engine's pull of the trainer's copy, and "
-            f"the {alloc.gen_backend} backend has none (use allocation_mode=gen.*); or use "
-            "weight_sync=disk"
+            "weight_sync=broadcast needs a pull of the trainer's copy, which the built-in "
+            "engine and vLLM's worker make and the sglang backend does not (use "
+            "allocation_mode=gen.* or vllm.*); or use weight_sync=disk"
         )
+    if cfg.weight_sync in ("broadcast", "shm") and alloc.gen_backend == "vllm":
+        if cfg.actor.lora.enabled:
+            raise blocks.ExperimentSetupError(
+                f"weight_sync={cfg.weight_sync} with actor.lora.rank={cfg.actor.lora.rank}: "
+                "vLLM loads LoRA adapters from a directory only; use weight_sync=disk, or "
+                "allocation_mode=gen.* (the built-in engine)"
+            )
     if cfg.actor.lora.enabled and alloc.gen_backend == "sglang":
         raise blocks.ExperimentSetupError(
             f"actor.lora.rank={cfg.actor.lora.rank}: the SGLang backend takes no adapter "
@@ -386,8 +394,6 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
         why = (
             "the sglang backend cannot map them (use allocation_mode=gen.* or vllm.*)"
             if alloc.gen_backend == "sglang"
-            else "vLLM loads LoRA adapters from a directory only (use allocation_mode=gen.*)"
-            if alloc.gen_backend == "vllm" and cfg.actor.lora.enabled
             else f"mode={cfg.mode} may place servers on other hosts (use mode=local)"
             if cfg.mode != "local"
             else None

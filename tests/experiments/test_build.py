@@ -492,18 +492,21 @@ def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_wher
     # vLLM's worker maps them too (realhf.system.rollout.vllm_worker_ext), but not adapters
     vllm = build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1")
     assert vllm.workers["gserver_manager"][0].weight_sync == "shm"
-    with pytest.raises(blocks.ExperimentSetupError, match="vLLM loads LoRA adapters from a"):
-        build("weight_sync=shm", "allocation_mode=vllm.d1p1m1+d1p1m1", "actor.lora.rank=4")
+    for mode in ("shm", "broadcast"):
+        with pytest.raises(blocks.ExperimentSetupError, match="vLLM loads LoRA adapters from"):
+            build(f"weight_sync={mode}", "allocation_mode=vllm.d1p1m1+d1p1m1", "actor.lora.rank=4")
     with pytest.raises(blocks.ExperimentSetupError, match="the sglang backend cannot map"):
         build("weight_sync=shm", "allocation_mode=sglang.d1p1m1+d1p1m1")
     with pytest.raises(blocks.ExperimentSetupError, match="mode=slurm may place servers"):
         build("weight_sync=shm", "mode=slurm")
-    # broadcast works across hosts, with the built-in engine only
+    # broadcast works across hosts, with the built-in engine and vLLM
     exp = build("weight_sync=broadcast", "mode=slurm")
     assert exp.workers["gserver_manager"][0].weight_sync == "broadcast"
     actor = next(m for m in exp.workers["model_worker"][0].models if m.role == "actor")
     assert actor.publish_weights and actor.weight_sync == "broadcast"
-    with pytest.raises(blocks.ExperimentSetupError, match="the sglang backend has none"):
+    exp = build("weight_sync=broadcast", "allocation_mode=vllm.d1p1m1+d1p1m1")
+    assert exp.workers["gserver_manager"][0].weight_sync == "broadcast"
+    with pytest.raises(blocks.ExperimentSetupError, match="the sglang backend does not"):
         build("weight_sync=broadcast", "allocation_mode=sglang.d1p1m1+d1p1m1")
 
 

@@ -1,13 +1,14 @@
 """async-ppo-math on vLLM generation servers (``allocation_mode=vllm.d1p1m1+d1p1m1``).
 
 One run through real processes with vLLM's CPU build (the venv of the ``vllm_python``
-fixture): the trainer's versions reach vLLM through shared memory (``weight_sync=shm``:
-vLLM's worker maps each flat file; the disk reload is tested in test_vllm_backend), rollouts are interrupted
-and resubmitted as with our servers, the staleness bound holds, and the greedy accuracy
-rises (32.4% -> 45.2% in 30 steps, 87 s with shm, on 2026-11-29).  At step 4 the vLLM process
-is SIGKILLed: the generation server worker reports it, the launcher restarts the worker
-(a new vLLM, ~30 s), the manager brings it to the trainer's version, and the run ends with
-every step trained exactly once.
+fixture): the trainer's versions reach vLLM by ``weight_sync=broadcast`` (vLLM's worker
+pulls each from the trainer's weight sender over a gloo pair; the disk reload and shm are
+tested in test_vllm_backend), rollouts are interrupted and resubmitted as with our servers,
+the staleness bound holds, and the greedy accuracy rises (32.4% -> 42.0% in 30 steps, 87 s,
+on 2026-11-29; 45.2% with shm).  At step 4 the vLLM process is SIGKILLed: the generation
+server worker reports it, the launcher restarts the worker (a new vLLM, ~30 s), the manager
+brings it to the trainer's version (a new pair; the dead one's is dropped), and the run ends
+with every step trained exactly once.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ ARGS = [
     "worker_timeout=240",
     # no vLLM worker process (the default's three processes are test_vllm_backend's)
     "gen_server.vllm_single_process=true",
-    # new weights by a flat file in /dev/shm that vLLM's worker maps (the disk reload is
-    # test_vllm_backend's)
-    "weight_sync=shm",
+    # new weights pulled by vLLM's worker over a gloo pair from the trainer's weight sender
+    # (the disk reload and shm are test_vllm_backend's)
+    "weight_sync=broadcast",
 ]
 
 

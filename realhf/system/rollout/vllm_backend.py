@@ -31,6 +31,11 @@ Worker ``generation_server`` with ``backend=vllm`` (``allocation_mode=vllm.d1p1m
                                   reloads the HF tensors a recipe makes of views of it
                                   (:mod:`.vllm_worker_ext`, its ``--worker-extension-cls``;
                                   :func:`flat_recipe`), then ``/reset_prefix_cache``
+  ``POST /update_weights_from_    ``POST /collective_rpc`` ``realhf_pull``: vLLM's
+  broadcast`` ``{sender,          worker pulls the version from the trainer's weight
+  weight_version}``               sender over a pair of its own (``weight_sync=
+                                  broadcast``) into a buffer, then reloads it by
+                                  :func:`pull_recipe`; 409 ``superseded_by`` as ours
   ``POST /continue_generation``   ``POST /resume``
   ``GET /health``                 ``GET /health``
   ``GET /metrics``                ``vllm:num_requests_running|waiting``,
@@ -75,6 +80,7 @@ import aiohttp
 import fastapi
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+import realhf
 from realhf.api.core.gen_api import (
     FinishReason,
     GenerateOutput,
@@ -93,6 +99,7 @@ from realhf.base.net.http_server import (
     require_api_key,
     require_run_token,
 )
+from realhf.impl.model.comm.weight_broadcast import layout_digest
 from realhf.impl.model.conversion.families import get_family
 from realhf.impl.model.conversion.flat_file import FlatFileError, hf_recipe
 from realhf.impl.model.conversion.hf import config_from_hf_dir
@@ -104,6 +111,7 @@ from realhf.impl.model.gen.weight_update import (
     versioned_load_body,
 )
 from realhf.impl.model.nn.lora import is_adapter_dir
+from realhf.impl.model.nn.real_model import ReaLModel
 from realhf.system.rollout import vllm_worker_ext
 from realhf.system.rollout.manager.routing import metric_samples
 from realhf.system.rollout.sglang_launcher import ServerProcess
@@ -119,6 +127,7 @@ __all__ = [
     "build_command",
     "create_adapter_app",
     "flat_recipe",
+    "pull_recipe",
     "ensure_venv",
     "find_vllm_python",
     "server_config",
@@ -344,10 +353,15 @@ class VLLMServer(ServerProcess):
         # by default) and never removes: a private directory (0700), removed on stop().
         # Not the run dir: a unix socket's path must stay under 108 bytes.
         self.rpc_dir = self.env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="realhf-vllm-")
-        # The worker extension, alone in a directory of its own on vLLM's module path.
+        # The worker extension in a directory of its own on vLLM's module path, with realhf
+        # beside it (a link to this package: weight_sync=broadcast pulls with our receiver;
+        # its imports are all among vLLM's dependencies) and nothing else.
         ext_dir = os.path.join(self.rpc_dir, "py")
         os.mkdir(ext_dir, 0o700)
         shutil.copy(vllm_worker_ext.__file__, os.path.join(ext_dir, _EXT_MODULE + ".py"))
+        os.symlink(
+            os.path.dirname(os.path.abspath(realhf.__file__)), os.path.join(ext_dir, "realhf")
+        )
         self.env["PYTHONPATH"] = os.pathsep.join(
             p for p in (ext_dir, os.environ.get("PYTHONPATH", "")) if p
         )
@@ -483,25 +497,56 @@ def _is_embedding_name(key: str) -> bool:
     return any(key == name or key.endswith("." + name) for name in TIED_EMBEDDINGS)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Served:
+    """What the adapter needs of the served model to load our flat buffer into vLLM."""
+
+    tied: bool
+    rules: tuple
+    #: our single-device flat layout of the model, and its digest (weight_sync=broadcast)
+    param_spec: dict
+    digest: str
+    numel: int
+
+
 @functools.lru_cache(maxsize=4)
-def _rules(model_dir: str) -> tuple:
+def _served(model_dir: str) -> _Served:
     cfg = config_from_hf_dir(model_dir)
-    return cfg, tuple(get_family(cfg.family).weight_rules(cfg))
+    spec = ReaLModel(cfg, device="meta", init_weights=False).param_spec  # no memory
+    return _Served(
+        tied=cfg.tied_embedding,
+        rules=tuple(get_family(cfg.family).weight_rules(cfg)),
+        param_spec=spec,
+        digest=layout_digest(spec),
+        numel=sum(s.numel for s in spec.values()),
+    )
+
+
+def _with_tied_head(served: _Served, recipe: List[dict]) -> List[dict]:
+    # A tied output head gets a tensor of its own, the input embedding's (see
+    # tied_head_view for why).
+    if served.tied and OUTPUT_HEAD not in {e["name"] for e in recipe}:
+        embed = next(e for e in recipe if _is_embedding_name(e["name"]))
+        recipe.append({**embed, "name": OUTPUT_HEAD})
+    return recipe
 
 
 def flat_recipe(path: str, version: int, model_dir: str) -> List[dict]:
     """The recipe (:mod:`.vllm_worker_ext`) of the HF tensors vLLM loads from the flat file
-    ``path`` of ``version``, by the conversion rules of the model in ``model_dir``.  A tied
-    output head gets a tensor of its own, the input embedding's, for the reason given in
-    :func:`tied_head_view`.  Raises FlatFileError (a file that is not of this version and
-    model) or CheckpointError (a model directory of no family we convert)."""
-    cfg, rules = _rules(os.path.realpath(model_dir))
-    recipe = hf_recipe(path, version, rules)
-    names = {e["name"] for e in recipe}
-    if cfg.tied_embedding and OUTPUT_HEAD not in names:
-        embed = next(e for e in recipe if _is_embedding_name(e["name"]))
-        recipe.append({**embed, "name": OUTPUT_HEAD})
-    return recipe
+    ``path`` of ``version``, by the conversion rules of the model in ``model_dir``.  Raises
+    FlatFileError (a file that is not of this version and model) or CheckpointError (a
+    model directory of no family we convert)."""
+    served = _served(os.path.realpath(model_dir))
+    return _with_tied_head(served, hf_recipe(path, version, served.rules))
+
+
+def pull_recipe(model_dir: str) -> Tuple[str, int, List[dict]]:
+    """For ``weight_sync=broadcast``: the digest and size of the flat layout vLLM's worker
+    pulls for the model in ``model_dir``, and the recipe of its HF tensors."""
+    served = _served(os.path.realpath(model_dir))
+    layout = {n: (s.offset, s.shape) for n, s in served.param_spec.items()}
+    recipe = [r.hf_recipe(layout) for r in served.rules]
+    return served.digest, served.numel, _with_tied_head(served, recipe)
 
 
 class _VLLMDown(Exception):
@@ -521,6 +566,7 @@ ADAPTER_UNLIMITED_PATHS = (
     "/continue_generation",
     "/update_weights_from_disk",
     "/update_weights_from_shm",
+    "/update_weights_from_broadcast",
 )
 
 #: How long a failed ``/generate`` waits for its cancelled sequences to let go of vLLM.
@@ -766,6 +812,50 @@ def create_adapter_app(
         reply = await control("/collective_rpc", json=rpc)
         if reply.status_code != 200:
             return reply
+        return await control("/reset_prefix_cache")
+
+    @app.post("/update_weights_from_broadcast", dependencies=[require_run_token()])
+    async def update_weights_from_broadcast(request: fastapi.Request):
+        """A pull from the trainer's weight sender (``weight_sync=broadcast``): vLLM's worker
+        receives the version over its own pair and loads it (:mod:`.vllm_worker_ext`)."""
+        try:
+            sender, version = versioned_load_body(await request.json(), "sender", "<host:port>")
+        except (InvalidRequestError, ValueError) as e:
+            return JSONResponse({"success": False, "message": str(e)}, 400)
+        if model_dir is None:
+            return JSONResponse(
+                {"success": False, "message": "the adapter was started without model_dir"}, 400
+            )
+        try:
+            digest, numel, recipe = await asyncio.to_thread(pull_recipe, model_dir)
+        except CheckpointError as e:
+            return JSONResponse({"success": False, "message": str(e)}, 400)
+        # No root to check: the sender must prove the run's secret before a byte lands.
+        rpc = {
+            "method": "realhf_pull",
+            "kwargs": {
+                "sender": sender, "version": version, "layout": digest, "numel": numel,
+                "recipe": json.dumps(recipe), "timeout": control_timeout_s / 2,
+            },
+        }  # fmt: skip
+        try:
+            status, data = await call("POST", "/collective_rpc", control_timeout_s, json=rpc)
+        except _VLLMDown as e:
+            return JSONResponse({"success": False, "message": str(e)}, status_code=502)
+        results = data.get("results") if status == 200 and isinstance(data, dict) else None
+        if not results or not isinstance(results[0], dict):
+            msg = f"vLLM /collective_rpc realhf_pull answered {status}: {data}"
+            return JSONResponse({"success": False, "message": msg}, status_code=502)
+        got = results[0]
+        if isinstance(got.get("superseded_by"), int):
+            # The trainer moved on; vLLM's weights are unchanged (the protocol's 409).
+            msg = f"Weights not updated: {got.get('error')}"
+            return JSONResponse(
+                {"success": False, "message": msg, "superseded_by": got["superseded_by"]}, 409
+            )
+        if not got.get("ok"):
+            msg = f"vLLM kept its weights: {got.get('error')}"
+            return JSONResponse({"success": False, "message": msg}, status_code=400)
         return await control("/reset_prefix_cache")
 
     async def load_adapter(path: str) -> JSONResponse:

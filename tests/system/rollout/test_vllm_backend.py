@@ -30,6 +30,7 @@ from realhf.base import constants, name_resolve, names
 from realhf.base.net import network
 from realhf.base.net.http_server import ServerThread, auth_headers
 from realhf.impl.model import ReaLModel
+from realhf.impl.model.comm.weight_broadcast import WeightSender
 from realhf.impl.model.conversion.flat_file import write_model
 from realhf.system.rollout import vllm_backend
 from realhf.system.rollout.manager.routing import parse_metrics
@@ -486,7 +487,8 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
     update whole: its answers' log-probs are then the new weights', output head included
     (the update used to be refused: no ``embed_tokens`` in the checkpoint).  The same by
     ``weight_sync=shm`` (a flat file that vLLM's worker maps), which serves what a disk
-    update of the same weights serves, to the bit."""
+    update of the same weights serves, to the bit, and by ``weight_sync=broadcast`` (vLLM's
+    worker pulls the trainer's staged copy), which serves what shm serves."""
     from tiny_models import make_tiny_hf_model
     from transformers import AutoModelForCausalLM
 
@@ -520,6 +522,9 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
         ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
         return torch.allclose(lps, ref, atol=1e-3)
 
+    def same(a, b):  # (tokens, log-probs) to the bit
+        return a[0] == b[0] and torch.equal(a[1], b[1])
+
     def shm_update(path, version, file_version=None):
         # as the trainer publishes it: our flat buffer, under the run's shm root
         flat = str(shm / "actor" / f"v{version}.flat")
@@ -549,6 +554,29 @@ def test_vllm_reloads_a_gpt2_model_whose_head_is_tied_to_wte(tmp_path, vllm_pyth
                           json={"path": str(tmp_path / "x.flat"), "weight_version": 5})  # fmt: skip
         assert r.status_code == 403 and "outside" in r.json()["message"]
         assert torch.equal(greedy()[1], lps)
+
+        # weight_sync=broadcast: vLLM's worker pulls the trainer's staged copy over its own
+        # gloo pair, then loads it by the same recipe
+        sender = WeightSender(timeout=60.0)
+        try:
+
+            def pull(version):
+                body = {"sender": sender.address, "weight_version": version}
+                return requests.post(adapter.url + "/update_weights_from_broadcast", json=body,
+                                     headers=auth_headers(), timeout=120)  # fmt: skip
+
+            m2 = ReaLModel.from_hf(v2)
+            sender.stage(m2.flat_params, m2.param_spec, 6)
+            assert pull(6).json()["success"]
+            assert same(greedy(), (ids2, lps2))  # what shm of the same weights served
+            m1 = ReaLModel.from_hf(v1)
+            sender.stage(m1.flat_params, m1.param_spec, 8)
+            r = pull(7)  # the trainer has moved on: the protocol's 409, weights unchanged
+            assert r.status_code == 409 and r.json()["superseded_by"] == 8, r.text
+            assert same(greedy(), (ids2, lps2))
+            assert pull(8).json()["success"] and same(greedy(), (ids, lps))
+        finally:
+            sender.close()
         # a private directory for vLLM's ipc sockets (none in one process), which stop() removes
         assert stat.S_IMODE(os.stat(server.rpc_dir).st_mode) == 0o700
     finally:
@@ -600,3 +628,24 @@ def test_vllm_serves_a_lora_runs_adapters_version_after_version(tmp_path, vllm_p
     finally:
         adapter.stop()
         server.stop()
+
+
+def test_the_pull_recipe_rebuilds_the_checkpoint_with_its_tied_head(tmp_path):
+    """What vLLM's worker loads after a pull (``weight_sync=broadcast``): the layout it
+    asks the sender for is the served model's, and the recipe's tensors are the HF
+    checkpoint's, plus the tied output head as a tensor of its own."""
+    from safetensors.torch import load_file
+    from tiny_models import make_tiny_hf_model
+
+    from realhf.impl.model.comm.weight_broadcast import layout_digest
+    from realhf.system.rollout.vllm_worker_ext import assemble
+
+    path = make_tiny_hf_model("qwen2", tmp_path / "m", tie_word_embeddings=True)
+    model = ReaLModel.from_hf(path)
+    digest, numel, recipe = vllm_backend.pull_recipe(path)
+    assert digest == layout_digest(model.param_spec) and numel == model.flat_params.numel()
+    got = dict(assemble(model.flat_params, json.loads(json.dumps(recipe))))
+    want = load_file(os.path.join(path, "model.safetensors"))
+    assert "lm_head.weight" not in want and set(got) == set(want) | {"lm_head.weight"}
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    assert torch.equal(got["lm_head.weight"], want["model.embed_tokens.weight"])

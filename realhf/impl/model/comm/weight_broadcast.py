@@ -61,7 +61,7 @@ import json
 import secrets
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -453,12 +453,12 @@ class WeightReceiver:
         sender: str,
         version: int,
         flat: torch.Tensor,
-        param_spec: Dict[str, ParamSpec],
+        param_spec: Union[Dict[str, ParamSpec], str],
         timeout: float = 60.0,
     ) -> int:
         """Pull ``version`` from the sender at ``sender`` (``host:port``) into ``flat`` (this
-        model's buffer, laid out by ``param_spec``; any float dtype: a different one is
-        converted); returns the bytes received.
+        model's buffer, laid out by ``param_spec``, or its :func:`layout_digest`; any float
+        dtype: a different one is converted); returns the bytes received.
 
         Raises :class:`WeightSyncError`: ``partial=False`` when refused before anything was
         received (``flat`` is unchanged), ``partial=True`` after.  Every wait is bounded by
@@ -466,7 +466,7 @@ class WeightReceiver:
         pair = self._pairs.get(sender)
         req = {
             "version": int(version),
-            "layout": layout_digest(param_spec),
+            "layout": param_spec if isinstance(param_spec, str) else layout_digest(param_spec),
             "numel": flat.numel(),
             "pair": pair[0] if pair is not None else secrets.token_hex(16),
             "new": pair is None,
