@@ -61,7 +61,6 @@ from realhf.experiments.ppo_math import (
     ppo_mfcs,
 )
 from realhf.experiments.registry import register_quickstart_exp
-from realhf.impl.model.conversion.hf import config_from_hf_dir
 from realhf.impl.model.interface.ppo.ppo_config import PPOHyperparameters
 
 #: How often the gserver manager asks the trainer for a new version (seconds).
@@ -405,7 +404,8 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
             )
     actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     tok = blocks.load_tokenizer(actor_path)
-    train, eval_, size = checked_math_data(cfg, tok)
+    positions = blocks.model_positions(actor_path)
+    train, eval_, size = checked_math_data(cfg, tok, (positions, f"the model at {actor_path}"))
     images = blocks.dataset_has_images(train)
     if images and alloc.gen_backend in ("sglang", "vllm"):
         raise blocks.ExperimentSetupError(
@@ -437,7 +437,7 @@ def build_async_ppo_math(cfg: AsyncPPOMathConfig) -> ExperimentConfig:
     in_flight = (cfg.max_concurrent_rollouts or B) * hp.group_size
     server_slots = cfg.gen_server.max_running_requests or min(MAX_SERVER_SLOTS, in_flight)
     server_context = cfg.gen_server.context_length or min(
-        config_from_hf_dir(actor_path).n_positions,
+        positions,
         cfg.dataset.max_prompt_len
         + cfg.max_turns * hp.gen.max_new_tokens
         + (cfg.max_turns - 1) * FEEDBACK_TOKENS,

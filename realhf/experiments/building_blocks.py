@@ -85,13 +85,19 @@ def data_path(path: str, default: str, what: str) -> str:
 #: (dataset class, file and its mtime/size, tokenizer, options) -> items of a file already
 #: checked: a build loads each dataset once to fail early, and tests, sweeps and the
 #: launcher build the same experiment many times over files that did not change.
-_CHECKED_LENGTHS: Dict[tuple, int] = {}
+_CHECKED_LENGTHS: Dict[tuple, Tuple[int, int]] = {}
 _LONGEST: Dict[str, int] = {}
 
 
 def checked_len(dataset_cls, path: str, tokenizer, **kwargs) -> int:
     """``len(dataset_cls(path, tokenizer, **kwargs))``: loading validates every row (a
     ``DatasetError`` names the bad one); remembered while the file is unchanged."""
+    return checked_sizes(dataset_cls, path, tokenizer, **kwargs)[0]
+
+
+def checked_sizes(dataset_cls, path: str, tokenizer, **kwargs) -> Tuple[int, int]:
+    """:func:`checked_len`, and the tokens of the dataset's longest item as loaded with
+    these options."""
     st = os.stat(path)
     key = (
         dataset_cls,
@@ -104,7 +110,7 @@ def checked_len(dataset_cls, path: str, tokenizer, **kwargs) -> int:
     )
     if key not in _CHECKED_LENGTHS:
         ds = dataset_cls(path, tokenizer, **kwargs)
-        _CHECKED_LENGTHS[key] = len(ds)
+        _CHECKED_LENGTHS[key] = (len(ds), ds.longest())
         _LONGEST[path] = max(_LONGEST.get(path, 0), ds.longest())
     return _CHECKED_LENGTHS[key]
 
@@ -207,6 +213,16 @@ def placements(
         keep_replicas=keep_replicas,
         manual=True,
     )
+
+
+def model_positions(path: str) -> int:
+    """The longest sequence the model at ``path`` takes (its config's positions)."""
+    from realhf.impl.model.conversion.hf import config_from_hf_dir
+
+    try:
+        return config_from_hf_dir(path).n_positions
+    except ValueError as e:
+        raise ExperimentSetupError(f"{path}: {e}") from None
 
 
 def check_trainer_layout(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
+from typing import Optional, Tuple
 
 from realhf.api.cli_args import (
     BaseExperimentConfig,
@@ -425,19 +426,47 @@ def model_specs(cfg: PPOMathConfig, actor_path: str, publish_weights: bool = Fal
     return specs
 
 
-def checked_math_data(cfg: PPOMathConfig, tokenizer) -> tuple:
-    """(train path, eval path, train size), loading both files once to fail early."""
+def checked_math_data(
+    cfg: PPOMathConfig, tokenizer, context: Optional[Tuple[int, str]] = None
+) -> tuple:
+    """(train path, eval path, train size), loading both files once to fail early.
+
+    ``context``: (positions, what sets them) — the longest a sequence may be (the model's
+    limit, or a server's context length).  The longest prompt kept plus its answer budget
+    must fit in it, or the run would fail at its first request for that prompt."""
     train = blocks.data_path(cfg.dataset.path, blocks.task_data(cfg.task, "train"), "dataset.path")
     eval_ = blocks.data_path(
         cfg.dataset.eval_path, blocks.task_data(cfg.task, "eval"), "dataset.eval_path"
     )
+    limit = cfg.dataset.max_prompt_len
     try:
-        limit = cfg.dataset.max_prompt_len
-        size = blocks.checked_len(MathPromptDataset, train, tokenizer, max_prompt_len=limit)
+        size, longest = blocks.checked_sizes(
+            MathPromptDataset, train, tokenizer, max_prompt_len=limit
+        )
+        files = [(train, longest, cfg.ppo.gen.max_new_tokens, "ppo.gen.max_new_tokens")]
         if cfg.eval:
-            blocks.checked_len(MathPromptDataset, eval_, tokenizer, max_prompt_len=limit)
+            _, longest = blocks.checked_sizes(
+                MathPromptDataset, eval_, tokenizer, max_prompt_len=limit
+            )
+            budget = cfg.dataset.eval_max_new_tokens
+            files.append((eval_, longest, budget, "dataset.eval_max_new_tokens"))
     except DatasetError as e:
         raise blocks.ExperimentSetupError(str(e)) from None
+    for path, longest, budget, key in files if context else ():
+        positions, source = context
+        if longest + budget > positions:
+            fixes = []
+            if longest < positions:
+                fixes.append(f"set {key}={positions - longest}")
+            if budget < positions:
+                drop = positions - budget
+                fixes.append(f"set dataset.max_prompt_len={drop} to drop the longer prompts")
+            fixes.append("use a model with a longer context")
+            raise blocks.ExperimentSetupError(
+                f"{path}: its longest prompt has {longest} tokens, and with {key}={budget} "
+                f"an answer would reach {longest + budget} tokens, past the {positions} "
+                f"positions of {source}; {', or '.join(fixes)}"
+            )
     return train, eval_, size
 
 
@@ -464,7 +493,8 @@ def build_ppo_math(cfg: PPOMathConfig) -> ExperimentConfig:
     alloc = blocks.allocation(cfg, decoupled=False)
     actor_path = blocks.model_path(cfg.actor, "actor", cfg.task)
     tok = blocks.load_tokenizer(actor_path)
-    train, eval_, size = checked_math_data(cfg, tok)
+    context = (blocks.model_positions(actor_path), f"the model at {actor_path}")
+    train, eval_, size = checked_math_data(cfg, tok, context)
     ft_spec = FinetuneSpec(cfg.exp_ctrl.total_train_epochs, size, cfg.train_batch_size)
     mb_spec = cfg.mb.spec
     mfcs = ppo_mfcs(cfg, mb_spec, images=blocks.dataset_has_images(train))

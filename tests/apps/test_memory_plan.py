@@ -124,9 +124,13 @@ def test_a_run_that_cannot_fit_is_refused_with_the_options_that_would():
 
 
 def test_quickstart_refuses_before_creating_anything(tmp_path, capsys, no_leftover_processes):
-    # 4096 answers of 64k tokens each cannot fit on any machine this runs on.
+    from tiny_models import long_context_copy
+
+    # 4096 answers of 64k tokens each cannot fit on any machine this runs on (the model is
+    # told it has the positions, or the run is refused for its context first).
     args = [
         "ppo-math",
+        f"actor.path={long_context_copy(tmp_path / 'm', 131072)}",
         f"fileroot={tmp_path}",
         "train_batch_size=512",
         "ppo.group_size=8",

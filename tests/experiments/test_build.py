@@ -435,7 +435,8 @@ def test_generation_servers_reserve_the_kv_the_run_can_ask_for(tmp_path):
     """Empty gen_server.max_running_requests / context_length size a server's KV slots by
     the run (answers in flight; longest prompt + answers + feedback), not by the model's
     32k-position limit; set values are kept."""
-    import json
+
+    from tiny_models import long_context_copy
 
     from realhf.experiments.async_ppo_math import (
         FEEDBACK_TOKENS,
@@ -443,15 +444,7 @@ def test_generation_servers_reserve_the_kv_the_run_can_ask_for(tmp_path):
         build_async_ppo_math,
     )
 
-    # The embedded model (tokenizer included), claiming a real model's 32k positions (RoPE
-    # weights do not depend on them).
-    model = str(tmp_path / "m")
-    shutil.copytree(blocks.TINY_MODEL, model, ignore=shutil.ignore_patterns("data"))
-    with open(os.path.join(model, "config.json")) as f:
-        config = json.load(f)
-    config["max_position_embeddings"] = 32768
-    with open(os.path.join(model, "config.json"), "w") as f:
-        json.dump(config, f)
+    model = long_context_copy(tmp_path / "m")  # a real model's 32k positions
 
     def server(*args):
         exp = build_async_ppo_math(parse_config(AsyncPPOMathConfig, [f"actor.path={model}", *args]))
@@ -571,3 +564,29 @@ def test_a_dataset_with_images_gives_every_model_mfc_the_image_keys():
                 AsyncPPOMathConfig, ["task=tiny_visual", "allocation_mode=vllm.d1p1m1+d1p1m1"]
             )
         )
+
+
+@pytest.mark.parametrize("exp", ["ppo-math", "async-ppo-math"])
+def test_a_prompt_and_answer_past_the_models_positions_are_refused_before_launch(exp):
+    """The embedded model has 256 positions: answers of 512 tokens cannot fit after any
+    prompt, and the run used to start and fail at its first request (HTTP 400)."""
+    from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
+    from realhf.experiments.ppo_math import PPOMathConfig, build_ppo_math
+
+    cls, build = {
+        "ppo-math": (PPOMathConfig, build_ppo_math),
+        "async-ppo-math": (AsyncPPOMathConfig, build_async_ppo_math),
+    }[exp]
+    with pytest.raises(blocks.ExperimentSetupError) as e:
+        build(parse_config(cls, ["ppo.gen.max_new_tokens=512"]))
+    msg = str(e.value)
+    assert "train.jsonl: its longest prompt has 8 tokens" in msg, msg
+    assert "would reach 520 tokens, past the 256 positions of the model at" in msg
+    assert "set ppo.gen.max_new_tokens=248" in msg and "dataset.max_prompt_len" not in msg
+    # the greedy eval's budget too; a prompt limit is offered where it can help
+    with pytest.raises(blocks.ExperimentSetupError) as e:
+        build(parse_config(cls, ["dataset.eval_max_new_tokens=250"]))
+    msg = str(e.value)
+    assert "eval.jsonl" in msg and "set dataset.eval_max_new_tokens=" in msg, msg
+    assert "set dataset.max_prompt_len=6 to drop the longer prompts" in msg
+    build(parse_config(cls, ["ppo.gen.max_new_tokens=240"]))  # 8 + 240 fits

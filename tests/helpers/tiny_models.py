@@ -197,3 +197,20 @@ def make_tiny_visual_model(path: Union[str, os.PathLike], seed: int = 1) -> str:
 
     mod = load_script("examples/tiny_visual/make_model.py", "tiny_visual_make_model")
     return mod.make_model(str(path), seed)
+
+
+def long_context_copy(path: Union[str, os.PathLike], positions: int = 32768) -> str:
+    """The embedded model (tokenizer included) copied to ``path``, claiming ``positions``
+    positions like a real model (its RoPE weights do not depend on them); returns the path."""
+    import json
+    import shutil
+
+    from realhf.experiments.building_blocks import TINY_MODEL
+
+    shutil.copytree(TINY_MODEL, str(path), ignore=shutil.ignore_patterns("data"))
+    with open(os.path.join(str(path), "config.json")) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = positions
+    with open(os.path.join(str(path), "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
