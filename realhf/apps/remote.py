@@ -36,7 +36,7 @@ from typing import List, Optional
 
 from realhf.api.core import system_api
 from realhf.apps import plugins
-from realhf.base import constants, logging, name_resolve, shutdown
+from realhf.base import constants, gcutil, logging, name_resolve, shutdown
 from realhf.base.storage.atomic_file import write_json_atomic
 from realhf.system.transport.errors import ExperimentFailed, StopRequested
 from realhf.system.worker import base as worker_base
@@ -211,6 +211,10 @@ def run_worker(args) -> int:
     """Build worker ``--type/--index`` and serve until told to exit."""
     if args.index < 0:
         raise SystemExit(f"realhf.apps.remote worker: --index must be >= 0, got {args.index}.")
+    if args.worker_type == "model_worker":
+        # A process of its own (not a test's): its tensors' memory stays in it between
+        # trims (see keep_freed_memory), which the worker makes at the end of each call.
+        gcutil.keep_freed_memory()
     try:
         worker = worker_base.make_worker(
             args.worker_type,

@@ -1,7 +1,10 @@
-"""freeze_startup_objects: start-up objects leave the collector's scans, later garbage does not."""
+"""freeze_startup_objects: start-up objects leave the collector's scans, later garbage does not;
+keep_freed_memory: large tensors come from the heap, which keeps them when freed."""
 
 import gc
 import weakref
+
+import pytest
 
 from realhf.base.gcutil import freeze_startup_objects
 
@@ -26,3 +29,32 @@ def test_start_up_objects_are_frozen_and_later_cycles_are_still_collected():
         assert alive() is None
     finally:
         gc.unfreeze()
+
+
+_WHERE = r"""
+import sys, torch
+from realhf.base import gcutil
+if sys.argv[1] == "keep":
+    assert gcutil.keep_freed_memory()
+t = torch.empty(64 * 2**20, dtype=torch.uint8)
+ptr = t.data_ptr()
+for line in open("/proc/self/maps"):
+    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    if lo <= ptr < hi:
+        print("heap" if line.rstrip().endswith("[heap]") else "mapping")
+"""
+
+
+@pytest.mark.parametrize("mode,where", [("keep", "heap"), ("default", "mapping")])
+def test_keep_freed_memory_serves_large_tensors_from_the_heap(mode, where):
+    """With it, a 64 MB tensor comes from glibc's heap, which keeps it when freed (until a
+    trim); without it, from a mapping of its own, unmapped when freed.  In a process of its
+    own: the setting lasts for the process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _WHERE, mode], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [where]

@@ -273,7 +273,7 @@ def server_config(gen: GenerationServerConfig, name: str) -> VLLMConfig:
 
 
 #: :mod:`realhf.system.rollout.vllm_worker_ext`, as vLLM imports it: a copy in a private
-#: directory on its PYTHONPATH (vLLM's venv has torch, not realhf's other dependencies)
+#: directory on its PYTHONPATH (see VLLMServer.start)
 _EXT_MODULE = "realhf_vllm_worker_ext"
 
 
