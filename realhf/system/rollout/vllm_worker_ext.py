@@ -2,9 +2,9 @@
 in shared memory (``weight_sync=shm``) or pulled from the trainer (``weight_sync=broadcast``).
 
 vLLM usually runs from a venv of its own, which has torch but not all of realhf's
-dependencies; so this module imports only torch and the standard library, and realhf only
-in :meth:`RealhfWeightLoader.realhf_pull` (the pull is realhf's own protocol; its imports are
-among vLLM's dependencies).  The vLLM backend (:mod:`realhf.system.rollout.vllm_backend`)
+dependencies; so this module imports only torch and the standard library when vLLM loads
+it, and realhf's own flat-file reader and weight receiver at their first use (their imports
+are among vLLM's dependencies).  The vLLM backend (:mod:`realhf.system.rollout.vllm_backend`)
 copies this module into a private directory on vLLM's ``PYTHONPATH``, links the realhf
 package beside it, and names :class:`RealhfWeightLoader` as vLLM's
 ``--worker-extension-cls``: vLLM mixes the class into its worker, and ``POST
@@ -28,74 +28,22 @@ to ``shape``.
 from __future__ import annotations
 
 import json
-import mmap
 import os
-import threading
-import warnings
 from typing import Dict, Iterator, List, Tuple
 
 import torch
 
 __all__ = ["RealhfWeightLoader", "assemble", "map_file"]
 
-#: the safetensors dtype names a flat file may hold
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
-# Mappings kept between loads: the files take turns (the trainer overwrites a retired one in
-# place), and a mapping met again costs no page faults.  Keyed by (device, inode, size);
-# those of files gone from their directory are dropped at the next mapping.
-_MAPS: Dict[Tuple[int, int, int], Tuple[mmap.mmap, str]] = {}
-_LOCK = threading.Lock()
+def map_file(path: str, version: int) -> torch.Tensor:
+    """The flat file ``path`` (which must hold ``version``) as a read-only 1-D tensor over
+    a mapping of it, kept for the file's next version: realhf's reader
+    (:func:`realhf.impl.model.conversion.flat_file.map_version`), imported here, in vLLM's
+    process, at the first load."""
+    from realhf.impl.model.conversion.flat_file import map_version
 
-
-def _trim() -> None:
-    live = set()
-    for directory in {d for _, d in _MAPS.values()}:
-        try:
-            entries = list(os.scandir(directory))
-        except FileNotFoundError:
-            continue
-        for e in entries:
-            try:
-                st = e.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            live.add((st.st_dev, st.st_ino, st.st_size))
-    for key in [k for k in _MAPS if k not in live]:
-        del _MAPS[key]
-
-
-def map_file(path: str, version: int) -> Tuple[torch.Tensor, int]:
-    """The flat buffer of the file ``path`` as a read-only 1-D tensor over a mapping of it,
-    and the version it holds, which must be ``version`` (else ValueError)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        st = os.fstat(fd)
-        head = os.pread(fd, 8, 0)
-        n = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < n <= st.st_size - 8:
-            raise ValueError(f"{path}: not a safetensors file")
-        header = json.loads(os.pread(fd, n, 8))
-        got = int((header.get("__metadata__") or {}).get("version", -1))
-        if got != version:
-            raise ValueError(f"{path} holds weight version {got}, not the {version} asked for")
-        info = header["flat"]
-        begin, end = info["data_offsets"]
-        dtype = DTYPES[info["dtype"]]
-        key = (st.st_dev, st.st_ino, st.st_size)
-        with _LOCK:
-            if key not in _MAPS:
-                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-                _MAPS[key] = (mm, os.path.dirname(os.path.abspath(path)))
-            _trim()
-            mm = _MAPS[key][0]
-    finally:
-        os.close(fd)
-    count = (end - begin) // torch.empty((), dtype=dtype).element_size()
-    with warnings.catch_warnings():  # read-only on purpose: nothing here writes into it
-        warnings.filterwarnings("ignore", "The given buffer is not writable")
-        flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=8 + n + begin)
-    return flat, got
+    return map_version(path, version)
 
 
 def assemble(flat: torch.Tensor, recipe: List[dict]) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -126,20 +74,19 @@ class RealhfWeightLoader:
     def realhf_load_flat(self, path: str, version: int, recipe: str) -> int:
         """Load weight version ``version`` from the flat file ``path`` by ``recipe`` (a JSON
         string, see the module's docstring) in place; returns the version loaded."""
-        flat, got = map_file(path, int(version))
+        flat = map_file(path, int(version))
         self.reload_weights(
             weights_iterator=assemble(flat, json.loads(recipe)), is_checkpoint_format=True
         )
-        return got
+        return int(version)
 
     def realhf_pull(
         self, sender: str, version: int, layout: str, numel: int, recipe: str, timeout: float
     ) -> dict:
         """Pull weight version ``version`` from the trainer's weight sender at ``sender``
-        (``weight_sync=broadcast``, :mod:`realhf.impl.model.comm.weight_broadcast`: the
-        protocol is realhf's own, so this one method needs realhf importable, which
-        VLLMServer arranges) into a buffer of ``numel`` elements laid out as ``layout``
-        (its digest), then load it by ``recipe`` in place.
+        (``weight_sync=broadcast``, :mod:`realhf.impl.model.comm.weight_broadcast`) into a
+        buffer of ``numel`` elements laid out as ``layout`` (its digest), then load it by
+        ``recipe`` in place.
 
         Returns ``{"ok": True, "bytes": n}``, or ``{"ok": False, "error": why}`` with
         ``"superseded_by"`` when the trainer has moved on to a newer version.  vLLM's weights

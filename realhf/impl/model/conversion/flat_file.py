@@ -59,6 +59,7 @@ __all__ = [
     "write_flat",
     "load_flat",
     "map_flat",
+    "map_version",
     "flat_dtype",
     "hf_recipe",
     "read_header",
@@ -292,16 +293,21 @@ def load_flat(
     return got
 
 
+def _versioned_header(path: str, version: Optional[int]) -> dict:
+    header = read_header(path)
+    got = int(header["__metadata__"]["version"])
+    if version is not None and got != version:
+        raise FlatFileError(f"{path} holds weight version {got}, not the {version} asked for")
+    return header
+
+
 def hf_recipe(path: str, version: int, rules: Sequence[WeightRule]) -> List[dict]:
     """How a process without realhf builds the HuggingFace tensors of the flat file
     ``path`` (which must hold ``version``) from views of it: one
     :meth:`~realhf.impl.model.conversion.rules.WeightRule.hf_recipe` per rule of the
     model's family (``rules``).  The file's layout must hold every parameter the rules
     read, and nothing else.  Raises :class:`FlatFileError`."""
-    header = read_header(path)
-    got = int(header["__metadata__"]["version"])
-    if got != version:
-        raise FlatFileError(f"{path} holds weight version {got}, not the {version} asked for")
+    header = _versioned_header(path, version)
     layout = {n: (off, shape) for n, off, shape in json.loads(header["__metadata__"]["layout"])}
     wanted = {n for r in rules for n in r.ours}
     if wanted != set(layout):
@@ -325,11 +331,9 @@ def flat_dtype(path: str) -> torch.dtype:
 def _mapped(path, param_spec, version, numel, keep=True) -> Tuple[torch.Tensor, int]:
     """:func:`map_flat`'s tensor and the file's version; ``keep``: the mapping is kept for
     the file's next version (a server serving from it), else it goes with the tensor."""
-    header = read_header(path)
+    header = _versioned_header(path, version)
     meta, info = header["__metadata__"], header["flat"]
     got = int(meta["version"])
-    if version is not None and got != version:
-        raise FlatFileError(f"{path} holds weight version {got}, not the {version} asked for")
     theirs, ours = json.loads(meta["layout"]), _layout(param_spec)
     if theirs != ours:
         diff = next(
@@ -346,8 +350,12 @@ def _mapped(path, param_spec, version, numel, keep=True) -> Tuple[torch.Tensor, 
         raise FlatFileError(
             f"{path}: holds {info['shape']} of {info['dtype']}, the model {n} elements"
         )
+    return _data(path, header, dtype, n, keep), got
+
+
+def _data(path: str, header: dict, dtype: torch.dtype, n: int, keep: bool) -> torch.Tensor:
     if n == 0:
-        return torch.empty(0, dtype=dtype), got
+        return torch.empty(0, dtype=dtype)
     fd = os.open(path, os.O_RDONLY)
     try:
         mm = _READER_MAPS.get(path, fd, keep)
@@ -357,5 +365,17 @@ def _mapped(path, param_spec, version, numel, keep=True) -> Tuple[torch.Tensor, 
         # Read-only on purpose: a server that wrote into its weights would fault here
         # rather than change (or silently detach from) the file every server reads.
         warnings.filterwarnings("ignore", "The given buffer is not writable")
-        t = torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"])
-    return t, got
+        return torch.frombuffer(mm, dtype=dtype, count=n, offset=header["data_start"])
+
+
+def map_version(path: str, version: int) -> torch.Tensor:
+    """The flat file ``path``, which must hold ``version``, as :func:`map_flat` maps it
+    (read-only, the mapping kept for the file's next version), for a reader with no model
+    to check the layout against: it reads the buffer by the file's own layout (e.g.
+    :func:`hf_recipe`'s).  Raises :class:`FlatFileError`."""
+    header = _versioned_header(path, version)
+    info = header["flat"]
+    dtype = _SAFE_DTYPES.get(info["dtype"])
+    if dtype is None or len(info["shape"]) != 1:
+        raise FlatFileError(f"{path}: holds {info['shape']} of {info['dtype']}, not weights")
+    return _data(path, header, dtype, info["shape"][0], keep=True)
