@@ -19,7 +19,7 @@ import functools
 import gc
 from typing import Optional
 
-__all__ = ["freeze_startup_objects", "keep_freed_memory", "trim_heap"]
+__all__ = ["freeze_startup_objects", "heap_free_bytes", "keep_freed_memory", "trim_heap"]
 
 
 def freeze_startup_objects() -> int:
@@ -49,6 +49,32 @@ def _libc():
         return None
     # not glibc (macOS, musl): nothing to tune
     return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        ).split()
+    ]
+
+
+@functools.lru_cache(maxsize=1)
+def _mallinfo2():
+    libc = _libc()
+    fn = getattr(libc, "mallinfo2", None) if libc is not None else None  # glibc >= 2.33
+    if fn is not None:
+        fn.restype = _MallInfo2
+    return fn
+
+
+def heap_free_bytes() -> Optional[int]:
+    """Bytes in the free chunks of glibc's heap (``mallinfo2().fordblks``: what a
+    :func:`trim_heap` could give back, some of it given back already), or None where
+    glibc cannot tell (not glibc, or older than 2.33)."""
+    fn = _mallinfo2()
+    return None if fn is None else int(fn().fordblks)
 
 
 def _malloc_trim():

@@ -58,3 +58,24 @@ def test_keep_freed_memory_serves_large_tensors_from_the_heap(mode, where):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [where]
+
+
+def test_heap_free_bytes_counts_what_a_trim_can_give_back():
+    """Freed heap memory shows in heap_free_bytes until a trim; in a process of its own
+    (keep_freed_memory lasts for the process)."""
+    import subprocess
+    import sys
+
+    code = r"""
+import torch
+from realhf.base import gcutil
+assert gcutil.keep_freed_memory()
+t = torch.ones(256 * 2**20, dtype=torch.uint8)
+before = gcutil.heap_free_bytes()
+del t
+freed = gcutil.heap_free_bytes()
+assert freed >= before + 255 * 2**20, (before, freed)
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr
