@@ -61,8 +61,8 @@ class PackedContext:
     Attributes:
         cu_seqlens: ``[B+1]`` sequence offsets into the packed tokens.
         max_seqlen: longest sequence of the pack (for flash-attention).
-        cos, sin: RoPE tables ``[T, head_dim]`` for the tokens' positions, or
-            ``None`` for models with learned positions.
+        cos, sin: RoPE tables ``[T, 1, head_dim]`` for the tokens' positions (see
+            ``rotary.rope_cos_sin``), or ``None`` for models with learned positions.
         attn_fn: optional replacement of the packed causal attention (the
             KV-cache hook of the generation engine), see ``ReaLModel.forward``.
         attn_impl: implementation name passed to ``packed_causal_attention``.
@@ -220,12 +220,20 @@ class TransformerBlock(nn.Module):
             ca, "packed_qkv", [ca.q_attn.weight, ca.k_attn.weight, ca.v_attn.weight]
         )
         if pk is not None:  # one product for the three
+            y = pk(x)
+            deltas = [column_delta(m, x, tp) for m in (ca.q_attn, ca.k_attn, ca.v_attn)]
+            if not cfg.qk_layernorm and all(dt is None for dt in deltas):
+                # q and k lie side by side in y: one rotation for both, and views of the
+                # product rather than copies (decoding runs this for every token).
+                nq, qk_dim = cfg.n_q_heads, cfg.q_dim + cfg.kv_dim
+                qk = y[:, :qk_dim].view(T, nq + cfg.n_kv_heads, cfg.head_dim)
+                if ctx.cos is not None:
+                    qk = apply_rope(qk, ctx.cos, ctx.sin)
+                return qk[:, :nq], qk[:, nq:], y[:, qk_dim:].view(T, -1, cfg.head_dim)
             q, k, v = (
-                t.contiguous() for t in pk(x).split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+                _plus(t.contiguous(), dt)
+                for t, dt in zip(y.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1), deltas)
             )
-            q = _plus(q, column_delta(ca.q_attn, x, tp))
-            k = _plus(k, column_delta(ca.k_attn, x, tp))
-            v = _plus(v, column_delta(ca.v_attn, x, tp))
         else:
             q, k, v = _linear(ca.q_attn, x, tp), self._kv(ca.k_attn, x), self._kv(ca.v_attn, x)
         q = q.view(T, cfg.n_q_heads, cfg.head_dim)
