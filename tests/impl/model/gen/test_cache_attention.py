@@ -93,6 +93,24 @@ def test_decode_one_page_per_sequence_equals_contiguous_attention(impl):
         torch.testing.assert_close(out[b], _ref_attn(q[b], kk, vv), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_the_kernels_exp_matches_libm_over_the_softmax_range():
+    import numpy as np
+
+    from realhf.impl.model.gen.cache_attention import _exp_split
+
+    xs = np.concatenate([np.linspace(-87, 0, 20001), [-1e-7, -0.3466, -0.3467, -86.99]])
+    got = []
+    for x in xs.astype(np.float32):
+        mant, bits = _exp_split(x)
+        got.append(mant * np.array([bits], dtype=np.int32).view(np.float32)[0])
+    rel = np.abs(np.array(got, dtype=np.float64) / np.exp(xs.astype(np.float32)) - 1)
+    assert rel.max() < 3e-7, (rel.max(), xs[rel.argmax()])
+    assert _exp_split(np.float32(0.0)) == (1.0, 127 << 23)  # the row max weighs exactly 1
+    mant, bits = _exp_split(np.float32(-1000.0))  # clamped at -87, still a normal float
+    assert 0 < mant * np.array([bits], dtype=np.int32).view(np.float32)[0] < 2e-38
+
+
 def test_select_decode_impl():
     cpu32 = torch.empty(1)
     assert select_decode_impl(cpu32, "auto") == ("numba" if numba_available() else "padded")
