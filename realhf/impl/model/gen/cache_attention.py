@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -228,7 +228,9 @@ class DecodeAttention:
     """Decode attention for one step; built once per step, called once per layer.
 
     Args:
-        tables: per query, the page table of its sequence (:mod:`.kv_cache`).
+        tables: per query, the page table of its sequence (:mod:`.kv_cache`), or all of
+            them as one ``[B, width]`` long tensor on the host (rows padded past each
+            sequence's pages with anything: only the first ``lens`` positions are read).
         lens: per query, valid cached positions (the new token's key/value
             included, so ``lens = position + 1``).
         page_size: positions per page.
@@ -239,7 +241,7 @@ class DecodeAttention:
 
     def __init__(
         self,
-        tables: List[List[int]],
+        tables: Union[List[List[int]], torch.Tensor],
         lens: List[int],
         *,
         page_size: int,
@@ -251,8 +253,11 @@ class DecodeAttention:
         self.window = sliding_window or 0
         self.page = page_size
         self.B = len(lens)
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        if isinstance(tables, torch.Tensor):
+            table = tables
+        else:
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         if impl is DecodeImpl.NUMBA:
             # Converted once per step, not per layer: the kernel takes numpy arrays.
             self._table = table.numpy()

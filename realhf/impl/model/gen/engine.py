@@ -33,7 +33,19 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable, ClassVar, Deque, Dict, Iterable, List, Optional, Tuple, Type
+from typing import (
+    Any,
+    Callable,
+    ClassVar,
+    Deque,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Type,
+)
 from typing import Sequence as Seq
 
 import torch
@@ -55,7 +67,7 @@ from realhf.impl.model.gen.cache_attention import (
     select_decode_impl,
 )
 from realhf.impl.model.gen.engine_config import EngineConfig
-from realhf.impl.model.gen.kv_cache import PagedKVCache, check_cache_fits
+from realhf.impl.model.gen.kv_cache import PagedKVCache, check_cache_fits, pages_for
 from realhf.impl.model.gen.sampler import SamplingBatch, sample
 from realhf.impl.model.gen.sequence import Sequence
 from realhf.impl.model.nn.lora import is_adapter_dir
@@ -173,6 +185,18 @@ class _UpdateWeights(_Control):
 _Command = _Add | _Control
 
 
+class _StepSampling(NamedTuple):
+    """A step's sequences and what their sampling needed (for the next step's reuse)."""
+
+    seqs: List[Sequence]
+    #: per row, the index of its uniform in the flattened ``[rows, context]`` table
+    flat: torch.Tensor
+    #: every row's parameters, uniforms and stop masks left out
+    params: SamplingBatch
+    #: whether any row has stop tokens it may not emit yet (``min_new_tokens``)
+    masks: bool
+
+
 class GenerationEngine:
     """Serve generation requests for one model with continuous batching.
 
@@ -258,6 +282,14 @@ class GenerationEngine:
         # One row of pre-drawn uniforms per running row: token i of the sequence in
         # row r uses uniforms[r, i], drawn from the request's own generator.
         self._uniforms = torch.zeros(config.max_running_requests, self.context_length)
+        # Each running row's page table (a sequence holds its pages from admission to the
+        # end), so that a decode step gathers its tables by row instead of from lists.
+        self._page_table = torch.zeros(
+            config.max_running_requests,
+            pages_for(self.context_length, self.cache.page_size),
+            dtype=torch.long,
+        )
+        self._last_sampling: Optional[_StepSampling] = None
         self._generator = torch.Generator().manual_seed(config.seed)
         self._inbox: "queue.SimpleQueue[_Command]" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -675,6 +707,8 @@ class GenerationEngine:
         prefill = self.scheduler.admit()
         if prefill:
             self._prepare_uniforms(prefill)
+            for s in prefill:
+                self._page_table[s.slot, : len(s.pages)] = torch.tensor(s.pages)
         if decode or prefill:
             self._postprocess(decode + prefill, *self._forward(decode, prefill))
 
@@ -736,7 +770,7 @@ class GenerationEngine:
         dattn = pattn = src_t = None
         if decode:
             dattn = DecodeAttention(
-                [s.pages for s in decode],
+                self._page_table[torch.tensor([s.slot for s in decode])],
                 # (tokens in the cache: the RoPE position differs after an image)
                 [s.length for s in decode],
                 page_size=cache.page_size,
@@ -790,27 +824,47 @@ class GenerationEngine:
         return sample(logits, self._sampling_batch(decode + prefill))
 
     def _sampling_batch(self, seqs: List[Sequence]) -> SamplingBatch:
+        # Every sequence of a step gets one token, so when a step runs the same sequences
+        # as the last (most steps), each reads the next uniform of its row and the other
+        # parameters are the last step's. (The cache holds the sequences, so an equal list
+        # means the same objects, never a new sequence in a finished one's memory.)
+        last = self._last_sampling
+        if last is not None and last.seqs == seqs:
+            flat, params, masks = last.flat + 1, last.params, last.masks
+        else:
+            W = self._uniforms.shape[1]
+            flat = torch.tensor([s.slot * W + s.n_out for s in seqs])
+            params = self._sampling_params(seqs)
+            masks = any(s.min_new_tokens and s.stop_ids for s in seqs)
+        self._last_sampling = _StepSampling(seqs, flat, params, masks)
+        return dataclasses.replace(
+            params,
+            uniforms=self._uniforms.view(-1)[flat].to(self.device),
+            stop_mask=self._stop_mask(seqs) if masks else None,
+        )
+
+    def _stop_mask(self, seqs: List[Sequence]) -> Optional[torch.Tensor]:
+        """``[B, V]``: the stop tokens of rows still short of their ``min_new_tokens``."""
+        masked = [i for i, s in enumerate(seqs) if s.n_out < s.min_new_tokens and s.stop_ids]
+        if not masked:
+            return None
+        stop_mask = torch.zeros(len(seqs), self.vocab_size, dtype=torch.bool)
+        for i in masked:
+            ids = [t for t in seqs[i].stop_ids if t < self.vocab_size]
+            stop_mask[i, ids] = True
+        return stop_mask.to(self.device)
+
+    def _sampling_params(self, seqs: List[Sequence]) -> SamplingBatch:
+        """The rows' parameters, without their uniforms and stop masks."""
         dev = self.device
         sps = [s.req.sampling for s in seqs]
         greedy = [sp.greedy for sp in sps]
-        uniforms = self._uniforms[
-            torch.tensor([s.slot for s in seqs]), torch.tensor([s.n_out for s in seqs])
-        ].to(dev)
-        stop_mask = None
-        masked = [i for i, s in enumerate(seqs) if s.n_out < s.min_new_tokens and s.stop_ids]
-        if masked:
-            stop_mask = torch.zeros(len(seqs), self.vocab_size, dtype=torch.bool)
-            for i in masked:
-                ids = [t for t in seqs[i].stop_ids if t < self.vocab_size]
-                stop_mask[i, ids] = True
-            stop_mask = stop_mask.to(dev)
         return SamplingBatch(
             temperature=torch.tensor([sp.temperature for sp in sps], device=dev),
             greedy=torch.tensor(greedy, device=dev),
             top_p=torch.tensor([sp.top_p for sp in sps], device=dev),
             top_k=torch.tensor([sp.top_k for sp in sps], device=dev),
-            uniforms=uniforms,
-            stop_mask=stop_mask,
+            uniforms=torch.empty(0),
             all_greedy=all(greedy),
             any_truncation=any(
                 not g and (sp.top_k > 0 or sp.top_p < 1.0) for g, sp in zip(greedy, sps)
