@@ -6,7 +6,8 @@ Two cases, each with a CPU and a device-agnostic path:
   ``lens[b]`` cached positions of its slot.
   - ``numba``: a parallel two-pass kernel over sequences that reads exactly
     ``sum(lens)`` cached positions, whole pool rows in page order, prefetching
-    the next page while it reads one. Used on CPU for float32 caches.
+    the next page while it reads one. Used on CPU for float32 and bfloat16
+    caches (bfloat16 rows widened to float32 as they are read).
   - ``padded``: one ``scaled_dot_product_attention`` call over the pool rows
     of every sequence's first ``max(lens)`` positions, gathered, with a length
     mask. Used on GPUs and for other dtypes; it reads ``B * max(lens)`` positions.
@@ -47,7 +48,7 @@ DECODE_IMPLS = ("auto", "numba", "padded")
 class DecodeImpl(enum.StrEnum):
     """A resolved decode-attention implementation (``"auto"`` resolves to one of these)."""
 
-    NUMBA = "numba"  # per-slot kernel over the cache in place: float32 CPU caches
+    NUMBA = "numba"  # per-sequence kernel over the cache in place: float32 or bf16 CPU caches
     PADDED = "padded"  # SDPA over the padded slot range: any device and dtype
 
 
@@ -63,6 +64,7 @@ if _nb is not None:
     from numba.core import cgutils as _cgutils
     from numba.core import types as _nbtypes
     from numba.extending import intrinsic as _intrinsic
+    from numba.extending import overload as _overload
 
     # LLVM's prefetch intrinsic takes an opaque pointer from LLVM 15 on.
     _PREFETCH = "llvm.prefetch.p0" if _llvm.llvm_version_info >= (15,) else "llvm.prefetch.p0i8"
@@ -96,6 +98,25 @@ if _nb is not None:
                 for x in range(0, d, 16):
                     _prefetch(pool, r, h, x)
 
+    def _as_f32(src, bits, as_f32):  # pragma: no cover - replaced by the overload below
+        """A pool row's ``[d]`` values as float32: the row itself in a float32 pool; in a
+        bfloat16 pool (held as int16 bits) the row widened into ``bits`` and returned as
+        its float32 view ``as_f32`` (a bfloat16 is the top half of a float32)."""
+
+    @_overload(_as_f32, inline="always")
+    def _as_f32_impl(src, bits, as_f32):
+        if src.dtype == _nbtypes.float32:
+            return lambda src, bits, as_f32: src
+        if src.dtype == _nbtypes.int16:
+
+            def widen(src, bits, as_f32):  # pragma: no cover
+                for x in range(src.shape[0]):
+                    bits[x] = (_np.int32(src[x]) & 0xFFFF) << 16
+                return as_f32
+
+            return widen
+        return None
+
     @_nb.njit(fastmath=True, cache=True, inline="always")
     def _exp_split(x):  # pragma: no cover
         # exp(x) for x <= 0 as (e^r, the float32 bits of 2^k), x = k ln2 + r, |r| <= ln2/2:
@@ -119,10 +140,12 @@ if _nb is not None:
     # processes skip the JIT.
     @_nb.njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _decode_kernel(
-        q, k_new, v_new, kc, vc, table, lens, page, window, scale, out, scores
+        q, k_new, v_new, kc, vc, table, lens, page, window, scale, out, scores, rowbuf
     ):  # pragma: no cover
-        # q, out: [B, n_kv, g, d]; k_new, v_new: [B, n_kv, d]; kc, vc: [N, n_kv, d] (the
-        # pool); table: [B, max_pages]; scores: [B, n_kv * g + 1, >= max(lens)] scratch.
+        # q, out: [B, n_kv, g, d] float32; k_new, v_new: [B, n_kv, d] and kc, vc: [N, n_kv,
+        # d] (the pool), float32, or bfloat16 as int16 bits (rows are widened to float32 as
+        # they are read; arithmetic is float32 either way); table: [B, max_pages];
+        # scores: [B, n_kv * g + 1, >= max(lens)] and rowbuf: [B, d] int32, scratch.
         # Position t of sequence b lives at pool row table[b, t // page] * page + t % page.
         #
         # One work item per sequence: store its new key/value at position lens-1 (a row
@@ -145,6 +168,8 @@ if _nb is not None:
             first, last = lo // page, (hi - 1) // page
             sc = scores[b]
             qb = q[b]
+            bits = rowbuf[b]
+            as_f32 = bits.view(_np.float32)
             t = 0
             for pg in range(first, last + 1):
                 base = table[b, pg] * page
@@ -154,7 +179,7 @@ if _nb is not None:
                     _prefetch_page(vc, table[b, first] * page, page)
                 for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
                     for h in range(n_kv):
-                        kr = kc[row, h]
+                        kr = _as_f32(kc[row, h], bits, as_f32)
                         for gi in range(g):
                             qr = qb[h, gi]
                             a = _np.float32(0.0)
@@ -193,7 +218,7 @@ if _nb is not None:
                     _prefetch_page(kc, table[b + 1, nlo // page] * page, page)
                 for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
                     for h in range(n_kv):
-                        vr = vc[row, h]
+                        vr = _as_f32(vc[row, h], bits, as_f32)
                         for gi in range(g):
                             p = sc[h * g + gi, t]
                             o = ob[h, gi]
@@ -207,21 +232,30 @@ def numba_available() -> bool:
     return _nb is not None
 
 
+#: cache dtypes the numba kernel reads (bfloat16 as its bits, widened row by row)
+_NUMBA_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> DecodeImpl:
-    """Resolve ``"auto"``: numba for float32 CPU caches, padded SDPA otherwise."""
+    """Resolve ``"auto"``: numba for float32 and bfloat16 CPU caches, padded SDPA
+    otherwise."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode attention impl {impl!r} is unknown; use one of {DECODE_IMPLS}")
+    numba_ok = _nb is not None and cache.device.type == "cpu" and cache.dtype in _NUMBA_DTYPES
     if impl != "auto":
-        if impl == DecodeImpl.NUMBA and (
-            _nb is None or cache.device.type != "cpu" or cache.dtype != torch.float32
-        ):
+        if impl == DecodeImpl.NUMBA and not numba_ok:
             raise ValueError(
-                "decode attention impl 'numba' needs numba and a float32 CPU cache; use 'padded'"
+                "decode attention impl 'numba' needs numba and a float32 or bfloat16 CPU "
+                f"cache (this one: {cache.dtype} on {cache.device.type}); use 'padded'"
             )
         return DecodeImpl(impl)
-    if _nb is not None and cache.device.type == "cpu" and cache.dtype == torch.float32:
-        return DecodeImpl.NUMBA
-    return DecodeImpl.PADDED
+    return DecodeImpl.NUMBA if numba_ok else DecodeImpl.PADDED
+
+
+def _bits(t: torch.Tensor):
+    """A CPU tensor as the numpy array the kernel takes: float32 as is, bfloat16 as its
+    int16 bits."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 class DecodeAttention:
@@ -289,13 +323,14 @@ class DecodeAttention:
             out = torch.empty_like(qn)
             if self._scores is None or self._scores.shape[1] != n_q + 1:
                 self._scores = _np.empty((B, n_q + 1, int(self._lens.max())), dtype=_np.float32)
+                self._rowbuf = _np.empty((B, d), dtype=_np.int32)
             with _KERNEL_LOCK:
                 _decode_kernel(
                     qn.numpy(),
-                    k.float().contiguous().numpy(),
-                    v.float().contiguous().numpy(),
-                    kc.numpy(),
-                    vc.numpy(),
+                    _bits(k.to(kc.dtype).contiguous()),
+                    _bits(v.to(vc.dtype).contiguous()),
+                    _bits(kc),
+                    _bits(vc),
                     self._table,
                     self._lens,
                     self.page,
@@ -303,6 +338,7 @@ class DecodeAttention:
                     _np.float32(scale),
                     out.numpy(),
                     self._scores,
+                    self._rowbuf,
                 )
             return out.view(B, n_q, d).to(q.dtype)
         kc.index_copy_(0, self.new_rows, k.to(kc.dtype))

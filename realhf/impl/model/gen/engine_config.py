@@ -38,7 +38,7 @@ class EngineConfig:
         dtype: ``float32``, ``bfloat16`` or ``float16`` for weights and cache.
         device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or
             ``cuda:N``.
-        decode_attn_impl: ``auto``, ``numba`` (CPU float32) or ``padded``; see
+        decode_attn_impl: ``auto``, ``numba`` (CPU float32 or bfloat16) or ``padded``; see
             :mod:`realhf.impl.model.gen.cache_attention`.
         num_threads: CPU threads for the engine's torch ops (process-wide)
             and numba kernels (the engine thread's own setting); ``None``

@@ -22,7 +22,7 @@ Design decisions:
   that could never fit (more tokens than the whole pool) is refused when it is
   submitted. The price is capacity held by answers that stop early, given back
   the moment they finish.
-- **No paged-attention kernel is needed.** The numba decode kernel (float32 on
+- **No paged-attention kernel is needed.** The numba decode kernel (float32 or bfloat16 on
   the CPU) follows the page table itself. The device-agnostic path gathers each
   sequence's rows into a padded ``[B, L, n_kv, d]`` tensor per layer per step
   (one ``index_select``), which costs about one more read and write of the live

@@ -32,14 +32,14 @@ def _impls():
     return ["padded"] + (["numba"] if numba_available() else [])
 
 
-def _cache(n_tokens=128, page_size=4, n_layers=2):
+def _cache(n_tokens=128, page_size=4, n_layers=2, dtype=torch.float32):
     return PagedKVCache(
         n_layers=n_layers,
         n_kv_heads=N_KV,
         head_dim=D,
         n_tokens=n_tokens,
         page_size=page_size,
-        dtype=torch.float32,
+        dtype=dtype,
         device=torch.device("cpu"),
     )
 
@@ -73,6 +73,33 @@ def test_decode_follows_scattered_page_tables(impl, window):
         k, v = _positions(cache, tables[b], lens[b], 1)
         ref = _ref_attn(q[b], k, v, window)
         torch.testing.assert_close(out[b], ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_bfloat16_cache_is_read_in_place_and_attended_in_float32(impl, window):
+    """bf16 cache and activations: the new key/value is stored rounded to bf16, and the
+    output is float32 attention over the bf16 values, rounded to bf16 once (the numba
+    kernel widens rows as it reads them; SDPA runs on the gathered bf16 rows)."""
+    torch.manual_seed(2)
+    cache = _cache(dtype=torch.bfloat16)
+    cache.k.normal_()
+    cache.v.normal_()
+    tables = [[7, 2, 30], [7, 13], [11, 3, 20, 5, 0, 9]]
+    lens = [9, 6, 21]
+    q = torch.randn(3, N_Q, D, dtype=torch.bfloat16)
+    k_new = torch.randn(3, N_KV, D, dtype=torch.bfloat16)
+    v_new = torch.randn(3, N_KV, D, dtype=torch.bfloat16)
+    attn = DecodeAttention(tables, lens, page_size=4, sliding_window=window, impl=impl)
+    out = attn(q, k_new, v_new, cache.k[0], cache.v[0])
+    assert out.dtype == torch.bfloat16
+    for b in range(3):
+        (row,) = cache.rows(tables[b], lens[b] - 1, lens[b])
+        assert torch.equal(cache.k[0, row], k_new[b]) and torch.equal(cache.v[0, row], v_new[b])
+        k, v = _positions(cache, tables[b], lens[b], 0)
+        ref = _ref_attn(q[b].float(), k.float(), v.float(), window)
+        # one bf16 rounding of the output (8 bits of mantissa: 2^-8 relative)
+        torch.testing.assert_close(out[b].float(), ref, atol=2e-3, rtol=2**-8)
 
 
 @pytest.mark.parametrize("impl", _impls())
@@ -114,10 +141,11 @@ def test_the_kernels_exp_matches_libm_over_the_softmax_range():
 def test_select_decode_impl():
     cpu32 = torch.empty(1)
     assert select_decode_impl(cpu32, "auto") == ("numba" if numba_available() else "padded")
-    assert select_decode_impl(cpu32.bfloat16(), "auto") == "padded"
+    assert select_decode_impl(cpu32.bfloat16(), "auto") == select_decode_impl(cpu32, "auto")
+    assert select_decode_impl(cpu32.half(), "auto") == "padded"
     with pytest.raises(ValueError, match="unknown"):
         select_decode_impl(cpu32, "flash")
-    with pytest.raises(ValueError, match="float32 CPU"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU"):
         select_decode_impl(cpu32.half(), "numba")
 
 
