@@ -129,6 +129,36 @@ def matmul_peak(dtype: torch.dtype, threads: int) -> float:
     return 2 * 2048 * 896 * 4864 / best
 
 
+def decode_matmul_rate(dtype: torch.dtype, threads: int, rows: int) -> float:
+    """Weight bytes/s of the product a decode step runs: ``rows`` running sequences times
+    0.5B-MLP-shaped matrices packed as the generation engine packs them, ~600 MB of them
+    so that every weight comes from memory, as in a step.  Decoding cannot read its
+    weights faster than this whatever else it does; where this is below the read
+    bandwidth, the products are bound by arithmetic, not by memory (``decode_over_roofline``
+    then cannot reach 1)."""
+    from realhf.impl.model.nn.packed_linear import PackedLinear, packing_supported
+
+    torch.set_num_threads(threads)
+    packed = packing_supported(dtype, torch.device("cpu"))
+    shapes = [(9728, 896), (896, 4864)] * max(1, int(600e6 // (2 * 14_592 * 896 * 2)))
+    mats = []
+    for out_dim, in_dim in shapes:
+        w = torch.randn(out_dim, in_dim, dtype=dtype)
+        mats.append((PackedLinear([w], None, rows) if packed else None, w, in_dim))
+    xs = {d: torch.randn(rows, d, dtype=dtype) for d in (896, 4864)}
+    nbytes = sum(w.numel() * w.element_size() for _, w, _ in mats)
+    if packed:
+        mats = [(pk, None, d) for pk, _, d in mats]  # (the plain copies: memory back)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            t = time.perf_counter()
+            for pk, w, d in mats:
+                pk(xs[d]) if pk is not None else torch.nn.functional.linear(xs[d], w)
+            best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
 def read_bandwidth(threads: int) -> float:
     """Bytes/s of summing a 1 GiB tensor (reading memory, as decoding reads weights)."""
     torch.set_num_threads(threads)
@@ -419,10 +449,14 @@ def main():
     facts = host_facts()
     peaks = {d: matmul_peak(getattr(torch, d), threads) for d in dtypes}
     bandwidth = read_bandwidth(threads)
+    n_decode = args.batch * args.group_size  # running sequences at scale 1
+    decode_mm = {d: decode_matmul_rate(getattr(torch, d), threads, n_decode) for d in dtypes}
     matmul = ", ".join(f"{d} {p / 1e9:.0f}" for d, p in peaks.items())
+    dmm = ", ".join(f"{d} {p / 1e9:.1f}" for d, p in decode_mm.items())
     print(
         f"host: {facts['cpu']}, {facts['cores']} cores, {facts['torch_cpu_capability']}; "
-        f"matmul GFLOP/s {matmul}; read {bandwidth / 1e9:.1f} GB/s",
+        f"matmul GFLOP/s {matmul}; read {bandwidth / 1e9:.1f} GB/s; decode products at "
+        f"{n_decode} rows read weights at GB/s {dmm}",
         flush=True,
     )
     results = []
@@ -515,6 +549,8 @@ def main():
                 "dtypes": dtypes,
                 "matmul_peak_gflops": {d: p / 1e9 for d, p in peaks.items()},
                 "read_bandwidth_gbs": bandwidth / 1e9,
+                # what decode_over_roofline could reach if nothing but the products ran
+                "decode_matmul_over_bandwidth": {d: p / bandwidth for d, p in decode_mm.items()},
                 "rss_over_floor": worst,
                 "train_flops_over_peak": min(flops) if flops else None,
                 "decode_over_roofline": min(decode) if decode else None,
