@@ -96,6 +96,8 @@ setup(
         "safetensors",
         "pyzmq",
         "numba",
+        # numba's LLVM binding: the decode kernel emits a prefetch intrinsic through it
+        "llvmlite",
         "hydra-core",
         "omegaconf",
         "numpy",
