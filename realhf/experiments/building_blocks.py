@@ -110,8 +110,9 @@ def checked_sizes(dataset_cls, path: str, tokenizer, **kwargs) -> Tuple[int, int
     )
     if key not in _CHECKED_LENGTHS:
         ds = dataset_cls(path, tokenizer, **kwargs)
-        _CHECKED_LENGTHS[key] = (len(ds), ds.longest())
-        _LONGEST[path] = max(_LONGEST.get(path, 0), ds.longest())
+        longest = ds.longest()
+        _CHECKED_LENGTHS[key] = (len(ds), longest)
+        _LONGEST[path] = max(_LONGEST.get(path, 0), longest)
     return _CHECKED_LENGTHS[key]
 
 

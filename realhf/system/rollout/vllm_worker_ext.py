@@ -28,6 +28,7 @@ to ``shape``.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Dict, Iterator, List, Tuple
 
@@ -51,9 +52,7 @@ def assemble(flat: torch.Tensor, recipe: List[dict]) -> Iterator[Tuple[str, torc
     for e in recipe:
         parts = []
         for offset, shape in e["pieces"]:
-            numel = 1
-            for s in shape:
-                numel *= s
+            numel = math.prod(shape)
             if offset < 0 or offset + numel > flat.numel():
                 raise ValueError(f"{e['name']}: a piece lies outside the flat buffer")
             p = flat[offset : offset + numel].view(shape)
