@@ -125,12 +125,13 @@ def generate_offline(
     )
     was_training = model.training
     model.eval()
-    # Queued before the engine thread starts, so it admits them all at once: tensor-parallel
+    # All queued before the first step, so the engine admits them at once: tensor-parallel
     # ranks then run the same batches in the same order (their forwards are collectives).
+    # They run on this thread (see GenerationEngine.run_until_idle for why not its own).
     futures = engine.submit_all(requests)
-    engine.start()
     try:
-        outputs = engine.collect(requests, futures, timeout=timeout_s)
+        engine.run_until_idle(timeout_s)
+        outputs = engine.collect(requests, futures, timeout=1.0)  # resolved by now
     finally:
         # Closing frees the KV cache before training needs the memory.
         engine.close()

@@ -480,3 +480,53 @@ def test_a_bf16_engine_packs_its_weights_while_idle_and_again_after_an_update(
     for a, b in zip(packed[0] + packed[2], plain[0] + plain[2]):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=0.05, rtol=0.05)
     assert packed[1] == plain[1]  # greedy after the update: the new weights, packed or not
+
+
+def test_run_until_idle_serves_on_the_calling_thread_like_the_engine_thread(model):
+    reqs = [GenerateRequest(input_ids=p, sampling=greedy(6 + i)) for i, p in enumerate(PROMPTS)]
+    eng = GenerationEngine(model, EngineConfig(max_running_requests=2, context_length=64))
+    threads, packed = set(), []
+    step = eng.step
+
+    def recording_step():
+        threads.add(threading.current_thread())
+        packed.append(eng._packer.done)  # every step decodes with packed weights
+        step()
+
+    eng.step = recording_step
+    try:
+        futs = eng.submit_all(reqs)
+        eng.run_until_idle(timeout=60)
+        assert threads == {threading.current_thread()} and not eng.alive
+        assert eng._packer is not None and all(packed)
+        # 4 requests through 2 rows: later ones joined as earlier ones finished
+        outs = eng.collect(reqs, futs, timeout=1)
+        for p, r, o in zip(PROMPTS, reqs, outs):
+            assert list(o.output_ids) == reference_greedy(model, p, r.sampling.max_new_tokens)
+        assert eng.cache.n_free == eng.cache.n_pages
+        eng.run_until_idle(timeout=60)  # nothing queued: returns at once
+    finally:
+        eng.close()
+
+
+def test_run_until_idle_times_out_naming_what_was_left_and_fails_their_futures(model):
+    eng = GenerationEngine(model, EngineConfig(max_running_requests=2, context_length=64))
+    try:
+        futs = eng.submit_all(
+            [GenerateRequest(input_ids=PROMPTS[0], sampling=greedy(40)) for _ in range(3)]
+        )
+        with pytest.raises(TimeoutError, match=r"within 0.0 s: 3 requests were still queued"):
+            eng.run_until_idle(timeout=0.0)
+        for f in futs:
+            with pytest.raises(TimeoutError):
+                f.result(timeout=1)
+        assert eng.scheduler.idle and eng.cache.n_free == eng.cache.n_pages
+    finally:
+        eng.close()
+    started = GenerationEngine(model, EngineConfig(max_running_requests=2, context_length=64))
+    started.start()
+    try:
+        with pytest.raises(RuntimeError, match="the engine thread runs already"):
+            started.run_until_idle(timeout=1)
+    finally:
+        started.close()
