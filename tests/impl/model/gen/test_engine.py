@@ -530,3 +530,21 @@ def test_run_until_idle_times_out_naming_what_was_left_and_fails_their_futures(m
             started.run_until_idle(timeout=1)
     finally:
         started.close()
+
+
+def test_load_engine_loads_on_a_thread_that_ends_and_raises_its_errors_here(
+    model_dir, tmp_path, monkeypatch
+):
+    seen = []
+    init = GenerationEngine.__init__
+
+    def recording_init(self, *a, **kw):
+        seen.append(threading.current_thread())
+        init(self, *a, **kw)
+
+    monkeypatch.setattr(GenerationEngine, "__init__", recording_init)
+    load_engine(model_dir, EngineConfig(max_running_requests=2, context_length=64)).close()
+    # built off the caller's thread (its OpenMP team must not outlive the load), which ended
+    assert seen[0].name == "model-load" and not seen[0].is_alive()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_engine(str(tmp_path), EngineConfig())
