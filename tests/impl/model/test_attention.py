@@ -92,3 +92,45 @@ def test_bucketed_equals_per_sequence_with_gradients(seqlens):
         results.append([out.detach()] + [t.grad for t in leaves])
     for a, b in zip(*results):
         assert torch.allclose(a, b, atol=1e-12)
+
+
+def _reference_grads(q, k, v, g, scale):
+    """fp64 SDPA with the kv heads repeated: output and gradients of (out * g).sum()."""
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    rep = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(rep, 1) for t in leaves[1:])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0], kk, vv, is_causal=True, scale=scale
+    )
+    (out * g.double()).sum().backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("b, n", [(5, 9), (3, 1), (2, 128)])
+def test_short_causal_attention_backward_matches_the_reference(monkeypatch, dtype, tol, b, n):
+    from realhf.impl.model.modules import attention
+
+    # one sequence per slice of the backward, so that the slices are exercised too
+    monkeypatch.setattr(attention, "_SHORT_BWD_BYTES", 4 * 6 * n * n)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(b, h, n, 16, generator=gen).to(dtype) for h in (6, 2, 2))
+    g = torch.randn(b, 6, n, 16, generator=gen).to(dtype)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = attention.causal_sdpa(*leaves, scale=0.3)
+    assert out.grad_fn.name() == "_ShortCausalAttentionBackward"
+    (out * g).sum().backward()
+    ref = _reference_grads(q, k, v, g, scale=0.3)
+    for got, want in zip([out.detach()] + [t.grad for t in leaves], ref):
+        assert got.dtype == dtype
+        # (a one-token sequence's q and k gradients are 0: the bound has a floor of tol)
+        assert (got.double() - want).abs().max() <= tol * max(1.0, want.abs().max())
+
+
+def test_causal_sdpa_takes_torch_for_long_sequences_and_no_grad():
+    from realhf.impl.model.modules.attention import _SHORT_LEN, causal_sdpa
+
+    q, k, v = (torch.randn(1, h, _SHORT_LEN + 1, 8, requires_grad=True) for h in (4, 2, 2))
+    assert causal_sdpa(q, k, v).grad_fn.name() != "_ShortCausalAttentionBackward"
+    with torch.no_grad():
+        assert causal_sdpa(q[..., :4, :], k[..., :4, :], v[..., :4, :]).grad_fn is None

@@ -555,7 +555,9 @@ class GenerationEngine:
         since every step after the first is a decode.
         """
         if self._thread.is_alive():
-            raise RuntimeError("run_until_idle: the engine thread runs already (start() was called)")
+            raise RuntimeError(
+                "run_until_idle: the engine thread runs already (start() was called)"
+            )
         deadline = time.monotonic() + timeout
         self._set_threads()
         with torch.inference_mode():
