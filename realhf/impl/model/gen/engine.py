@@ -573,6 +573,7 @@ class GenerationEngine:
                             "were still queued or running"
                         )
                     self.step()
+                    self._apply_commands()  # (what other threads submitted meanwhile)
             except BaseException as e:  # their futures fail too, as with the engine thread
                 for s in self.scheduler.take_all():
                     s.fail(e)

@@ -11,7 +11,9 @@ earlier tokens of its own sequence.  Four implementations:
   their ends into one ``[b, heads, L, head_dim]`` batch per bucket and run through
   ``torch.nn.functional.scaled_dot_product_attention`` with ``is_causal=True`` and
   ``enable_gqa``; a real token never attends to the padding after it, so the result is
-  exact.  The default everywhere else (CPU, CUDA without flash-attn, fp32).
+  exact.  The default everywhere else (CPU, CUDA without flash-attn, fp32).  On a CPU,
+  buckets of up to ``_SHORT_LEN`` tokens that need gradients keep torch's fused forward
+  with a backward of our own (:class:`_ShortCausalAttention`: torch's is slow there).
 - ``"sdpa_per_seq"``: one SDPA call per sequence (also used for sliding windows).
 - ``"sdpa_masked"``: a single SDPA call over the whole pack with a
   ``[T, T]`` block-diagonal causal mask.  Kept for comparison and tests.

@@ -485,12 +485,17 @@ def test_a_bf16_engine_packs_its_weights_while_idle_and_again_after_an_update(
 def test_run_until_idle_serves_on_the_calling_thread_like_the_engine_thread(model):
     reqs = [GenerateRequest(input_ids=p, sampling=greedy(6 + i)) for i, p in enumerate(PROMPTS)]
     eng = GenerationEngine(model, EngineConfig(max_running_requests=2, context_length=64))
-    threads, packed = set(), []
+    threads, packed, late = set(), [], []
     step = eng.step
+    extra = GenerateRequest(input_ids=PROMPTS[2], sampling=greedy(3))
 
     def recording_step():
         threads.add(threading.current_thread())
         packed.append(eng._packer.done)  # every step decodes with packed weights
+        if not late:  # another thread submits while the run goes on: it is served too
+            t = threading.Thread(target=lambda: late.append(eng.submit(extra)))
+            t.start()
+            t.join()
         step()
 
     eng.step = recording_step
@@ -503,6 +508,7 @@ def test_run_until_idle_serves_on_the_calling_thread_like_the_engine_thread(mode
         outs = eng.collect(reqs, futs, timeout=1)
         for p, r, o in zip(PROMPTS, reqs, outs):
             assert list(o.output_ids) == reference_greedy(model, p, r.sampling.max_new_tokens)
+        assert list(late[0].result(timeout=1).output_ids) == reference_greedy(model, PROMPTS[2], 3)
         assert eng.cache.n_free == eng.cache.n_pages
         eng.run_until_idle(timeout=60)  # nothing queued: returns at once
     finally:
