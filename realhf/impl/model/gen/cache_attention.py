@@ -91,11 +91,12 @@ if _nb is not None:
 
     @_nb.njit(fastmath=True, cache=True, nogil=True, inline="always")
     def _prefetch_page(pool, first_row, page):  # pragma: no cover
-        # Every 64-byte line of ``page`` consecutive pool rows (16 float32 per line).
+        # Every 64-byte line of ``page`` consecutive pool rows (16 float32 or 32 bfloat16).
         n_kv, d = pool.shape[1], pool.shape[2]
+        per_line = 64 // pool.itemsize
         for r in range(first_row, first_row + page):
             for h in range(n_kv):
-                for x in range(0, d, 16):
+                for x in range(0, d, per_line):
                     _prefetch(pool, r, h, x)
 
     def _as_f32(src, bits, as_f32):  # pragma: no cover - replaced by the overload below

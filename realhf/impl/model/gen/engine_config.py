@@ -41,7 +41,8 @@ class EngineConfig:
         decode_attn_impl: ``auto``, ``numba`` (CPU float32 or bfloat16) or ``padded``; see
             :mod:`realhf.impl.model.gen.cache_attention`.
         num_threads: CPU threads for the engine's torch ops (process-wide)
-            and numba kernels (the engine thread's own setting); ``None``
+            and numba kernels (numba's set by the thread that runs the engine: its
+            own, or the caller's in ``run_until_idle``); ``None``
             keeps the defaults (all cores). On a shared machine 1 is often
             faster: a multi-threaded op stalls when another process takes one
             of its cores.
