@@ -1,5 +1,6 @@
 """Decode/prefill attention against the paged cache, checked against plain softmax attention."""
 
+import contextlib
 import math
 
 import pytest
@@ -29,7 +30,33 @@ def _ref_attn(q, k, v, window=None):
 
 
 def _impls():
-    return ["padded"] + (["numba"] if numba_available() else [])
+    # "numba/1": the numba kernel built for one thread (its serial driver); "numba": on
+    # numba's default threads, the parallel one where there is more than one
+    return ["padded"] + (["numba", "numba/1"] if numba_available() else [])
+
+
+@contextlib.contextmanager
+def _threads_of(impl):
+    """numba's thread count for ``impl`` while a DecodeAttention is made (it picks its
+    driver then)."""
+    if impl != "numba/1":
+        yield "numba" if impl.startswith("numba") else impl
+        return
+    import numba
+
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield "numba"
+    finally:
+        numba.set_num_threads(before)
+
+
+def _decode_attention(tables, lens, *, page_size, sliding_window, impl):
+    with _threads_of(impl) as name:
+        return DecodeAttention(
+            tables, lens, page_size=page_size, sliding_window=sliding_window, impl=name
+        )
 
 
 def _cache(n_tokens=128, page_size=4, n_layers=2, dtype=torch.float32):
@@ -63,7 +90,7 @@ def test_decode_follows_scattered_page_tables(impl, window):
     lens = [9, 6, 21]
     q = torch.randn(3, N_Q, D)
     k_new, v_new = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
-    attn = DecodeAttention(tables, lens, page_size=4, sliding_window=window, impl=impl)
+    attn = _decode_attention(tables, lens, page_size=4, sliding_window=window, impl=impl)
     out = attn(q, k_new, v_new, cache.k[1], cache.v[1])
     for b in range(3):  # the new key/value landed at position lens - 1
         (row,) = cache.rows(tables[b], lens[b] - 1, lens[b])
@@ -90,7 +117,7 @@ def test_a_bfloat16_cache_is_read_in_place_and_attended_in_float32(impl, window)
     q = torch.randn(3, N_Q, D, dtype=torch.bfloat16)
     k_new = torch.randn(3, N_KV, D, dtype=torch.bfloat16)
     v_new = torch.randn(3, N_KV, D, dtype=torch.bfloat16)
-    attn = DecodeAttention(tables, lens, page_size=4, sliding_window=window, impl=impl)
+    attn = _decode_attention(tables, lens, page_size=4, sliding_window=window, impl=impl)
     out = attn(q, k_new, v_new, cache.k[0], cache.v[0])
     assert out.dtype == torch.bfloat16
     for b in range(3):
@@ -112,7 +139,7 @@ def test_decode_one_page_per_sequence_equals_contiguous_attention(impl):
     q = torch.randn(4, N_Q, D)
     k_new = torch.stack([cache.k[0, 16 * b + n - 1] for b, n in enumerate(lens)]).clone()
     v_new = torch.stack([cache.v[0, 16 * b + n - 1] for b, n in enumerate(lens)]).clone()
-    attn = DecodeAttention(tables, lens, page_size=16, sliding_window=None, impl=impl)
+    attn = _decode_attention(tables, lens, page_size=16, sliding_window=None, impl=impl)
     out = attn(q, k_new, v_new, cache.k[0], cache.v[0])
     for b, n in enumerate(lens):
         kk = cache.k[0, 16 * b : 16 * b + n].transpose(0, 1)
@@ -121,6 +148,44 @@ def test_decode_one_page_per_sequence_equals_contiguous_attention(impl):
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_one_thread_runs_the_serial_driver_and_more_run_the_parallel_one():
+    """The engine's one-thread servers get the serial build of the kernel (numba's
+    parallel build, loaded from its cache, ran ~20% slower on one thread); both read the
+    same per-sequence code, so both give the reference's answer."""
+    import numba
+
+    from realhf.impl.model.gen import cache_attention as ca
+
+    torch.manual_seed(3)
+    tables = [[7, 2, 30], [7, 13], [11, 3, 20, 5, 0, 9]]
+    lens = [9, 6, 21]
+    q = torch.randn(3, N_Q, D)
+    k_new, v_new = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
+    outs = {}
+    for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+        before = numba.get_num_threads()
+        numba.set_num_threads(threads)
+        try:
+            attn = DecodeAttention(tables, lens, page_size=4, sliding_window=None, impl="numba")
+        finally:
+            numba.set_num_threads(before)
+        serial = threads == 1
+        assert attn._kernel is (ca._decode_kernel_serial if serial else ca._decode_kernel)
+        cache = _cache()
+        torch.manual_seed(4)
+        cache.k.normal_()
+        cache.v.normal_()
+        outs[threads] = attn(q, k_new, v_new, cache.k[0], cache.v[0])
+        for b in range(3):
+            k, v = _positions(cache, tables[b], lens[b], 0)
+            torch.testing.assert_close(
+                outs[threads][b], _ref_attn(q[b], k, v), atol=1e-5, rtol=1e-4
+            )
+    if len(outs) == 2:
+        torch.testing.assert_close(outs[1], outs[2], atol=1e-6, rtol=1e-6)
+
+
 def test_the_kernels_exp_matches_libm_over_the_softmax_range():
     import numpy as np
 
