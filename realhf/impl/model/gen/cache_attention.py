@@ -91,11 +91,11 @@ if _nb is not None:
         return _nbtypes.void(ary, i, j, k), codegen
 
     @_nb.njit(fastmath=True, cache=True, nogil=True, inline="always")
-    def _prefetch_page(pool, first_row, page):  # pragma: no cover
-        # Every 64-byte line of ``page`` consecutive pool rows (16 float32 or 32 bfloat16).
+    def _prefetch_rows(pool, first_row, end_row):  # pragma: no cover
+        # Every 64-byte line of pool rows [first_row, end_row) (16 float32 or 32 bfloat16).
         n_kv, d = pool.shape[1], pool.shape[2]
         per_line = 64 // pool.itemsize
-        for r in range(first_row, first_row + page):
+        for r in range(first_row, end_row):
             for h in range(n_kv):
                 for x in range(0, d, per_line):
                     _prefetch(pool, r, h, x)
@@ -174,10 +174,15 @@ if _nb is not None:
         t = 0
         for pg in range(first, last + 1):
             base = table[b, pg] * page
+            # (only the rows the next page has: a sequence's last page is partly filled)
             if pg < last:
-                _prefetch_page(kc, table[b, pg + 1] * page, page)
+                nxt = table[b, pg + 1] * page
+                _prefetch_rows(kc, nxt, nxt + min(hi - (pg + 1) * page, page))
             else:
-                _prefetch_page(vc, table[b, first] * page, page)
+                nxt = table[b, first] * page
+                _prefetch_rows(
+                    vc, nxt + max(lo - first * page, 0), nxt + min(hi - first * page, page)
+                )
             for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
                 for h in range(n_kv):
                     kr = _as_f32(kc[row, h], bits, as_f32)
@@ -213,10 +218,14 @@ if _nb is not None:
         for pg in range(first, last + 1):
             base = table[b, pg] * page
             if pg < last:
-                _prefetch_page(vc, table[b, pg + 1] * page, page)
+                nxt = table[b, pg + 1] * page
+                _prefetch_rows(vc, nxt, nxt + min(hi - (pg + 1) * page, page))
             elif b + 1 < B:
-                nlo = lens[b + 1] - window if window > 0 and lens[b + 1] > window else 0
-                _prefetch_page(kc, table[b + 1, nlo // page] * page, page)
+                nhi = lens[b + 1]
+                nlo = nhi - window if window > 0 and nhi > window else 0
+                npg = nlo // page
+                nxt = table[b + 1, npg] * page
+                _prefetch_rows(kc, nxt + nlo - npg * page, nxt + min(nhi - npg * page, page))
             for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
                 for h in range(n_kv):
                     vr = _as_f32(vc[row, h], bits, as_f32)
