@@ -3,8 +3,8 @@
 
 The trainer's writing rank runs one :class:`WeightSender`; each generation server's engine a
 :class:`WeightReceiver`.  After a training step the trainer *stages* the new version: one copy
-of its single-device flat buffer (a sharded layout gathers it first, as ``save_hf`` does),
-with one HMAC tag per bucket.  Each server then *pulls* it, as the load step of the
+of its single-device flat buffer (a sharded layout gathers it first, as ``save_hf`` does;
+the buckets carry no MAC, see below).  Each server then *pulls* it, as the load step of the
 weight-update protocol (:mod:`realhf.impl.model.gen.weight_update`), while it is paused:
 
 1. it asks the sender for version ``v`` over a ZMQ request that carries the run's MAC
