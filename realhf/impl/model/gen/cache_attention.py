@@ -100,6 +100,13 @@ if _nb is not None:
                 for x in range(0, d, per_line):
                     _prefetch(pool, r, h, x)
 
+    @_nb.njit(fastmath=True, cache=True, nogil=True, inline="always")
+    def _prefetch_page(pool, table, s, pg, lo, hi, page):  # pragma: no cover
+        # The rows sequence ``s`` reads on its page ``pg`` when it attends to positions
+        # [lo, hi): a sequence's first and last pages may be partly read.
+        base = table[s, pg] * page
+        _prefetch_rows(pool, base + max(lo - pg * page, 0), base + min(hi - pg * page, page))
+
     def _as_f32(src, bits, as_f32):  # pragma: no cover - replaced by the overload below
         """A pool row's ``[d]`` values as float32: the row itself in a float32 pool; in a
         bfloat16 pool (held as int16 bits) the row widened into ``bits`` and returned as
@@ -174,15 +181,10 @@ if _nb is not None:
         t = 0
         for pg in range(first, last + 1):
             base = table[b, pg] * page
-            # (only the rows the next page has: a sequence's last page is partly filled)
             if pg < last:
-                nxt = table[b, pg + 1] * page
-                _prefetch_rows(kc, nxt, nxt + min(hi - (pg + 1) * page, page))
+                _prefetch_page(kc, table, b, pg + 1, lo, hi, page)
             else:
-                nxt = table[b, first] * page
-                _prefetch_rows(
-                    vc, nxt + max(lo - first * page, 0), nxt + min(hi - first * page, page)
-                )
+                _prefetch_page(vc, table, b, first, lo, hi, page)
             for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
                 for h in range(n_kv):
                     kr = _as_f32(kc[row, h], bits, as_f32)
@@ -218,14 +220,11 @@ if _nb is not None:
         for pg in range(first, last + 1):
             base = table[b, pg] * page
             if pg < last:
-                nxt = table[b, pg + 1] * page
-                _prefetch_rows(vc, nxt, nxt + min(hi - (pg + 1) * page, page))
+                _prefetch_page(vc, table, b, pg + 1, lo, hi, page)
             elif b + 1 < B:
                 nhi = lens[b + 1]
                 nlo = nhi - window if window > 0 and nhi > window else 0
-                npg = nlo // page
-                nxt = table[b + 1, npg] * page
-                _prefetch_rows(kc, nxt + nlo - npg * page, nxt + min(nhi - npg * page, page))
+                _prefetch_page(kc, table, b + 1, nlo // page, nlo, nhi, page)
             for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
                 for h in range(n_kv):
                     vr = _as_f32(vc[row, h], bits, as_f32)
