@@ -37,6 +37,7 @@ import asyncio
 import datetime
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -71,6 +72,11 @@ def _get(url: str, timeout: float = 5.0) -> bytes:
         return r.read()
 
 
+#: log lines worth showing when a point fails (vLLM's engine logs a signal it gets, e.g.
+#: "EngineCore: trigger received signal=SIGTERM", before its API server drops the client)
+_FAILURE_WORDS = re.compile(r"ERROR|Error|Traceback|signal|SIG[A-Z]+|Killed|exited")
+
+
 class Server:
     """A server process in its own process group, stopped by killing the group."""
 
@@ -82,6 +88,27 @@ class Server:
             self.proc = subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+
+    def why_it_failed(self, lines: int = 12) -> str:
+        """Whether the server still runs, and the lines of its log that name an error or a
+        signal, first and last (or its last lines, when none does): what a failed point is
+        reported with."""
+        code = self.proc.poll()
+        state = "is still running" if code is None else f"exited ({code})"
+        try:
+            with open(self.log, errors="replace") as f:
+                tail = [line.rstrip() for line in f.readlines()[-5000:]]
+        except OSError as e:
+            return f"{self.name} {state}; its log {self.log} cannot be read: {e}"
+        hits = [line for line in tail if _FAILURE_WORDS.search(line)]
+        if not hits:
+            shown = tail[-lines:]
+        elif len(hits) > lines:  # the first ones name the cause, the last ones the end
+            half = lines // 2
+            shown = hits[:half] + [f"... ({len(hits) - 2 * half} more)"] + hits[-half:]
+        else:
+            shown = hits
+        return f"{self.name} {state}; from its log {self.log}:\n" + "\n".join(shown)
 
     def wait_healthy(self) -> float:
         t0 = time.monotonic()
@@ -181,7 +208,9 @@ def run_point(server: Server, model: str, prompts: list, concurrency: int, new_t
     )
     line = [x for x in r.stdout.splitlines() if x.startswith("CLIENT_RESULT ")]
     if r.returncode != 0 or not line:
-        raise SystemExit(f"client against {server.name} failed:\n{r.stderr[-3000:]}")
+        raise SystemExit(
+            f"client against {server.name} failed:\n{r.stderr[-2000:]}\n" + server.why_it_failed()
+        )
     res = json.loads(line[-1].split(" ", 1)[1])
     expected = 2 * concurrency * new_tokens
     if res["tokens"] != expected:
