@@ -14,7 +14,8 @@ earlier tokens of its own sequence.  Four implementations:
   exact.  The default everywhere else (CPU, CUDA without flash-attn, fp32).  On a CPU,
   buckets of up to ``_SHORT_LEN`` tokens that need gradients keep torch's fused forward
   with a backward of our own (:class:`_ShortCausalAttention`: torch's is slow there).
-- ``"sdpa_per_seq"``: one SDPA call per sequence (also used for sliding windows).
+- ``"sdpa_per_seq"``: one SDPA call per sequence (also used for sliding windows); a
+  sequence within its window takes the same causal call as a bucket (:func:`causal_sdpa`).
 - ``"sdpa_masked"``: a single SDPA call over the whole pack with a
   ``[T, T]`` block-diagonal causal mask.  Kept for comparison and tests.
 
@@ -88,9 +89,7 @@ def _per_seq(q, k, v, bounds: List[int], scale, window) -> torch.Tensor:
                 qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True
             )
         else:
-            o = F.scaled_dot_product_attention(
-                qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True
-            )
+            o = causal_sdpa(qq, kk, vv, scale)
         outs.append(o[0].transpose(0, 1))
     if not outs:
         return q.new_empty(q.shape)
