@@ -132,9 +132,12 @@ def etcd_server():
 # `make test` runs the suite on xdist workers with `--dist loadfile --no-loadscope-reorder`:
 # whole modules (their fixtures set up once) are handed out in this order to whichever
 # worker is free.  Longest first keeps a 4-minute module from starting last while the other
-# workers idle: modules that start vLLM, then Ray or SLURM, then those with more slow tests
-# (each one a multi-process run).  No result depends on the order.
-_HEAVY_FIRST = ("vllm", "ray", "slurm")
+# workers idle: modules that start Ray, vLLM or SLURM, then those with more slow tests (each
+# one a multi-process run).  Ray goes first: `ray start` gives its raylet a fixed 30 s to
+# register (Ray's node.py), and under a vLLM start-up on the other workers it once took
+# longer; started first, the three Ray modules' clusters are up (~15-21 s) before any vLLM
+# server starts.  No result depends on the order.
+_HEAVY_FIRST = ("ray", "vllm", "slurm")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -119,6 +119,9 @@ def start_ray_cluster(n_nodes: int = 2, cpus_per_node: int = 2) -> RayCluster:
     common += ["--object-store-memory", str(100 * 1024 * 1024), "--temp-dir", temp_dir]
     # Workers bind OS-chosen ports: the default range 10002-19999 may hold the ports above.
     common += ["--min-worker-port", "0", "--max-worker-port", "0"]
+    # No autoscaler monitor and no log monitors (tests read no worker logs through the
+    # driver): fewer processes to start, so a node registers sooner on a busy machine.
+    common += ["--no-monitor", "--include-log-monitor=false"]
     try:
         with open(log_path, "ab") as log:
             for i in range(1, n_nodes + 1):
