@@ -36,20 +36,27 @@ def _impls():
 
 
 @contextlib.contextmanager
-def _threads_of(impl):
-    """numba's thread count for ``impl`` while a DecodeAttention is made (it picks its
-    driver then)."""
-    if impl != "numba/1":
-        yield "numba" if impl.startswith("numba") else impl
-        return
+def _numba_threads(n):
+    """numba's thread count set to ``n`` for a while (a DecodeAttention picks its driver
+    when it is made)."""
     import numba
 
     before = numba.get_num_threads()
-    numba.set_num_threads(1)
+    numba.set_num_threads(n)
     try:
-        yield "numba"
+        yield
     finally:
         numba.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def _threads_of(impl):
+    """The impl name DecodeAttention takes for ``impl``, under ``impl``'s thread count."""
+    if impl != "numba/1":
+        yield "numba" if impl.startswith("numba") else impl
+        return
+    with _numba_threads(1):
+        yield "numba"
 
 
 def _decode_attention(tables, lens, *, page_size, sliding_window, impl):
@@ -148,7 +155,6 @@ def test_decode_one_page_per_sequence_equals_contiguous_attention(impl):
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed")
-@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 def test_one_thread_runs_the_serial_driver_and_more_run_the_parallel_one():
     """The engine's one-thread servers get the serial build of the kernel (numba's
     parallel build, loaded from its cache, ran ~20% slower on one thread); both read the
@@ -164,12 +170,8 @@ def test_one_thread_runs_the_serial_driver_and_more_run_the_parallel_one():
     k_new, v_new = torch.randn(3, N_KV, D), torch.randn(3, N_KV, D)
     outs = {}
     for threads in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
-        before = numba.get_num_threads()
-        numba.set_num_threads(threads)
-        try:
+        with _numba_threads(threads):
             attn = DecodeAttention(tables, lens, page_size=4, sliding_window=None, impl="numba")
-        finally:
-            numba.set_num_threads(before)
         serial = threads == 1
         assert attn._kernel is (ca._decode_kernel_serial if serial else ca._decode_kernel)
         cache = _cache()
@@ -186,6 +188,7 @@ def test_one_thread_runs_the_serial_driver_and_more_run_the_parallel_one():
         torch.testing.assert_close(outs[1], outs[2], atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 def test_the_kernels_exp_matches_libm_over_the_softmax_range():
     import numpy as np
 
