@@ -101,11 +101,16 @@ if _nb is not None:
                     _prefetch(pool, r, h, x)
 
     @_nb.njit(fastmath=True, cache=True, nogil=True, inline="always")
-    def _prefetch_page(pool, table, s, pg, lo, hi, page):  # pragma: no cover
-        # The rows sequence ``s`` reads on its page ``pg`` when it attends to positions
-        # [lo, hi): a sequence's first and last pages may be partly read.
+    def _page_rows(table, s, pg, lo, hi, page):  # pragma: no cover
+        # The pool rows [start, end) sequence ``s`` reads on its page ``pg`` when it attends
+        # to positions [lo, hi): a sequence's first and last pages may be partly read.
         base = table[s, pg] * page
-        _prefetch_rows(pool, base + max(lo - pg * page, 0), base + min(hi - pg * page, page))
+        return base + max(lo - pg * page, 0), base + min(hi - pg * page, page)
+
+    @_nb.njit(fastmath=True, cache=True, nogil=True, inline="always")
+    def _prefetch_page(pool, table, s, pg, lo, hi, page):  # pragma: no cover
+        start, end = _page_rows(table, s, pg, lo, hi, page)
+        _prefetch_rows(pool, start, end)
 
     def _as_f32(src, bits, as_f32):  # pragma: no cover - replaced by the overload below
         """A pool row's ``[d]`` values as float32: the row itself in a float32 pool; in a
@@ -180,12 +185,12 @@ if _nb is not None:
         as_f32 = bits.view(_np.float32)
         t = 0
         for pg in range(first, last + 1):
-            base = table[b, pg] * page
             if pg < last:
                 _prefetch_page(kc, table, b, pg + 1, lo, hi, page)
             else:
                 _prefetch_page(vc, table, b, first, lo, hi, page)
-            for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
+            start, end = _page_rows(table, b, pg, lo, hi, page)
+            for row in range(start, end):
                 for h in range(n_kv):
                     kr = _as_f32(kc[row, h], bits, as_f32)
                     for gi in range(g):
@@ -218,14 +223,14 @@ if _nb is not None:
         ob[:] = 0.0
         t = 0
         for pg in range(first, last + 1):
-            base = table[b, pg] * page
             if pg < last:
                 _prefetch_page(vc, table, b, pg + 1, lo, hi, page)
             elif b + 1 < B:
                 nhi = lens[b + 1]
                 nlo = nhi - window if window > 0 and nhi > window else 0
                 _prefetch_page(kc, table, b + 1, nlo // page, nlo, nhi, page)
-            for row in range(base + max(lo - pg * page, 0), base + min(hi - pg * page, page)):
+            start, end = _page_rows(table, b, pg, lo, hi, page)
+            for row in range(start, end):
                 for h in range(n_kv):
                     vr = _as_f32(vc[row, h], bits, as_f32)
                     for gi in range(g):
