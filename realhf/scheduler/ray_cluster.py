@@ -30,6 +30,7 @@ __all__ = [
     "RayClusterError",
     "connect",
     "first_line",
+    "ray_environ",
     "warn_if_file_backend_on_many_nodes",
     "write_placement",
 ]
@@ -183,38 +184,32 @@ def _local_cluster(options: RayConfig, run_dir: str, wanted_cpus: float) -> Iter
     # Ray >= 2.5x enables token auth for local clusters and would write the token to
     # ~/.ray/auth_token; a token in the environment is used instead and reaches every
     # process of the cluster (and the name-resolve clients of the workers) by inheritance.
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")}
+    env = {}
     if "RAY_AUTH_MODE" not in os.environ and not os.environ.get("RAY_AUTH_TOKEN"):
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    saved_mode = os.environ.get("RAY_AUTH_MODE")
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    env["RAY_USAGE_STATS_ENABLED"] = os.environ.get("RAY_USAGE_STATS_ENABLED", "0")
     num_cpus = options.local_num_cpus or max(os.cpu_count() or 1, math.ceil(wanted_cpus))
     try:
-        logger.info(f"starting a local Ray cluster ({num_cpus} CPUs) in {temp_dir}")
-        try:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus,
-                namespace=NAMESPACE,
-                include_dashboard=False,
-                log_to_driver=False,
-                _temp_dir=temp_dir,
-            )
-        except Exception as e:
-            raise RayClusterError(
-                f"Could not start a local Ray cluster in {temp_dir}: {first_line(e)}"
-            ) from e
-        try:
-            yield ray.get_runtime_context().gcs_address
-        finally:
-            ray.shutdown()
+        with ray_environ(env):
+            logger.info(f"starting a local Ray cluster ({num_cpus} CPUs) in {temp_dir}")
+            try:
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus,
+                    namespace=NAMESPACE,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    _temp_dir=temp_dir,
+                )
+            except Exception as e:
+                raise RayClusterError(
+                    f"Could not start a local Ray cluster in {temp_dir}: {first_line(e)}"
+                ) from e
+            try:
+                yield ray.get_runtime_context().gcs_address
+            finally:
+                ray.shutdown()
     finally:
-        for k, v in {**saved, "RAY_AUTH_MODE": saved_mode}.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _reload_ray_auth_config()
         if remove_after:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -233,9 +228,28 @@ def _local_temp_dir(options: RayConfig, run_dir: str) -> Tuple[str, bool]:
     return tempfile.mkdtemp(prefix="realhf-ray-"), True
 
 
+@contextlib.contextmanager
+def ray_environ(values: Dict[str, str]) -> Iterator[None]:
+    """Within: ``os.environ`` with ``values`` set, and this process's Ray core reading
+    its auth mode and token from it; after: ``values``' variables and the auth ones
+    (``ray.init`` may set ``RAY_AUTH_MODE``) as they were, and re-read."""
+    saved = {k: os.environ.get(k) for k in (*values, "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    os.environ.update(values)
+    _reload_ray_auth_config()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _reload_ray_auth_config()
+
+
 def _reload_ray_auth_config() -> None:
-    """Make this process's Ray core re-read RAY_AUTH_* (ray.init switched it to token
-    mode), so a later connection to a cluster without auth works."""
+    """Make this process's Ray core re-read RAY_AUTH_* (it caches them: ``ray.init``
+    may have switched it to token mode, or the environment changed)."""
     try:
         from ray._raylet import AuthenticationTokenLoader, Config
 

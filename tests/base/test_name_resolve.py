@@ -31,7 +31,8 @@ def ray_gcs():
     if not ray_cluster.ray_importable():
         pytest.skip("ray is not installed (pip install ray)")
     cluster = ray_cluster.start_ray_cluster(n_nodes=1)
-    yield cluster.address
+    with cluster.client_env():  # worker subprocesses inherit the token
+        yield cluster.address
     cluster.stop()
 
 

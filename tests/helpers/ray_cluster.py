@@ -6,26 +6,35 @@ with free ports, a short temp dir of its own and a custom resource ``node{i}`` p
 :meth:`RayCluster.stop` kills exactly its processes — each ``ray start`` leads its own
 process group, and every Ray process of the cluster names the temp dir or belongs to
 one of those groups — and removes the temp dir; ``ray stop`` is not used, since it
-would stop every Ray cluster of the machine.  Usage stats are off and token
-authentication is disabled (nothing in ``~/.ray`` or ``/tmp/ray``).
+would stop every Ray cluster of the machine.  Usage stats are off and nothing goes to
+``~/.ray`` or ``/tmp/ray``.
+
+The cluster requires a token of its own (``RAY_AUTH_MODE=token``): Ray 2.6x's ``ray
+start`` turns ``--node-ip-address 127.0.0.1`` into the machine's address, so its GCS and
+raylets listen on every interface, and without a token anyone who reaches them could
+run code.  Clients in the test process use :meth:`RayCluster.client_env` (the
+environment of subprocesses started inside it carries the token too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from typing import List
+from typing import Dict, Iterator, List
 
 import psutil
 
 from realhf.base.net import network
+from realhf.scheduler.ray_cluster import ray_environ
 
 START_TIMEOUT = 60.0
 
@@ -46,6 +55,18 @@ class RayCluster:
     temp_dir: str
     pgids: List[int]
     log_path: str
+    token: str  # what a client must present (RAY_AUTH_TOKEN)
+
+    def auth_env(self) -> Dict[str, str]:
+        """The variables that make a Ray client present this cluster's token."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
+    @contextlib.contextmanager
+    def client_env(self) -> Iterator[None]:
+        """Within: this process's Ray clients, and the subprocesses it starts, present the
+        cluster's token; after: the environment and Ray's auth config as they were."""
+        with ray_environ(self.auth_env()):
+            yield
 
     def processes(self) -> List[psutil.Process]:
         """Live processes of this cluster (not zombies)."""
@@ -79,19 +100,15 @@ class RayCluster:
             raise RuntimeError(f"Ray test cluster left processes behind: {left}")
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update({"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"})
-    return env
-
-
-def _ray_start(args: List[str], log) -> int:
+def _ray_start(args: List[str], log, token: str) -> int:
     """Run ``ray start ARGS`` in a process group of its own; its pgid once it returned."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    env["RAY_AUTH_TOKEN"] = token
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", *args],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env=_env(),
+        env=env,
         start_new_session=True,
     )
     try:
@@ -114,7 +131,7 @@ def start_ray_cluster(n_nodes: int = 2, cpus_per_node: int = 2) -> RayCluster:
     ports = iter(network.find_multiple_free_ports(3 + 5 * n_nodes))
     gcs_port = next(ports)
     address = f"127.0.0.1:{gcs_port}"
-    cluster = RayCluster(address, temp_dir, [], log_path)
+    cluster = RayCluster(address, temp_dir, [], log_path, token=secrets.token_hex(32))
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", str(cpus_per_node)]
     common += ["--object-store-memory", str(100 * 1024 * 1024), "--temp-dir", temp_dir]
     # Workers bind OS-chosen ports: the default range 10002-19999 may hold the ports above.
@@ -137,8 +154,9 @@ def start_ray_cluster(n_nodes: int = 2, cpus_per_node: int = 2) -> RayCluster:
                     args += ["--dashboard-port", str(next(ports)), "--disable-usage-stats"]
                 else:
                     args += ["--address", address]
-                cluster.pgids.append(_ray_start(args, log))
-        _wait_nodes(address, n_nodes)
+                cluster.pgids.append(_ray_start(args, log, cluster.token))
+        with cluster.client_env():
+            _wait_nodes(address, n_nodes)
     except BaseException:
         cluster.stop()
         raise

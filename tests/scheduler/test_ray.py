@@ -8,6 +8,8 @@ import glob
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,7 +36,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def cluster():
     c = ray_cluster.start_ray_cluster(n_nodes=2, cpus_per_node=2)
-    yield c
+    with c.client_env():
+        yield c
     c.stop()
 
 
@@ -96,8 +99,8 @@ def _launch(tmp_path, trial, options, spec, **exp_kwargs):
 def test_empty_address_runs_on_a_local_cluster_and_leaves_nothing(tmp_path, no_leftover_processes):
     import ray
 
-    # Runs before the tests that join the two-node cluster (no auth) from this same
-    # process: the local cluster's token auth must not leak into them.
+    # Runs before the tests that join the two-node cluster (a token of its own) from this
+    # same process: the local cluster's token must not leak into them.
     auth_env = {k: os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
     home_ray = os.path.exists(os.path.expanduser("~/.ray"))
     temp_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "realhf-ray-*")))
@@ -117,6 +120,41 @@ def test_empty_address_runs_on_a_local_cluster_and_leaves_nothing(tmp_path, no_l
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "realhf-ray-*"))) == temp_dirs
     _assert_nothing_left("local")
     no_leftover_processes()
+
+
+_LIST_NODES = (
+    "import sys; from ray._raylet import GcsClient; "
+    "print(len(GcsClient(address=sys.argv[1]).get_all_node_info(timeout=10)))"
+)
+
+
+@pytest.mark.parametrize(
+    "auth", ["no token", "a wrong token", "auth disabled", "the cluster's token"]
+)
+def test_the_test_cluster_serves_only_a_client_with_its_token(cluster, auth):
+    # Ray resolves --node-ip-address 127.0.0.1 to the machine's address, so the GCS
+    # listens on every interface: a client without the token must get nothing.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(
+        {
+            "no token": {},
+            "a wrong token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+            "auth disabled": {"RAY_AUTH_MODE": "disabled"},
+            "the cluster's token": cluster.auth_env(),
+        }[auth]
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", _LIST_NODES, cluster.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if auth == "the cluster's token":
+        assert r.returncode == 0 and r.stdout.strip() == "2", r.stderr[-2000:]
+    else:
+        assert r.returncode != 0 and r.stdout == ""
+        assert "AuthenticationError" in r.stderr and "token is missing or incorrect" in r.stderr
 
 
 def test_smoke_runs_on_both_nodes_with_ray_name_resolve(tmp_path, cluster, no_leftover_processes):

@@ -32,7 +32,8 @@ PPO = [
 @pytest.fixture(scope="module")
 def cluster():
     c = ray_cluster.start_ray_cluster(n_nodes=2, cpus_per_node=2)
-    yield c
+    with c.client_env():  # the launcher subprocesses inherit the token
+        yield c
     c.stop()
 
 
