@@ -30,7 +30,6 @@ GQA is handled by viewing the ``n_q`` query heads as ``n_kv`` groups of
 from __future__ import annotations
 
 import enum
-import math
 import threading
 from typing import List, Optional, Union
 
@@ -138,7 +137,9 @@ if _nb is not None:
         # of these vectorises (math.exp is a scalar call: a fifth of the kernel's time).
         # Below -87 the result is that of -87 (~1.6e-38: nothing next to the row max's 1).
         x = max(x, _np.float32(-87.0))
-        k = math.floor(x * _np.float32(1.44269504) + _np.float32(0.5))
+        # np.floor keeps float32 (math.floor gives an int64, and int64 * float32 is
+        # float64: the whole polynomial would run in double, half as wide a vector).
+        k = _np.floor(x * _np.float32(1.44269504) + _np.float32(0.5))
         r = x - k * _np.float32(0.693359375) + k * _np.float32(2.12194440e-4)
         p = _np.float32(1.9875691500e-4)
         p = p * r + _np.float32(1.3981999507e-3)
