@@ -61,6 +61,7 @@ import json
 import secrets
 import threading
 import time
+import traceback
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -156,8 +157,12 @@ def _bcast(group, tensor: torch.Tensor, timeout: float, root: int = 0) -> None:
 
 
 def _drop(group) -> None:
+    """Abort ``group``'s pending work.  With nccl the peer's pending op then fails at once.
+    A gloo group (torch 2.13) closes its connections only when it is destroyed (its
+    ``abort`` and ``shutdown`` close none: the peer would wait out its timeout), so the
+    caller lets go of its last reference right after (see :meth:`WeightReceiver.receive`)."""
     try:
-        group.abort()  # closes its connections: the peer's pending op fails at once
+        group.abort()
     except Exception:  # noqa: BLE001 — dropping a broken pair is best effort
         pass
 
@@ -509,6 +514,11 @@ class WeightReceiver:
         except BaseException as e:
             self._pairs.pop(sender, None)
             _drop(group)
+            # The raised error's frames would keep the group, and so its sockets, alive
+            # while the caller holds the error: the sender would wait out its timeout.
+            # Without them (and these names) the group goes now and the sender learns at once.
+            traceback.clear_frames(e.__traceback__)
+            del group, pair
             if isinstance(e, WeightSyncError):
                 raise
             raise WeightSyncError(

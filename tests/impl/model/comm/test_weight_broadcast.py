@@ -197,10 +197,15 @@ def test_a_stranger_that_takes_the_senders_place_lands_no_byte(receiver):
         wb._bcast(group, torch.tensor([wb._MAGIC, 1, N, 1]), 10)
         wb._bcast(group, torch.zeros(32, dtype=torch.uint8), 10)  # no valid proof
         try:
-            wb._bcast(group, torch.full((N,), 666.0), 2)
-        except Exception:  # noqa: BLE001 — the receiver hung up, as it should
-            pass
+            wb._bcast(group, torch.full((N,), 666.0), 10)
+            # (the bytes may all fit in the sockets' buffers:) then wait for an answer
+            wb._bcast(group, torch.zeros(4, dtype=torch.int64), 10, root=1)
+        except Exception as e:  # noqa: BLE001 — the receiver hung up, as it should
+            hung_up.append(str(e))
+        finally:
+            wb._drop(group)
 
+    hung_up = []
     t = threading.Thread(target=impostor, daemon=True)
     t.start()
     dst = torch.zeros(N)
@@ -208,6 +213,10 @@ def test_a_stranger_that_takes_the_senders_place_lands_no_byte(receiver):
         receiver.receive(f"{HOST}:{port}", 1, dst, SPEC, timeout=10)
     assert not e.value.partial and bool((dst == 0).all())
     t.join(15)
+    # The receiver closed the pair as it refused (though the test still holds its error):
+    # the impostor learnt at once, not after its 10 s timeout.
+    assert not t.is_alive() and len(hung_up) == 1
+    assert "timed out" not in hung_up[0].lower(), hung_up[0]
     sock.close(0)
     ctx.term()
 
