@@ -20,17 +20,10 @@ from realhf.experiments.sft import SFTConfig, build_sft
 
 
 @pytest.fixture(scope="module")
-def init_model(tmp_path_factory):
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("init") / "m"
-    subprocess.run(
-        [sys.executable, "examples/tiny/make_model.py", "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
-    return str(out)
+def tiny_model():
+    # The committed tiny model: building reads its config and tokenizer, never its weights'
+    # values (a fresh one from examples/tiny/make_model.py cost a 9 s subprocess per worker).
+    return blocks.TINY_MODEL
 
 
 def _mfc_names(exp):
@@ -68,20 +61,20 @@ def _worker_interface(exp, mfc: str):
     return make_interface(m.interface_impl)
 
 
-def test_default_ppo_is_grpo_without_critic_or_ref(init_model):
-    exp = build_ppo_math(parse_config(PPOMathConfig, [f"actor.path={init_model}"]))
+def test_default_ppo_is_grpo_without_critic_or_ref(tiny_model):
+    exp = build_ppo_math(parse_config(PPOMathConfig, [f"actor.path={tiny_model}"]))
     assert _mfc_names(exp) == ["actor_gen", "actor_train", "rew_inf"]
     roles = [m.role for m in exp.workers["model_worker"][0].models]
     assert roles == ["actor"]
 
 
-def test_full_ppo_graph(init_model):
+def test_full_ppo_graph(tiny_model):
     # Two minibatches make two optimizer steps per batch, so the proximal policy differs from
     # the train forward's and actor_inf must recompute it.
     cfg = parse_config(
         PPOMathConfig,
         [
-            f"actor.path={init_model}",
+            f"actor.path={tiny_model}",
             "ppo.kl_ctl=0.1",
             "ppo.disable_value=false",
             "ppo.use_decoupled_loss=true",
@@ -108,11 +101,11 @@ def test_full_ppo_graph(init_model):
     )
 
 
-def test_decoupled_one_step_takes_proximal_from_train_forward(init_model):
+def test_decoupled_one_step_takes_proximal_from_train_forward(tiny_model):
     cfg = parse_config(
         PPOMathConfig,
         [
-            f"actor.path={init_model}",
+            f"actor.path={tiny_model}",
             "ppo.use_decoupled_loss=true",
             "ppo.ppo_n_minibatches=1",
             "ppo.recompute_logprob=false",
@@ -124,14 +117,14 @@ def test_decoupled_one_step_takes_proximal_from_train_forward(init_model):
     assert "proximal_logprobs" not in train.input_keys
 
 
-def test_torch_threads_default_shares_the_cores_and_can_be_set(init_model, monkeypatch):
+def test_torch_threads_default_shares_the_cores_and_can_be_set(tiny_model, monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
 
     def threads(*a):
         return [
             w.torch_num_threads
             for w in build_ppo_math(
-                parse_config(PPOMathConfig, [f"actor.path={init_model}", *a])
+                parse_config(PPOMathConfig, [f"actor.path={tiny_model}", *a])
             ).workers["model_worker"]
         ]
 
@@ -140,8 +133,8 @@ def test_torch_threads_default_shares_the_cores_and_can_be_set(init_model, monke
     assert threads("allocation_mode=d2p1m1", "torch_threads=3") == [3, 3]
 
 
-def test_sft_single_mfc(init_model):
-    exp = build_sft(parse_config(SFTConfig, [f"model.path={init_model}"]))
+def test_sft_single_mfc(tiny_model):
+    exp = build_sft(parse_config(SFTConfig, [f"model.path={tiny_model}"]))
     assert _mfc_names(exp) == ["trainDefault"]
     assert exp.workers["master_worker"][0].ft_spec.dataset_size == 4200
 
@@ -158,29 +151,29 @@ def test_sft_single_mfc(init_model):
         (["allocation_mode=gen.d1p1m1+d1p1m1"], "has generation servers"),
     ],
 )
-def test_sft_setup_errors(init_model, args, needle):
+def test_sft_setup_errors(tiny_model, args, needle):
     args = [a if "model.path" in a else a for a in args]
     if not any(a.startswith("model.path") for a in args):
-        args = [f"model.path={init_model}"] + args
+        args = [f"model.path={tiny_model}"] + args
     with pytest.raises(blocks.ExperimentSetupError, match=needle):
         build_sft(parse_config(SFTConfig, args))
 
 
-def test_malformed_dataset_row_named(init_model, tmp_path):
+def test_malformed_dataset_row_named(tiny_model, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query_id": "a", "prompt": "x", "solutions": ["1"]}\n{"query_id": "b"}\n')
     with pytest.raises(blocks.ExperimentSetupError, match=r"bad.jsonl:2: missing field 'prompt'"):
         build_ppo_math(
-            parse_config(PPOMathConfig, [f"actor.path={init_model}", f"dataset.path={bad}"])
+            parse_config(PPOMathConfig, [f"actor.path={tiny_model}", f"dataset.path={bad}"])
         )
 
 
-def test_trainer_layout_reaches_the_workers_and_the_master(init_model, monkeypatch):
+def test_trainer_layout_reaches_the_workers_and_the_master(tiny_model, monkeypatch):
     from realhf.api.core.allocation import ParallelismConfig
     from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
 
     monkeypatch.setattr("os.cpu_count", lambda: 8)
-    exp = build_sft(parse_config(SFTConfig, [f"model.path={init_model}", "allocation_mode=d2p1m2"]))
+    exp = build_sft(parse_config(SFTConfig, [f"model.path={tiny_model}", "allocation_mode=d2p1m2"]))
     layout = ParallelismConfig(2, 1, 2)
     workers, master = exp.workers["model_worker"], exp.workers["master_worker"][0]
     assert len(workers) == 4 and all(w.layout == layout for w in workers)
@@ -188,7 +181,7 @@ def test_trainer_layout_reaches_the_workers_and_the_master(init_model, monkeypat
     assert workers[0].torch_num_threads == 2  # the cores shared by d·p·m processes
     exp = build_async_ppo_math(
         parse_config(
-            AsyncPPOMathConfig, [f"actor.path={init_model}", "allocation_mode=gen.d1p1m1+d1p1m2"]
+            AsyncPPOMathConfig, [f"actor.path={tiny_model}", "allocation_mode=gen.d1p1m1+d1p1m2"]
         )
     )
     assert len(exp.workers["model_worker"]) == 2 and len(exp.workers["generation_server"]) == 1
@@ -198,12 +191,12 @@ def test_trainer_layout_reaches_the_workers_and_the_master(init_model, monkeypat
         build_ppo_math(
             parse_config(
                 PPOMathConfig,
-                [f"actor.path={init_model}", "ppo.disable_value=false", "allocation_mode=d1p1m3"],
+                [f"actor.path={tiny_model}", "ppo.disable_value=false", "allocation_mode=d1p1m3"],
             )
         )
 
 
-def test_each_process_gets_its_own_gpus_when_cuda_is_present(init_model, monkeypatch):
+def test_each_process_gets_its_own_gpus_when_cuda_is_present(tiny_model, monkeypatch):
     """With CUDA the launchers give every model worker one device and every generation
     server m; the servers are launched first, so they take the first devices."""
     from realhf.api.core.system_api import Scheduling
@@ -212,7 +205,7 @@ def test_each_process_gets_its_own_gpus_when_cuda_is_present(init_model, monkeyp
     def build(alloc):
         return build_async_ppo_math(
             parse_config(
-                AsyncPPOMathConfig, [f"actor.path={init_model}", f"allocation_mode={alloc}"]
+                AsyncPPOMathConfig, [f"actor.path={tiny_model}", f"allocation_mode={alloc}"]
             )
         )
 
@@ -228,7 +221,7 @@ def test_each_process_gets_its_own_gpus_when_cuda_is_present(init_model, monkeyp
 
 
 def test_generation_servers_and_the_trainer_share_one_gpu_with_memory_caps(
-    init_model, monkeypatch, tmp_path
+    tiny_model, monkeypatch, tmp_path
 ):
     """share_gpus: on one GPU the server and the trainer both get it (the local launcher
     hands devices out round-robin, servers first), each with its cap on the device's
@@ -238,7 +231,7 @@ def test_generation_servers_and_the_trainer_share_one_gpu_with_memory_caps(
     from realhf.scheduler.local import LocalScheduler
 
     def build(*args):
-        cfg = parse_config(AsyncPPOMathConfig, [f"actor.path={init_model}", *args])
+        cfg = parse_config(AsyncPPOMathConfig, [f"actor.path={tiny_model}", *args])
         return build_async_ppo_math(cfg)
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
@@ -292,14 +285,14 @@ def test_a_process_caps_its_gpu_memory_as_the_launcher_says(monkeypatch):
 # ---- per-MFC layouts (parameter reallocation) ------------------------------------------
 
 
-def test_per_mfc_allocation_reaches_the_workers_and_the_master(init_model):
+def test_per_mfc_allocation_reaches_the_workers_and_the_master(tiny_model):
     from realhf.api.core.allocation import ParallelismConfig as P
 
     exp = build_ppo_math(
         parse_config(
             PPOMathConfig,
             [
-                f"actor.path={init_model}",
+                f"actor.path={tiny_model}",
                 "ppo.kl_ctl=0.1",
                 "allocation_mode=actor_gen:d2p1m1,actor_train:d1p2m1,ref_inf:d1p1m1",
             ],
@@ -328,24 +321,24 @@ def test_per_mfc_allocation_reaches_the_workers_and_the_master(init_model):
         ("actor_gen:d1p1m1,actor_train:d1p1", r"layout of MFC 'actor_train' 'd1p1': missing"),
     ],
 )
-def test_per_mfc_allocation_errors_before_launch(init_model, alloc, needle):
+def test_per_mfc_allocation_errors_before_launch(tiny_model, alloc, needle):
     with pytest.raises(blocks.ExperimentSetupError, match=needle):
         build_ppo_math(
-            parse_config(PPOMathConfig, [f"actor.path={init_model}", f"allocation_mode={alloc}"])
+            parse_config(PPOMathConfig, [f"actor.path={tiny_model}", f"allocation_mode={alloc}"])
         )
 
 
-def test_offload_is_for_models_that_do_not_train(init_model):
+def test_offload_is_for_models_that_do_not_train(tiny_model):
     exp = build_ppo_math(
         parse_config(
-            PPOMathConfig, [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "ref.offload=true"]
+            PPOMathConfig, [f"actor.path={tiny_model}", "ppo.kl_ctl=0.1", "ref.offload=true"]
         )
     )
     specs = {m.role: m for m in exp.workers["model_worker"][0].models}
     assert specs["ref"].offload and not specs["actor"].offload
     with pytest.raises(ValueError, match="role 'actor' is trainable"):
         build_ppo_math(
-            parse_config(PPOMathConfig, [f"actor.path={init_model}", "actor.offload=true"])
+            parse_config(PPOMathConfig, [f"actor.path={tiny_model}", "actor.offload=true"])
         )
 
 
@@ -377,14 +370,14 @@ def test_rw_trains_with_the_lm_regulariser_by_default_and_refuses_what_cannot_se
 
 
 @pytest.mark.parametrize("exp_name", ["ppo-math", "async-ppo-math"])
-def test_a_custom_interface_receives_the_runs_group_size_and_temperature(init_model, exp_name):
+def test_a_custom_interface_receives_the_runs_group_size_and_temperature(tiny_model, exp_name):
     from realhf.experiments.async_ppo_math import AsyncPPOMathConfig, build_async_ppo_math
 
     cls, build = {
         "ppo-math": (PPOMathConfig, build_ppo_math),
         "async-ppo-math": (AsyncPPOMathConfig, build_async_ppo_math),
     }[exp_name]
-    args = [f"actor.path={init_model}", "actor.train_interface=tb_grouped"]
+    args = [f"actor.path={tiny_model}", "actor.train_interface=tb_grouped"]
     args += ["actor.train_interface_args.scale=2.0", "ppo.group_size=4", "ppo.gen.temperature=0.7"]
     exp = build(parse_config(cls, args))
     algo = _worker_interface(exp, "actor_train")
@@ -417,8 +410,8 @@ def test_a_custom_interface_receives_the_runs_group_size_and_temperature(init_mo
         ),
     ],
 )
-def test_an_interface_assuming_another_group_size_is_refused_at_build(init_model, args, needle):
-    base = [f"actor.path={init_model}", "actor.train_interface=tb_own_group_size"]
+def test_an_interface_assuming_another_group_size_is_refused_at_build(tiny_model, args, needle):
+    base = [f"actor.path={tiny_model}", "actor.train_interface=tb_own_group_size"]
     cfg = parse_config(PPOMathConfig, base + ["ppo.group_size=8", *args])
     with pytest.raises(ValueError, match=needle):
         build_ppo_math(cfg)
@@ -503,8 +496,8 @@ def test_weight_sync_reaches_the_trainer_and_the_manager_and_shm_is_refused_wher
         build("weight_sync=broadcast", "allocation_mode=sglang.d1p1m1+d1p1m1")
 
 
-def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(init_model):
-    base = [f"actor.path={init_model}", "ppo.kl_ctl=0.1", "actor.lora.rank=8"]
+def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(tiny_model):
+    base = [f"actor.path={tiny_model}", "ppo.kl_ctl=0.1", "actor.lora.rank=8"]
     exp = build_ppo_math(parse_config(PPOMathConfig, base))
     specs = {m.role: m for m in exp.workers["model_worker"][0].models}
     assert specs["actor"].has_lora and specs["actor"].lora.rank == 8
@@ -516,7 +509,7 @@ def test_a_lora_actors_reference_is_its_base_and_bad_lora_options_are_refused(in
     specs = {m.role: m for m in exp.workers["model_worker"][0].models}
     assert specs["critic"].has_lora and specs["critic"].is_critic
     # A ref with weights of its own is a model of its own.
-    own = build_ppo_math(parse_config(PPOMathConfig, base + [f"ref.path={init_model}"]))
+    own = build_ppo_math(parse_config(PPOMathConfig, base + [f"ref.path={tiny_model}"]))
     assert {m.role: m for m in own.workers["model_worker"][0].models}["ref"].adapters_of is None
     bad = [
         (["ref.lora.rank=4"], "role 'ref' does not train.*set ref.lora.rank=0"),
