@@ -48,14 +48,14 @@ def _read_only(kc, vc, table, lens, page):  # pragma: no cover - timed, not test
     prefetching the next page as the kernel does."""
     s = np.float32(0.0)
     for b in range(lens.shape[0]):
-        n_pages = (lens[b] + page - 1) // page
+        hi = lens[b]
+        n_pages = (hi + page - 1) // page
         for pool in (kc, vc):
             for pg in range(n_pages):
                 if pg + 1 < n_pages:
-                    nxt = table[b, pg + 1] * page
-                    ca._prefetch_rows(pool, nxt, nxt + page)
-                base = table[b, pg] * page
-                for r in range(base, base + min(page, lens[b] - pg * page)):
+                    ca._prefetch_page(pool, table, b, pg + 1, 0, hi, page)
+                start, end = ca._page_rows(table, b, pg, 0, hi, page)
+                for r in range(start, end):
                     for h in range(pool.shape[1]):
                         for x in range(pool.shape[2]):
                             s += pool[r, h, x]

@@ -100,10 +100,9 @@ class RayCluster:
             raise RuntimeError(f"Ray test cluster left processes behind: {left}")
 
 
-def _ray_start(args: List[str], log, token: str) -> int:
+def _ray_start(args: List[str], log, auth_env: Dict[str, str]) -> int:
     """Run ``ray start ARGS`` in a process group of its own; its pgid once it returned."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
-    env["RAY_AUTH_TOKEN"] = token
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **auth_env)
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", *args],
         stdout=log,
@@ -154,7 +153,7 @@ def start_ray_cluster(n_nodes: int = 2, cpus_per_node: int = 2) -> RayCluster:
                     args += ["--dashboard-port", str(next(ports)), "--disable-usage-stats"]
                 else:
                     args += ["--address", address]
-                cluster.pgids.append(_ray_start(args, log, cluster.token))
+                cluster.pgids.append(_ray_start(args, log, cluster.auth_env()))
         with cluster.client_env():
             _wait_nodes(address, n_nodes)
     except BaseException:
