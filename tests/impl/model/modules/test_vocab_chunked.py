@@ -16,13 +16,25 @@ def _full(logits, rows, labels, t):
     return logp.gather(-1, labels[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
+def _shifted_rows(T):
+    # the first 29 of every position but the last of sequences of 5, 11, 2, 9 and 10 tokens:
+    # runs of consecutive rows that the 3-row blocks below cut anywhere (slices on a CPU)
+    ends = torch.tensor([5, 16, 18, 27, T]) - 1
+    keep = torch.ones(T, dtype=torch.bool)
+    keep[ends] = False
+    return keep.nonzero()[:, 0][:29]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1.0, 0.7])
-def test_blocks_equal_the_full_computation_with_gradients(dtype, t):
+@pytest.mark.parametrize("layout", ["shuffled", "shifted"])
+def test_blocks_equal_the_full_computation_with_gradients(dtype, t, layout):
     torch.manual_seed(0)
     T, V = 37, 1000
     base = (torch.randn(T, V) * 3).to(dtype)
-    rows = torch.randperm(T)[:29]  # a subset, out of order (the shifted positions)
+    # a subset out of order (indexed row by row), or the shifted positions of packed
+    # sequences (runs of consecutive rows)
+    rows = torch.randperm(T)[:29] if layout == "shuffled" else _shifted_rows(T)
     labels = torch.randint(0, V, (29,))
     w1, w2 = torch.randn(29), torch.randn(29)
     # blocks of 3 rows (4 bytes x 1000 entries x 3): ten blocks, the last one short
