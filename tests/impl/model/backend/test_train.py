@@ -424,8 +424,9 @@ def test_bf16_step_of_one_micro_batch_needs_no_fp32_gradient_buffer(chunk, clip,
     """One micro-batch on one rank: the fp32 sum would hold the bf16 gradient converted, so
     the step converts it a run of parameters at a time instead (runs of ~``chunk``
     elements; a larger parameter, here the embedding and the MLP matrices of 2,048, a slice
-    of ``chunk`` at a time from the second step on; the grad norm in pieces of ``chunk``).  The weights, moments and grad norms are those of the path through the fp32
-    buffer, to the bit, with clipping too, and the fp32 buffer is never allocated."""
+    of ``chunk`` at a time from the second step on; the grad norm in pieces of ``chunk``).
+    The weights, moments and grad norms are those of the path through the fp32 buffer, to
+    the bit, with clipping too, and the fp32 buffer is never allocated."""
     if chunk is not None:
         monkeypatch.setattr(train_module, "_ACCUMULATE_CHUNK", chunk)
         monkeypatch.setattr(train_module, "_NORM_PIECE", chunk)
