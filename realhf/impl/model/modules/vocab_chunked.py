@@ -48,36 +48,52 @@ def _buffers(logits: torch.Tensor, spans, k: int = 1):
 
 
 class _Rows:
-    """Where block s:e of the selected rows lies in the logits.
+    """Where block s:e of the selected rows lies in the logits, and its copies.
 
     On a CPU the rows (e.g. every position but the last of each sequence) are copied as
     runs of consecutive logits rows, each a plain slice that ``copy_`` converts to or from
     float32 on the way: advanced indexing gathers element by element and makes a copy of
     its own before the conversion (2.5x the time of the slices at 1,152 x 152k in bf16).
-    Elsewhere (CUDA) one indexing kernel does the block."""
+    Elsewhere (CUDA) one indexing kernel does the block.  All rows (``rows`` None) are one
+    run on any device."""
 
     def __init__(self, rows: Optional[torch.Tensor], n_logits_rows: int, device: torch.device):
-        self.rows = rows
-        self.runs = None  # [(i, r, n)]: rows[i : i + n] are logits rows r ... r + n - 1
-        if rows is not None and device.type == "cpu" and rows.numel():
+        self.rows, self.n_logits_rows = rows, n_logits_rows
+        #: [(i, r, n)]: selected rows i ... i + n - 1 are logits rows r ... r + n - 1
+        #: (None: the block is indexed)
+        self.runs = None
+        if rows is None:
+            self.runs = [(0, 0, n_logits_rows)]
+        elif device.type == "cpu":
             r = rows.tolist()
-            starts = [0] + [i for i in range(1, len(r)) if r[i] != r[i - 1] + 1]
+            starts = [i for i in range(len(r)) if i == 0 or r[i] != r[i - 1] + 1]
             ends = starts[1:] + [len(r)]
             self.runs = [(a, r[a], b - a) for a, b in zip(starts, ends)]
-            self.run_starts = starts
-        self.n_logits_rows = n_logits_rows
+        self._starts = None if self.runs is None else [i for i, _, _ in self.runs]
 
-    def pieces(self, s: int, e: int):
+    def _pieces(self, s: int, e: int):
         """(offset in the block, first logits row, length) of block s:e, as slices."""
-        if self.rows is None:
-            return [(0, s, e - s)]
-        out = []
-        for i, r, n in self.runs[max(0, bisect.bisect_right(self.run_starts, s) - 1) :]:
+        for i, r, n in self.runs[max(0, bisect.bisect_right(self._starts, s) - 1) :]:
             if i >= e:
                 break
             a, b = max(i, s), min(i + n, e)
-            out.append((a - s, r + a - i, b - a))
-        return out
+            yield a - s, r + a - i, b - a
+
+    def read(self, logits: torch.Tensor, s: int, e: int, z: torch.Tensor) -> None:
+        """Selected rows s:e of ``logits`` into ``z`` (converted to its dtype)."""
+        if self.runs is None:
+            z.copy_(logits[self.rows[s:e]])
+            return
+        for at, r, n in self._pieces(s, e):
+            z[at : at + n].copy_(logits[r : r + n])
+
+    def write(self, grad: torch.Tensor, s: int, e: int, block: torch.Tensor) -> None:
+        """``block`` (converted to the dtype of ``grad``) into selected rows s:e of ``grad``."""
+        if self.runs is None:
+            grad[self.rows[s:e]] = block.to(grad.dtype)
+            return
+        for at, r, n in self._pieces(s, e):
+            grad[r : r + n].copy_(block[at : at + n])
 
     def unwritten(self) -> Optional[torch.Tensor]:
         """Logits rows no block covers (None: every row is a block's)."""
@@ -91,11 +107,7 @@ class _Rows:
 def _block(logits: torch.Tensor, where: _Rows, s: int, e: int, t: float, buf):
     """Selected rows s:e in float32, divided by t, in ``buf``."""
     z = buf[: e - s]
-    if where.runs is None and where.rows is not None:
-        z.copy_(logits[where.rows[s:e]])
-    else:
-        for at, r, n in where.pieces(s, e):
-            z[at : at + n].copy_(logits[r : r + n])
+    where.read(logits, s, e, z)
     return z.div_(t) if t != 1.0 else z
 
 
@@ -111,14 +123,6 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(x, group=group)
     return x
-
-
-def _write_grad(grad: torch.Tensor, where: _Rows, s: int, e: int, block):
-    if where.runs is None and where.rows is not None:
-        grad[where.rows[s:e]] = block.to(grad.dtype)
-    else:
-        for at, r, n in where.pieces(s, e):
-            grad[r : r + n].copy_(block[at : at + n])
 
 
 def _grad_like(logits: torch.Tensor, where: _Rows) -> torch.Tensor:
@@ -173,7 +177,7 @@ class _TokenLogProbs(torch.autograd.Function):
             z = _block(logits, where, s, e, t, buf)
             z.sub_(lse[s:e].unsqueeze(-1)).exp_().mul_(-gt.unsqueeze(-1))  # -p g/t
             z.scatter_add_(-1, idx[s:e].unsqueeze(-1), (mine[s:e] * gt).unsqueeze(-1))
-            _write_grad(grad, where, s, e, z)
+            where.write(grad, s, e, z)
         return grad, None, None, None, None, None, None
 
 
@@ -212,7 +216,7 @@ class _TokenEntropy(torch.autograd.Function):
             z = _block(logits, where, s, e, t, buf)
             p = torch.sub(z, lse[s:e].unsqueeze(-1), out=buf_p[: e - s]).exp_()
             z.sub_(mean_z[s:e].unsqueeze(-1)).mul_(p).mul_((-g[s:e].float() / t).unsqueeze(-1))
-            _write_grad(grad, where, s, e, z)
+            where.write(grad, s, e, z)
         return grad, None, None, None, None
 
 
