@@ -173,4 +173,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # sys.exit(main()) without the ~1 s of CPU that tearing down torch & co. takes
+    from realhf.base import shutdown
+
+    shutdown.run_and_exit(main)

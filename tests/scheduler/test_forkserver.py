@@ -177,9 +177,11 @@ def test_a_launcher_whose_environment_changed_gets_a_server_for_it(monkeypatch):
 
 
 _EARLY = """
-import json, os, sys
+import atexit, json, os, sys
 from realhf.scheduler import forkserver
 
+# the launcher's own exit hook: the server forked from it must not run it
+atexit.register(lambda: open(f"{sys.argv[1]}.exited.{os.getpid()}", "w").close())
 server = forkserver.start_early()
 import realhf.base.constants  # the launcher goes on importing realhf's modules
 import torch
@@ -233,6 +235,9 @@ def test_a_launcher_forks_its_server_from_itself(tmp_path, no_leftover_processes
             launcher.wait()
     psutil.wait_procs([server], timeout=10)  # the launcher's exit closed it
     assert not server.is_running()
+    assert sorted(p.name for p in tmp_path.glob("e.json.exited.*")) == [
+        f"e.json.exited.{launcher.pid}"
+    ]
 
 
 def test_no_early_server_once_realhf_modules_are_imported():
