@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from backend_testlib import batch, dp_rank_main, lm_loss, lm_weight, optimizer_config, tiny_model
+from rank_processes import fresh_context
 
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import FinetuneSpec
@@ -181,11 +182,13 @@ def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path, dtype, tol, 
     shards = [[0, 2, 5], [1, 3, 4, 6, 7]]
     out = str(tmp_path / "rank0.pt")
     opt = {"zero_stage": zero_stage}
-    mp.spawn(
+    fresh_context()  # the fork server's preloads: ranks start without importing torch
+    mp.start_processes(
         dp_rank_main,
         args=(2, str(tmp_path / "init"), out, n_steps, shards, max_tokens, dtype, opt),
         nprocs=2,
         join=True,
+        start_method="forkserver",
     )
     dp = torch.load(out)
 

@@ -4,13 +4,13 @@ mid-transfer)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
 import torch
+from rank_processes import fresh_context
 from weight_senders import HalfSender, SlowTailSender
 
 from realhf.impl.model.comm import weight_broadcast as wb
@@ -253,7 +253,7 @@ def _die_after_the_header(address, mode, joined):
 @pytest.mark.parametrize("mode", ["kill", "hang"])
 def test_a_server_that_dies_or_hangs_mid_transfer_is_dropped_alone(sender, receiver, mode):
     sender.stage(_weights(), SPEC, 1)
-    ctx = mp.get_context("spawn")
+    ctx = fresh_context()
     joined = ctx.Event()
     child = ctx.Process(target=_die_after_the_header, args=(sender.address, mode, joined))
     child.start()

@@ -253,11 +253,11 @@ def test_two_gloo_ranks_stay_in_step_and_identical(tmp_path, actor_hf_dir):
     """Uneven per-rank batches through actor, critic and SFT train steps: every collective
     inside (advantage norm, KL mean, early stop, minibatch checks, grad all-reduce, stats
     export) must line up, and the data-parallel replicas must end identical."""
-    import torch.multiprocessing as mp
     from interface_testlib import ASSETS, dp_rank_main
+    from rank_processes import fresh_context
 
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    ctx = mp.get_context("spawn")
+    ctx = fresh_context()
     procs = [
         ctx.Process(
             target=dp_rank_main, args=(r, 2, str(tmp_path / "init"), outs[r], actor_hf_dir, ASSETS)
