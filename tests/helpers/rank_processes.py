@@ -5,9 +5,9 @@ that each rank is a fresh process; every rank writes ``{out_dir}/rank{r}.json``.
 
 The ranks are forked from realhf's fork server (:mod:`realhf.scheduler.forkserver`), which
 has imported torch, transformers and numba once for the test process: a rank then starts
-in ~0.5 s of CPU instead of ~4 s.  What that server cannot start as a fresh process would
-start (an environment that differs in what those libraries read at import, or forking
-turned off with ``REALHF_FORKSERVER=0``) is executed as before.
+in ~0.5 s of CPU instead of ~4 s.  A rank that the server cannot start as it would start
+afresh (its environment differs in what those libraries read at import, or forking is
+off: ``REALHF_FORKSERVER=0``) is executed as before.
 """
 
 from __future__ import annotations
