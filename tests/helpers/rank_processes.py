@@ -23,18 +23,17 @@ from realhf.scheduler import forkserver
 
 #: the module that runs a script as ``python SCRIPT`` would (tests/helpers/rank_script.py)
 RUNNER = "rank_script"
-#: what multiprocessing's fork server imports before it forks (see :func:`fresh_context`)
-MP_PRELOAD = ["numpy", "torch", "torch._dynamo", "numba", "transformers"]
 
 
 def fresh_context():
     """The multiprocessing context for a test's rank processes started from a function:
-    ``forkserver``, whose server imports :data:`MP_PRELOAD` once for this test process.  A
+    ``forkserver``, whose server imports what realhf's fork server preloads
+    (:data:`realhf.scheduler.forkserver.PRELOAD`) once for this test process.  A
     process forked from it is as fresh as a spawned one (the server is a new interpreter
     that has run nothing else and started no thread) and starts in a fraction of the
     CPU; as with spawn, it gets the target and its arguments pickled and this process's
     ``sys.path``, but the environment the server had when it started."""
-    multiprocessing.set_forkserver_preload(MP_PRELOAD)
+    multiprocessing.set_forkserver_preload(list(forkserver.PRELOAD))
     return multiprocessing.get_context("forkserver")
 
 

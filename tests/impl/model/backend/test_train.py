@@ -182,13 +182,12 @@ def test_two_gloo_ranks_match_one_rank_on_the_whole_batch(tmp_path, dtype, tol, 
     shards = [[0, 2, 5], [1, 3, 4, 6, 7]]
     out = str(tmp_path / "rank0.pt")
     opt = {"zero_stage": zero_stage}
-    fresh_context()  # the fork server's preloads: ranks start without importing torch
     mp.start_processes(
         dp_rank_main,
         args=(2, str(tmp_path / "init"), out, n_steps, shards, max_tokens, dtype, opt),
         nprocs=2,
         join=True,
-        start_method="forkserver",
+        start_method=fresh_context().get_start_method(),
     )
     dp = torch.load(out)
 
