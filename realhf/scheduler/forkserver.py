@@ -36,6 +36,7 @@ the launcher.  ``REALHF_FORKSERVER=0`` turns it off.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import io
 import json
@@ -58,6 +59,7 @@ __all__ = [
     "ForkServerError",
     "enabled",
     "forkable",
+    "launch",
     "prestart",
     "shared",
     "shared_pids",
@@ -210,10 +212,10 @@ def _become(request: dict) -> None:
     if devnull != 0:
         os.dup2(devnull, 0)
         os.close(devnull)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
+    for fd, path in ((1, request["log"]), (2, request.get("err") or request["log"])):
+        log = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(log, fd)
+        os.close(log)
     # Unbuffered, as PYTHONUNBUFFERED=1 makes them: a log is read while the process runs,
     # and a server forked from a launcher (start_early) has the launcher's buffered streams.
     for fd, name in ((1, "stdout"), (2, "stderr")):
@@ -398,8 +400,8 @@ class ForkServer:
         self.env = _server_env(os.environ if env is None else env)
         self.cwd = os.getcwd()
         self.lost = False
-        #: modules whose ``python -m`` may be forked (default :data:`FORKABLE_MODULES`)
-        self.modules: Optional[frozenset] = None
+        #: set when a fork failed (:func:`launch`): its launches are executed from then on
+        self.failed = False
         self._children: Dict[int, ForkedProcess] = {}
         #: the argv of the request in flight (one at a time, under ``_spawn_lock``)
         self._spawning: List[str] = []
@@ -483,11 +485,14 @@ class ForkServer:
             self._cond.notify_all()
             self._exited.notify_all()
 
-    def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+    def can_fork(
+        self, argv: Sequence[str], env: Mapping[str, str], modules: Optional[frozenset] = None
+    ) -> bool:
         """Whether ``argv`` run with ``env`` may be forked from this server: it is
-        ``python -m`` of a forkable module, from the same directory, and its environment
-        differs from the server's only in variables no preloaded library reads at import."""
-        if self.lost or not forkable(argv, self.modules) or os.getcwd() != self.cwd:
+        ``python -m`` of one of ``modules`` (default :data:`FORKABLE_MODULES`), from the same
+        directory, and its environment differs from the server's only in variables no
+        preloaded library reads at import."""
+        if self.lost or self.failed or not forkable(argv, modules) or os.getcwd() != self.cwd:
             return False
         return not self.env_difference(env)
 
@@ -514,11 +519,20 @@ class ForkServer:
                     )
                 self._cond.wait(left)
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], log_path: str) -> ForkedProcess:
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: str,
+        err_path: Optional[str] = None,
+    ) -> ForkedProcess:
         """Fork ``argv`` (``python -m MODULE ARGS``, see :meth:`can_fork`) with ``env``,
-        its stdout/stderr appended to ``log_path``, in a session of its own."""
+        its stdout appended to ``log_path`` and its stderr to ``err_path`` (default the
+        same), in a session of its own."""
         request = {"module": argv[2], "args": list(argv[3:]), "env": dict(env), "log": log_path}
-        open(log_path, "ab").close()  # an unwritable log fails here, as Popen's would
+        request["err"] = err_path
+        for path in (log_path, err_path or log_path):
+            open(path, "ab").close()  # an unwritable log fails here, as Popen's would
         with self._spawn_lock:
             if self.lost:
                 raise ForkServerError(f"the fork server (pid {self.proc.pid}) exited")
@@ -613,6 +627,51 @@ def shared(env: Optional[Mapping[str, str]] = None) -> Optional[ForkServer]:
     for other in idle:  # outside the lock: closing waits for the process
         other.close()
     return server
+
+
+def launch(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: str,
+    *,
+    err_path: Optional[str] = None,
+    modules: Optional[frozenset] = None,
+    fork: bool = True,
+    cwd: Optional[str] = None,
+):
+    """Start ``argv`` with ``env`` in ``cwd`` (default this process's) and a session of its
+    own, stdin from ``/dev/null``, stdout appended to ``log_path`` and stderr to
+    ``err_path`` (default the same file).
+
+    It is forked from this process's fork server for ``env`` (:func:`shared`) when ``fork``
+    and :meth:`ForkServer.can_fork` allow it (``modules``: the modules whose ``python -m``
+    may be forked, default :data:`FORKABLE_MODULES`), else executed by ``subprocess``.  A
+    server that fails to fork is not asked again (a warning says so).  Returns a
+    :class:`ForkedProcess` or a :class:`subprocess.Popen`: both poll, wait, signal and
+    report their exit code alike."""
+    if cwd is not None and os.path.realpath(cwd) != os.path.realpath(os.getcwd()):
+        fork = False  # the server forks in this process's directory
+    server = shared(env) if fork and forkable(argv, modules) else None
+    if server is not None and server.can_fork(argv, env, modules):
+        try:
+            return server.spawn(argv, env, log_path, err_path)
+        except ForkServerError as e:
+            server.failed = True
+            logging.getLogger("forkserver", "system").warning(
+                f"{e}; starting these processes with subprocess from now on"
+            )
+    with contextlib.ExitStack() as files:
+        log = files.enter_context(open(log_path, "ab"))
+        err = files.enter_context(open(err_path, "ab")) if err_path else subprocess.STDOUT
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=err,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+        )
 
 
 def shared_pids() -> List[int]:

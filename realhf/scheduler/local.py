@@ -183,22 +183,7 @@ class LocalScheduler(JobSet):
     def _popen(self, argv: Sequence[str], log_path: str, env: Mapping[str, str]):
         # realhf's own processes are forked from a server that has imported torch and
         # co. once (see realhf.scheduler.forkserver); anything else is executed.
-        server = forkserver.shared(env) if self.fork and forkserver.forkable(argv) else None
-        if server is not None and server.can_fork(argv, env):
-            try:
-                return server.spawn(argv, env, log_path)
-            except forkserver.ForkServerError as e:
-                logger.warning(f"{e}; starting processes with subprocess from now on")
-                self.fork = False
-        with open(log_path, "ab") as log:
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=dict(env),
-                start_new_session=True,
-            )
+        return forkserver.launch(argv, env, log_path, fork=self.fork)
 
     def _relaunch(self, job: Job) -> None:
         old = job.popen

@@ -31,6 +31,7 @@ if __name__ == "__main__":
         )
     os.replace(out + ".tmp", out)
     print("probe says hello", flush=True)
+    print("probe warns", file=sys.stderr, flush=True)
     if len(sys.argv) > 4 and sys.argv[3] == "sleep":
         print("probe is sleeping")  # not flushed: seen in the log only if unbuffered
         time.sleep(float(sys.argv[4]))

@@ -23,6 +23,7 @@ from realhf.scheduler import forkserver
 
 #: the module that runs a script as ``python SCRIPT`` would (tests/helpers/rank_script.py)
 RUNNER = "rank_script"
+MODULES = frozenset({RUNNER})
 
 
 def fresh_context():
@@ -35,17 +36,6 @@ def fresh_context():
     ``sys.path``, but the environment the server had when it started."""
     multiprocessing.set_forkserver_preload(list(forkserver.PRELOAD))
     return multiprocessing.get_context("forkserver")
-
-
-def _start(argv: List[str], env: Dict[str, str], log: str):
-    """Fork ``argv`` from the fork server for ``env`` if it can, else execute it."""
-    server = forkserver.shared(env)
-    if server is not None:
-        server.modules = (server.modules or forkserver.FORKABLE_MODULES) | {RUNNER}
-        if server.can_fork(argv, env):
-            return server.spawn(argv, env, log)
-    with open(log, "ab") as f:
-        return subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -77,7 +67,7 @@ def run_ranks(
             argv = [sys.executable, "-m", RUNNER, os.path.abspath(script)]
             argv += ["--rank", str(r), "--world", str(world), *args(r), "--out-dir", str(out_dir)]
             logs.append(os.path.join(out_dir, f"rank{r}.log"))
-            procs.append(_start(argv, env, logs[-1]))
+            procs.append(forkserver.launch(argv, env, logs[-1], modules=MODULES))
         for r, p in enumerate(procs):
             try:
                 rc = p.wait(timeout=timeout)

@@ -21,9 +21,11 @@ pytestmark = pytest.mark.slow  # the server imports torch & co. (~6 s)
 @pytest.fixture(scope="module")
 def server():
     s = forkserver.ForkServer()
-    s.modules = frozenset({"forked_probe"})
     yield s
     s.close()
+
+
+PROBE = frozenset({"forked_probe"})
 
 
 def _argv(out, code=0, *extra):
@@ -40,7 +42,7 @@ def test_a_child_sees_its_own_argv_env_session_and_log(server, tmp_path):
     out, log = tmp_path / "a.json", tmp_path / "a.log"
     argv = _argv(out, 3)
     env = _env(REALHF_PROBE_X="seven")
-    assert server.can_fork(argv, env)
+    assert server.can_fork(argv, env, PROBE)
     p = server.spawn(argv, env, str(log))
     assert p.wait(timeout=30) == 3 and p.returncode == 3 and p.poll() == 3
     seen = json.loads(out.read_text())
@@ -77,28 +79,27 @@ def test_signals_timeouts_and_concurrent_children(server, tmp_path):
 
 def test_what_cannot_be_forked_is_refused(server, tmp_path):
     out = tmp_path / "x.json"
-    assert not server.can_fork([sys.executable, "-c", "pass"], _env())
-    assert not server.can_fork(["/bin/sleep", "1"], _env())
+    assert not server.can_fork([sys.executable, "-c", "pass"], _env(), PROBE)
+    assert not server.can_fork(["/bin/sleep", "1"], _env(), PROBE)
     assert not server.can_fork([sys.executable, "-m", "json.tool"], _env())  # not forkable
     # a variable a preloaded library may read at import: the child would not see it
-    assert not server.can_fork(_argv(out), _env(OMP_NUM_THREADS="1"))
+    assert not server.can_fork(_argv(out), _env(OMP_NUM_THREADS="1"), PROBE)
     env = _env()
     del env["PATH"]
-    assert not server.can_fork(_argv(out), env)
+    assert not server.can_fork(_argv(out), env, PROBE)
     # variables that no preloaded library reads are the child's own
-    assert server.can_fork(_argv(out), _env(REALHF_ANYTHING="1", CUDA_VISIBLE_DEVICES="0"))
+    assert server.can_fork(_argv(out), _env(REALHF_ANYTHING="1", CUDA_VISIBLE_DEVICES="0"), PROBE)
 
 
 def test_a_lost_server_is_an_error_and_its_children_are_reported_lost(tmp_path):
     s = forkserver.ForkServer(preload=())
-    s.modules = frozenset({"forked_probe"})
     child = s.spawn(_argv(tmp_path / "c.json", 0, "sleep", "60"), _env(), str(tmp_path / "c.log"))
     s.proc.kill()
     s.proc.wait()
     deadline = time.monotonic() + 10
     while not s.lost and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert s.lost and not s.can_fork(_argv(tmp_path / "d.json"), _env())
+    assert s.lost and not s.can_fork(_argv(tmp_path / "d.json"), _env(), PROBE)
     with pytest.raises(forkserver.ForkServerError, match="exited"):
         s.spawn(_argv(tmp_path / "d.json"), _env(), str(tmp_path / "d.log"))
     assert child.poll() is None  # still running: only its parent is gone
@@ -109,7 +110,6 @@ def test_a_lost_server_is_an_error_and_its_children_are_reported_lost(tmp_path):
 
 def test_a_child_that_exits_before_spawn_returns_is_still_reaped(tmp_path, monkeypatch):
     s = forkserver.ForkServer(preload=())
-    s.modules = frozenset({"forked_probe"})
     wait_for = s._wait_for
 
     def slow_to_wake(predicate, timeout, what):  # the launcher's thread is descheduled
@@ -164,6 +164,42 @@ def test_local_scheduler_forks_what_it_can_and_stops_it(
     assert "probe says hello" in open(job.log_path).read()
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "executed"])
+def test_launch_writes_stdout_and_stderr_where_asked(fork, tmp_path, no_leftover_processes):
+    out, log, err = tmp_path / "o.json", tmp_path / "o.log", tmp_path / "o.err"
+    p = forkserver.launch(
+        _argv(out, 4), _env(), str(log), err_path=str(err), modules=PROBE, fork=fork
+    )
+    assert isinstance(p, forkserver.ForkedProcess if fork else subprocess.Popen)
+    assert p.wait(timeout=30) == 4
+    seen = json.loads(out.read_text())
+    assert seen["sid"] == seen["pid"] == p.pid and seen["stdin"] == ""
+    assert seen["torch_preloaded"] == fork
+    assert log.read_text() == "probe says hello\n" and err.read_text() == "probe warns\n"
+    # without err_path both go to the log; from another directory it is executed there
+    p = forkserver.launch(_argv(out, 0), _env(), str(log), modules=PROBE, cwd=str(tmp_path))
+    assert isinstance(p, subprocess.Popen) and p.wait(timeout=30) == 0
+    assert log.read_text().count("probe") == 3 and "probe warns" in log.read_text()
+
+
+def test_a_server_that_fails_to_fork_is_not_asked_again(tmp_path, monkeypatch, caplog):
+    server = forkserver.shared(_env())
+    monkeypatch.setattr(server, "failed", False)  # the session's server: restored after
+
+    def broken(*args, **kwargs):
+        raise forkserver.ForkServerError("the fork server did not answer")
+
+    monkeypatch.setattr(server, "spawn", broken)
+    for i in range(2):
+        p = forkserver.launch(
+            _argv(tmp_path / f"{i}.json"), _env(), str(tmp_path / "l"), modules=PROBE
+        )
+        assert isinstance(p, subprocess.Popen) and p.wait(timeout=30) == 0
+    assert server.failed and not server.can_fork(_argv(tmp_path / "x.json"), _env(), PROBE)
+    (warning,) = [r for r in caplog.records if "from now on" in r.getMessage()]
+    assert "did not answer" in warning.getMessage()
+
+
 def test_a_launcher_whose_environment_changed_gets_a_server_for_it(monkeypatch):
     first = forkserver.shared()
     assert forkserver.shared() is first
@@ -187,10 +223,9 @@ import realhf.base.constants  # the launcher goes on importing realhf's modules
 import torch
 
 out, log = sys.argv[1], sys.argv[2]
-server.modules = frozenset({"forked_probe"})
 env = dict(os.environ, REALHF_PROBE_X="seven")
 argv = [sys.executable, "-m", "forked_probe", out, "3", "sleep", "30"]
-assert server.can_fork(argv, env), server.env_difference(env)
+assert server.can_fork(argv, env, frozenset({"forked_probe"})), server.env_difference(env)
 child = server.spawn(argv, env, log)
 print(json.dumps({"server": server.proc.pid, "child": child.pid,
                   "shared": forkserver.shared() is server}), flush=True)
