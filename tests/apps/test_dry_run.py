@@ -3,10 +3,9 @@ launched or written."""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+import quickstart_runs
 import torch
 
 from realhf.api.cli_parser import parse_config
@@ -147,14 +146,7 @@ def test_help_mentions_dry_run(capsys):
 @pytest.mark.slow
 def test_command_line_dry_run(tmp_path):
     fileroot = tmp_path / "fileroot"
-    r = subprocess.run(
-        [sys.executable, "-m", "realhf.apps.quickstart", "ppo-math", "--dry-run"]
-        + [f"fileroot={fileroot}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    r = quickstart_runs.run(["ppo-math", "--dry-run", f"fileroot={fileroot}"], 120)
     assert r.returncode == 0, r.stderr
     assert "actor_gen -> rew_inf" in r.stdout and "rew_inf -> actor_train" in r.stdout
     assert not fileroot.exists()

@@ -8,10 +8,9 @@ import importlib
 import json
 import pathlib
 import shlex
-import subprocess
-import sys
 
 import pytest
+import quickstart_runs
 import torch
 
 from realhf.api.cli_args import OptimizerConfig
@@ -104,8 +103,7 @@ def test_train_step_favours_the_rewarded_answer_and_keeps_its_baseline(tmp_path,
 def test_the_readme_command_runs(tmp_path):
     cmd = readme_command()
     assert cmd[:3] == ["python", "-m", "realhf.apps.quickstart"]
-    cmd = [sys.executable, *cmd[1:], *SHORT, f"fileroot={tmp_path}", "trial_name=t"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = quickstart_runs.run([*cmd[3:], *SHORT, f"fileroot={tmp_path}", "trial_name=t"], 300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     run = tmp_path / "ppo-math" / "t"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -120,11 +118,8 @@ def test_the_readme_command_runs(tmp_path):
 @pytest.mark.slow
 def test_async_ppo_math_trains_with_the_plugin(tmp_path):
     # Every process imports the plugin: generation servers, manager, rollout workers, trainer.
-    cmd = [sys.executable, "-m", "realhf.apps.quickstart", "async-ppo-math", "--import", MODULE]
-    cmd += ["actor.train_interface=reinforce_baseline", *SHORT, f"fileroot={tmp_path}"]
-    r = subprocess.run(
-        cmd + ["trial_name=t"], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    args = ["async-ppo-math", "--import", MODULE, "actor.train_interface=reinforce_baseline"]
+    r = quickstart_runs.run([*args, *SHORT, f"fileroot={tmp_path}", "trial_name=t"], 300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     rows = (tmp_path / "async-ppo-math" / "t" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in rows] == [1, 2]

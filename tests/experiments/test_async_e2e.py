@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 
 import psutil
@@ -38,20 +36,12 @@ SMALL = [
 
 
 def _cmd(tmp_path, *args):
-    return [
-        sys.executable,
-        "-m",
-        "realhf.apps.quickstart",
-        "async-ppo-math",
-        f"fileroot={tmp_path}",
-        *SMALL,
-        *args,
-    ]
+    return ["async-ppo-math", f"fileroot={tmp_path}", *SMALL, *args]
 
 
 def _run_to_the_end(tmp_path, *args):
     """A run of ``args`` that must succeed; its run directory."""
-    r = subprocess.run(_cmd(tmp_path, *args), capture_output=True, text=True, timeout=400, cwd=ROOT)
+    r = quickstart_runs.run(_cmd(tmp_path, *args), 400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return tmp_path / "async-ppo-math" / "run0"
 
@@ -67,14 +57,10 @@ def test_async_ppo_math_trains_within_the_staleness_bound(tmp_path):
     unauthenticated control calls sent while it trains change nothing."""
     evil = tmp_path / "pwned"
     shm = constants.weight_shm_root("async-ppo-math", "run0", fileroot=str(tmp_path))
-    proc = subprocess.Popen(
+    proc = quickstart_runs.popen(
         _cmd(
             tmp_path, "exp_ctrl.benchmark_steps=4", "exp_ctrl.eval_freq_steps=4", "weight_sync=shm"
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
+        )
     )
     spec = f"file://{tmp_path / 'name_resolve'}"
     probe = RunProbe(proc, spec, "async-ppo-math", "run0", str(evil)).start()
@@ -194,7 +180,7 @@ def _wait_for_step(run, step, proc, timeout=300):
 
 
 def test_killed_trainer_resumes_exactly(tmp_path):
-    proc = subprocess.Popen(
+    proc = quickstart_runs.popen(
         _cmd(
             tmp_path,
             "exp_ctrl.benchmark_steps=7",
@@ -205,11 +191,7 @@ def test_killed_trainer_resumes_exactly(tmp_path):
             # Servers pull each version from the trainer's weight sender; the restarted
             # trainer's new sender (a new address) is where they pull from after recovery.
             "weight_sync=broadcast",
-        ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
+        )
     )
     run = tmp_path / "async-ppo-math" / "run0"
     try:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import quickstart_runs
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +25,7 @@ def init_model(tmp_path_factory):
 
 
 def _quickstart(args, tmp_path, timeout=400):
-    r = subprocess.run(
-        [sys.executable, "-m", "realhf.apps.quickstart", *args, f"fileroot={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    return r
+    return quickstart_runs.run([*args, f"fileroot={tmp_path}"], timeout)
 
 
 def _metrics(run_dir):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import quickstart_runs
 
 pytestmark = pytest.mark.slow
 
@@ -31,21 +32,7 @@ def init_model(tmp_path_factory):
 
 
 def _quickstart(name, args, tmp_path, trial, timeout=400):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "realhf.apps.quickstart",
-            name,
-            *args,
-            f"fileroot={tmp_path}",
-            f"trial_name={trial}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    r = quickstart_runs.run([name, *args, f"fileroot={tmp_path}", f"trial_name={trial}"], timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(os.path.join(tmp_path, name, trial, "metrics.jsonl")) as f:
         return [json.loads(l) for l in f]

@@ -10,10 +10,9 @@ samples it), so both runs sample the same answers and must end with the same wei
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+import quickstart_runs
 import torch
 
 pytestmark = pytest.mark.slow
@@ -49,11 +48,8 @@ def base(tmp_path_factory):
 
 
 def _run(tmp_path, trial, allocation, *extra):
-    r = subprocess.run(
+    r = quickstart_runs.run(
         [
-            sys.executable,
-            "-m",
-            "realhf.apps.quickstart",
             "ppo-math",
             *ARGS,
             f"allocation_mode={allocation}",
@@ -61,10 +57,7 @@ def _run(tmp_path, trial, allocation, *extra):
             f"fileroot={tmp_path}",
             f"trial_name={trial}",
         ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+        400,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     run = tmp_path / "ppo-math" / trial
@@ -144,11 +137,8 @@ def test_async_ppo_math_trainer_on_per_mfc_layouts(tmp_path):
     """Decoupled generation servers + a per-MFC trainer: training on two pipeline stages,
     the proximal log-probs on two replicas refilled every step; weights still reach the
     generation server from the home layout, within the staleness bound."""
-    r = subprocess.run(
+    r = quickstart_runs.run(
         [
-            sys.executable,
-            "-m",
-            "realhf.apps.quickstart",
             "async-ppo-math",
             "allocation_mode=gen.d1p1m1+actor_train:d1p2m1,actor_inf:d2p1m1",
             "ppo.recompute_logprob=true",
@@ -164,10 +154,7 @@ def test_async_ppo_math_trainer_on_per_mfc_layouts(tmp_path):
             f"fileroot={tmp_path}",
             "trial_name=run0",
         ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=ROOT,
+        400,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(tmp_path / "async-ppo-math" / "run0" / "metrics.jsonl") as f:

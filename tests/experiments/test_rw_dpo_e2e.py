@@ -2,10 +2,9 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+import quickstart_runs
 
 pytestmark = pytest.mark.slow
 
@@ -13,13 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _quickstart(args, tmp_path, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "realhf.apps.quickstart", *args, f"fileroot={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return quickstart_runs.run([*args, f"fileroot={tmp_path}"], timeout)
 
 
 def _metrics(run_dir):

@@ -7,10 +7,10 @@ import glob
 import json
 import os
 import struct
-import subprocess
 import sys
 
 import pytest
+import quickstart_runs
 
 from realhf.api.cli_args import BaseExperimentConfig
 from realhf.api.cli_parser import parse_config
@@ -116,13 +116,7 @@ def test_disabled_log_is_a_no_op_and_missing_wandb_is_named(tmp_path, monkeypatc
 
 
 def _quickstart(args, tmp_path, timeout):
-    return subprocess.run(
-        [sys.executable, "-m", "realhf.apps.quickstart", *args, f"fileroot={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return quickstart_runs.run([*args, f"fileroot={tmp_path}"], timeout)
 
 
 @pytest.mark.slow
