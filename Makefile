@@ -20,7 +20,7 @@ install:
 # The suite runs on TEST_WORKERS pytest-xdist workers (0: one process): whole modules go
 # to a free worker, longest first (tests/conftest.py orders them). End-to-end tests wait on
 # sockets and subprocesses, so one process keeps two cores 0.94 busy (37 min here) and
-# three workers ~1.9 (24 min). Each worker sandboxes code under uids of its own.
+# three workers ~1.9 (19 min). Each worker sandboxes code under uids of its own.
 TEST_WORKERS ?= 3
 FAST_WORKERS ?= 2
 # $(call workers,N,OPTIONS): pytest-xdist's -n N and OPTIONS; nothing (one process) for N=0
