@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import quickstart_runs as qs
@@ -12,13 +10,7 @@ pytestmark = pytest.mark.slow
 
 
 def _main(*args, fileroot):
-    return subprocess.run(
-        [sys.executable, "-m", "realhf.apps.main", *args, "--fileroot", str(fileroot)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=qs.ROOT,
-    )
+    return qs.run_module("realhf.apps.main", [*args, "--fileroot", str(fileroot)], 120)
 
 
 def test_status_then_stop_ends_the_run_without_recovery(tmp_path, no_leftover_processes):

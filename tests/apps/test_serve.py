@@ -7,10 +7,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
+import quickstart_runs
 import requests
 
 from realhf.apps.serve import READY_LINE, main
@@ -44,12 +44,7 @@ def test_bad_engine_option_is_a_clear_error(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_subprocess_exit_code(tmp_path):
-    p = subprocess.run(
-        [sys.executable, "-m", "realhf.apps.serve", "--model-path", str(tmp_path / "x")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = quickstart_runs.run_module("realhf.apps.serve", ["--model-path", str(tmp_path / "x")], 120)
     assert p.returncode == 2 and "--model-path" in p.stderr
 
 
@@ -63,11 +58,9 @@ def test_serve_process_end_to_end(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(
+    proc = quickstart_runs.popen_module(
+        "realhf.apps.serve",
         [
-            sys.executable,
-            "-m",
-            "realhf.apps.serve",
             "--model-path",
             model,
             "--port",
@@ -81,10 +74,7 @@ def test_serve_process_end_to_end(tmp_path):
             "--api-key",
             "sk-test",
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, auth.SECRET_ENV: auth.run_secret().hex()},  # this process's secret
+        env={auth.SECRET_ENV: auth.run_secret().hex()},  # this process's secret
     )
     try:
         deadline = time.monotonic() + 120

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import quickstart_runs
@@ -16,11 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def init_model(tmp_path_factory):
     out = tmp_path_factory.mktemp("init") / "m"
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples/tiny/make_model.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
+    script = os.path.join(ROOT, "examples/tiny/make_model.py")
+    r = quickstart_runs.run_script(script, ["--out", str(out)], 120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return str(out)
 
 

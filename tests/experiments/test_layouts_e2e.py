@@ -8,8 +8,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import quickstart_runs
@@ -23,11 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def init_model(tmp_path_factory):
     """A freshly initialised tiny model (the embedded one is trained already)."""
     out = tmp_path_factory.mktemp("init") / "m"
-    subprocess.run(
-        [sys.executable, os.path.join(ROOT, "examples/tiny/make_model.py"), "--out", str(out)],
-        check=True,
-        capture_output=True,
-    )
+    script = os.path.join(ROOT, "examples/tiny/make_model.py")
+    r = quickstart_runs.run_script(script, ["--out", str(out)], 120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return str(out)
 
 

@@ -1,12 +1,13 @@
 """Running a quickstart experiment from a test: start it, wait for its first steps (to act
-mid-run), finish it, read its steps from ``metrics.jsonl``.
+mid-run), finish it, read its steps from ``metrics.jsonl``; and running any ``python -m
+MODULE`` a test would otherwise execute (``run_module``, ``popen_module``).
 
 A run is forked from realhf's fork server (:func:`realhf.scheduler.forkserver.launch`),
 which has imported torch, transformers and numba once for the test process: the launcher
 then starts in a fraction of the CPU a fresh interpreter takes (2-step ppo-math here:
 ~14.5 CPU seconds executed, ~8.5 forked).  A run whose environment or directory the server
 cannot give it (see :meth:`~realhf.scheduler.forkserver.ForkServer.can_fork`), or any run
-with ``REALHF_FORKSERVER=0``, is executed as ``python -m realhf.apps.quickstart``.
+with ``REALHF_FORKSERVER=0``, is executed as ``python -m MODULE``.
 """
 
 from __future__ import annotations
@@ -28,24 +29,31 @@ from realhf.scheduler import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = "realhf.apps.quickstart"
-MODULES = frozenset({QUICKSTART})
+#: runs ``python -m SCRIPT_RUNNER SCRIPT ARGS`` as ``python SCRIPT ARGS`` (rank_script.py)
+SCRIPT_RUNNER = "rank_script"
 
 
-def _launch(args: Sequence[str], env: Optional[Mapping], out: str, err: Optional[str] = None):
-    argv = [sys.executable, "-m", QUICKSTART, *args]
+def _launch(module: str, args, env: Optional[Mapping], out: str, err: Optional[str] = None):
+    argv = [sys.executable, "-m", module, *args]
     env = dict(os.environ, **(env or {}))
-    return forkserver.launch(argv, env, out, err_path=err, modules=MODULES, cwd=ROOT)
+    modules = frozenset({module})
+    return forkserver.launch(argv, env, out, err_path=err, modules=modules, cwd=ROOT)
 
 
 def run(args: Sequence[str], timeout: float, env: Optional[Mapping] = None):
-    """``python -m realhf.apps.quickstart ARGS`` run to its end, as ``subprocess.run(...,
-    capture_output=True, text=True, timeout=timeout, cwd=ROOT)`` would: its stdout and
-    stderr apart in the returned ``CompletedProcess``; killed, then ``TimeoutExpired``
-    raised, if it runs longer than ``timeout`` s."""
-    tmp = tempfile.mkdtemp(prefix="quickstart-")
+    """``python -m realhf.apps.quickstart ARGS`` run to its end (see :func:`run_module`)."""
+    return run_module(QUICKSTART, args, timeout, env)
+
+
+def run_module(module: str, args: Sequence[str], timeout: float, env: Optional[Mapping] = None):
+    """``python -m MODULE ARGS`` run to its end, as ``subprocess.run(..., capture_output=True,
+    text=True, timeout=timeout, cwd=ROOT)`` would, with ``env`` added to this process's
+    environment: its stdout and stderr apart in the returned ``CompletedProcess``; killed,
+    then ``TimeoutExpired`` raised, if it runs longer than ``timeout`` s."""
+    tmp = tempfile.mkdtemp(prefix="forked-run-")
     try:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        proc = _launch(args, env, out, err)
+        proc = _launch(module, args, env, out, err)
         try:
             rc = proc.wait(timeout=timeout)
         finally:
@@ -56,6 +64,11 @@ def run(args: Sequence[str], timeout: float, env: Optional[Mapping] = None):
             return subprocess.CompletedProcess(proc.args, rc, f.read(), g.read())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_script(script: str, args: Sequence[str], timeout: float):
+    """``python SCRIPT ARGS`` run to its end (see :func:`run_module`)."""
+    return run_module(SCRIPT_RUNNER, [os.path.abspath(script), *args], timeout)
 
 
 def _remove(path: str) -> None:
@@ -94,15 +107,15 @@ class _Output:
 
 
 class Run:
-    """A quickstart run started by :func:`start`, used as ``Popen(stdout=PIPE,
-    stderr=STDOUT, text=True)`` is: ``pid``, ``poll``, ``wait``, ``send_signal``,
-    ``terminate``, ``kill``, ``returncode``, ``communicate`` and ``stdout``."""
+    """A process started by :func:`popen_module` (a quickstart run: :func:`start`), used as
+    ``Popen(stdout=PIPE, stderr=STDOUT, text=True)`` is: ``pid``, ``poll``, ``wait``,
+    ``send_signal``, ``terminate``, ``kill``, ``returncode``, ``communicate`` and ``stdout``."""
 
-    def __init__(self, args: Sequence[str], env: Optional[Mapping]):
-        fd, log = tempfile.mkstemp(prefix="quickstart-", suffix=".log")
+    def __init__(self, module: str, args: Sequence[str], env: Optional[Mapping]):
+        fd, log = tempfile.mkstemp(prefix="forked-run-", suffix=".log")
         os.close(fd)
         weakref.finalize(self, _remove, log)
-        self._proc = _launch(args, env, log)
+        self._proc = _launch(module, args, env, log)
         self.pid = self._proc.pid
         self.args = self._proc.args
         self.stdout = _Output(log, self._proc)
@@ -132,10 +145,15 @@ class Run:
         return self.stdout.read(), None
 
 
+def popen_module(module: str, args: Sequence[str], env: Optional[Mapping] = None) -> Run:
+    """``python -m MODULE ARGS`` started (stdout and stderr together in ``run.stdout``), with
+    ``env`` added to this process's environment."""
+    return Run(module, args, env)
+
+
 def popen(args: Sequence[str], env: Optional[Mapping] = None) -> Run:
-    """``python -m realhf.apps.quickstart ARGS`` started (stdout and stderr together in
-    ``run.stdout``), with ``env`` added to this process's environment."""
-    return Run(args, env)
+    """``python -m realhf.apps.quickstart ARGS`` started (see :func:`popen_module`)."""
+    return popen_module(QUICKSTART, args, env)
 
 
 def start(exp: str, args, fileroot, trial: str = "t", env: Optional[Mapping] = None) -> Run:

@@ -13,11 +13,10 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
+import quickstart_runs
 import requests
 from engine_servers import engine_server, generate_greedy, greedy, two_model_versions
 
@@ -510,11 +509,9 @@ def test_a_manager_that_cannot_start_raises_its_own_error_and_frees_the_port():
 
 
 def _spawn_server(model_dir, port):
-    return subprocess.Popen(
+    return quickstart_runs.popen_module(
+        "realhf.apps.serve",
         [
-            sys.executable,
-            "-m",
-            "realhf.apps.serve",
             "--model-path",
             model_dir,
             "--port",
@@ -526,9 +523,6 @@ def _spawn_server(model_dir, port):
             "--num-threads",
             "1",
         ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
     )
 
 
