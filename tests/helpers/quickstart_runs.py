@@ -24,13 +24,12 @@ import weakref
 from typing import Dict, List, Mapping, Optional, Sequence
 
 import psutil
+import rank_processes
 
 from realhf.scheduler import forkserver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUICKSTART = "realhf.apps.quickstart"
-#: runs ``python -m SCRIPT_RUNNER SCRIPT ARGS`` as ``python SCRIPT ARGS`` (rank_script.py)
-SCRIPT_RUNNER = "rank_script"
 
 
 def _launch(module: str, args, env: Optional[Mapping], out: str, err: Optional[str] = None):
@@ -68,7 +67,7 @@ def run_module(module: str, args: Sequence[str], timeout: float, env: Optional[M
 
 def run_script(script: str, args: Sequence[str], timeout: float):
     """``python SCRIPT ARGS`` run to its end (see :func:`run_module`)."""
-    return run_module(SCRIPT_RUNNER, [os.path.abspath(script), *args], timeout)
+    return run_module(rank_processes.RUNNER, [os.path.abspath(script), *args], timeout)
 
 
 def _remove(path: str) -> None:
