@@ -3,15 +3,19 @@ into what reading the cache costs and what its arithmetic costs.
 
     python benchmark/decode_kernel.py [--seqs 256] [--positions 72] [--dtype float32]
                                       [--q-heads 4 --kv-heads 2 --head-dim 64] [--threads 1]
+                                      [--page 16]
 
 Defaults: the embedded tiny model's attention (4 query / 2 kv heads of 64) at the
 vs-vLLM benchmark's 256 running sequences, lengths drawn from [positions/2, positions],
-4 layers, pages of 16 positions, one thread (as the server runs it).  In one process,
+4 layers, pages of 16 positions (the engine's ``PAGE_SIZE``), one thread (as the server runs
+it).  In one process,
 timed in interleaved rounds (each round runs every case once, so a VM's slow minutes hit
 them all alike), medians and minimums over the rounds:
 
 - ``scattered``: every sequence's pages lie anywhere in a pool twice the size needed (as
   in a long-running server): the kernel as it runs;
+- ``contiguous``: each sequence's pages follow one another, and the sequences' runs one
+  another, as the engine's lowest-first allocator lays out a batch admitted at once;
 - ``resident``: every sequence reads the same few pages, which stay in L1/L2: the kernel's
   arithmetic (and per-call overhead) with almost no memory traffic;
 - ``read``: a numba loop that only reads (sums) the same keys and values as ``scattered``,
@@ -36,9 +40,9 @@ import numpy as np
 import torch
 
 from realhf.impl.model.gen import cache_attention as ca
+from realhf.impl.model.gen.kv_cache import PAGE_SIZE
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PAGE = 16
 LAYERS = 4
 
 
@@ -71,9 +75,14 @@ def parse_args(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--page", type=int, default=PAGE_SIZE, help="positions per page")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("seqs", "positions", "page", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    return args
 
 
 def main(argv=None):
@@ -83,16 +92,17 @@ def main(argv=None):
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    B, L, nkv, d = args.seqs, args.positions, args.kv_heads, args.head_dim
+    B, L, nkv, d, page = args.seqs, args.positions, args.kv_heads, args.head_dim, args.page
     rng = np.random.default_rng(args.seed)
     lens = [int(x) for x in rng.integers(max(1, L // 2), L + 1, B)]
-    per_seq = (L + PAGE - 1) // PAGE
+    per_seq = (L + page - 1) // page
     n_pages = 2 * B * per_seq
     scattered = torch.from_numpy(rng.permutation(n_pages)[: B * per_seq].reshape(B, per_seq))
+    contiguous = torch.arange(B * per_seq).view(B, per_seq)
     resident = torch.arange(per_seq).repeat(B, 1)
     g = torch.Generator().manual_seed(args.seed)
     pools = [
-        [torch.randn(n_pages * PAGE, nkv, d, generator=g).to(dtype) for _ in range(2)]
+        [torch.randn(n_pages * page, nkv, d, generator=g).to(dtype) for _ in range(2)]
         for _ in range(LAYERS)
     ]
     q = torch.randn(B, args.q_heads, d, generator=g)
@@ -101,7 +111,7 @@ def main(argv=None):
 
     def kernel(table):
         def run():
-            att = ca.DecodeAttention(table, lens, page_size=PAGE, sliding_window=None, impl="numba")
+            att = ca.DecodeAttention(table, lens, page_size=page, sliding_window=None, impl="numba")
             for kc, vc in pools:
                 att(q, k, v, kc, vc)
 
@@ -109,11 +119,11 @@ def main(argv=None):
 
     def read():
         for kc, vc in pools:
-            _read_only(ca._bits(kc), ca._bits(vc), scattered.numpy(), lens_np, PAGE)
+            _read_only(ca._bits(kc), ca._bits(vc), scattered.numpy(), lens_np, page)
 
     # The kernel against SDPA over the same cache, once, before any timing.
-    got = ca.DecodeAttention(scattered, lens, page_size=PAGE, sliding_window=None, impl="numba")
-    ref = ca.DecodeAttention(scattered, lens, page_size=PAGE, sliding_window=None, impl="padded")
+    got = ca.DecodeAttention(scattered, lens, page_size=page, sliding_window=None, impl="numba")
+    ref = ca.DecodeAttention(scattered, lens, page_size=page, sliding_window=None, impl="padded")
     kc, vc = pools[0]
     a = got(q, k, v, kc.clone(), vc.clone())
     b = ref(q.to(dtype), k, v, kc.clone(), vc.clone())
@@ -121,7 +131,12 @@ def main(argv=None):
     if err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
         sys.exit(f"the kernel differs from SDPA by {err:.3g}: not timing a wrong kernel")
 
-    cases = {"scattered": kernel(scattered), "resident": kernel(resident), "read": read}
+    cases = {
+        "scattered": kernel(scattered),
+        "contiguous": kernel(contiguous),
+        "resident": kernel(resident),
+        "read": read,
+    }
     for run in cases.values():  # compile (or load numba's cache) and warm up
         run()
     times = {name: [] for name in cases}
@@ -141,7 +156,8 @@ def main(argv=None):
     bytes_per = 2 * nkv * d * (2 if dtype == torch.bfloat16 else 4)
     print(
         f"decode kernel, {args.dtype}, {B} sequences of {min(lens)}-{max(lens)} positions, "
-        f"{args.q_heads}/{nkv} heads of {d}, {LAYERS} layers, {args.threads} thread(s)"
+        f"{args.q_heads}/{nkv} heads of {d}, {LAYERS} layers, pages of {page}, "
+        f"{args.threads} thread(s)"
     )
     print(f"{'case':>10}  {'median':>8}  {'min':>8}  ns per position and layer")
     for name, f in ns.items():
@@ -155,6 +171,7 @@ def main(argv=None):
         "positions": [min(lens), max(lens)],
         "heads": [args.q_heads, nkv, d],
         "threads": args.threads,
+        "page": page,
         "rounds": args.rounds,
         "max_abs_err_vs_sdpa": err,
         "ns_per_position_layer": ns,

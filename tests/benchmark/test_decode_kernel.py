@@ -20,16 +20,18 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_script_reports_every_case_of_a_kernel_that_matches_sdpa(dtype):
+@pytest.mark.parametrize("dtype,page", [("float32", 16), ("bfloat16", 32)])
+def test_the_script_reports_every_case_of_a_kernel_that_matches_sdpa(dtype, page):
     args = ["--seqs", "8", "--positions", "40", "--rounds", "2", "--dtype", dtype]
+    args += ["--page", str(page)]
     args += ["--q-heads", "14", "--kv-heads", "2"]  # the 0.5B shape's groups of 7
     r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["dtype"] == dtype and out["heads"] == [14, 2, 64] and out["seqs"] == 8
+    assert out["page"] == page
     assert out["max_abs_err_vs_sdpa"] < (2e-2 if dtype == "bfloat16" else 1e-4)
-    for case in ("scattered", "resident", "read"):
+    for case in ("scattered", "contiguous", "resident", "read"):
         f = out["ns_per_position_layer"][case]
         assert 0 < f["min"] <= f["median"]
     assert out["read_gb_per_s"] > 0 and out["scattered_over_sum"] > 0
