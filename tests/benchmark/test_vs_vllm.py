@@ -8,7 +8,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmark.vs_vllm import Server  # noqa: E402
+from benchmark.vs_vllm import Server, fastest  # noqa: E402
 
 
 def test_a_failed_point_reports_the_servers_state_and_the_log_lines_that_say_why(tmp_path):
@@ -46,3 +46,15 @@ def test_a_server_with_nothing_alarming_in_its_log_shows_its_last_lines(tmp_path
         assert why.startswith("ours is still running;") and why.endswith("INFO: ready")
     finally:
         server.stop()
+
+
+def test_each_point_counts_vllms_faster_mode_and_names_it():
+    by_mode = {
+        "eager": {"256x16": 4033.0, "64x128": 5074.0},
+        "compiled": {"256x16": 4084.0, "64x128": 4100.0},
+    }
+    tps, mode = fastest(by_mode)
+    assert tps == {"256x16": 4084.0, "64x128": 5074.0}
+    assert mode == {"256x16": "compiled", "64x128": "eager"}
+    assert fastest({"eager": {"16x64": 95.0}}) == ({"16x64": 95.0}, {"16x64": "eager"})
+    assert fastest({}) == ({}, {})
