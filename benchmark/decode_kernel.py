@@ -7,10 +7,9 @@ into what reading the cache costs and what its arithmetic costs.
 
 Defaults: the embedded tiny model's attention (4 query / 2 kv heads of 64) at the
 vs-vLLM benchmark's 256 running sequences, lengths drawn from [positions/2, positions],
-4 layers, pages of 16 positions (the engine's ``PAGE_SIZE``), one thread (as the server runs
-it).  In one process,
-timed in interleaved rounds (each round runs every case once, so a VM's slow minutes hit
-them all alike), medians and minimums over the rounds:
+4 layers, pages of 16 positions (the engine's ``PAGE_SIZE``), one thread (as the server
+runs it).  In one process, timed in interleaved rounds (each round runs every case once, so
+a VM's slow minutes hit them all alike), medians and minimums over the rounds:
 
 - ``scattered``: every sequence's pages lie anywhere in a pool twice the size needed (as
   in a long-running server): the kernel as it runs;

