@@ -215,8 +215,10 @@ class VLLMConfig:
         max_num_seqs: sequences vLLM runs at once.
         seed: vLLM's global seed (each request also carries its own).
         kv_cache_gib: KV cache of the CPU build (``VLLM_CPU_KVCACHE_SPACE``).
-        enforce_eager: no CUDA graphs / torch.compile (the CPU build needs it; on a GPU set
-            it false for speed, at a longer start).
+        enforce_eager: no CUDA graphs / torch.compile: a start, and a restart, up to ~80 s
+            shorter. The CPU build also runs compiled, and on the Xeon VM decoded the 0.5B
+            shape 10-17% faster so (``benchmark/vs_vllm.py --vllm-mode``); on a GPU set it
+            false for speed.
         num_threads: OpenMP threads of vLLM's workers (``OMP_NUM_THREADS``, with the CPU
             build's core pinning off: the run's other processes share the cores); None
             leaves vLLM's default (the CPU build pins one thread to each core it may use).
