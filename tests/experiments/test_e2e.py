@@ -8,16 +8,10 @@ import quickstart_runs
 
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 @pytest.fixture(scope="module")
 def init_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("init") / "m"
-    script = os.path.join(ROOT, "examples/tiny/make_model.py")
-    r = quickstart_runs.run_script(script, ["--out", str(out)], 120)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return str(out)
+    return quickstart_runs.make_tiny_model(tmp_path_factory.mktemp("init") / "m")
 
 
 def _quickstart(args, tmp_path, timeout=400):

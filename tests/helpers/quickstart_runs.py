@@ -70,6 +70,15 @@ def run_script(script: str, args: Sequence[str], timeout: float):
     return run_module(rank_processes.RUNNER, [os.path.abspath(script), *args], timeout)
 
 
+def make_tiny_model(out: str) -> str:
+    """A freshly initialised tiny model in ``out`` (``examples/tiny/make_model.py``; the
+    embedded one is trained already); returns ``out``."""
+    script = os.path.join(ROOT, "examples", "tiny", "make_model.py")
+    r = run_script(script, ["--out", str(out)], 120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return str(out)
+
+
 def _remove(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
