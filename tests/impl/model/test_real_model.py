@@ -140,6 +140,20 @@ def test_packed_equals_each_sequence_alone(model):
     assert (packed - alone).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("is_critic", [False, True])
+def test_output_rows_are_those_rows_of_the_full_output(is_critic):
+    """The head at some packed rows (any order, repeats) equals those rows of the full
+    output: what a generation's prefill samples from."""
+    torch.manual_seed(0)
+    m = ReaLModel(tiny_config(), is_critic=is_critic).eval()
+    ids, cu = _batch([5, 11, 1, 8])
+    rows = torch.tensor([4, 15, 16, 24, 0, 15])
+    with torch.no_grad():
+        full, some = m(ids, cu), m(ids, cu, output_rows=rows)
+    assert some.shape == (len(rows),) + full.shape[1:]
+    torch.testing.assert_close(some, full[rows], atol=1e-6, rtol=0)
+
+
 def test_default_position_ids():
     cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
     assert packed_position_ids(cu, 5).tolist() == [0, 1, 2, 0, 1]
@@ -153,6 +167,10 @@ def test_bad_inputs_raise_clear_errors(model):
         model(ids[None], cu)
     with pytest.raises(ValueError, match="position_ids"):
         model(ids, cu, position_ids=torch.arange(3))
+    with pytest.raises(ValueError, match="output_rows must be a 1-D integer tensor"):
+        model(ids, cu, output_rows=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="output_rows must be a 1-D integer tensor"):
+        model(ids, cu, output_rows=torch.tensor([[1, 2]]))
 
 
 def _causal_attn_fn(cu):

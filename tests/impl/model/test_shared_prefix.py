@@ -68,6 +68,10 @@ def test_outputs_and_gradients_equal_the_full_pack():
     (a, ga), (b, gb) = results
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(ga, gb, atol=1e-4 * ga.abs().max().item())
+    rows = torch.tensor([len(ids) - 1, 0, 7, 7])  # the head at some rows only
+    with torch.no_grad():
+        some = model(ids, cu, shared_prefix=sp, output_rows=rows)
+    assert torch.allclose(some, a[rows], atol=1e-5)
 
 
 def test_shared_prefix_is_refused_where_it_cannot_hold():

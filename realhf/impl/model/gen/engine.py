@@ -849,6 +849,11 @@ class GenerationEngine:
         extra = {}
         if images:
             extra["images"] = VisionInputs.concat(images).to(dev)
+        if prefill:  # each admitted sequence samples from its prompt's last position
+            # (the head runs at these rows only: at a 152k vocabulary, over every prompt
+            # position it was a quarter of a prefill's products)
+            rows = list(range(B)) + [bounds[B + 1 + u] - 1 for u in owner]
+            extra["output_rows"] = torch.tensor(rows, device=dev)
         logits = self._run_model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(bounds, dtype=torch.int32, device=dev),
@@ -856,10 +861,7 @@ class GenerationEngine:
             attn_fn=attn_fn,
             **extra,
         )
-        if prefill:  # each admitted sequence samples from its prompt's last position
-            rows = list(range(B)) + [bounds[B + 1 + u] - 1 for u in owner]
-            logits = logits[torch.tensor(rows, device=dev)]
-            self.total_prompt_tokens += pbounds[-1]
+        self.total_prompt_tokens += pbounds[-1]
         # Vocabulary shards of a tensor-parallel model are joined for these rows only.
         logits = self._gather_logits(logits)
         if self._banned is not None:

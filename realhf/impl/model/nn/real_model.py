@@ -356,6 +356,7 @@ class ReaLModel(nn.Module):
         hidden: Optional[torch.Tensor] = None,
         shared_prefix: Optional[SharedPrefix] = None,
         images: Optional[VisionInputs] = None,
+        output_rows: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Run the packed batch through the layers this model holds.
 
@@ -383,12 +384,18 @@ class ReaLModel(nn.Module):
                 and the default positions become multimodal RoPE positions ``[3, T]``
                 (:func:`~realhf.impl.model.nn.vision.mrope_positions`).  Explicit
                 ``position_ids`` of such a model may be ``[3, T]``.
+            output_rows: ``LongTensor[R]``, packed rows at which the head runs (a
+                generation's prefill samples from each prompt's last row only): the
+                output then has ``R`` rows, in this order.  The LM head is the largest
+                product of a model with a large vocabulary; a stage without the head
+                still returns all ``T`` hidden states.
 
         Returns:
             ``[T, vocab_size]`` logits (``[T, vocab_size / tp]``, this rank's vocabulary
             rows, under tensor parallelism), or ``[T]`` values for a critic (``[T, 1 +
             vocab]``, the value then the logits, with ``critic_lm_logits``), in the
             model dtype; ``[T, hidden_dim]`` hidden states from a stage without the head.
+            (``R`` rows instead of ``T`` with ``output_rows``.)
         """
         if input_ids.dim() != 1:
             raise ValueError(
@@ -418,6 +425,13 @@ class ReaLModel(nn.Module):
                 )
             if sp.expand.numel() != T:
                 raise ValueError(f"shared_prefix describes {sp.expand.numel()} tokens, not {T}")
+        if output_rows is not None and (
+            output_rows.dim() != 1 or output_rows.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"output_rows must be a 1-D integer tensor of packed rows, got "
+                f"{output_rows.dtype} of shape {tuple(output_rows.shape)}"
+            )
         if int(cu_seqlens[-1]) != T:
             raise ValueError(
                 f"cu_seqlens[-1]={int(cu_seqlens[-1])} must equal the number of packed tokens {T}"
@@ -491,8 +505,11 @@ class ReaLModel(nn.Module):
             self.config.shares_head_with_embedding and not self.head_copies_embedding
         ):
             tied = self.embedding.wte.weight
-        out = self.head(h, tied)
-        return out if sp is None else out.index_select(0, sp.expand)
+        rows = sp.expand if sp is not None else None  # the output's rows among h's
+        if output_rows is not None:
+            output_rows = output_rows.to(h.device)
+            rows = output_rows if rows is None else rows.index_select(0, output_rows)
+        return self.head(h if rows is None else h.index_select(0, rows), tied)
 
     # ---- HuggingFace checkpoints -----------------------------------------
 

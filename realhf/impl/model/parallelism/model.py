@@ -225,7 +225,9 @@ class GridHooks(TensorParallel):
         if not g.is_last_stage:
             dist.send(out.contiguous(), dst=g.next_stage, group=g.groups["pipe"])
             lc = model.layer_config
-            shape = (T,) if lc.is_critic else (T, lc.vocab_size)
+            rows = kw.get("output_rows")
+            R = T if rows is None else rows.numel()  # the head's rows, on the last stage
+            shape = (R,) if lc.is_critic else (R, lc.vocab_size)
             out = torch.empty(shape, dtype=model.dtype, device=model.device)
         dist.broadcast(out, src=g.stage_rank(g.pp_size - 1), group=g.groups["pipe"])
         return out

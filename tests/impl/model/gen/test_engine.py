@@ -189,6 +189,22 @@ def test_requests_with_one_prompt_share_a_prefill_and_sample_as_if_alone(model, 
         assert torch.allclose(torch.tensor(o.output_logprobs), ref, atol=1e-4)
 
 
+def test_the_head_runs_only_at_the_rows_a_step_samples_from(model, make_engine):
+    """A prefill samples from each prompt's last position only, so the LM head (the
+    largest product at a real vocabulary) runs at one row per sequence of a step, never
+    at every prompt position."""
+    eng = make_engine(max_running_requests=4)
+    rows = []
+    hook = model.head.register_forward_hook(lambda mod, args, out: rows.append(out.shape[0]))
+    try:
+        outs = eng.generate([GenerateRequest(input_ids=p, sampling=greedy(3)) for p in PROMPTS])
+    finally:
+        hook.remove()
+    assert rows == [len(PROMPTS)] * 3  # one prefill step (22 prompt tokens), two decode steps
+    for p, o in zip(PROMPTS, outs):
+        assert list(o.output_ids) == reference_greedy(model, p, 3)
+
+
 def test_seeded_sampling_is_reproducible_under_other_traffic(make_engine):
     eng = make_engine(max_running_requests=6)
     sp = SamplingParams(temperature=1.0, max_new_tokens=25, ignore_eos=True, sampling_seed=1234)
