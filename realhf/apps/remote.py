@@ -211,9 +211,10 @@ def run_worker(args) -> int:
     """Build worker ``--type/--index`` and serve until told to exit."""
     if args.index < 0:
         raise SystemExit(f"realhf.apps.remote worker: --index must be >= 0, got {args.index}.")
-    if args.worker_type == "model_worker":
-        # A process of its own (not a test's): its tensors' memory stays in it between
-        # trims (see keep_freed_memory), which the worker makes at the end of each call.
+    if args.worker_type in ("model_worker", "generation_server"):
+        # A process of its own (not a test's): its tensors' memory stays in it (see
+        # keep_freed_memory). A model worker trims at the end of each call; a generation
+        # server keeps its busiest step's memory, which its next prefill takes again.
         gcutil.keep_freed_memory()
     try:
         worker = worker_base.make_worker(

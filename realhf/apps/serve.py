@@ -30,7 +30,7 @@ from typing import List, Optional
 
 from realhf.api.core.gen_api import GenerateRequest, SamplingParams
 from realhf.base import logging
-from realhf.base.gcutil import freeze_startup_objects
+from realhf.base.gcutil import freeze_startup_objects, keep_freed_memory
 from realhf.base.net import auth
 from realhf.base.net.http_server import (
     generation_api_keys,
@@ -180,6 +180,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             "a secret of its own, so no other process can call its control routes (pause, "
             f"weight updates); set ${auth.SECRET_ENV} for the server and its clients alike"
         )
+    # A server's steps free and retake the same large tensors (a prefill's activations):
+    # keep them in the process rather than fault them in again (see keep_freed_memory).
+    keep_freed_memory()
     tokenizer = load_tokenizer(args.model_path)
     engine = load_engine(args.model_path, config, tokenizer=tokenizer)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))

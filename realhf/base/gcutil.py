@@ -99,10 +99,14 @@ def keep_freed_memory() -> bool:
     backward pass.  At the 0.5B shape in bf16 (``ppo-math``, 16 x 72 tokens) the training
     call took 8.3-8.6 s with this against 10.0-10.3 s without (2026-11-29,
     ``benchmark/scale.py``, two runs each), for 0.2-0.3 GiB more at the peak (holes in
-    the heap that a larger tensor cannot reuse).  A model worker's process calls this at
-    start (``realhf.apps.remote``; not a test's process, whose memory would stay high) and
-    the worker trims at the end of each call, where what a call freed is not needed again
-    soon.
+    the heap that a larger tensor cannot reuse).  A generation server's prefill does the
+    same with its activations: at the 0.5B shape in bf16 (16 prompts of 128 tokens) each
+    prefill faulted ~38k pages in again, 0.35-0.42 s of system CPU, against none with this
+    (2026-11-30).  A model worker's process calls this at start (``realhf.apps.remote``; not
+    a test's process, whose memory would stay high) and the worker trims at the end of each
+    call, where what a call freed is not needed again soon.  Generation servers
+    (``realhf.apps.serve`` and the ``generation_server`` worker) call it at start too and
+    never trim: they keep their busiest step's memory for the next one.
 
     Returns whether it applied (glibc only)."""
     libc = _libc()

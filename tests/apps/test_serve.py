@@ -7,6 +7,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -40,6 +41,35 @@ def test_bad_engine_option_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert main(["--model-path", str(tmp_path), "--dtype", "int3"]) == 2
     assert "EngineConfig.dtype='int3'" in capsys.readouterr().err
+
+
+_HEAP_PROBE = r"""
+import sys, torch
+from realhf.apps import serve
+
+def where_a_large_tensor_lives(*args, **kwargs):  # in place of loading the engine
+    t = torch.empty(64 * 2**20, dtype=torch.uint8)
+    ptr = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= ptr < hi:
+            print("heap" if line.rstrip().endswith("[heap]") else "mapping")
+    raise SystemExit(0)
+
+serve.load_engine = where_a_large_tensor_lives
+serve.main(["--model-path", sys.argv[1]])
+"""
+
+
+def test_the_server_keeps_the_memory_its_steps_free():
+    """The serving process keeps freed tensors for its next step (gcutil.keep_freed_memory)
+    from before the model loads: a 64 MB tensor comes from glibc's heap, not from a
+    mapping of its own that the next prefill would fault in again."""
+    out = subprocess.run(
+        [sys.executable, "-c", _HEAP_PROBE, ASSETS], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["heap"]
 
 
 @pytest.mark.slow
