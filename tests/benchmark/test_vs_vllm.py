@@ -58,3 +58,13 @@ def test_each_point_counts_vllms_faster_mode_and_names_it():
     assert mode == {"256x16": "compiled", "64x128": "eager"}
     assert fastest({"eager": {"16x64": 95.0}}) == ({"16x64": 95.0}, {"16x64": "eager"})
     assert fastest({}) == ({}, {})
+
+
+def test_prompts_are_the_datas_or_cut_from_successive_ones_at_the_length_asked():
+    from benchmark.vs_vllm import make_prompts
+
+    data = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    assert make_prompts(data, 2) == [[1, 2, 3], [4, 5]]
+    long = make_prompts(data, 3, prompt_len=7)
+    assert long == [[1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 8, 9, 1], [6, 7, 8, 9, 1, 2, 3]]
+    assert len({tuple(p) for p in long}) == 3  # distinct
