@@ -852,8 +852,8 @@ class GenerationEngine:
         if prefill:  # each admitted sequence samples from its prompt's last position
             # (the head runs at these rows only: at a 152k vocabulary, over every prompt
             # position it was a quarter of a prefill's products)
-            rows = list(range(B)) + [bounds[B + 1 + u] - 1 for u in owner]
-            extra["output_rows"] = torch.tensor(rows, device=dev)
+            sample_rows = list(range(B)) + [bounds[B + 1 + u] - 1 for u in owner]
+            extra["output_rows"] = torch.tensor(sample_rows, device=dev)
         logits = self._run_model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(bounds, dtype=torch.int32, device=dev),
