@@ -13,6 +13,7 @@ import time
 import pytest
 import quickstart_runs
 import requests
+from heap_probe import WHERE_A_LARGE_TENSOR_LIVES
 
 from realhf.apps.serve import READY_LINE, main
 from realhf.base.net import auth
@@ -43,22 +44,20 @@ def test_bad_engine_option_is_a_clear_error(tmp_path, capsys):
     assert "EngineConfig.dtype='int3'" in capsys.readouterr().err
 
 
-_HEAP_PROBE = r"""
-import sys, torch
+_HEAP_PROBE = (
+    WHERE_A_LARGE_TENSOR_LIVES
+    + r"""
+import sys
 from realhf.apps import serve
 
-def where_a_large_tensor_lives(*args, **kwargs):  # in place of loading the engine
-    t = torch.empty(64 * 2**20, dtype=torch.uint8)
-    ptr = t.data_ptr()
-    for line in open("/proc/self/maps"):
-        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-        if lo <= ptr < hi:
-            print("heap" if line.rstrip().endswith("[heap]") else "mapping")
+def report_instead_of_loading(*args, **kwargs):
+    print(where_a_large_tensor_lives())
     raise SystemExit(0)
 
-serve.load_engine = where_a_large_tensor_lives
+serve.load_engine = report_instead_of_loading
 serve.main(["--model-path", sys.argv[1]])
 """
+)
 
 
 def test_the_server_keeps_the_memory_its_steps_free():

@@ -5,6 +5,7 @@ import gc
 import weakref
 
 import pytest
+from heap_probe import WHERE_A_LARGE_TENSOR_LIVES
 
 from realhf.base.gcutil import freeze_startup_objects
 
@@ -31,18 +32,16 @@ def test_start_up_objects_are_frozen_and_later_cycles_are_still_collected():
         gc.unfreeze()
 
 
-_WHERE = r"""
-import sys, torch
+_WHERE = (
+    WHERE_A_LARGE_TENSOR_LIVES
+    + r"""
+import sys
 from realhf.base import gcutil
 if sys.argv[1] == "keep":
     assert gcutil.keep_freed_memory()
-t = torch.empty(64 * 2**20, dtype=torch.uint8)
-ptr = t.data_ptr()
-for line in open("/proc/self/maps"):
-    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-    if lo <= ptr < hi:
-        print("heap" if line.rstrip().endswith("[heap]") else "mapping")
+print(where_a_large_tensor_lives())
 """
+)
 
 
 @pytest.mark.parametrize("mode,where", [("keep", "heap"), ("default", "mapping")])
