@@ -188,22 +188,32 @@ def _serve(reply_fd: int) -> Optional[dict]:
             request = json.loads(line)
             sys.stdout.flush()
             sys.stderr.flush()
+            # The child leads its own session (and process group) before its pid is
+            # reported: the launcher may signal the group at once (proc_group.stop_groups),
+            # and a group that does not exist yet reads as one already gone.
+            session_r, session_w = os.pipe()
             try:
                 pid = os.fork()
             except OSError as e:
+                os.close(session_r)
+                os.close(session_w)
                 _write(reply_fd, {"error": f"fork failed: {e}"})
                 continue
             if pid == 0:
-                for fd in (0, reply_fd, wake_r, wake_w):
+                os.setsid()
+                for fd in (0, reply_fd, wake_r, wake_w, session_r, session_w):
                     os.close(fd)
                 return request
+            os.close(session_w)
+            os.read(session_r, 1)  # end-of-file once the child has closed it (or died)
+            os.close(session_r)
             children.add(pid)
             _write(reply_fd, {"pid": pid})
 
 
 def _become(request: dict) -> None:
-    """In the child: leave the server's session, signals, environment and output."""
-    os.setsid()
+    """In the child, already in its own session: leave the server's signals, environment
+    and output."""
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

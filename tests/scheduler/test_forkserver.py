@@ -77,6 +77,22 @@ def test_signals_timeouts_and_concurrent_children(server, tmp_path):
     assert [p.wait(timeout=30) for p in slow] == [-signal.SIGTERM, -signal.SIGKILL, -signal.SIGTERM]
 
 
+def test_a_child_leads_its_session_when_its_pid_is_reported(server, tmp_path):
+    # The launcher may signal a child's group the moment spawn() returns (stop_groups at a
+    # failed start); a group that does not exist yet reads as one already gone.
+    children = [
+        server.spawn(_argv(tmp_path / f"g{i}.json", 0, "sleep", "60"), _env(), str(tmp_path / "l"))
+        for i in range(8)
+    ]
+    try:
+        for p in children:
+            assert os.getsid(p.pid) == p.pid and os.getpgid(p.pid) == p.pid
+    finally:
+        for p in children:
+            p.kill()
+    assert [p.wait(timeout=30) for p in children] == [-signal.SIGKILL] * 8
+
+
 def test_what_cannot_be_forked_is_refused(server, tmp_path):
     out = tmp_path / "x.json"
     assert not server.can_fork([sys.executable, "-c", "pass"], _env(), PROBE)
