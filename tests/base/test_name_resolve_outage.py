@@ -67,3 +67,24 @@ def test_a_relaunch_waits_for_the_store(restartable_etcd):
     _wait_for_store(spec, 60)
     assert time.monotonic() - t0 > 2
     t.join()
+
+
+def test_a_long_outage_does_not_delay_the_first_call_after_it(restartable_etcd, monkeypatch):
+    # grpc backs off its reconnects while etcd is away (1 s, x1.6 per failed try, up to
+    # 120 s): after 10 s of calls it would next try seconds after etcd is back, and a
+    # status key (6 s TTL, which a restarted etcd extends by one TTL only) could expire.
+    repo = _repo(restartable_etcd, 60, monkeypatch)
+    try:
+        repo.add("exp/worker", "RUNNING", keepalive_ttl=6)
+        restartable_etcd.stop()
+        waiting = threading.Thread(target=repo.get, args=("exp/worker",))
+        waiting.start()  # a worker waiting for a name retries through the outage
+        time.sleep(10)
+        restartable_etcd.start()
+        t0 = time.monotonic()
+        assert repo.get("exp/worker") == "RUNNING"
+        assert time.monotonic() - t0 < 1.5
+        waiting.join(timeout=5)
+        assert not waiting.is_alive()
+    finally:
+        repo.close()

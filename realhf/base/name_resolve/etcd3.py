@@ -22,6 +22,8 @@ from realhf.base.name_resolve._repository import (
 
 DEFAULT_HOST = "localhost"
 DEFAULT_PORT = 2379
+#: ms between grpc's tries to reconnect to an etcd that went away (see __init__)
+RECONNECT_BACKOFF_MS = 500
 
 
 def parse_address(address: str) -> Tuple[str, int]:
@@ -114,7 +116,17 @@ class Etcd3NameRecordRepository(NameRecordRepository):
         # One endpoint whose "failed" mark expires at once (time_retry=0): the
         # library default benches a failed endpoint for 300 s, which would
         # turn one network blip into five minutes of errors.
-        endpoint = pyetcd.Endpoint(host, port, secure=False, time_retry=0.0)
+        #
+        # grpc's own reconnect backoff (1 s, x1.6 per failed try, up to 120 s) grows
+        # while etcd is down: after a 10 s restart it tried again only 3-7 s after etcd
+        # was back, long enough for a status key's lease (6 s TTL, which a restarted
+        # etcd extends by one TTL) to run out.  A try every 0.5 s at most is one
+        # refused connect per process while etcd is down, and nothing once it is up.
+        backoff = [
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+        ]
+        endpoint = pyetcd.Endpoint(host, port, secure=False, time_retry=0.0, opts=backoff)
         self._client = pyetcd.MultiEndpointEtcd3Client(endpoints=[endpoint], timeout=self.timeout)
         self._leases: Dict[str, object] = {}  # key -> pyetcd Lease we own
         try:
