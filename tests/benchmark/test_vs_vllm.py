@@ -68,3 +68,41 @@ def test_prompts_are_the_datas_or_cut_from_successive_ones_at_the_length_asked()
     long = make_prompts(data, 3, prompt_len=7)
     assert long == [[1, 2, 3, 4, 5, 6, 7], [4, 5, 6, 7, 8, 9, 1], [6, 7, 8, 9, 1, 2, 3]]
     assert len({tuple(p) for p in long}) == 3  # distinct
+
+
+def test_servers_are_measured_in_rounds_that_turn_their_order(monkeypatch):
+    """Every round runs each point once on every server, the servers' order turning by one
+    per round, and each point counts the median of its runs: a slow stretch of the VM falls
+    on all servers alike."""
+    from benchmark import vs_vllm
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_healthy(self):
+            return 0.0
+
+        def model_name(self):
+            return f"model-{self.name}"
+
+    calls = []
+    speed = {"a": [10.0, 30.0, 20.0], "b": [5.0, 7.0, 6.0]}
+
+    def run_point(server, model, prompts, concurrency, new_tokens):
+        assert model == f"model-{server.name}"
+        calls.append((server.name, f"{concurrency}x{new_tokens}"))
+        if (concurrency, new_tokens) == (8, 4):
+            return 1.0  # the warm-up
+        runs = [c for c in calls if c == calls[-1]]
+        return speed[server.name][len(runs) - 1] * (2 if concurrency == 64 else 1)
+
+    monkeypatch.setattr(vs_vllm, "run_point", run_point)
+    out = vs_vllm.measure([Stub("a"), Stub("b")], [], [(16, 64), (64, 64)], repeats=3)
+    assert calls[:2] == [("a", "8x4"), ("b", "8x4")]
+    assert calls[2:] == [
+        ("a", "16x64"), ("b", "16x64"), ("a", "64x64"), ("b", "64x64"),  # round 1
+        ("b", "16x64"), ("a", "16x64"), ("b", "64x64"), ("a", "64x64"),  # round 2
+        ("a", "16x64"), ("b", "16x64"), ("a", "64x64"), ("b", "64x64"),  # round 3
+    ]  # fmt: skip
+    assert out == [{"16x64": 20.0, "64x64": 40.0}, {"16x64": 6.0, "64x64": 12.0}]
