@@ -31,7 +31,7 @@ shape in bf16 (16x64: 105-111 against 95-96 tokens/s), while at the tiny shape e
 some points, by up to 50% either way from one run to the next: the VM's noise, not a stable
 ordering. ``--vllm-mode eager`` or ``compiled`` runs one of them (half the time).
 
-Run (about 11 minutes on the 2-core VM, 2 of them vLLM's two start-ups):
+Run (about 6 minutes on the 2-core VM: the three servers start together, ~1 minute):
 
     python benchmark/vs_vllm.py [--points 256x16,256x128,64x128]
 
