@@ -1,15 +1,19 @@
-"""The numba decode-attention kernel alone: its time per cached position and layer, split
-into what reading the cache costs and what its arithmetic costs.
+"""The CPU decode-attention kernels alone (the C++ AVX-512 one and the numba one, side by
+side): their time per cached position and layer, split into what reading the cache costs
+and what their arithmetic costs.
 
     python benchmark/decode_kernel.py [--seqs 256] [--positions 72] [--dtype float32]
                                       [--q-heads 4 --kv-heads 2 --head-dim 64] [--threads 1]
-                                      [--page 16]
+                                      [--page 16] [--impls avx512,numba]
 
 Defaults: the embedded tiny model's attention (4 query / 2 kv heads of 64) at the
 vs-vLLM benchmark's 256 running sequences, lengths drawn from [positions/2, positions],
 4 layers, pages of 16 positions (the engine's ``PAGE_SIZE``), one thread (as the server
 runs it).  In one process, timed in interleaved rounds (each round runs every case once, so
 a VM's slow minutes hit them all alike), medians and minimums over the rounds:
+
+Each kernel (``--impls``: by default every one that can run here) is timed on three
+layouts of the same cache:
 
 - ``scattered``: every sequence's pages lie anywhere in a pool twice the size needed (as
   in a long-running server): the kernel as it runs;
@@ -20,9 +24,10 @@ a VM's slow minutes hit them all alike), medians and minimums over the rounds:
 - ``read``: a numba loop that only reads (sums) the same keys and values as ``scattered``,
   in the same page order, with the same prefetch: what reading the cache alone costs.
 
-If the kernel hid all its memory traffic behind its arithmetic, ``scattered`` would be
+If a kernel hid all its memory traffic behind its arithmetic, ``scattered`` would be
 ``max(resident, read)``; ``scattered / (resident + read)`` near 1 says the two do not
-overlap.  The last line is one JSON object with the figures (ns per position and layer).
+overlap.  The last line is one JSON object with the figures (ns per position and layer),
+per kernel, and ``numba_over_avx512`` (scattered pages) when both ran.
 """
 
 from __future__ import annotations
@@ -77,7 +82,23 @@ def parse_args(argv=None):
     p.add_argument("--page", type=int, default=PAGE_SIZE, help="positions per page")
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--impls",
+        default=None,
+        help="comma-separated kernels to time (avx512, numba); default: those that can run",
+    )
     args = p.parse_args(argv)
+    available = [
+        name
+        for name, ok in (("avx512", ca.avx512_available()), ("numba", ca.numba_available()))
+        if ok
+    ]
+    args.impls = args.impls.split(",") if args.impls else available
+    for name in args.impls:
+        if name not in available:
+            p.error(f"--impls: {name!r} cannot run here; these can: {available}")
+    if not args.impls:
+        p.error("no CPU decode kernel can run here (install numba, or build realhf._C)")
     for name in ("seqs", "positions", "page", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
@@ -86,8 +107,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    if not ca.numba_available():
-        sys.exit("numba is not installed: the decode kernel is numba's (pip install numba)")
     numba.set_num_threads(args.threads)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -108,9 +127,9 @@ def main(argv=None):
     k, v = (torch.randn(B, nkv, d, generator=g).to(dtype) for _ in range(2))
     lens_np = np.asarray(lens, dtype=np.int64)
 
-    def kernel(table):
+    def kernel(impl, table):
         def run():
-            att = ca.DecodeAttention(table, lens, page_size=page, sliding_window=None, impl="numba")
+            att = ca.DecodeAttention(table, lens, page_size=page, sliding_window=None, impl=impl)
             for kc, vc in pools:
                 att(q, k, v, kc, vc)
 
@@ -120,22 +139,23 @@ def main(argv=None):
         for kc, vc in pools:
             _read_only(ca._bits(kc), ca._bits(vc), scattered.numpy(), lens_np, page)
 
-    # The kernel against SDPA over the same cache, once, before any timing.
-    got = ca.DecodeAttention(scattered, lens, page_size=page, sliding_window=None, impl="numba")
+    # Each kernel against SDPA over the same cache, once, before any timing.
     ref = ca.DecodeAttention(scattered, lens, page_size=page, sliding_window=None, impl="padded")
     kc, vc = pools[0]
-    a = got(q, k, v, kc.clone(), vc.clone())
-    b = ref(q.to(dtype), k, v, kc.clone(), vc.clone())
-    err = float((a.float() - b.float()).abs().max())
-    if err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
-        sys.exit(f"the kernel differs from SDPA by {err:.3g}: not timing a wrong kernel")
+    want = ref(q.to(dtype), k, v, kc.clone(), vc.clone())
+    errs = {}
+    for impl in args.impls:
+        got = ca.DecodeAttention(scattered, lens, page_size=page, sliding_window=None, impl=impl)
+        a = got(q, k, v, kc.clone(), vc.clone())
+        errs[impl] = err = float((a.float() - want.float()).abs().max())
+        if err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
+            sys.exit(f"the {impl} kernel differs from SDPA by {err:.3g}: not timing a wrong kernel")
 
+    layouts = {"scattered": scattered, "contiguous": contiguous, "resident": resident}
     cases = {
-        "scattered": kernel(scattered),
-        "contiguous": kernel(contiguous),
-        "resident": kernel(resident),
-        "read": read,
+        f"{impl} {name}": kernel(impl, t) for impl in args.impls for name, t in layouts.items()
     }
+    cases["read"] = read
     for run in cases.values():  # compile (or load numba's cache) and warm up
         run()
     times = {name: [] for name in cases}
@@ -154,14 +174,27 @@ def main(argv=None):
 
     bytes_per = 2 * nkv * d * (2 if dtype == torch.bfloat16 else 4)
     print(
-        f"decode kernel, {args.dtype}, {B} sequences of {min(lens)}-{max(lens)} positions, "
+        f"decode kernels, {args.dtype}, {B} sequences of {min(lens)}-{max(lens)} positions, "
         f"{args.q_heads}/{nkv} heads of {d}, {LAYERS} layers, pages of {page}, "
         f"{args.threads} thread(s)"
     )
-    print(f"{'case':>10}  {'median':>8}  {'min':>8}  ns per position and layer")
+    print(f"{'case':>18}  {'median':>8}  {'min':>8}  ns per position and layer")
     for name, f in ns.items():
-        print(f"{name:>10}  {f['median']:8.1f}  {f['min']:8.1f}")
-    med = {name: f["median"] for name, f in ns.items()}
+        print(f"{name:>18}  {f['median']:8.1f}  {f['min']:8.1f}")
+    read_med = ns["read"]["median"]
+    per_impl = {}
+    for impl in args.impls:
+        med = {name: ns[f"{impl} {name}"]["median"] for name in layouts}
+        per_impl[impl] = {
+            "max_abs_err_vs_sdpa": errs[impl],
+            "ns_per_position_layer": {name: ns[f"{impl} {name}"] for name in layouts},
+            "scattered_over_sum": med["scattered"] / (med["resident"] + read_med),
+            "scattered_over_max": med["scattered"] / max(med["resident"], read_med),
+        }
+        print(
+            f"{impl}: scattered / (resident + read) {per_impl[impl]['scattered_over_sum']:.2f}, "
+            f"/ max(resident, read) {per_impl[impl]['scattered_over_max']:.2f}"
+        )
     out = {
         "date": time.strftime("%Y-%m-%d"),
         "host": host_facts(),
@@ -172,17 +205,16 @@ def main(argv=None):
         "threads": args.threads,
         "page": page,
         "rounds": args.rounds,
-        "max_abs_err_vs_sdpa": err,
-        "ns_per_position_layer": ns,
-        "read_gb_per_s": bytes_per / med["read"],
-        "scattered_over_sum": med["scattered"] / (med["resident"] + med["read"]),
-        "scattered_over_max": med["scattered"] / max(med["resident"], med["read"]),
+        "impls": per_impl,
+        "read_ns_per_position_layer": ns["read"],
+        "read_gb_per_s": bytes_per / read_med,
         "load_average": list(os.getloadavg()[:2]),
     }
-    print(
-        f"reading alone: {out['read_gb_per_s']:.1f} GB/s; scattered / (resident + read) "
-        f"{out['scattered_over_sum']:.2f}, / max(resident, read) {out['scattered_over_max']:.2f}"
-    )
+    if "avx512" in per_impl and "numba" in per_impl:
+        scat = {i: per_impl[i]["ns_per_position_layer"]["scattered"]["median"] for i in per_impl}
+        out["numba_over_avx512"] = scat["numba"] / scat["avx512"]
+        print(f"numba / avx512 on scattered pages: {out['numba_over_avx512']:.2f}")
+    print(f"reading alone: {out['read_gb_per_s']:.1f} GB/s")
     print(json.dumps(out))
 
 

@@ -3,7 +3,7 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "realhf CPU kernels: packed GAE and flat-buffer interval copies";
+  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention";
   namespace py = pybind11;
   m.def("gae_packed", &realhf::gae_packed_cpu, "Packed GAE (see realhf.impl.kernels.gae_packed)",
         py::arg("rewards"), py::arg("values"), py::arg("cu_seqlens"), py::arg("bootstrap"),
@@ -16,4 +16,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("intervals"), py::call_guard<py::gil_scoped_release>());
   m.def("merge_intervals", &realhf::merge_intervals,
         "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
+  m.def("decode_attention", &realhf::decode_attention_cpu,
+        "Decode attention over the paged KV cache, AVX-512 (see "
+        "realhf.impl.model.gen.cache_attention)",
+        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kc"), py::arg("vc"),
+        py::arg("table"), py::arg("lens"), py::arg("page"), py::arg("window"), py::arg("scale"),
+        py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention_avx512_supported", &realhf::decode_attention_avx512_supported,
+        "Whether this CPU runs decode_attention (AVX-512 F/BW/DQ/VL)");
+  m.def("decode_attention_head_size_ok", &realhf::decode_attention_head_size_ok,
+        "Whether decode_attention takes this head size", py::arg("head_dim"));
 }

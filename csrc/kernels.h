@@ -27,4 +27,19 @@ torch::Tensor set_intervals_cpu(const torch::Tensor& src, torch::Tensor dst,
 // Fuse (s, e) with the previous interval when prev.e == s; single pass, order kept.
 torch::Tensor merge_intervals(const torch::Tensor& intervals);
 
+// Decode attention over the paged KV cache (AVX-512; see decode_attention.cpp and
+// realhf.impl.model.gen.cache_attention). q, out [B, n_kv, g, D] float32; k_new, v_new
+// [B, n_kv, D] and kc, vc [N, n_kv, D] float32 or bfloat16; table [B, width] and lens [B]
+// int64. Stores k_new / v_new at position lens - 1, then attends.
+void decode_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_new,
+                          const torch::Tensor& v_new, torch::Tensor kc, torch::Tensor vc,
+                          const torch::Tensor& table, const torch::Tensor& lens, int64_t page,
+                          int64_t window, double scale, torch::Tensor out);
+
+// Whether this CPU runs decode_attention_cpu (AVX-512 F/BW/DQ/VL).
+bool decode_attention_avx512_supported();
+
+// Whether decode_attention_cpu takes this head size (a multiple of 16 up to 128, or 256).
+bool decode_attention_head_size_ok(int64_t d);
+
 }  // namespace realhf

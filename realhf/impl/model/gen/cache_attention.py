@@ -1,23 +1,30 @@
 """Attention of new tokens against the paged KV cache (see :mod:`.kv_cache`).
 
-Two cases, each with a CPU and a device-agnostic path:
+Two cases:
 
 - **decode**: one query token per running sequence attends to the first
-  ``lens[b]`` cached positions of its slot.
+  ``lens[b]`` cached positions of its slot. Three implementations, the first that
+  applies chosen by ``"auto"`` (:func:`select_decode_impl`):
+  - ``avx512``: a C++ kernel (``csrc/decode_attention.cpp``, in ``realhf._C``) for CPUs
+    with AVX-512, float32 or bfloat16 caches, head sizes that are multiples of 16 up to
+    128, or 256. It makes scores 16 keys at a time (16 dot-product vectors reduced into
+    one vector of scores) and keeps up to 4 query heads' outputs in registers while the
+    values stream past. Same contract and traversal as the numba kernel.
   - ``numba``: a two-pass kernel over sequences (spread over numba's threads, or
     a serial build of it for one thread) that reads exactly ``sum(lens)`` cached
     positions, whole pool rows in page order, prefetching the next page while it
     reads one. Used on CPU for float32 and bfloat16 caches (bfloat16 rows widened
-    to float32 as they are read).
+    to float32 as they are read) where the C++ kernel cannot run.
   - ``padded``: one ``scaled_dot_product_attention`` call over the pool rows
     of every sequence's first ``max(lens)`` positions, gathered, with a length
     mask. Used on GPUs and for other dtypes; it reads ``B * max(lens)`` positions.
-  Decode on CPU is bound by reading the cache, so reading only the valid
-  positions, in order, is what pays. One thread of the AVX-512 VM (q 4 heads /
-  kv 2 heads / head_dim 64, fp32, pages scattered over the pool): 256 sequences
-  of 8-136 positions 0.86 ms per layer (1.56 ms when the kernel ran one work item
-  per (sequence, kv head), read each row's heads apart, did not prefetch and
-  called libm's scalar exp); 64 sequences of 1-1000 positions 2.0 ms (2.9 ms).
+  Decode on CPU is bound by reading the cache at few query heads per kv head, so
+  reading only the valid positions, in order, is what pays; at real model shapes
+  (7 query heads per kv head) the arithmetic counts too. One thread of the Xeon VM
+  (`python benchmark/decode_kernel.py`, ns per position and layer, pages scattered
+  over the pool): float32, 4/2 heads of 64, 256 sequences of 68-136 positions: numba
+  130, avx512 89; bfloat16, 14/2 heads of 64, 16 sequences of 130-253: numba 224,
+  avx512 89.
 - **prefill**: a whole prompt attends causally to itself (prompts always start
   at position 0: the engine keeps no prefix cache): one masked SDPA call over
   the prompts padded to the longest, or one call per prompt when padding would
@@ -41,13 +48,18 @@ try:  # numba is a project dependency; the padded path covers its absence.
     import numpy as _np
 except ImportError:  # pragma: no cover - exercised only without numba
     _nb = None
+try:  # the C++ extension is optional: built by `pip install --no-build-isolation -e .`
+    from realhf import _C
+except ImportError:  # pragma: no cover - exercised only without the extension
+    _C = None
 
-DECODE_IMPLS = ("auto", "numba", "padded")
+DECODE_IMPLS = ("auto", "avx512", "numba", "padded")
 
 
 class DecodeImpl(enum.StrEnum):
     """A resolved decode-attention implementation (``"auto"`` resolves to one of these)."""
 
+    AVX512 = "avx512"  # C++ kernel, AVX-512 CPUs: float32 or bf16 caches, most head sizes
     NUMBA = "numba"  # per-sequence kernel over the cache in place: float32 or bf16 CPU caches
     PADDED = "padded"  # SDPA over the padded slot range: any device and dtype
 
@@ -272,23 +284,58 @@ def numba_available() -> bool:
     return _nb is not None
 
 
+def avx512_available() -> bool:
+    """Whether the C++ decode kernel can run here: ``realhf._C`` built with it and a CPU
+    with AVX-512 (F, BW, DQ, VL)."""
+    return (
+        _C is not None
+        and hasattr(_C, "decode_attention")
+        and bool(_C.decode_attention_avx512_supported())
+    )
+
+
+def _avx512_reason(cache: torch.Tensor) -> Optional[str]:
+    """Why the C++ kernel cannot serve ``cache`` ([..., n_kv, head_dim]), or None."""
+    if _C is None or not hasattr(_C, "decode_attention"):
+        return "realhf._C is not built (pip install --no-build-isolation -e .)"
+    if not _C.decode_attention_avx512_supported():
+        return "this CPU has no AVX-512"
+    if cache.device.type != "cpu" or cache.dtype not in _NUMBA_DTYPES:
+        return (
+            "it needs a float32 or bfloat16 CPU cache, this one is "
+            f"{cache.dtype} on {cache.device.type}"
+        )
+    if not _C.decode_attention_head_size_ok(cache.shape[-1]):
+        return f"head size {cache.shape[-1]} is not a multiple of 16 up to 128, or 256"
+    return None
+
+
 #: cache dtypes the numba kernel reads (bfloat16 as its bits, widened row by row)
 _NUMBA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> DecodeImpl:
-    """Resolve ``"auto"``: numba for float32 and bfloat16 CPU caches, padded SDPA
-    otherwise."""
+    """Resolve ``"auto"`` for ``cache`` (one layer's pool, ``[..., n_kv, head_dim]``): the
+    C++ kernel where it can run, else numba for float32 and bfloat16 CPU caches, else
+    padded SDPA."""
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode attention impl {impl!r} is unknown; use one of {DECODE_IMPLS}")
     numba_ok = _nb is not None and cache.device.type == "cpu" and cache.dtype in _NUMBA_DTYPES
+    avx512_why_not = _avx512_reason(cache)
     if impl != "auto":
+        if impl == DecodeImpl.AVX512 and avx512_why_not is not None:
+            raise ValueError(
+                f"decode attention impl 'avx512' cannot run: {avx512_why_not}; use 'numba' "
+                "or 'padded'"
+            )
         if impl == DecodeImpl.NUMBA and not numba_ok:
             raise ValueError(
                 "decode attention impl 'numba' needs numba and a float32 or bfloat16 CPU "
                 f"cache (this one: {cache.dtype} on {cache.device.type}); use 'padded'"
             )
         return DecodeImpl(impl)
+    if avx512_why_not is None:
+        return DecodeImpl.AVX512
     return DecodeImpl.NUMBA if numba_ok else DecodeImpl.PADDED
 
 
@@ -309,7 +356,8 @@ class DecodeAttention:
             included, so ``lens = position + 1``).
         page_size: positions per page.
         sliding_window: attend to at most this many recent positions, or ``None``.
-        impl: ``"numba"`` or ``"padded"`` (resolved with :func:`select_decode_impl`).
+        impl: ``"avx512"``, ``"numba"`` or ``"padded"`` (resolved with
+            :func:`select_decode_impl`).
         device: where the index tensors live.
     """
 
@@ -332,6 +380,10 @@ class DecodeAttention:
         else:
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        if impl is DecodeImpl.AVX512:
+            self._table_t = table.contiguous()
+            self._lens_t = torch.tensor(lens, dtype=torch.long)
+            return
         if impl is DecodeImpl.NUMBA:
             # Converted once per step, not per layer: the kernel takes numpy arrays.
             self._table = table.numpy()
@@ -361,6 +413,23 @@ class DecodeAttention:
         n_kv = kc.shape[1]
         g = n_q // n_kv
         scale = d**-0.5
+        if self.impl is DecodeImpl.AVX512:
+            qn = q.float().contiguous().view(B, n_kv, g, d)
+            out = torch.empty_like(qn)
+            _C.decode_attention(
+                qn,
+                k.to(kc.dtype).contiguous(),
+                v.to(vc.dtype).contiguous(),
+                kc,
+                vc,
+                self._table_t,
+                self._lens_t,
+                self.page,
+                self.window,
+                scale,
+                out,
+            )
+            return out.view(B, n_q, d).to(q.dtype)
         if self.impl is DecodeImpl.NUMBA:
             qn = q.float().contiguous().view(B, n_kv, g, d)
             out = torch.empty_like(qn)
