@@ -90,7 +90,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--device", default=d.device)
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--decode-attn-impl", default=d.decode_attn_impl)
+    p.add_argument(
+        "--decode-attn-impl",
+        default=d.decode_attn_impl,
+        help="auto (the first that can run of avx512, numba, padded), avx512, numba or padded",
+    )
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument(
         "--num-threads",

@@ -21,10 +21,10 @@ Two cases:
   Decode on CPU is bound by reading the cache at few query heads per kv head, so
   reading only the valid positions, in order, is what pays; at real model shapes
   (7 query heads per kv head) the arithmetic counts too. One thread of the Xeon VM
-  (`python benchmark/decode_kernel.py`, ns per position and layer, pages scattered
+  (``python benchmark/decode_kernel.py``, ns per position and layer, pages scattered
   over the pool): float32, 4/2 heads of 64, 256 sequences of 68-136 positions: numba
-  130, avx512 89; bfloat16, 14/2 heads of 64, 16 sequences of 130-253: numba 224,
-  avx512 89.
+  122, avx512 82; bfloat16, 14/2 heads of 64, 16 sequences of 130-253: numba 218,
+  avx512 98.
 - **prefill**: a whole prompt attends causally to itself (prompts always start
   at position 0: the engine keeps no prefix cache): one masked SDPA call over
   the prompts padded to the longest, or one call per prompt when padding would
