@@ -3,7 +3,7 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention";
+  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention, inference RMSNorm and RoPE";
   namespace py = pybind11;
   m.def("gae_packed", &realhf::gae_packed_cpu, "Packed GAE (see realhf.impl.kernels.gae_packed)",
         py::arg("rewards"), py::arg("values"), py::arg("cu_seqlens"), py::arg("bootstrap"),
@@ -22,8 +22,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kc"), py::arg("vc"),
         py::arg("table"), py::arg("lens"), py::arg("page"), py::arg("window"), py::arg("scale"),
         py::arg("out"), py::call_guard<py::gil_scoped_release>());
-  m.def("decode_attention_avx512_supported", &realhf::decode_attention_avx512_supported,
-        "Whether this CPU runs decode_attention (AVX-512 F/BW/DQ/VL)");
+  m.def("avx512_supported", &realhf::avx512_supported,
+        "Whether this CPU runs the AVX-512 kernels (AVX-512 F/BW/DQ/VL)");
+  m.def("rms_norm", &realhf::rms_norm_cpu, "Inference RMSNorm, AVX-512 (see norm_rope.cpp)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &realhf::rope_cpu, "Inference rotary embedding, AVX-512 (see norm_rope.cpp)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_head_size_ok", &realhf::decode_attention_head_size_ok,
         "Whether decode_attention takes this head size", py::arg("head_dim"));
 }

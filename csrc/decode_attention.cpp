@@ -15,8 +15,7 @@
 //  - the weighted sum of values keeps up to 4 query heads' outputs in registers while the
 //    values of every position stream past once per 4 heads;
 //  - exp is a vector polynomial with _mm512_scalef_ps for the power of two.
-// Functions carry target("avx512f,...") so the file builds with the default flags; Python
-// calls it only where the CPU has AVX-512 (decode_attention_avx512_supported()).
+// Python calls it only where the CPU has AVX-512 (avx512_supported(), see avx512.h).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -25,31 +24,16 @@
 #include <cstring>
 #include <vector>
 
+#include "avx512.h"
 #include "kernels.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define REALHF_X86 1
-#include <immintrin.h>
-#endif
 
 namespace realhf {
 
 #ifdef REALHF_X86
 
-#define AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
-
 namespace {
 
-// 16 lanes of a float32 or bfloat16 row as float32 (a bfloat16 is a float32's top half).
-template <bool BF16>
-AVX512 inline __m512 load16(const void* p) {
-  if constexpr (BF16) {
-    __m256i h = _mm256_loadu_si256(static_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  } else {
-    return _mm512_loadu_ps(static_cast<const float*>(p));
-  }
-}
+using avx512::load16;
 
 // exp(x) for x <= 0 (Cephes' expf polynomial, as the numba kernel's _exp_split; relative
 // error ~1e-7); below -87 the result is that of -87.
@@ -293,12 +277,6 @@ void run(const Args& a) {
 
 }  // namespace
 
-bool decode_attention_avx512_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-}
-
 bool decode_attention_head_size_ok(int64_t d) {
   return d == 256 || (d > 0 && d <= 128 && d % 16 == 0);
 }
@@ -307,15 +285,13 @@ bool decode_attention_head_size_ok(int64_t d) {
 
 bool decode_attention_head_size_ok(int64_t) { return false; }
 
-bool decode_attention_avx512_supported() { return false; }
-
 #endif
 
 void decode_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_new,
                           const torch::Tensor& v_new, torch::Tensor kc, torch::Tensor vc,
                           const torch::Tensor& table, const torch::Tensor& lens, int64_t page,
                           int64_t window, double scale, torch::Tensor out) {
-  TORCH_CHECK(decode_attention_avx512_supported(),
+  TORCH_CHECK(avx512_supported(),
               "decode_attention: this CPU has no AVX-512; use the numba kernel");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
               "decode_attention: q must be a contiguous float32 [B, n_kv, g, D] tensor");

@@ -36,10 +36,21 @@ void decode_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_new,
                           const torch::Tensor& table, const torch::Tensor& lens, int64_t page,
                           int64_t window, double scale, torch::Tensor out);
 
-// Whether this CPU runs decode_attention_cpu (AVX-512 F/BW/DQ/VL).
-bool decode_attention_avx512_supported();
+// Whether this CPU runs the AVX-512 kernels (decode_attention_cpu, rms_norm_cpu,
+// rope_cpu): AVX-512 F/BW/DQ/VL.
+bool avx512_supported();
 
 // Whether decode_attention_cpu takes this head size (a multiple of 16 up to 128, or 256).
 bool decode_attention_head_size_ok(int64_t d);
+
+// Inference-only RMSNorm over the last dim of a contiguous float32 or bfloat16 x [..., D]
+// with weight [D] of x's dtype: weight * round(x * rsqrt(mean(x^2) + eps)), statistics in
+// float32, rounded to x's dtype where realhf.impl.model.modules.norm rounds.
+torch::Tensor rms_norm_cpu(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+
+// Inference-only rotary embedding: x [T, H, D] (last dim contiguous, any other strides),
+// cos and signed sin [T, 1, D] of x's dtype -> contiguous x * cos + roll(x, D / 2) * sin,
+// rounded as torch rounds each of the three ops (bit for bit).
+torch::Tensor rope_cpu(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
 
 }  // namespace realhf

@@ -3,6 +3,9 @@
 * `gae_packed`: generalised advantage estimation over a packed batch of sequences.
 * `slice_intervals` / `set_intervals` / `merge_intervals`: copies between a flat
   parameter buffer and the packed intervals that parameter reallocation sends.
+* `avx512_cpu`: the extension where this CPU runs its AVX-512 kernels (the generation
+  engine's decode attention, RMSNorm and RoPE; their callers fall back to numba or
+  torch's ops without it).
 
 Each public function dispatches to the compiled extension for the tensor's device —
 `realhf._C` (C++, CPU) or `realhf._C_cuda` (CUDA) — which `pip install
@@ -13,6 +16,7 @@ references are what the tests compare the kernels against.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Sequence
 
@@ -31,6 +35,7 @@ except ImportError:  # no CUDA toolkit or CPU-only torch at build time
 _warned = False
 
 __all__ = [
+    "avx512_cpu",
     "backend",
     "gae_packed",
     "gae_packed_reference",
@@ -58,6 +63,15 @@ def backend(device: str | torch.device = "cpu") -> str:
     if _extension_for(device) is None:
         return "reference"
     return "cuda" if device.type == "cuda" else "cpp"
+
+
+@functools.cache
+def avx512_cpu():
+    """``realhf._C`` where this CPU runs its AVX-512 kernels (AVX-512 F/BW/DQ/VL), else
+    ``None`` (extension not built, built before they existed, or another CPU)."""
+    if _C is None or not hasattr(_C, "avx512_supported"):
+        return None
+    return _C if _C.avx512_supported() else None
 
 
 def _kernel_or_warn(device: torch.device):

@@ -48,10 +48,7 @@ try:  # numba is a project dependency; the padded path covers its absence.
     import numpy as _np
 except ImportError:  # pragma: no cover - exercised only without numba
     _nb = None
-try:  # the C++ extension is optional: built by `pip install --no-build-isolation -e .`
-    from realhf import _C
-except ImportError:  # pragma: no cover - exercised only without the extension
-    _C = None
+from realhf.impl.kernels import avx512_cpu
 
 DECODE_IMPLS = ("auto", "avx512", "numba", "padded")
 
@@ -287,25 +284,23 @@ def numba_available() -> bool:
 def avx512_available() -> bool:
     """Whether the C++ decode kernel can run here: ``realhf._C`` built with it and a CPU
     with AVX-512 (F, BW, DQ, VL)."""
-    return (
-        _C is not None
-        and hasattr(_C, "decode_attention")
-        and bool(_C.decode_attention_avx512_supported())
-    )
+    return avx512_cpu() is not None
 
 
 def _avx512_reason(cache: torch.Tensor) -> Optional[str]:
     """Why the C++ kernel cannot serve ``cache`` ([..., n_kv, head_dim]), or None."""
-    if _C is None or not hasattr(_C, "decode_attention"):
-        return "realhf._C is not built (pip install --no-build-isolation -e .)"
-    if not _C.decode_attention_avx512_supported():
-        return "this CPU has no AVX-512"
+    ext = avx512_cpu()
+    if ext is None:
+        return (
+            "this CPU has no AVX-512, or realhf._C is not built "
+            "(pip install --no-build-isolation -e .)"
+        )
     if cache.device.type != "cpu" or cache.dtype not in _NUMBA_DTYPES:
         return (
             "it needs a float32 or bfloat16 CPU cache, this one is "
             f"{cache.dtype} on {cache.device.type}"
         )
-    if not _C.decode_attention_head_size_ok(cache.shape[-1]):
+    if not ext.decode_attention_head_size_ok(cache.shape[-1]):
         return f"head size {cache.shape[-1]} is not a multiple of 16 up to 128, or 256"
     return None
 
@@ -416,7 +411,7 @@ class DecodeAttention:
         if self.impl is DecodeImpl.AVX512:
             qn = q.float().contiguous().view(B, n_kv, g, d)
             out = torch.empty_like(qn)
-            _C.decode_attention(
+            avx512_cpu().decode_attention(
                 qn,
                 k.to(kc.dtype).contiguous(),
                 v.to(vc.dtype).contiguous(),

@@ -13,6 +13,9 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
+from realhf.impl.kernels import avx512_cpu
+from realhf.impl.model.modules.norm import FUSED_DTYPES
+
 #: the RoPE scalings implemented (``rope_type`` of HuggingFace's rope_parameters)
 SUPPORTED_ROPE_SCALING = ("llama3",)
 #: the keys of a llama3 scaling
@@ -94,5 +97,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     HuggingFace's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2,
     x1)``: here the halves are swapped by a roll and the sign is in the table, which
     gives the same products in two fewer operations per call.
+
+    Under ``torch.inference_mode()`` (the generation engine) on a CPU with AVX-512, float32
+    and bfloat16 go through one C++ pass (``realhf._C.rope``), equal to these ops bit for
+    bit.
     """
+    ext = avx512_cpu() if torch.is_inference_mode_enabled() else None
+    if ext is not None and _fusable(x, cos, sin):
+        return ext.rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+
+def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    T, _, D = x.shape if x.dim() == 3 else (None, None, None)
+    return (
+        T is not None
+        and x.device.type == "cpu"
+        and x.dtype in FUSED_DTYPES
+        and x.stride(-1) == 1
+        and D % 2 == 0
+        and all(
+            t.dtype == x.dtype and t.shape == (T, 1, D) and t.stride(-1) == 1 for t in (cos, sin)
+        )
+        and cos.stride(0) == sin.stride(0)
+    )
