@@ -1,7 +1,7 @@
 // Shared pieces of realhf's AVX-512 CPU kernels (decode_attention.cpp, norm_rope.cpp).
 //
 // Functions carry target("avx512f,...") so the files build with the default flags; Python
-// calls them only where the CPU has AVX-512 (avx512_supported()). Everything here is
+// calls them only where the CPU has AVX-512 (avx512_supported(), in norm_rope.cpp). All here is
 // inline and file-local to each kernel file.
 #pragma once
 

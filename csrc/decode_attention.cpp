@@ -15,7 +15,7 @@
 //  - the weighted sum of values keeps up to 4 query heads' outputs in registers while the
 //    values of every position stream past once per 4 heads;
 //  - exp is a vector polynomial with _mm512_scalef_ps for the power of two.
-// Python calls it only where the CPU has AVX-512 (avx512_supported(), see avx512.h).
+// Python calls it only where the CPU has AVX-512 (avx512_supported(), in norm_rope.cpp).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
