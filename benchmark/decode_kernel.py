@@ -1,10 +1,10 @@
-"""The CPU decode-attention kernels alone (the C++ AVX-512 one and the numba one, side by
-side): their time per cached position and layer, split into what reading the cache costs
-and what their arithmetic costs.
+"""The CPU decode-attention kernels alone (the C++ one, each build the CPU runs, and the
+numba one, side by side): their time per cached position and layer, split into what
+reading the cache costs and what their arithmetic costs.
 
     python benchmark/decode_kernel.py [--seqs 256] [--positions 72] [--dtype float32]
                                       [--q-heads 4 --kv-heads 2 --head-dim 64] [--threads 1]
-                                      [--page 16] [--impls avx512,numba]
+                                      [--page 16] [--impls cpp/avx2,numba]
 
 Defaults: the embedded tiny model's attention (4 query / 2 kv heads of 64) at the
 vs-vLLM benchmark's 256 running sequences, lengths drawn from [positions/2, positions],
@@ -12,8 +12,9 @@ vs-vLLM benchmark's 256 running sequences, lengths drawn from [positions/2, posi
 runs it).  In one process, timed in interleaved rounds (each round runs every case once, so
 a VM's slow minutes hit them all alike), medians and minimums over the rounds:
 
-Each kernel (``--impls``: by default every one that can run here) is timed on three
-layouts of the same cache:
+Each kernel (``--impls``: by default every one that can run here: ``cpp/avx512`` and
+``cpp/avx2``, the C++ kernel's builds, on AVX-512 CPUs, ``cpp/avx2`` on AVX2 ones, and
+``numba``) is timed on three layouts of the same cache:
 
 - ``scattered``: every sequence's pages lie anywhere in a pool twice the size needed (as
   in a long-running server): the kernel as it runs;
@@ -27,7 +28,8 @@ layouts of the same cache:
 If a kernel hid all its memory traffic behind its arithmetic, ``scattered`` would be
 ``max(resident, read)``; ``scattered / (resident + read)`` near 1 says the two do not
 overlap.  The last line is one JSON object with the figures (ns per position and layer),
-per kernel, and ``numba_over_avx512`` (scattered pages) when both ran.
+per kernel, and ``numba_over_cpp`` (scattered pages; the widest C++ build that ran) when
+both ran.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import numba
 import numpy as np
 import torch
 
+from realhf.impl.kernels import simd_isas
 from realhf.impl.model.gen import cache_attention as ca
 from realhf.impl.model.gen.kv_cache import PAGE_SIZE
 
@@ -85,14 +88,12 @@ def parse_args(argv=None):
     p.add_argument(
         "--impls",
         default=None,
-        help="comma-separated kernels to time (avx512, numba); default: those that can run",
+        help="comma-separated kernels to time (cpp/avx512, cpp/avx2, numba); default: those "
+        "that can run",
     )
     args = p.parse_args(argv)
-    available = [
-        name
-        for name, ok in (("avx512", ca.avx512_available()), ("numba", ca.numba_available()))
-        if ok
-    ]
+    available = [f"cpp/{isa}" for isa in simd_isas()]
+    available += ["numba"] if ca.numba_available() else []
     args.impls = args.impls.split(",") if args.impls else available
     for name in args.impls:
         if name not in available:
@@ -127,9 +128,15 @@ def main(argv=None):
     k, v = (torch.randn(B, nkv, d, generator=g).to(dtype) for _ in range(2))
     lens_np = np.asarray(lens, dtype=np.int64)
 
+    def attention(impl, table):
+        name, _, isa = impl.partition("/")
+        return ca.DecodeAttention(
+            table, lens, page_size=page, sliding_window=None, impl=name, isa=isa
+        )
+
     def kernel(impl, table):
         def run():
-            att = ca.DecodeAttention(table, lens, page_size=page, sliding_window=None, impl=impl)
+            att = attention(impl, table)
             for kc, vc in pools:
                 att(q, k, v, kc, vc)
 
@@ -145,8 +152,7 @@ def main(argv=None):
     want = ref(q.to(dtype), k, v, kc.clone(), vc.clone())
     errs = {}
     for impl in args.impls:
-        got = ca.DecodeAttention(scattered, lens, page_size=page, sliding_window=None, impl=impl)
-        a = got(q, k, v, kc.clone(), vc.clone())
+        a = attention(impl, scattered)(q, k, v, kc.clone(), vc.clone())
         errs[impl] = err = float((a.float() - want.float()).abs().max())
         if err > (2e-2 if dtype == torch.bfloat16 else 1e-4):
             sys.exit(f"the {impl} kernel differs from SDPA by {err:.3g}: not timing a wrong kernel")
@@ -210,10 +216,11 @@ def main(argv=None):
         "read_gb_per_s": bytes_per / read_med,
         "load_average": list(os.getloadavg()[:2]),
     }
-    if "avx512" in per_impl and "numba" in per_impl:
+    cpp = [i for i in per_impl if i.startswith("cpp/")]
+    if cpp and "numba" in per_impl:
         scat = {i: per_impl[i]["ns_per_position_layer"]["scattered"]["median"] for i in per_impl}
-        out["numba_over_avx512"] = scat["numba"] / scat["avx512"]
-        print(f"numba / avx512 on scattered pages: {out['numba_over_avx512']:.2f}")
+        out["numba_over_cpp"] = scat["numba"] / scat[cpp[0]]
+        print(f"numba / {cpp[0]} on scattered pages: {out['numba_over_cpp']:.2f}")
     print(f"reading alone: {out['read_gb_per_s']:.1f} GB/s")
     print(json.dumps(out))
 

@@ -16,18 +16,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("intervals"), py::call_guard<py::gil_scoped_release>());
   m.def("merge_intervals", &realhf::merge_intervals,
         "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
+  m.def("simd_isa", &realhf::simd_isa,
+        "The widest build of the vector kernels (decode_attention, rms_norm, rope) this CPU "
+        "runs: 'avx512', 'avx2' or '' (none)");
   m.def("decode_attention", &realhf::decode_attention_cpu,
-        "Decode attention over the paged KV cache, AVX-512 (see "
-        "realhf.impl.model.gen.cache_attention)",
+        "Decode attention over the paged KV cache (see realhf.impl.model.gen.cache_attention)",
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kc"), py::arg("vc"),
         py::arg("table"), py::arg("lens"), py::arg("page"), py::arg("window"), py::arg("scale"),
-        py::arg("out"), py::call_guard<py::gil_scoped_release>());
-  m.def("avx512_supported", &realhf::avx512_supported,
-        "Whether this CPU runs the AVX-512 kernels (AVX-512 F/BW/DQ/VL)");
-  m.def("rms_norm", &realhf::rms_norm_cpu, "Inference RMSNorm, AVX-512 (see norm_rope.cpp)",
-        py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
-  m.def("rope", &realhf::rope_cpu, "Inference rotary embedding, AVX-512 (see norm_rope.cpp)",
-        py::arg("x"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
+        py::arg("out"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention_head_size_ok", &realhf::decode_attention_head_size_ok,
         "Whether decode_attention takes this head size", py::arg("head_dim"));
+  m.def("rms_norm", &realhf::rms_norm_cpu, "Inference RMSNorm (see csrc/norm_rope_simd.h)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("isa") = "",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope", &realhf::rope_cpu, "Inference rotary embedding (see csrc/norm_rope_simd.h)",
+        py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("isa") = "",
+        py::call_guard<py::gil_scoped_release>());
 }

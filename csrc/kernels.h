@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <tuple>
 
 namespace realhf {
@@ -27,18 +28,22 @@ torch::Tensor set_intervals_cpu(const torch::Tensor& src, torch::Tensor dst,
 // Fuse (s, e) with the previous interval when prev.e == s; single pass, order kept.
 torch::Tensor merge_intervals(const torch::Tensor& intervals);
 
-// Decode attention over the paged KV cache (AVX-512; see decode_attention.cpp and
+// The kernels below run on the CPU's vector units (simd.h): `isa` names the build to run,
+// "avx512" or "avx2", and "" the widest this CPU runs; each throws where the CPU runs
+// neither (simd_isa() says which it runs).
+
+// The widest build of the vector kernels this CPU runs: "avx512", "avx2" or "".
+std::string simd_isa();
+
+// Decode attention over the paged KV cache (see decode_attention_simd.h and
 // realhf.impl.model.gen.cache_attention). q, out [B, n_kv, g, D] float32; k_new, v_new
 // [B, n_kv, D] and kc, vc [N, n_kv, D] float32 or bfloat16; table [B, width] and lens [B]
 // int64. Stores k_new / v_new at position lens - 1, then attends.
 void decode_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_new,
                           const torch::Tensor& v_new, torch::Tensor kc, torch::Tensor vc,
                           const torch::Tensor& table, const torch::Tensor& lens, int64_t page,
-                          int64_t window, double scale, torch::Tensor out);
-
-// Whether this CPU runs the AVX-512 kernels (decode_attention_cpu, rms_norm_cpu,
-// rope_cpu): AVX-512 F/BW/DQ/VL.
-bool avx512_supported();
+                          int64_t window, double scale, torch::Tensor out,
+                          const std::string& isa);
 
 // Whether decode_attention_cpu takes this head size (a multiple of 16 up to 128, or 256).
 bool decode_attention_head_size_ok(int64_t d);
@@ -46,11 +51,13 @@ bool decode_attention_head_size_ok(int64_t d);
 // Inference-only RMSNorm over the last dim of a contiguous float32 or bfloat16 x [..., D]
 // with weight [D] of x's dtype: weight * round(x * rsqrt(mean(x^2) + eps)), statistics in
 // float32, rounded to x's dtype where realhf.impl.model.modules.norm rounds.
-torch::Tensor rms_norm_cpu(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+torch::Tensor rms_norm_cpu(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                           const std::string& isa);
 
 // Inference-only rotary embedding: x [T, H, D] (last dim contiguous, any other strides),
 // cos and signed sin [T, 1, D] of x's dtype -> contiguous x * cos + roll(x, D / 2) * sin,
 // rounded as torch rounds each of the three ops (bit for bit).
-torch::Tensor rope_cpu(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+torch::Tensor rope_cpu(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                       const std::string& isa);
 
 }  // namespace realhf

@@ -93,7 +93,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--decode-attn-impl",
         default=d.decode_attn_impl,
-        help="auto (the first that can run of avx512, numba, padded), avx512, numba or padded",
+        help="auto (the first that can run of cpp, numba, padded), cpp, numba or padded",
     )
     p.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
     p.add_argument(

@@ -3,9 +3,9 @@
 * `gae_packed`: generalised advantage estimation over a packed batch of sequences.
 * `slice_intervals` / `set_intervals` / `merge_intervals`: copies between a flat
   parameter buffer and the packed intervals that parameter reallocation sends.
-* `avx512_cpu`: the extension where this CPU runs its AVX-512 kernels (the generation
-  engine's decode attention, RMSNorm and RoPE; their callers fall back to numba or
-  torch's ops without it).
+* `simd_cpu` / `simd_isa`: the extension where this CPU runs its vector kernels (the
+  generation engine's decode attention, RMSNorm and RoPE, built for AVX-512 and for AVX2;
+  their callers fall back to numba or torch's ops without them).
 
 Each public function dispatches to the compiled extension for the tensor's device —
 `realhf._C` (C++, CPU) or `realhf._C_cuda` (CUDA) — which `pip install
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +35,10 @@ except ImportError:  # no CUDA toolkit or CPU-only torch at build time
 _warned = False
 
 __all__ = [
-    "avx512_cpu",
+    "SIMD_ISAS",
+    "simd_cpu",
+    "simd_isa",
+    "simd_isas",
     "backend",
     "gae_packed",
     "gae_packed_reference",
@@ -65,13 +68,33 @@ def backend(device: str | torch.device = "cpu") -> str:
     return "cuda" if device.type == "cuda" else "cpp"
 
 
+#: the builds of ``realhf._C``'s vector CPU kernels (``csrc/simd.h``), widest first
+SIMD_ISAS = ("avx512", "avx2")
+
+
 @functools.cache
-def avx512_cpu():
-    """``realhf._C`` where this CPU runs its AVX-512 kernels (AVX-512 F/BW/DQ/VL), else
-    ``None`` (extension not built, built before they existed, or another CPU)."""
-    if _C is None or not hasattr(_C, "avx512_supported"):
+def simd_isa() -> Optional[str]:
+    """The widest build of ``realhf._C``'s vector CPU kernels (the generation engine's
+    decode attention, RMSNorm and RoPE) this CPU runs: ``"avx512"`` (AVX-512 F/BW/DQ/VL),
+    ``"avx2"`` (AVX2 with FMA), or ``None`` (extension not built, or built before these
+    kernels, or by another compiler than GCC, or a CPU with neither)."""
+    if _C is None or not hasattr(_C, "simd_isa"):
         return None
-    return _C if _C.avx512_supported() else None
+    return _C.simd_isa() or None
+
+
+def simd_isas() -> tuple:
+    """Every build this CPU runs, widest first (an AVX-512 CPU runs the AVX2 one too): the
+    values the kernels' ``isa`` argument takes here."""
+    best = simd_isa()
+    return SIMD_ISAS[SIMD_ISAS.index(best) :] if best else ()
+
+
+def simd_cpu():
+    """``realhf._C`` where this CPU runs its vector kernels (:func:`simd_isa`), else
+    ``None``. Its ``decode_attention``, ``rms_norm`` and ``rope`` run the widest build
+    unless given ``isa=``."""
+    return _C if simd_isa() else None
 
 
 def _kernel_or_warn(device: torch.device):

@@ -5,11 +5,12 @@ Two cases:
 - **decode**: one query token per running sequence attends to the first
   ``lens[b]`` cached positions of its slot. Three implementations, the first that
   applies chosen by ``"auto"`` (:func:`select_decode_impl`):
-  - ``avx512``: a C++ kernel (``csrc/decode_attention.cpp``, in ``realhf._C``) for CPUs
-    with AVX-512, float32 or bfloat16 caches, head sizes that are multiples of 16 up to
-    128, or 256. It makes scores 16 keys at a time (16 dot-product vectors reduced into
-    one vector of scores) and keeps up to 4 query heads' outputs in registers while the
-    values stream past. Same contract and traversal as the numba kernel.
+  - ``cpp``: a C++ kernel (``csrc/decode_attention_simd.h``, in ``realhf._C``), built for
+    AVX-512 and for AVX2 (the widest the CPU runs is used), float32 or bfloat16 caches,
+    head sizes that are multiples of 16 up to 128, or 256. It makes scores a vector's
+    width of keys at a time (that many dot-product vectors reduced into one vector of
+    scores) and keeps up to 4 query heads' outputs in registers while the values stream
+    past. Same contract and traversal as the numba kernel.
   - ``numba``: a two-pass kernel over sequences (spread over numba's threads, or
     a serial build of it for one thread) that reads exactly ``sum(lens)`` cached
     positions, whole pool rows in page order, prefetching the next page while it
@@ -23,8 +24,9 @@ Two cases:
   (7 query heads per kv head) the arithmetic counts too. One thread of the Xeon VM
   (``python benchmark/decode_kernel.py``, ns per position and layer, pages scattered
   over the pool): float32, 4/2 heads of 64, 256 sequences of 68-136 positions: numba
-  122, avx512 82; bfloat16, 14/2 heads of 64, 16 sequences of 130-253: numba 218,
-  avx512 98.
+  122, cpp (AVX-512) 82; bfloat16, 14/2 heads of 64, 16 sequences of 130-253: numba 218,
+  cpp 98. On a Zen 1 EPYC (AVX2), the float32 case: numba 167, cpp (AVX2) 150, reading
+  the same cache alone 91.
 - **prefill**: a whole prompt attends causally to itself (prompts always start
   at position 0: the engine keeps no prefix cache): one masked SDPA call over
   the prompts padded to the longest, or one call per prompt when padding would
@@ -48,15 +50,15 @@ try:  # numba is a project dependency; the padded path covers its absence.
     import numpy as _np
 except ImportError:  # pragma: no cover - exercised only without numba
     _nb = None
-from realhf.impl.kernels import avx512_cpu
+from realhf.impl.kernels import simd_cpu
 
-DECODE_IMPLS = ("auto", "avx512", "numba", "padded")
+DECODE_IMPLS = ("auto", "cpp", "numba", "padded")
 
 
 class DecodeImpl(enum.StrEnum):
     """A resolved decode-attention implementation (``"auto"`` resolves to one of these)."""
 
-    AVX512 = "avx512"  # C++ kernel, AVX-512 CPUs: float32 or bf16 caches, most head sizes
+    CPP = "cpp"  # C++ kernel, AVX2 or AVX-512 CPUs: float32 or bf16 caches, most head sizes
     NUMBA = "numba"  # per-sequence kernel over the cache in place: float32 or bf16 CPU caches
     PADDED = "padded"  # SDPA over the padded slot range: any device and dtype
 
@@ -281,18 +283,18 @@ def numba_available() -> bool:
     return _nb is not None
 
 
-def avx512_available() -> bool:
-    """Whether the C++ decode kernel can run here: ``realhf._C`` built with it and a CPU
-    with AVX-512 (F, BW, DQ, VL)."""
-    return avx512_cpu() is not None
+def cpp_available() -> bool:
+    """Whether the C++ decode kernel can run here: ``realhf._C`` built with it (by GCC) and
+    a CPU with AVX2 and FMA, or AVX-512 (:func:`realhf.impl.kernels.simd_isa`)."""
+    return simd_cpu() is not None
 
 
-def _avx512_reason(cache: torch.Tensor) -> Optional[str]:
+def _cpp_reason(cache: torch.Tensor) -> Optional[str]:
     """Why the C++ kernel cannot serve ``cache`` ([..., n_kv, head_dim]), or None."""
-    ext = avx512_cpu()
+    ext = simd_cpu()
     if ext is None:
         return (
-            "this CPU has no AVX-512, or realhf._C is not built "
+            "this CPU has neither AVX2 with FMA nor AVX-512, or realhf._C is not built "
             "(pip install --no-build-isolation -e .)"
         )
     if cache.device.type != "cpu" or cache.dtype not in _NUMBA_DTYPES:
@@ -316,12 +318,11 @@ def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> DecodeImpl:
     if impl not in DECODE_IMPLS:
         raise ValueError(f"decode attention impl {impl!r} is unknown; use one of {DECODE_IMPLS}")
     numba_ok = _nb is not None and cache.device.type == "cpu" and cache.dtype in _NUMBA_DTYPES
-    avx512_why_not = _avx512_reason(cache)
+    cpp_why_not = _cpp_reason(cache)
     if impl != "auto":
-        if impl == DecodeImpl.AVX512 and avx512_why_not is not None:
+        if impl == DecodeImpl.CPP and cpp_why_not is not None:
             raise ValueError(
-                f"decode attention impl 'avx512' cannot run: {avx512_why_not}; use 'numba' "
-                "or 'padded'"
+                f"decode attention impl 'cpp' cannot run: {cpp_why_not}; use 'numba' or 'padded'"
             )
         if impl == DecodeImpl.NUMBA and not numba_ok:
             raise ValueError(
@@ -329,8 +330,8 @@ def select_decode_impl(cache: torch.Tensor, impl: str = "auto") -> DecodeImpl:
                 f"cache (this one: {cache.dtype} on {cache.device.type}); use 'padded'"
             )
         return DecodeImpl(impl)
-    if avx512_why_not is None:
-        return DecodeImpl.AVX512
+    if cpp_why_not is None:
+        return DecodeImpl.CPP
     return DecodeImpl.NUMBA if numba_ok else DecodeImpl.PADDED
 
 
@@ -351,9 +352,11 @@ class DecodeAttention:
             included, so ``lens = position + 1``).
         page_size: positions per page.
         sliding_window: attend to at most this many recent positions, or ``None``.
-        impl: ``"avx512"``, ``"numba"`` or ``"padded"`` (resolved with
+        impl: ``"cpp"``, ``"numba"`` or ``"padded"`` (resolved with
             :func:`select_decode_impl`).
         device: where the index tensors live.
+        isa: for ``"cpp"``, the build of the kernel to run (``"avx512"`` or ``"avx2"``;
+            :func:`realhf.impl.kernels.simd_isas`); ``""``, the widest this CPU runs.
     """
 
     def __init__(
@@ -365,8 +368,10 @@ class DecodeAttention:
         sliding_window: Optional[int],
         impl: str,
         device=None,
+        isa: str = "",
     ):
         self.impl = impl = DecodeImpl(impl)
+        self.isa = isa
         self.window = sliding_window or 0
         self.page = page_size
         self.B = len(lens)
@@ -375,7 +380,7 @@ class DecodeAttention:
         else:
             width = max(len(t) for t in tables)
             table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        if impl is DecodeImpl.AVX512:
+        if impl is DecodeImpl.CPP:
             self._table_t = table.contiguous()
             self._lens_t = torch.tensor(lens, dtype=torch.long)
             return
@@ -408,10 +413,10 @@ class DecodeAttention:
         n_kv = kc.shape[1]
         g = n_q // n_kv
         scale = d**-0.5
-        if self.impl is DecodeImpl.AVX512:
+        if self.impl is DecodeImpl.CPP:
             qn = q.float().contiguous().view(B, n_kv, g, d)
             out = torch.empty_like(qn)
-            avx512_cpu().decode_attention(
+            simd_cpu().decode_attention(
                 qn,
                 k.to(kc.dtype).contiguous(),
                 v.to(vc.dtype).contiguous(),
@@ -423,6 +428,7 @@ class DecodeAttention:
                 self.window,
                 scale,
                 out,
+                self.isa,
             )
             return out.view(B, n_q, d).to(q.dtype)
         if self.impl is DecodeImpl.NUMBA:

@@ -57,6 +57,7 @@ from realhf.api.core.gen_api import (
     InvalidRequestError,
 )
 from realhf.base import logging
+from realhf.impl.kernels import simd_isa
 from realhf.impl.model.comm.weight_broadcast import WeightReceiver, WeightSyncError
 from realhf.impl.model.conversion.flat_file import flat_dtype, load_flat, map_flat
 from realhf.impl.model.gen.batch_scheduler import Scheduler
@@ -311,6 +312,7 @@ class GenerationEngine:
             f"{self.context_length} tokens, KV cache of {self.cache.n_tokens} tokens "
             f"({self.cache.nbytes / 2**20:.1f} MiB) on {self.device}, "
             f"decode attention {self.decode_impl}"
+            + (f" ({simd_isa()})" if self.decode_impl is DecodeImpl.CPP else "")
         )
 
     # ------------------------------------------------------------------ public API

@@ -38,8 +38,8 @@ class EngineConfig:
         dtype: ``float32``, ``bfloat16`` or ``float16`` for weights and cache.
         device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda`` or
             ``cuda:N``.
-        decode_attn_impl: ``auto`` (the first of these that can run), ``avx512`` (C++,
-            CPUs with AVX-512, float32 or bfloat16), ``numba`` (CPU float32 or bfloat16)
+        decode_attn_impl: ``auto`` (the first of these that can run), ``cpp`` (C++,
+            CPUs with AVX2 or AVX-512, float32 or bfloat16), ``numba`` (CPU float32 or bfloat16)
             or ``padded`` (any device); see :mod:`realhf.impl.model.gen.cache_attention`.
         num_threads: CPU threads for the engine's torch ops (process-wide)
             and numba kernels (numba's set by the thread that runs the engine: its

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from realhf.impl.kernels import avx512_cpu
+from realhf.impl.kernels import simd_cpu
 
 #: dtypes the C++ inference kernels (RMSNorm, RoPE) take
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -29,13 +29,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     fp32 copy of ``x`` and the normalised value as well, 6 bytes per element more in
     bf16 (at qwen3-0.6b with its q/k norms, a quarter of a layer's activations).
 
-    Under ``torch.inference_mode()`` (the generation engine) on a CPU with AVX-512, a
-    float32 or bfloat16 ``x`` goes through one C++ pass (``realhf._C.rms_norm``) instead of
-    six ops: the same roundings, the sum of squares in another order (float32 results may
-    differ in the last bit). Training and the trainers' no-grad passes keep these ops.
+    Under ``torch.inference_mode()`` (the generation engine) on a CPU with AVX2 or
+    AVX-512, a float32 or bfloat16 ``x`` goes through one C++ pass
+    (``realhf._C.rms_norm``) instead of six ops: the same roundings, the sum of squares in
+    another order (float32 results may differ in the last bit). Training and the
+    trainers' no-grad passes keep these ops.
     """
     if not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        ext = avx512_cpu() if torch.is_inference_mode_enabled() else None
+        ext = simd_cpu() if torch.is_inference_mode_enabled() else None
         if ext is not None and _fusable(x, weight):
             return ext.rms_norm(x, weight, eps)
         return _rms_forward(x, weight, eps)[0]

@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Tuple
 
 import torch
 
-from realhf.impl.kernels import avx512_cpu
+from realhf.impl.kernels import simd_cpu
 from realhf.impl.model.modules.norm import FUSED_DTYPES
 
 #: the RoPE scalings implemented (``rope_type`` of HuggingFace's rope_parameters)
@@ -98,11 +98,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1)``: here the halves are swapped by a roll and the sign is in the table, which
     gives the same products in two fewer operations per call.
 
-    Under ``torch.inference_mode()`` (the generation engine) on a CPU with AVX-512, float32
-    and bfloat16 go through one C++ pass (``realhf._C.rope``), equal to these ops bit for
-    bit.
+    Under ``torch.inference_mode()`` (the generation engine) on a CPU with AVX2 or
+    AVX-512, float32 and bfloat16 go through one C++ pass (``realhf._C.rope``), equal to
+    these ops bit for bit.
     """
-    ext = avx512_cpu() if torch.is_inference_mode_enabled() else None
+    ext = simd_cpu() if torch.is_inference_mode_enabled() else None
     if ext is not None and _fusable(x, cos, sin):
         return ext.rope(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

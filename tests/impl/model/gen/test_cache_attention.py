@@ -6,10 +6,11 @@ import math
 import pytest
 import torch
 
+from realhf.impl.kernels import simd_isas
 from realhf.impl.model.gen.cache_attention import (
     DecodeAttention,
     PrefillAttention,
-    avx512_available,
+    cpp_available,
     numba_available,
     prefill_attention,
     select_decode_impl,
@@ -32,11 +33,12 @@ def _ref_attn(q, k, v, window=None):
 
 def _impls():
     # "numba/1": the numba kernel built for one thread (its serial driver); "numba": on
-    # numba's default threads, the parallel one where there is more than one
+    # numba's default threads, the parallel one where there is more than one; "cpp/ISA":
+    # the C++ kernel's build for ISA, each this CPU runs (AVX-512 CPUs run both)
     return (
         ["padded"]
         + (["numba", "numba/1"] if numba_available() else [])
-        + (["avx512"] if avx512_available() else [])
+        + [f"cpp/{isa}" for isa in simd_isas()]
     )
 
 
@@ -65,6 +67,15 @@ def _threads_of(impl):
 
 
 def _decode_attention(tables, lens, *, page_size, sliding_window, impl):
+    if impl.startswith("cpp/"):
+        return DecodeAttention(
+            tables,
+            lens,
+            page_size=page_size,
+            sliding_window=sliding_window,
+            impl="cpp",
+            isa=impl.split("/")[1],
+        )
     with _threads_of(impl) as name:
         return DecodeAttention(
             tables, lens, page_size=page_size, sliding_window=sliding_window, impl=name
@@ -214,7 +225,7 @@ def test_the_kernels_exp_matches_libm_over_the_softmax_range():
 def test_select_decode_impl():
     cpu32 = torch.empty(8, N_KV, 64)
     kernel = "numba" if numba_available() else "padded"
-    assert select_decode_impl(cpu32, "auto") == ("avx512" if avx512_available() else kernel)
+    assert select_decode_impl(cpu32, "auto") == ("cpp" if cpp_available() else kernel)
     assert select_decode_impl(cpu32.bfloat16(), "auto") == select_decode_impl(cpu32, "auto")
     assert select_decode_impl(cpu32.half(), "auto") == "padded"
     # a head size the C++ kernel does not take falls to numba
@@ -223,26 +234,28 @@ def test_select_decode_impl():
         select_decode_impl(cpu32, "flash")
     with pytest.raises(ValueError, match="float32 or bfloat16 CPU"):
         select_decode_impl(cpu32.half(), "numba")
-    with pytest.raises(ValueError, match="'avx512' cannot run: .*(head size 72|AVX-512|not built)"):
-        select_decode_impl(torch.empty(8, N_KV, 72), "avx512")
+    with pytest.raises(ValueError, match="'cpp' cannot run: .*(head size 72|AVX2|not built)"):
+        select_decode_impl(torch.empty(8, N_KV, 72), "cpp")
     with pytest.raises(
-        ValueError, match="'avx512' cannot run: .*(float32 or bfloat16|AVX-512|not built)"
+        ValueError, match="'cpp' cannot run: .*(float32 or bfloat16|AVX2|not built)"
     ):
-        select_decode_impl(cpu32.half(), "avx512")
+        select_decode_impl(cpu32.half(), "cpp")
 
 
-@pytest.mark.skipif(not avx512_available(), reason="no AVX-512 on this CPU, or realhf._C not built")
+@pytest.mark.skipif(
+    not cpp_available(), reason="this CPU has neither AVX2 nor AVX-512, or realhf._C not built"
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "n_q, n_kv, d, window",
     [(14, 2, 64, None), (14, 2, 64, 37), (12, 2, 128, None), (6, 2, 80, 20), (8, 1, 256, None)],
 )
-def test_the_avx512_kernel_equals_numba_at_real_head_shapes(dtype, n_q, n_kv, d, window):
-    """The C++ kernel against the numba one (and the reference) at the shapes of real
-    models: 7 and 6 query heads per kv head (its register blocks of 4 query heads, and
-    the rest of 3 or 2), head sizes 64, 80, 128 and 256, sequences of 1-70 positions
-    (score blocks of 16 that cross page ends, and a last block of 1-15), windows, on one
-    thread and on two."""
+def test_the_cpp_kernel_equals_numba_at_real_head_shapes(dtype, n_q, n_kv, d, window):
+    """The C++ kernel, each build this CPU runs, against the numba one (and the
+    reference) at the shapes of real models: 7 and 6 query heads per kv head (register
+    blocks of up to 4 query heads, and the rest), head sizes 64, 80, 128 and 256,
+    sequences of 1-70 positions (score blocks of 16 or 8 that cross page ends, and a
+    shorter last block), windows, on one thread and on two."""
     torch.manual_seed(5)
     page = 8
     lens = [1, 16, 17, 33, 70, 5, 48]
@@ -265,17 +278,14 @@ def test_the_avx512_kernel_equals_numba_at_real_head_shapes(dtype, n_q, n_kv, d,
     q = torch.randn(B, n_q, d).to(dtype)
     k_new, v_new = torch.randn(B, n_kv, d).to(dtype), torch.randn(B, n_kv, d).to(dtype)
     outs = {}
-    for impl, threads in [("numba", 1), ("avx512", 1), ("avx512", 2)]:
-        if impl == "numba" and not numba_available():
-            continue
+    runs = [("numba/1", 1)] if numba_available() else []
+    runs += [(f"cpp/{isa}", threads) for isa in simd_isas() for threads in (1, 2)]
+    for impl, threads in runs:
         kc, vc = cache.k[0].clone(), cache.v[0].clone()
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            with _numba_threads(1) if impl == "numba" else contextlib.nullcontext():
-                attn = DecodeAttention(
-                    tables, lens, page_size=page, sliding_window=window, impl=impl
-                )
+            attn = _decode_attention(tables, lens, page_size=page, sliding_window=window, impl=impl)
             outs[impl, threads] = attn(q, k_new, v_new, kc, vc)
         finally:
             torch.set_num_threads(before)
@@ -296,13 +306,12 @@ def test_the_avx512_kernel_equals_numba_at_real_head_shapes(dtype, n_q, n_kv, d,
             )
             torch.testing.assert_close(outs[impl, threads][b].float(), ref, **tol)
     # the two kernels sum in different orders: float32 rounding apart, not more
+    first = outs[runs[0]]
     for out in outs.values():
         if dtype == torch.float32:
-            torch.testing.assert_close(out, outs["avx512", 1], atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(out, first, atol=1e-6, rtol=1e-5)
         else:  # one bf16 rounding of the output: at most one unit in the last place apart
-            torch.testing.assert_close(
-                out.float(), outs["avx512", 1].float(), atol=1e-2, rtol=2**-7
-            )
+            torch.testing.assert_close(out.float(), first.float(), atol=1e-2, rtol=2**-7)
 
 
 @pytest.mark.parametrize("window", [None, 3])

@@ -12,7 +12,7 @@ import torch
 from realhf.api.core.gen_api import GenerateRequest, InvalidRequestError, SamplingParams
 from realhf.impl.model.conversion.flat_file import load_flat, write_model
 from realhf.impl.model.gen import EngineClosedError, EngineConfig, GenerationEngine
-from realhf.impl.model.gen.cache_attention import avx512_available, numba_available
+from realhf.impl.model.gen.cache_attention import cpp_available, numba_available
 from realhf.impl.model.gen.loading import load_engine, special_token_ids
 from realhf.impl.model.nn.packed_linear import packing_supported
 
@@ -53,11 +53,7 @@ def make_engine(model):
         e.close()
 
 
-impls = (
-    ["padded"]
-    + (["numba"] if numba_available() else [])
-    + (["avx512"] if avx512_available() else [])
-)
+impls = ["padded"] + (["numba"] if numba_available() else []) + (["cpp"] if cpp_available() else [])
 
 
 @pytest.mark.parametrize("impl", impls)

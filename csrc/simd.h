@@ -1,0 +1,65 @@
+// realhf's vector CPU kernels (the generation engine's decode attention, RMSNorm and RoPE),
+// built once per instruction set.
+//
+// The kernels are written once (decode_attention_simd.h, norm_rope_simd.h) against the small
+// vector layer of simd_vec.h. simd.cpp compiles them twice, for AVX-512 and for AVX2, each in
+// a namespace of that name under `#pragma GCC target`; the torch-facing
+// functions (decode_attention.cpp, norm_rope.cpp) check their arguments and call the widest
+// build this CPU runs (or the one a caller names, so that tests run both where they can).
+// Built with GCC on x86-64; other compilers and CPUs get no vector kernels and the engine
+// uses its numba kernel and torch's ops instead.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define REALHF_SIMD 1
+#endif
+
+namespace realhf {
+
+// The instruction sets, widest last.
+enum class Isa { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The widest this CPU runs: AVX-512 (F, BW, DQ, VL), else AVX2 with FMA, else none.
+Isa cpu_isa();
+
+// "avx512", "avx2" or "" (none) for an Isa, and back ("" is the CPU's widest). Throws (a
+// Python ValueError) on an unknown name or one this CPU does not run.
+const char* isa_name(Isa isa);
+Isa isa_for(const std::string& name);
+
+// Arguments of the decode-attention kernel (see decode_attention_simd.h).
+struct DecodeArgs {
+  const float* q;        // [B, n_kv, g, D]
+  const char* k_new;     // [B, n_kv, D], cache dtype
+  const char* v_new;
+  char* kc;              // [N, n_kv, D]
+  char* vc;
+  const int64_t* table;  // [B, width]
+  const int64_t* lens;   // [B]
+  float* out;            // [B, n_kv, g, D]
+  int64_t B, n_kv, g, D, width, page, window;
+  float scale;
+  bool bf16;             // caches (and k_new, v_new) bfloat16, else float32
+};
+
+// The kernels of one build. Each runs on the calling thread; the torch-facing functions
+// spread work over threads.
+struct SimdKernels {
+  // decode attention for sequences [b0, b1)
+  void (*decode_attention)(const DecodeArgs& a, int64_t b0, int64_t b1);
+  // RMSNorm of `rows` rows of D (float32, or bfloat16 when bf16)
+  void (*rms_norm)(const char* x, const char* w, char* out, int64_t rows, int64_t D, float eps,
+                   bool bf16);
+  // RoPE of tokens [t0, t1) of x [T, H, D] (strides sT, sH; last dim contiguous) with
+  // cos, sin [T, 1, D] (token stride sC), into a contiguous out [T, H, D]
+  void (*rope)(const char* x, int64_t sT, int64_t sH, const char* cos, const char* sin,
+               int64_t sC, char* out, int64_t t0, int64_t t1, int64_t H, int64_t D, bool bf16);
+};
+
+// The build for `isa` (the CPU must run it: see isa_for).
+const SimdKernels& simd_kernels(Isa isa);
+
+}  // namespace realhf
