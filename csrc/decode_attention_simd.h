@@ -13,8 +13,8 @@
 // horizontally on its own and keeps the output in memory across rows. Here
 //  - scores are made W keys at a time (W lanes per vector): W dot-product vectors reduced
 //    together into one vector of W scores (sum_lanes), not W horizontal reductions;
-//  - the weighted sum of values keeps up to 4 query heads' outputs in registers while the
-//    values of every position stream past once per group of heads;
+//  - the weighted sum of values keeps up to 4 query heads' outputs in registers while a
+//    page of value rows streams past, read from memory once for all heads;
 //  - exp is a vector polynomial.
 
 namespace realhf {
@@ -51,38 +51,53 @@ inline void page_rows(const DecodeArgs& a, int64_t b, int64_t pg, int64_t lo, in
   *end = base + std::min<int64_t>(hi - pg * a.page, a.page);
 }
 
-// The weighted sum of values for query heads [g0, g0 + NG) of kv head h, outputs in
-// registers while every position's value row streams past.
+// The weighted values of pool rows [start, end) (the sequence's positions t0, t0 + 1, ...)
+// for query heads [g0, g0 + NG) of kv head h, added to their outputs in out (which `first`
+// starts from 0). The outputs stay in registers while the rows stream past; an output
+// carried from one page to the next goes through memory exactly (float32 both ways), so
+// each sum is the same sequence of FMAs as over the whole sequence at once.
 template <int D, bool BF16, int NG>
-void weighted_values(const DecodeArgs& a, int64_t b, int64_t h, int64_t g0, int64_t lo,
-                     int64_t hi, const float* sc, int64_t stride, float* out) {
+void weighted_values(const DecodeArgs& a, int64_t h, int64_t g0, int64_t start, int64_t end,
+                     int64_t t0, const float* sc, int64_t stride, float* out, bool first) {
   constexpr int ND = D / W;
   constexpr int64_t elem = BF16 ? 2 : 4;
   const int64_t row_bytes = a.n_kv * D * elem;
+  float* o = out + (h * a.g + g0) * D;
   F acc[NG][ND];
   for (int i = 0; i < NG; ++i)
-    for (int c = 0; c < ND; ++c) acc[i][c] = zero();
-  const int64_t first = lo / a.page, last = (hi - 1) / a.page;
-  int64_t t = 0;
-  for (int64_t pg = first; pg <= last; ++pg) {
-    int64_t start, end;
-    if (pg < last) {
-      page_rows(a, b, pg + 1, lo, hi, &start, &end);
-      prefetch_rows(a.vc, row_bytes, start, end);
-    }
-    page_rows(a, b, pg, lo, hi, &start, &end);
-    for (int64_t r = start; r < end; ++r, ++t) {
-      const char* vr = a.vc + r * row_bytes + h * D * elem;
-      F p[NG];
-      for (int i = 0; i < NG; ++i) p[i] = set1(sc[(h * a.g + g0 + i) * stride + t]);
-      for (int c = 0; c < ND; ++c) {
-        const F v = load<BF16>(vr + c * W * elem);
-        for (int i = 0; i < NG; ++i) acc[i][c] = fmadd(p[i], v, acc[i][c]);
-      }
+    for (int c = 0; c < ND; ++c) acc[i][c] = first ? zero() : loadf(o + i * D + c * W);
+  for (int64_t r = start, t = t0; r < end; ++r, ++t) {
+    const char* vr = a.vc + r * row_bytes + h * D * elem;
+    F p[NG];
+    for (int i = 0; i < NG; ++i) p[i] = set1(sc[(h * a.g + g0 + i) * stride + t]);
+    for (int c = 0; c < ND; ++c) {
+      const F v = load<BF16>(vr + c * W * elem);
+      for (int i = 0; i < NG; ++i) acc[i][c] = fmadd(p[i], v, acc[i][c]);
     }
   }
   for (int i = 0; i < NG; ++i)
-    for (int c = 0; c < ND; ++c) storef(out + ((h * a.g + g0 + i) * D + c * W), acc[i][c]);
+    for (int c = 0; c < ND; ++c) storef(o + i * D + c * W, acc[i][c]);
+}
+
+// weighted_values for every query head, NG at a time (the rest, < NG, in one more call).
+template <int D, bool BF16, int NG>
+void values_of_rows(const DecodeArgs& a, int64_t start, int64_t end, int64_t t0,
+                    const float* sc, int64_t stride, float* out, bool first) {
+  for (int64_t h = 0; h < a.n_kv; ++h) {
+    int64_t g0 = 0;
+    for (; g0 + NG <= a.g; g0 += NG)
+      weighted_values<D, BF16, NG>(a, h, g0, start, end, t0, sc, stride, out, first);
+    const int64_t rest = a.g - g0;
+    if constexpr (NG > 3) {
+      if (rest == 3) weighted_values<D, BF16, 3>(a, h, g0, start, end, t0, sc, stride, out, first);
+    }
+    if constexpr (NG > 2) {
+      if (rest == 2) weighted_values<D, BF16, 2>(a, h, g0, start, end, t0, sc, stride, out, first);
+    }
+    if constexpr (NG > 1) {
+      if (rest == 1) weighted_values<D, BF16, 1>(a, h, g0, start, end, t0, sc, stride, out, first);
+    }
+  }
 }
 
 // Scaled scores of every query head against nb <= W key rows (pool rows, all kv heads):
@@ -193,22 +208,20 @@ void decode_one(const DecodeArgs& a, int64_t b, std::vector<float>& scratch) {
     for (int64_t t = 0; t < stride; t += W) storef(row + t, mul(loadf(row + t), inv));
   }
 
-  // Values: NG query heads per pass over the positions, the rest (< NG) in one more pass.
+  // Values, a page at a time: every head's pass over a page's rows reads them from memory
+  // once (the first pass) and from the cache after.
   constexpr int NG = heads_per_pass(D / W);
   float* ob = a.out + b * n_q * D;
-  for (int64_t h = 0; h < a.n_kv; ++h) {
-    int64_t g0 = 0;
-    for (; g0 + NG <= a.g; g0 += NG) weighted_values<D, BF16, NG>(a, b, h, g0, lo, hi, sc, stride, ob);
-    const int64_t rest = a.g - g0;
-    if constexpr (NG > 3) {
-      if (rest == 3) weighted_values<D, BF16, 3>(a, b, h, g0, lo, hi, sc, stride, ob);
+  int64_t tv = 0;  // the first position of page pg
+  for (int64_t pg = first; pg <= last; ++pg) {
+    int64_t start, end;
+    if (pg < last) {
+      page_rows(a, b, pg + 1, lo, hi, &start, &end);
+      prefetch_rows(a.vc, row_bytes, start, end);
     }
-    if constexpr (NG > 2) {
-      if (rest == 2) weighted_values<D, BF16, 2>(a, b, h, g0, lo, hi, sc, stride, ob);
-    }
-    if constexpr (NG > 1) {
-      if (rest == 1) weighted_values<D, BF16, 1>(a, b, h, g0, lo, hi, sc, stride, ob);
-    }
+    page_rows(a, b, pg, lo, hi, &start, &end);
+    values_of_rows<D, BF16, NG>(a, start, end, tv, sc, stride, ob, pg == first);
+    tv += end - start;
   }
   if (b + 1 < a.B) {  // the next sequence's first key page
     const int64_t nhi = a.lens[b + 1];
