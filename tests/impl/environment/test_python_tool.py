@@ -24,13 +24,22 @@ def test_a_tool_call_prints_its_result_and_failures_say_why():
     assert err.obs == "<output>ZeroDivisionError: division by zero</output>"
     assert _step(env, PythonToolCall("while True: pass")).obs == "<output>timeout</output>"
     assert _step(env, PythonToolCall("print('x' * 50)")).obs == f"<output>{'x' * 40}...</output>"
-    # no network inside the sandbox
-    net = _step(env, PythonToolCall("import socket; socket.create_connection(('1.1.1.1', 80))"))
-    assert "Error" in net.obs
     graded = _step(env, MathCodeAction("\\boxed{92}", solutions=("92",)))
     assert graded.reward == 1.0 and graded.terminated
     with pytest.raises(TypeError, match="expects a PythonToolCall or a MathCodeAction"):
         _step(env, "print(1)")
+
+
+def test_a_tool_call_has_no_network():
+    from functioncall.code.sandbox import sandbox_mode
+
+    if sandbox_mode() != "bwrap":
+        # rlimit mode (no bubblewrap, or no namespaces) has no network defence of its own:
+        # functioncall/code/sandbox.py says so
+        pytest.skip("the sandbox runs in rlimit mode here (bubblewrap missing or unusable)")
+    env = MathPythonToolEnv(wall_timeout_s=2.0, max_output_chars=200)
+    net = _step(env, PythonToolCall("import socket; socket.create_connection(('1.1.1.1', 80))"))
+    assert "Error" in net.obs
 
 
 def test_extract_tool_call_takes_the_last_block():
