@@ -58,10 +58,10 @@ torch::Tensor rope_cpu(const torch::Tensor& x, const torch::Tensor& cos, const t
   const char* sp = static_cast<const char*>(sin.data_ptr());
   char* op = static_cast<char*>(out.data_ptr());
   const int64_t sT = x.stride(0), sH = x.stride(1), sC = cos.stride(0);
+  const bool bf16 = dt == torch::kBFloat16;
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(H * D, 1)),
                    [&](int64_t t0, int64_t t1) {
-                     kernels.rope(xp, sT, sH, cp, sp, sC, op, t0, t1, H, D,
-                                  dt == torch::kBFloat16);
+                     kernels.rope(xp, sT, sH, cp, sp, sC, op, t0, t1, H, D, bf16);
                    });
   return out;
 }

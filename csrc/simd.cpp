@@ -45,14 +45,17 @@
 namespace realhf {
 
 Isa cpu_isa() {
+  static const Isa best = [] {
 #ifdef REALHF_SIMD
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-    return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+      return Isa::kAvx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
-  return Isa::kNone;
+    return Isa::kNone;
+  }();
+  return best;
 }
 
 const char* isa_name(Isa isa) {
@@ -64,12 +67,14 @@ const char* isa_name(Isa isa) {
 }
 
 Isa isa_for(const std::string& name) {
-  static const Isa best = cpu_isa();
+  const Isa best = cpu_isa();
   TORCH_CHECK(best != Isa::kNone,
               "realhf's vector CPU kernels need AVX2 with FMA, or AVX-512, and a GCC build; "
               "this CPU or build has neither");
   if (name.empty()) return best;
-  Isa isa = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kNone;
+  Isa isa = Isa::kNone;
+  for (Isa i : {Isa::kAvx2, Isa::kAvx512})
+    if (name == isa_name(i)) isa = i;
   TORCH_CHECK_VALUE(isa != Isa::kNone, "unknown instruction set '", name,
                     "': use 'avx512', 'avx2' or '' (the widest this CPU runs)");
   TORCH_CHECK_VALUE(static_cast<int>(isa) <= static_cast<int>(best), "this CPU does not run ",

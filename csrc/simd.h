@@ -22,7 +22,8 @@ namespace realhf {
 // The instruction sets, widest last.
 enum class Isa { kNone = 0, kAvx2 = 1, kAvx512 = 2 };
 
-// The widest this CPU runs: AVX-512 (F, BW, DQ, VL), else AVX2 with FMA, else none.
+// The widest this CPU runs: AVX-512 (F, BW, DQ, VL), else AVX2 with FMA, else none
+// (detected once).
 Isa cpu_isa();
 
 // "avx512", "avx2" or "" (none) for an Isa, and back ("" is the CPU's widest). Throws (a

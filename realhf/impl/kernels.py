@@ -90,6 +90,7 @@ def simd_isas() -> tuple:
     return SIMD_ISAS[SIMD_ISAS.index(best) :] if best else ()
 
 
+@functools.cache
 def simd_cpu():
     """``realhf._C`` where this CPU runs its vector kernels (:func:`simd_isa`), else
     ``None``. Its ``decode_attention``, ``rms_norm`` and ``rope`` run the widest build
