@@ -21,23 +21,6 @@ namespace realhf {
 namespace REALHF_SIMD_NS {
 namespace {
 
-// exp(x) for x <= 0 (Cephes' expf polynomial, as the numba kernel's _exp_split; relative
-// error ~1e-7); below -87 the result is that of -87.
-inline F exp_neg(F x) {
-  x = max(x, set1(-87.0f));
-  F k = floor(fmadd(x, set1(1.44269504f), set1(0.5f)));
-  F r = fnmadd(k, set1(0.693359375f), x);
-  r = fnmadd(k, set1(-2.12194440e-4f), r);
-  F p = set1(1.9875691500e-4f);
-  p = fmadd(p, r, set1(1.3981999507e-3f));
-  p = fmadd(p, r, set1(8.3334519073e-3f));
-  p = fmadd(p, r, set1(4.1665795894e-2f));
-  p = fmadd(p, r, set1(1.6666665459e-1f));
-  p = fmadd(p, r, set1(5.0000001201e-1f));
-  F e = add(fmadd(p, mul(r, r), r), set1(1.0f));
-  return scale_pow2(e, k);
-}
-
 inline void prefetch_rows(const char* pool, int64_t row_bytes, int64_t start, int64_t end) {
   for (int64_t r = start; r < end; ++r)
     for (int64_t x = 0; x < row_bytes; x += 64) _mm_prefetch(pool + r * row_bytes + x, _MM_HINT_T0);

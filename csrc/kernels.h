@@ -60,4 +60,20 @@ torch::Tensor rms_norm_cpu(const torch::Tensor& x, const torch::Tensor& weight, 
 torch::Tensor rope_cpu(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                        const std::string& isa);
 
+// Log-softmax over the vocabulary of selected rows of logits [T, V] (float32 or bfloat16,
+// last dim contiguous; rows int64 [N]), see vocab_logprob_simd.h and
+// realhf.impl.model.modules.vocab_chunked: (m, s) float32 [N] with m the max of
+// logits[rows] / t and s the sum of exp(logits[rows] / t - m) (log-sum-exp = m + log s).
+std::tuple<torch::Tensor, torch::Tensor> row_logsumexp_cpu(const torch::Tensor& logits,
+                                                           const torch::Tensor& rows,
+                                                           double temperature,
+                                                           const std::string& isa);
+
+// Rows `rows` of grad (shaped like logits, its dtype) = coef * softmax(logits[rows] / t)
+// computed from lse [N], plus label_add at column label (int64 [N]); other rows untouched.
+void row_softmax_grad_cpu(const torch::Tensor& logits, const torch::Tensor& rows,
+                          const torch::Tensor& lse, const torch::Tensor& coef,
+                          const torch::Tensor& label, const torch::Tensor& label_add,
+                          double temperature, torch::Tensor grad, const std::string& isa);
+
 }  // namespace realhf

@@ -1,7 +1,8 @@
-// realhf's vector CPU kernels (the generation engine's decode attention, RMSNorm and RoPE),
-// built once per instruction set.
+// realhf's vector CPU kernels (the generation engine's decode attention, RMSNorm and RoPE;
+// training's log-softmax over a large vocabulary), built once per instruction set.
 //
-// The kernels are written once (decode_attention_simd.h, norm_rope_simd.h) against the small
+// The kernels are written once (decode_attention_simd.h, norm_rope_simd.h,
+// vocab_logprob_simd.h) against the small
 // vector layer of simd_vec.h. simd.cpp compiles them twice, for AVX-512 and for AVX2, each in
 // a namespace of that name under `#pragma GCC target`; the torch-facing
 // functions (decode_attention.cpp, norm_rope.cpp) check their arguments and call the widest
@@ -58,6 +59,16 @@ struct SimdKernels {
   // cos, sin [T, 1, D] (token stride sC), into a contiguous out [T, H, D]
   void (*rope)(const char* x, int64_t sT, int64_t sH, const char* cos, const char* sin,
                int64_t sC, char* out, int64_t t0, int64_t t1, int64_t H, int64_t D, bool bf16);
+  // per selected row n in [i0, i1) of x [T, V] (row stride xs; float32, or bfloat16 when
+  // bf16), row rows[n]: m[n] = max of x / t, s[n] = sum of exp(x / t - m[n])
+  void (*row_logsumexp)(const char* x, int64_t xs, int64_t V, const int64_t* rows, int64_t i0,
+                        int64_t i1, float t, float* m, float* s, bool bf16);
+  // the same rows of g (row stride gs, x's dtype) = coef[n] * exp(x / t - lse[n]), plus
+  // label_add[n] at column label[n]
+  void (*row_softmax_grad)(const char* x, int64_t xs, int64_t V, const int64_t* rows,
+                           int64_t i0, int64_t i1, float t, const float* lse,
+                           const float* coef, const int64_t* label, const float* label_add,
+                           char* g, int64_t gs, bool bf16);
 };
 
 // The build for `isa` (the CPU must run it: see isa_for).

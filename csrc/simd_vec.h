@@ -29,6 +29,7 @@ inline void storef(float* p, F x) { _mm512_storeu_ps(p, x); }
 inline F add(F a, F b) { return _mm512_add_ps(a, b); }
 inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
 inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm512_div_ps(a, b); }
 inline F max(F a, F b) { return _mm512_max_ps(a, b); }
 inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
@@ -136,6 +137,7 @@ inline void storef(float* p, F x) { _mm256_storeu_ps(p, x); }
 inline F add(F a, F b) { return _mm256_add_ps(a, b); }
 inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
 inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm256_div_ps(a, b); }
 inline F max(F a, F b) { return _mm256_max_ps(a, b); }
 inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }   // a * b + c
 inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
@@ -239,6 +241,23 @@ template <bool BF16>
 inline void store_upto(void* p, F x, int n) {
   if (n == W) store<BF16>(p, x);
   else store_n<BF16>(p, x, n);
+}
+
+// exp(x) for x <= 0 (Cephes' expf polynomial, as the numba kernel's _exp_split; relative
+// error ~1e-7); below -87 the result is that of -87.
+inline F exp_neg(F x) {
+  x = max(x, set1(-87.0f));
+  F k = floor(fmadd(x, set1(1.44269504f), set1(0.5f)));
+  F r = fnmadd(k, set1(0.693359375f), x);
+  r = fnmadd(k, set1(-2.12194440e-4f), r);
+  F p = set1(1.9875691500e-4f);
+  p = fmadd(p, r, set1(1.3981999507e-3f));
+  p = fmadd(p, r, set1(8.3334519073e-3f));
+  p = fmadd(p, r, set1(4.1665795894e-2f));
+  p = fmadd(p, r, set1(1.6666665459e-1f));
+  p = fmadd(p, r, set1(5.0000001201e-1f));
+  F e = add(fmadd(p, mul(r, r), r), set1(1.0f));
+  return scale_pow2(e, k);
 }
 
 }  // namespace REALHF_SIMD_NS

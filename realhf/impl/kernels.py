@@ -4,8 +4,9 @@
 * `slice_intervals` / `set_intervals` / `merge_intervals`: copies between a flat
   parameter buffer and the packed intervals that parameter reallocation sends.
 * `simd_cpu` / `simd_isa`: the extension where this CPU runs its vector kernels (the
-  generation engine's decode attention, RMSNorm and RoPE, built for AVX-512 and for AVX2;
-  their callers fall back to numba or torch's ops without them).
+  generation engine's decode attention, RMSNorm and RoPE, and training's log-softmax over
+  the vocabulary, built for AVX-512 and for AVX2; their callers fall back to numba or
+  torch's ops without them).
 
 Each public function dispatches to the compiled extension for the tensor's device —
 `realhf._C` (C++, CPU) or `realhf._C_cuda` (CUDA) — which `pip install

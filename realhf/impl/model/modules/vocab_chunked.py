@@ -12,6 +12,12 @@ holding ``[T, V/m]`` from vocabulary row ``start``): per block, the row maxima a
 are all-reduced (vectors of the block's length, never ``[T, V]``), and the gradients are
 local.  Every rank must call with the same rows, so that the collectives pair up.
 
+On a CPU with AVX2 or AVX-512, token log-probs of float32 or bfloat16 logits run in one C++
+pass per row instead (``realhf._C.row_logsumexp`` / ``row_softmax_grad``,
+``csrc/vocab_logprob_simd.h``): each row is read in its own dtype and its gradient written
+once, with no float32 block (~6 bytes of memory traffic per logit against ~50 for the
+block-wise torch ops, which remain the path elsewhere).
+
 Math, for the tempered logits z = logits / temperature of one row, p = softmax(z),
 lse = log sum_v exp z_v:
 - log-prob of label y: z_y - lse;  d/dz = onehot(y) - p;
@@ -26,6 +32,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from realhf.impl.kernels import simd_cpu
 
 __all__ = ["BLOCK_BYTES", "token_log_probs", "token_entropy"]
 
@@ -95,14 +103,6 @@ class _Rows:
         for at, r, n in self._pieces(s, e):
             grad[r : r + n].copy_(block[at : at + n])
 
-    def unwritten(self) -> Optional[torch.Tensor]:
-        """Logits rows no block covers (None: every row is a block's)."""
-        if self.rows is None:
-            return None
-        mask = torch.ones(self.n_logits_rows, dtype=torch.bool, device=self.rows.device)
-        mask[self.rows] = False
-        return mask.nonzero().squeeze(-1)
-
 
 def _block(logits: torch.Tensor, where: _Rows, s: int, e: int, t: float, buf):
     """Selected rows s:e in float32, divided by t, in ``buf``."""
@@ -125,14 +125,30 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     return x
 
 
-def _grad_like(logits: torch.Tensor, where: _Rows) -> torch.Tensor:
+def _grad_like(logits: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
     # Rows the blocks write need no zeros first: only the others (e.g. the last token of
     # each sequence, which predicts nothing) are zeroed, not the whole [T, V].
     grad = torch.empty_like(logits)
-    unwritten = where.unwritten()
-    if unwritten is not None and unwritten.numel():
-        grad.index_fill_(0, unwritten, 0)
+    if rows is not None:
+        mask = torch.ones(logits.shape[0], dtype=torch.bool, device=rows.device)
+        mask[rows] = False
+        unwritten = mask.nonzero().squeeze(-1)
+        if unwritten.numel():
+            grad.index_fill_(0, unwritten, 0)
     return grad
+
+
+def _fused_ext(logits: torch.Tensor):
+    """``realhf._C`` where its row kernels take these logits (a CPU that runs them, float32
+    or bfloat16 ``[T, V]`` with the last dim contiguous), else None."""
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype not in (torch.float32, torch.bfloat16)
+        or logits.dim() != 2
+        or logits.stride(-1) != 1
+    ):
+        return None
+    return simd_cpu()
 
 
 # The loops work in place on one float32 block: each block is read from the logits once
@@ -147,6 +163,22 @@ class _TokenLogProbs(torch.autograd.Function):
         local = labels.long() - start
         mine = (local >= 0) & (local < n_local)  # this rank holds the label's row
         idx = torch.where(mine, local, torch.zeros_like(local))
+        ext = _fused_ext(logits)
+        ctx.temperature, ctx.block_bytes, ctx.ext = temperature, block_bytes, ext
+        if ext is not None:  # one C++ pass per row
+            r = torch.arange(logits.shape[0]) if rows is None else rows.long().contiguous()
+            m, sums = ext.row_logsumexp(logits, r, temperature)
+            if group is not None:  # the sums below the row maxima over all ranks
+                m_all = m.clone()
+                dist.all_reduce(m_all, op=dist.ReduceOp.MAX, group=group)
+                sums = _all_reduce(sums.mul_(torch.exp(m - m_all)), group)
+                m = m_all
+            lse = m + sums.log()
+            picked = logits[r, idx].float() / temperature
+            picked = _all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), group)
+            ctx.save_for_backward(logits, idx, mine, lse, r)
+            ctx.rows = rows
+            return picked - lse
         out = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n, dtype=torch.float32, device=logits.device)
         spans = _spans(n, n_local, block_bytes)
@@ -161,14 +193,21 @@ class _TokenLogProbs(torch.autograd.Function):
             lse[s:e] = m + sums.log()
             out[s:e] = picked - lse[s:e]
         ctx.save_for_backward(logits, idx, mine, lse)
-        ctx.temperature, ctx.block_bytes, ctx.where = temperature, block_bytes, where
+        ctx.where = where
         return out
 
     @staticmethod
     def backward(ctx, g):
+        t = ctx.temperature
+        if ctx.ext is not None:
+            logits, idx, mine, lse, r = ctx.saved_tensors
+            grad = _grad_like(logits, ctx.rows)
+            gt = g.float() / t
+            ctx.ext.row_softmax_grad(logits, r, lse, -gt, idx, mine * gt, t, grad)
+            return grad, None, None, None, None, None, None
         logits, idx, mine, lse = ctx.saved_tensors
-        t, where = ctx.temperature, ctx.where
-        grad = _grad_like(logits, where)
+        where = ctx.where
+        grad = _grad_like(logits, where.rows)
         n = lse.shape[0]
         spans = _spans(n, logits.shape[-1], ctx.block_bytes)
         (buf,) = _buffers(logits, spans)
@@ -208,7 +247,7 @@ class _TokenEntropy(torch.autograd.Function):
     def backward(ctx, g):
         logits, lse, mean_z = ctx.saved_tensors
         t, where = ctx.temperature, ctx.where
-        grad = _grad_like(logits, where)
+        grad = _grad_like(logits, where.rows)
         n = lse.shape[0]
         spans = _spans(n, logits.shape[-1], ctx.block_bytes)
         buf, buf_p = _buffers(logits, spans, 2)

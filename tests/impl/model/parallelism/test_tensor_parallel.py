@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from realhf.impl.kernels import simd_cpu
 from realhf.impl.model import ReaLModel
 from realhf.impl.model.nn.model_config import ReaLModelConfig
 from realhf.impl.model.parallelism.tensor_parallel import (
@@ -89,7 +90,9 @@ _VOCAB_CHILD = """
 import json, sys, torch, torch.distributed as dist
 from realhf.impl.model.modules import vocab_chunked
 from realhf.impl.model.parallelism.tensor_parallel import TensorParallel
-rank, init_file = int(sys.argv[1]), sys.argv[2]
+rank, init_file, impl = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+if impl == "torch":  # the block-wise torch ops even where the C++ row kernels run
+    vocab_chunked.simd_cpu = lambda: None
 dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
 full = torch.randn(7, 12, generator=torch.Generator().manual_seed(0)) * 3
 local = full[:, rank * 6 : (rank + 1) * 6].clone().requires_grad_(True)
@@ -108,16 +111,20 @@ shutdown.hard_exit(0)
 
 
 @pytest.mark.slow
-def test_vocab_parallel_log_probs_and_entropy_equal_the_unsharded_ones(tmp_path):
-    """Logits split by vocabulary over two gloo ranks, read in blocks of rows: log-probs,
-    entropies and gradients equal a plain log-softmax of the whole logits."""
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+def test_vocab_parallel_log_probs_and_entropy_equal_the_unsharded_ones(tmp_path, impl):
+    """Logits split by vocabulary over two gloo ranks, read in blocks of rows (or by the C++
+    row kernels, where this CPU runs them): log-probs, entropies and gradients equal a plain
+    log-softmax of the whole logits."""
+    if impl == "cpp" and simd_cpu() is None:
+        pytest.skip("the C++ row kernels need AVX2 or AVX-512 and realhf._C")
     import json
     import subprocess
     import sys
 
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _VOCAB_CHILD, str(r), str(tmp_path / "init")],
+            [sys.executable, "-c", _VOCAB_CHILD, str(r), str(tmp_path / "init"), impl],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
