@@ -11,8 +11,9 @@
 //
 // z - c = x / t - c is rounded as torch rounds it (a division, then a subtraction, never
 // fused), and exp is the polynomial of simd_vec.h (relative error ~1e-7): results agree with
-// the float32 torch ops to ~1e-6 relative (the sums run in another order). A row holding a NaN or an infinity gives NaN statistics (torch's ops give NaN or
-// inf there too; the trainer skips a step whose loss or gradient is not finite).
+// the float32 torch ops to ~1e-6 relative (the sums run in another order). A row holding a
+// NaN or an infinity gives NaN statistics (torch's ops give NaN or inf there too; the
+// trainer skips a step whose loss or gradient is not finite).
 
 namespace realhf {
 namespace REALHF_SIMD_NS {

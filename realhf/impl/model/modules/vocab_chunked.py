@@ -66,7 +66,7 @@ class _Rows:
     run on any device."""
 
     def __init__(self, rows: Optional[torch.Tensor], n_logits_rows: int, device: torch.device):
-        self.rows, self.n_logits_rows = rows, n_logits_rows
+        self.rows = rows
         #: [(i, r, n)]: selected rows i ... i + n - 1 are logits rows r ... r + n - 1
         #: (None: the block is indexed)
         self.runs = None
