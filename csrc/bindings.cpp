@@ -3,7 +3,7 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention, inference RMSNorm and RoPE, vocabulary log-softmax";
+  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention, inference RMSNorm and RoPE, vocabulary log-softmax, AdamW on master weights";
   namespace py = pybind11;
   m.def("gae_packed", &realhf::gae_packed_cpu, "Packed GAE (see realhf.impl.kernels.gae_packed)",
         py::arg("rewards"), py::arg("values"), py::arg("cu_seqlens"), py::arg("bootstrap"),
@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
   m.def("simd_isa", &realhf::simd_isa,
         "The widest build of the vector kernels (decode_attention, rms_norm, rope, "
-        "row_logsumexp, row_softmax_grad) this CPU "
+        "row_logsumexp, row_softmax_grad, adamw_step) this CPU "
         "runs: 'avx512', 'avx2' or '' (none)");
   m.def("decode_attention", &realhf::decode_attention_cpu,
         "Decode attention over the paged KV cache (see realhf.impl.model.gen.cache_attention)",
@@ -44,4 +44,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("rows"), py::arg("lse"), py::arg("coef"), py::arg("label"),
         py::arg("label_add"), py::arg("temperature"), py::arg("grad"), py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
+  m.def("adamw_step", &realhf::adamw_step_cpu,
+        "AdamW on float32 master weights from a float32 or bfloat16 gradient, the new "
+        "weights also written in bfloat16 (see csrc/adamw_simd.h)",
+        py::arg("param"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("grad"),
+        py::arg("low"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+        py::arg("weight_decay"), py::arg("eps"), py::arg("step"), py::arg("grad_coef") = 1.0,
+        py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 }

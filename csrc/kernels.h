@@ -76,4 +76,13 @@ void row_softmax_grad_cpu(const torch::Tensor& logits, const torch::Tensor& rows
                           const torch::Tensor& label, const torch::Tensor& label_add,
                           double temperature, torch::Tensor grad, const std::string& isa);
 
+// One AdamW step, in place, of float32 master weights `param` and moments `exp_avg`,
+// `exp_avg_sq` (contiguous, one size) with `grad` (float32 or bfloat16, same size) scaled by
+// grad_coef; `step` is the step count after this step.  The new weights also go, rounded, to
+// `low` (bfloat16, same size) unless it is None.  See adamw_simd.h.
+void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+                    const torch::Tensor& grad, const c10::optional<torch::Tensor>& low,
+                    double lr, double beta1, double beta2, double weight_decay, double eps,
+                    double step, double grad_coef, const std::string& isa);
+
 }  // namespace realhf

@@ -26,6 +26,7 @@
 #include "decode_attention_simd.h"
 #include "norm_rope_simd.h"
 #include "vocab_logprob_simd.h"
+#include "adamw_simd.h"
 #undef REALHF_SIMD_NS
 #undef REALHF_SIMD_AVX512
 #pragma GCC pop_options
@@ -38,6 +39,7 @@
 #include "decode_attention_simd.h"
 #include "norm_rope_simd.h"
 #include "vocab_logprob_simd.h"
+#include "adamw_simd.h"
 #undef REALHF_SIMD_NS
 #undef REALHF_SIMD_AVX2
 #pragma GCC pop_options
@@ -89,9 +91,10 @@ std::string simd_isa() { return isa_name(cpu_isa()); }
 const SimdKernels& simd_kernels(Isa isa) {
 #ifdef REALHF_SIMD
   static const SimdKernels k512{&avx512::decode_attention, &avx512::rms_norm, &avx512::rope,
-                                &avx512::row_logsumexp, &avx512::row_softmax_grad};
+                                &avx512::row_logsumexp, &avx512::row_softmax_grad,
+                                &avx512::adamw};
   static const SimdKernels k2{&avx2::decode_attention, &avx2::rms_norm, &avx2::rope,
-                             &avx2::row_logsumexp, &avx2::row_softmax_grad};
+                             &avx2::row_logsumexp, &avx2::row_softmax_grad, &avx2::adamw};
   if (isa == Isa::kAvx512) return k512;
   if (isa == Isa::kAvx2) return k2;
 #endif

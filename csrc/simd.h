@@ -1,8 +1,8 @@
 // realhf's vector CPU kernels (the generation engine's decode attention, RMSNorm and RoPE;
-// training's log-softmax over a large vocabulary), built once per instruction set.
+// training's log-softmax over a large vocabulary and its AdamW step on master weights), built once per instruction set.
 //
 // The kernels are written once (decode_attention_simd.h, norm_rope_simd.h,
-// vocab_logprob_simd.h) against the small
+// vocab_logprob_simd.h, adamw_simd.h) against the small
 // vector layer of simd_vec.h. simd.cpp compiles them twice, for AVX-512 and for AVX2, each in
 // a namespace of that name under `#pragma GCC target`; the torch-facing
 // functions (decode_attention.cpp, norm_rope.cpp) check their arguments and call the widest
@@ -47,6 +47,15 @@ struct DecodeArgs {
   bool bf16;             // caches (and k_new, v_new) bfloat16, else float32
 };
 
+// Scalars of an AdamW step (see adamw_simd.h): float32, from the caller's doubles.
+struct AdamWArgs {
+  float grad_coef;  // the gradient's scale (the clipping coefficient, else 1)
+  float decay;      // 1 - lr * weight_decay
+  float beta1, beta2, eps;
+  float step_size;  // lr / (1 - beta1^t)
+  float bc2_sqrt;   // sqrt(1 - beta2^t)
+};
+
 // The kernels of one build. Each runs on the calling thread; the torch-facing functions
 // spread work over threads.
 struct SimdKernels {
@@ -69,6 +78,11 @@ struct SimdKernels {
                            int64_t i0, int64_t i1, float t, const float* lse,
                            const float* coef, const int64_t* label, const float* label_add,
                            char* g, int64_t gs, bool bf16);
+  // AdamW of elements [i0, i1): master weights p, moments m and v (float32), gradient g
+  // (bfloat16 when g_bf16, else float32); the new weights also into low (bfloat16) unless
+  // it is null
+  void (*adamw)(float* p, float* m, float* v, const char* g, bool g_bf16, uint16_t* low,
+                int64_t i0, int64_t i1, const AdamWArgs& a);
 };
 
 // The build for `isa` (the CPU must run it: see isa_for).

@@ -30,6 +30,7 @@ inline F add(F a, F b) { return _mm512_add_ps(a, b); }
 inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
 inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
 inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+inline F sqrt(F a) { return _mm512_sqrt_ps(a); }
 inline F max(F a, F b) { return _mm512_max_ps(a, b); }
 inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
@@ -138,6 +139,7 @@ inline F add(F a, F b) { return _mm256_add_ps(a, b); }
 inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
 inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
 inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+inline F sqrt(F a) { return _mm256_sqrt_ps(a); }
 inline F max(F a, F b) { return _mm256_max_ps(a, b); }
 inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }   // a * b + c
 inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b

@@ -37,7 +37,11 @@ train it (its generation, inference, evaluation, writing its weights) run inside
 bf16 model's generation holds 18 bytes per parameter and an fp32 model's 12.  A step of one
 micro-batch on one rank has no fp32 gradient at all (16 bytes per parameter): the fp32 sum
 would be the bf16 gradient converted, so the step converts it a run of parameters at a time
-as it applies it (:meth:`TrainEngine._step_from_model_grad`).
+as it applies it (:meth:`TrainEngine._step_from_model_grad`).  On a CPU with realhf's vector
+kernels a bf16 model's step is one pass per element instead (:meth:`TrainEngine._kernel_step`,
+``csrc/adamw_simd.h``): the gradient read in its dtype, clipped, applied to the master
+weights and moments, and the new weights written back to the model in bf16 (28 bytes of
+memory traffic per parameter instead of ~48).
 Without master weights an update smaller than half a bf16 ulp of its weight (a relative
 change below ~2**-9) would be lost.
 
@@ -73,6 +77,7 @@ from realhf.api.core.model_api import FinetuneSpec
 from realhf.base import logging
 from realhf.base.distributed import dist_util
 from realhf.base.gcutil import heap_free_bytes, trim_heap
+from realhf.impl.kernels import simd_cpu
 from realhf.impl.model.backend.inference import InferenceEngine
 from realhf.impl.model.backend.lr_schedule import LRSchedule
 from realhf.impl.model.backend.offload import free_storage, regrow_storage
@@ -633,19 +638,84 @@ class TrainEngine(InferenceEngine):
             else:
                 for g in self.optimizer.param_groups:
                     g["lr"] = lr
-                if self._direct:
+                ext = self._master_kernel()
+                if ext is not None:  # (it writes the model's weights too)
+                    self._kernel_step(ext, coef)
+                elif self._direct:
                     self._step_from_model_grad(coef)
                 else:
                     if coef is not None:
                         self.grad.mul_(coef)
                     self.optimizer.step()
-            if self.master is not None:
-                with torch.no_grad():
-                    self.model.trained_flat.copy_(self.master)
-                self._mark_published()
+                if self.master is not None and ext is None:
+                    with torch.no_grad():
+                        self.model.trained_flat.copy_(self.master)
+                if self.master is not None:
+                    self._mark_published()
         self.n_steps += 1
         self.n_skipped += int(skipped)
         return grad_norm, skipped
+
+    def _master_kernel(self):
+        """``realhf._C`` where this step's AdamW runs as one C++ pass per element
+        (:meth:`_kernel_step`): bf16 model, fp32 master weights on a CPU with realhf's vector
+        kernels, plain AdamW settings; else None (torch's fused AdamW)."""
+        if (
+            self.master is None
+            or self.master.device.type != "cpu"
+            or self.model.trained_flat.dtype != torch.bfloat16
+        ):
+            return None
+        plain = ("amsgrad", "maximize", "capturable", "differentiable")
+        if any(g.get(k) for g in self.optimizer.param_groups for k in plain):
+            return None
+        return simd_cpu()
+
+    @torch.no_grad()
+    def _kernel_step(self, ext, coef: Optional[float]) -> None:
+        """AdamW on the master weights in one pass per element, the new weights written to
+        the model in bf16 in the same pass (``csrc/adamw_simd.h``).
+
+        The gradient is the model's bf16 one for a step of one micro-batch on one rank (no
+        fp32 buffer, as in :meth:`_step_from_model_grad`), else the fp32 sum; either way it
+        is read in its dtype and scaled by ``coef`` as it is applied, so the two give the
+        same step to the bit.  The moments live in the optimizer's state as torch's AdamW
+        keeps them (``step``, ``exp_avg``, ``exp_avg_sq``): checkpoints and the torch path
+        read them unchanged.  At the 0.5B shape in bf16 on 2 threads (Xeon, AMX host) the
+        step's AdamW and master -> model copy took 0.57 s, this pass 0.33 s."""
+        if self._direct:
+            self._check_grad_views()
+            grads = [g for _, g in self._grad_views]
+        else:
+            grads = self._master_grad_views
+        index = {id(mp): i for i, mp in enumerate(self._master_params)}
+        state = self.optimizer.state
+        for group in self.optimizer.param_groups:
+            beta1, beta2 = group["betas"]
+            for mp in group["params"]:
+                i = index[id(mp)]
+                st = state[mp]
+                if not st:  # as torch's AdamW makes it on its first step
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(mp, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(mp, memory_format=torch.preserve_format)
+                st["step"] += 1
+                ext.adamw_step(
+                    mp.detach(),
+                    st["exp_avg"],
+                    st["exp_avg_sq"],
+                    grads[i],
+                    self._grad_views[i][0].detach(),
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    step=float(st["step"]),
+                    grad_coef=1.0 if coef is None else coef,
+                )
+        # Written behind autograd's back: whoever watches the weights' version sees the step.
+        torch.autograd.graph.increment_version(self.model.trained_flat)
 
     def _step_from_model_grad(self, coef: Optional[float]) -> None:
         """AdamW on the master weights with the model's low-precision gradient, converted

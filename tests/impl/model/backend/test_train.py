@@ -12,6 +12,7 @@ from rank_processes import fresh_context
 
 from realhf.api.core.data_api import MicroBatchSpec
 from realhf.api.core.model_api import FinetuneSpec
+from realhf.impl.kernels import simd_cpu, simd_isas
 from realhf.impl.model.backend import TrainEngine
 from realhf.impl.model.backend import train as train_module
 from realhf.impl.model.nn.flat_param import flat_view
@@ -275,6 +276,20 @@ def _bf16_engine(**opt):
     return TrainEngine(tiny_model().to(torch.bfloat16), optimizer_config(**opt))
 
 
+_NO_KERNELS = "the C++ AdamW step needs AVX2 or AVX-512 and realhf._C"
+
+
+@pytest.fixture(params=["torch", "cpp"])
+def step_impl(request, monkeypatch):
+    """A bf16 engine's optimizer step through torch's fused AdamW, and through the C++
+    pass (the path a CPU with realhf's vector kernels takes)."""
+    if request.param == "torch":
+        monkeypatch.setattr(train_module, "simd_cpu", lambda: None)
+    elif simd_cpu() is None:
+        pytest.skip(_NO_KERNELS)
+    return request.param
+
+
 def _applied_grads(engine):
     """The fp32 gradients each step applies (the engine frees them after the step)."""
     applied = []
@@ -422,7 +437,9 @@ def test_gradients_released_between_steps_frees_the_buffer_and_changes_nothing(d
 
 @pytest.mark.parametrize("chunk", [None, 1000])
 @pytest.mark.parametrize("clip", [0.0, 1e-3])
-def test_bf16_step_of_one_micro_batch_needs_no_fp32_gradient_buffer(chunk, clip, monkeypatch):
+def test_bf16_step_of_one_micro_batch_needs_no_fp32_gradient_buffer(
+    chunk, clip, monkeypatch, step_impl
+):
     """One micro-batch on one rank: the fp32 sum would hold the bf16 gradient converted, so
     the step converts it a run of parameters at a time instead (runs of ~``chunk``
     elements; a larger parameter, here the embedding and the MLP matrices of 2,048, a slice
@@ -448,3 +465,97 @@ def test_bf16_step_of_one_micro_batch_needs_no_fp32_gradient_buffer(chunk, clip,
     if clip:
         assert min(norms) > clip  # the clipping was exercised
     assert torch.equal(direct.model.flat_params, direct.master.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "isa", simd_isas() or [pytest.param("", marks=pytest.mark.skip(_NO_KERNELS))]
+)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [5, 37, 2 * 65536 + 19])
+def test_cpp_adamw_step_equals_torch_adamw(isa, grad_dtype, n):
+    """Three steps of the C++ pass (spans of 64k elements and a masked tail) against torch's
+    fused AdamW on the same float32 state: equal to a few float32 ulps (they round their
+    scalars and order their products differently), and the bf16 copy is the master weights
+    rounded."""
+    ext = simd_cpu()
+    g = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=g)
+    m, v = torch.randn(n, generator=g) * 0.01, torch.rand(n, generator=g) * 1e-4
+    ref = [t.clone() for t in (p, m, v)]
+    low = torch.empty(n, dtype=torch.bfloat16)
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8)
+    for step in (1, 2, 3):
+        grad = torch.randn(n, generator=g).to(grad_dtype)
+        ext.adamw_step(p, m, v, grad, low, step=float(step), grad_coef=0.5, isa=isa, **hp)
+        train_module._functional_adamw(
+            [ref[0]],
+            [grad.float() * 0.5],
+            [ref[1]],
+            [ref[2]],
+            [],
+            [torch.tensor(float(step - 1))],
+            fused=True,
+            amsgrad=False,
+            maximize=False,
+            **hp,
+        )
+        assert torch.equal(low, p.to(torch.bfloat16))
+    torch.testing.assert_close(p, ref[0], rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(m, ref[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v, ref[2], rtol=1e-5, atol=1e-7)
+    assert not torch.equal(p, torch.randn(n, generator=torch.Generator().manual_seed(n)))
+
+
+@pytest.mark.skipif(simd_cpu() is None, reason=_NO_KERNELS)
+def test_cpp_adamw_step_refuses_what_it_cannot_take():
+    ext, p = simd_cpu(), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="grad must be a contiguous float32 or bfloat16"):
+        ext.adamw_step(p, p.clone(), p.clone(), p.half(), None, 1e-3, 0.9, 0.95, 0.0, 1e-8, 1.0)
+    with pytest.raises(RuntimeError, match="of one size"):
+        ext.adamw_step(p, p[:4].clone(), p.clone(), p, None, 1e-3, 0.9, 0.95, 0.0, 1e-8, 1.0)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        ext.adamw_step(p, p.clone(), p.clone(), p, None, 1e-3, 0.9, 0.95, 0.0, 1e-8, 0.0)
+
+
+@pytest.mark.skipif(simd_cpu() is None, reason=_NO_KERNELS)
+@pytest.mark.parametrize("spec", [WHOLE, MicroBatchSpec(max_tokens_per_mb=14)])
+def test_bf16_engine_steps_in_cpp_as_with_torch_adamw(spec, monkeypatch):
+    """A bf16 engine on this CPU steps with the C++ pass (one micro-batch: from the bf16
+    gradient; several: from the fp32 sum): after three steps with clipping its master
+    weights and moments are torch's AdamW's to float32 rounding, the model holds its master
+    weights rounded, the weights' version moved (so a cached copy of them knows), and the
+    state has torch's layout: the torch path resumes from it."""
+    engines, first = {}, {}
+    for name in ("cpp", "torch"):
+        if name == "torch":
+            monkeypatch.setattr(train_module, "simd_cpu", lambda: None)
+        engine = _bf16_engine(gradient_clipping=1e-3)
+        assert (engine._master_kernel() is not None) == (name == "cpp")
+        for s in (1, 2, 3):
+            before = engine.model.trained_flat._version
+            engine.train_batch(batch(seed=s), spec, lm_loss, lm_weight)
+            assert engine.model.trained_flat._version > before
+            if s == 1:
+                first[name] = engine.master.clone()
+        engines[name] = engine
+    cpp, ref = engines["cpp"], engines["torch"]
+    assert torch.equal(cpp.model.flat_params, cpp.master.to(torch.bfloat16))
+    # One step from the same gradient: float32 rounding apart (lr 1e-2).
+    torch.testing.assert_close(first["cpp"], first["torch"], rtol=0, atol=1e-6)
+    # Then a weight one bf16 ulp apart changes the next gradients a little, and Adam turns
+    # the sign of a tiny gradient into a full step: relative to how far training moved.
+    start = tiny_model().flat_params
+    # (measured 0.0016-0.0018 of it; a lost step or clipping would be ~1)
+    assert (cpp.master - ref.master).norm() <= 0.02 * (ref.master - start).norm()
+    for p_cpp, p_ref in zip(cpp._optimized_params(), ref._optimized_params()):
+        a, b = cpp.optimizer.state[p_cpp], ref.optimizer.state[p_ref]
+        assert list(a) == list(b) and a["step"] == b["step"] == 3
+        assert a["step"].dtype == b["step"].dtype and a["step"].shape == b["step"].shape
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=1e-2, atol=1e-7)
+    resumed = _bf16_engine(gradient_clipping=1e-3)  # (torch's path: simd_cpu is patched)
+    with torch.no_grad():
+        resumed.model.flat_params.copy_(cpp.model.flat_params)
+    resumed.load_state_dict(copy.deepcopy(cpp.state_dict()))
+    assert torch.equal(resumed.master, cpp.master)
+    resumed.train_batch(batch(seed=4), spec, lm_loss, lm_weight)
+    assert resumed.optimizer.state[resumed._optimized_params()[0]]["step"] == 4
