@@ -1,9 +1,10 @@
-// AdamW on float32 master weights (CPU): argument checks, then the vector kernel
+// AdamW on float32 master weights and a gradient's sum of squares (CPU): argument checks, then the vector kernel
 // (adamw_simd.h, built per instruction set in simd.cpp) over spans of the tensors, spread
 // over torch's threads.
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <vector>
 
 #include "kernels.h"
 #include "simd.h"
@@ -53,6 +54,24 @@ void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor ex
   at::parallel_for(0, (n + 65535) / 65536, 1, [&](int64_t b0, int64_t b1) {
     kernels.adamw(p, m, v, g, g_bf16, out, b0 * 65536, std::min(n, b1 * 65536), a);
   });
+}
+
+double sum_squares_cpu(const torch::Tensor& x, const std::string& isa) {
+  const SimdKernels& kernels = simd_kernels(isa_for(isa));
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
+                  x.is_contiguous() && x.device().is_cpu(),
+              "sum_squares: x must be a contiguous float32 or bfloat16 CPU tensor");
+  const int64_t n = x.numel(), spans = (n + 65535) / 65536;
+  const char* p = static_cast<const char*>(x.data_ptr());
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  std::vector<double> part(spans);
+  at::parallel_for(0, spans, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      part[b] = kernels.sum_squares(p, bf16, b * 65536, std::min(n, (b + 1) * 65536));
+  });
+  double total = 0;
+  for (double v : part) total += v;
+  return total;
 }
 
 }  // namespace realhf

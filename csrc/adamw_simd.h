@@ -1,4 +1,5 @@
-// AdamW on float32 master weights in one pass per element, for one instruction set
+// AdamW on float32 master weights in one pass per element, and the sum of squares of a
+// gradient (its norm), for one instruction set
 // (included by simd.cpp once per instruction set, after simd_vec.h).
 //
 // A bf16 model trains against float32 master weights and moments (realhf/impl/model/
@@ -56,6 +57,32 @@ void adamw_span(float* p, float* m, float* v, const char* g, uint16_t* low, int6
 }
 
 }  // namespace
+
+// Sum of squares of elements [i0, i1) of x (bfloat16 when bf16, else float32): four float32
+// vector accumulators, then their lanes added in double.  The same for a bf16 tensor and its
+// float32 conversion, to the bit.
+double sum_squares(const char* x, bool bf16, int64_t i0, int64_t i1) {
+  const int64_t e = bf16 ? 2 : 4;
+  F acc[4] = {zero(), zero(), zero(), zero()};
+  int64_t i = i0;
+  for (; i + 4 * W <= i1; i += 4 * W)
+    for (int k = 0; k < 4; ++k) {
+      F v = bf16 ? load<true>(x + (i + k * W) * e) : load<false>(x + (i + k * W) * e);
+      acc[k] = fmadd(v, v, acc[k]);
+    }
+  for (; i < i1; i += W) {
+    const int n = static_cast<int>(std::min<int64_t>(W, i1 - i));
+    F v = bf16 ? load_n<true>(x + i * e, n) : load_n<false>(x + i * e, n);
+    acc[0] = fmadd(v, v, acc[0]);
+  }
+  double total = 0;
+  for (int k = 0; k < 4; ++k) {
+    float lanes[W];
+    storef(lanes, acc[k]);
+    for (int j = 0; j < W; ++j) total += lanes[j];
+  }
+  return total;
+}
 
 void adamw(float* p, float* m, float* v, const char* g, bool g_bf16, uint16_t* low, int64_t i0,
            int64_t i1, const AdamWArgs& a) {

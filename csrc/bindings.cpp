@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
   m.def("simd_isa", &realhf::simd_isa,
         "The widest build of the vector kernels (decode_attention, rms_norm, rope, "
-        "row_logsumexp, row_softmax_grad, adamw_step) this CPU "
+        "row_logsumexp, row_softmax_grad, adamw_step, sum_squares) this CPU "
         "runs: 'avx512', 'avx2' or '' (none)");
   m.def("decode_attention", &realhf::decode_attention_cpu,
         "Decode attention over the paged KV cache (see realhf.impl.model.gen.cache_attention)",
@@ -51,4 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("low"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
         py::arg("weight_decay"), py::arg("eps"), py::arg("step"), py::arg("grad_coef") = 1.0,
         py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("sum_squares", &realhf::sum_squares_cpu,
+        "Sum of squares of a float32 or bfloat16 tensor, in double (see csrc/kernels.h)",
+        py::arg("x"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
 }

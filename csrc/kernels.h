@@ -85,4 +85,9 @@ void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor ex
                     double lr, double beta1, double beta2, double weight_decay, double eps,
                     double step, double grad_coef, const std::string& isa);
 
+// Sum of squares of a contiguous float32 or bfloat16 CPU tensor, in double: spans of 64k
+// elements summed in float32 (the same for a bf16 tensor and its float32 conversion), the
+// spans' sums added in order (the same whatever the thread count).
+double sum_squares_cpu(const torch::Tensor& x, const std::string& isa);
+
 }  // namespace realhf

@@ -92,9 +92,10 @@ const SimdKernels& simd_kernels(Isa isa) {
 #ifdef REALHF_SIMD
   static const SimdKernels k512{&avx512::decode_attention, &avx512::rms_norm, &avx512::rope,
                                 &avx512::row_logsumexp, &avx512::row_softmax_grad,
-                                &avx512::adamw};
+                                &avx512::adamw, &avx512::sum_squares};
   static const SimdKernels k2{&avx2::decode_attention, &avx2::rms_norm, &avx2::rope,
-                             &avx2::row_logsumexp, &avx2::row_softmax_grad, &avx2::adamw};
+                             &avx2::row_logsumexp, &avx2::row_softmax_grad, &avx2::adamw,
+                             &avx2::sum_squares};
   if (isa == Isa::kAvx512) return k512;
   if (isa == Isa::kAvx2) return k2;
 #endif

@@ -83,6 +83,8 @@ struct SimdKernels {
   // it is null
   void (*adamw)(float* p, float* m, float* v, const char* g, bool g_bf16, uint16_t* low,
                 int64_t i0, int64_t i1, const AdamWArgs& a);
+  // sum of squares of elements [i0, i1) of x (bfloat16 when bf16, else float32)
+  double (*sum_squares)(const char* x, bool bf16, int64_t i0, int64_t i1);
 };
 
 // The build for `isa` (the CPU must run it: see isa_for).

@@ -862,10 +862,17 @@ def _sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     piece at a time into one reused 4 MB float32 buffer, which stays in the caches.  In
     pieces of ``_ACCUMULATE_CHUNK`` (64 MB as fp32) each element went through memory three
     times (read, written as fp32, read again): 483 ms against 245 for the 0.5B shape's
-    494M bf16 gradient.  Elsewhere the pieces are ``_ACCUMULATE_CHUNK`` elements."""
+    494M bf16 gradient.  Elsewhere the pieces are ``_ACCUMULATE_CHUNK`` elements.
+
+    Where realhf's vector kernels run (a contiguous float32 or bf16 CPU tensor) the sum is
+    one C++ pass that reads ``t`` in its dtype (``realhf._C.sum_squares``, the same for a
+    gradient and its fp32 conversion too): 155 -> 40 ms for that gradient on the Xeon host."""
     n = t.numel()
     if n == 0:
         return t.new_zeros((), dtype=torch.float32)
+    ext = simd_cpu() if t.device.type == "cpu" and t.is_contiguous() else None
+    if ext is not None and t.dtype in (torch.float32, torch.bfloat16):
+        return torch.tensor(ext.sum_squares(t), dtype=torch.float32)
     step = _NORM_PIECE if t.device.type == "cpu" else _ACCUMULATE_CHUNK
     buf = None
     if t.dtype != torch.float32:

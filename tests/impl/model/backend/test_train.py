@@ -506,6 +506,28 @@ def test_cpp_adamw_step_equals_torch_adamw(isa, grad_dtype, n):
     assert not torch.equal(p, torch.randn(n, generator=torch.Generator().manual_seed(n)))
 
 
+@pytest.mark.parametrize(
+    "isa", simd_isas() or [pytest.param("", marks=pytest.mark.skip(_NO_KERNELS))]
+)
+@pytest.mark.parametrize("n", [0, 5, 37, 2 * 65536 + 19])
+def test_cpp_sum_of_squares_of_a_gradient(isa, n):
+    """The gradient norm's sum of squares: float64's to float32 accumulation, the same for
+    a bf16 gradient and its float32 conversion, and for any thread count, to the bit."""
+    ext = simd_cpu()
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    got = ext.sum_squares(x, isa)
+    assert got == pytest.approx(x.double().square().sum().item(), rel=1e-5, abs=0)
+    assert ext.sum_squares(x.float(), isa) == got
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert ext.sum_squares(x, isa) == got
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
+        ext.sum_squares(x.half(), isa)
+
+
 @pytest.mark.skipif(simd_cpu() is None, reason=_NO_KERNELS)
 def test_cpp_adamw_step_refuses_what_it_cannot_take():
     ext, p = simd_cpu(), torch.zeros(8)
