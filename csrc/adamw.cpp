@@ -1,6 +1,6 @@
-// AdamW on float32 master weights and a gradient's sum of squares (CPU): argument checks, then the vector kernel
-// (adamw_simd.h, built per instruction set in simd.cpp) over spans of the tensors, spread
-// over torch's threads.
+// AdamW on float32 master weights and a gradient's sum of squares (CPU): argument checks,
+// then the vector kernels (adamw_simd.h, built per instruction set in simd.cpp) over spans
+// of the tensors, spread over torch's threads.
 #include <ATen/Parallel.h>
 
 #include <cmath>

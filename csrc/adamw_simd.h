@@ -1,6 +1,6 @@
 // AdamW on float32 master weights in one pass per element, and the sum of squares of a
-// gradient (its norm), for one instruction set
-// (included by simd.cpp once per instruction set, after simd_vec.h).
+// gradient (its norm), for one instruction set (included by simd.cpp once per instruction
+// set, after simd_vec.h).
 //
 // A bf16 model trains against float32 master weights and moments (realhf/impl/model/
 // backend/train.py).  With torch's ops a step converts the bf16 gradient into a float32

@@ -1,5 +1,6 @@
 // realhf's vector CPU kernels (the generation engine's decode attention, RMSNorm and RoPE;
-// training's log-softmax over a large vocabulary and its AdamW step on master weights), built once per instruction set.
+// training's log-softmax over a large vocabulary, its AdamW step on master weights and its
+// gradient norm), built once per instruction set.
 //
 // The kernels are written once (decode_attention_simd.h, norm_rope_simd.h,
 // vocab_logprob_simd.h, adamw_simd.h) against the small
