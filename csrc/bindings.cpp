@@ -3,7 +3,7 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention, inference RMSNorm and RoPE, vocabulary log-softmax, AdamW on master weights";
+  m.doc() = "realhf CPU kernels: packed GAE, flat-buffer interval copies, decode attention, inference RMSNorm and RoPE, vocabulary log-softmax, AdamW on master weights, the gated MLP activation";
   namespace py = pybind11;
   m.def("gae_packed", &realhf::gae_packed_cpu, "Packed GAE (see realhf.impl.kernels.gae_packed)",
         py::arg("rewards"), py::arg("values"), py::arg("cu_seqlens"), py::arg("bootstrap"),
@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
   m.def("simd_isa", &realhf::simd_isa,
         "The widest build of the vector kernels (decode_attention, rms_norm, rope, "
-        "row_logsumexp, row_softmax_grad, adamw_step, sum_squares) this CPU "
+        "row_logsumexp, row_softmax_grad, adamw_step, sum_squares, silu_mul) this CPU "
         "runs: 'avx512', 'avx2' or '' (none)");
   m.def("decode_attention", &realhf::decode_attention_cpu,
         "Decode attention over the paged KV cache (see realhf.impl.model.gen.cache_attention)",
@@ -54,4 +54,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sum_squares", &realhf::sum_squares_cpu,
         "Sum of squares of a float32 or bfloat16 tensor, in double (see csrc/kernels.h)",
         py::arg("x"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &realhf::silu_mul_cpu,
+        "silu(gate) * up in one pass (see csrc/gated_act_simd.h)", py::arg("gate"),
+        py::arg("up"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul_backward", &realhf::silu_mul_backward_cpu,
+        "(d_gate, d_up) of silu(gate) * up from the output's gradient, in one pass",
+        py::arg("gate"), py::arg("up"), py::arg("grad_out"), py::arg("isa") = "",
+        py::call_guard<py::gil_scoped_release>());
 }

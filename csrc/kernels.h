@@ -90,4 +90,13 @@ void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor ex
 // spans' sums added in order (the same whatever the thread count).
 double sum_squares_cpu(const torch::Tensor& x, const std::string& isa);
 
+// silu(gate) * up, and its gradients (d_gate, d_up) from the output's gradient: contiguous
+// float32 or bfloat16 CPU tensors of one shape and dtype.  See gated_act_simd.h.
+torch::Tensor silu_mul_cpu(const torch::Tensor& gate, const torch::Tensor& up,
+                           const std::string& isa);
+std::tuple<torch::Tensor, torch::Tensor> silu_mul_backward_cpu(const torch::Tensor& gate,
+                                                               const torch::Tensor& up,
+                                                               const torch::Tensor& grad_out,
+                                                               const std::string& isa);
+
 }  // namespace realhf

@@ -1,9 +1,9 @@
 // realhf's vector CPU kernels (the generation engine's decode attention, RMSNorm and RoPE;
-// training's log-softmax over a large vocabulary, its AdamW step on master weights and its
-// gradient norm), built once per instruction set.
+// training's log-softmax over a large vocabulary, its gated MLP activation, its AdamW step
+// on master weights and its gradient norm), built once per instruction set.
 //
 // The kernels are written once (decode_attention_simd.h, norm_rope_simd.h,
-// vocab_logprob_simd.h, adamw_simd.h) against the small
+// vocab_logprob_simd.h, adamw_simd.h, gated_act_simd.h) against the small
 // vector layer of simd_vec.h. simd.cpp compiles them twice, for AVX-512 and for AVX2, each in
 // a namespace of that name under `#pragma GCC target`; the torch-facing
 // functions (decode_attention.cpp, norm_rope.cpp) check their arguments and call the widest
@@ -86,6 +86,11 @@ struct SimdKernels {
                 int64_t i0, int64_t i1, const AdamWArgs& a);
   // sum of squares of elements [i0, i1) of x (bfloat16 when bf16, else float32)
   double (*sum_squares)(const char* x, bool bf16, int64_t i0, int64_t i1);
+  // elements [i0, i1) of out = silu(g) * u, and of the gradients dg and du from dy (all
+  // float32, or bfloat16 when bf16)
+  void (*silu_mul)(const char* g, const char* u, char* out, int64_t i0, int64_t i1, bool bf16);
+  void (*silu_mul_grad)(const char* g, const char* u, const char* dy, char* dg, char* du,
+                        int64_t i0, int64_t i1, bool bf16);
 };
 
 // The build for `isa` (the CPU must run it: see isa_for).

@@ -101,6 +101,11 @@ inline F round_to(F x) {
 // 2^k * x for whole-number k in [-126, 0] (the exp below)
 inline F scale_pow2(F x, F k) { return _mm512_scalef_ps(x, k); }
 inline F floor(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+// |x|, and the lanes of a where x < 0, of b elsewhere
+inline F abs(F x) { return _mm512_abs_ps(x); }
+inline F where_neg(F x, F a, F b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, zero(), _CMP_LT_OQ), b, a);
+}
 
 // One vector whose lane i is the sum of the lanes of v[i], i < 16 (v is overwritten).
 // Four levels, each adding two halves of pairs: 256-bit halves, 128-bit quarters, then
@@ -222,6 +227,8 @@ inline F scale_pow2(F x, F k) {
   return _mm256_mul_ps(x, _mm256_castsi256_ps(e));
 }
 inline F floor(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline F abs(F x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+inline F where_neg(F x, F a, F b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, zero(), _CMP_LT_OQ)); }
 
 // One vector whose lane i is the sum of the lanes of v[i], i < 8: two levels of pairwise
 // horizontal adds leave the sums of each 128-bit half of v[0..3] in one vector and of
