@@ -148,9 +148,28 @@ def numbers_equal(pred: Number, gold: Number, *, percent: bool, exact: bool) -> 
 # ----------------------------------------------------------------------- symbolic
 
 
+#: set in the verifier pool's workers (math_reward._warm_worker): the pool's per-item timeout
+#: bounds every call there, and math-verify's own alarm stays off
+_CALLER_TIMES_OUT = False
+
+
+def rely_on_caller_timeout() -> None:
+    """Turn math-verify's own 5 s alarm off in this process: its caller bounds each call.
+
+    The alarm is wall-clock time, and math-verify answers "not equal" when it fires.  On a
+    loaded machine (a CI run's 2 cores shared by a dozen processes) a comparison that
+    takes 0.2 s can wait 5 s for the CPU, and a correct answer was graded wrong
+    (``2n+1`` against ``1+2n``, once in ~5 full suite runs).  The pool's timeout (15 s by
+    default) kills a worker that overruns it and says so in the log."""
+    global _CALLER_TIMES_OUT
+    _CALLER_TIMES_OUT = True
+
+
 def _math_verify_timeouts() -> Optional[int]:
     # math-verify times out with SIGALRM, which only the main thread may use; in
     # other threads its timeout is disabled and our pool's timeout is the guard.
+    if _CALLER_TIMES_OUT:
+        return None
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 

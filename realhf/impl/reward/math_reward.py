@@ -37,7 +37,7 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Dict, List, Optional, Sequence
 
-from realhf.impl.reward.math_grader import math_equal, quick_equal
+from realhf.impl.reward.math_grader import math_equal, quick_equal, rely_on_caller_timeout
 from realhf.impl.reward.math_normalize import (
     extract_answer,
     extract_solution_answer,
@@ -91,8 +91,11 @@ def _warm_worker() -> None:
     """Pool initializer: import and exercise the LaTeX parser before the first timed task.
 
     The first parse in a process builds the ANTLR parser (about a second), which
-    would otherwise be charged to some unlucky item's timeout.
+    would otherwise be charged to some unlucky item's timeout.  The pool's timeout bounds
+    each item, so math-verify's own (wall-clock) alarm is turned off here
+    (:func:`~realhf.impl.reward.math_grader.rely_on_caller_timeout`).
     """
+    rely_on_caller_timeout()
     math_equal(r"\sqrt{2}", r"\frac{2}{\sqrt{2}}")
 
 

@@ -117,6 +117,17 @@ def test_timeout_counts_as_wrong_is_logged_and_pool_recovers(caplog):
     assert verify(r"\boxed{\frac{\sqrt{3}}{2}}", [r"\boxed{\frac{1}{2}\sqrt{3}}"]) is True
 
 
+def test_pool_workers_leave_the_timeout_to_the_pool_not_to_math_verifys_alarm():
+    """math-verify's 5 s alarm is wall-clock time and answers "not equal" when it fires: on
+    a loaded machine it graded ``2n+1`` against ``1+2n`` wrong.  In the pool's workers it
+    is off (the pool's own timeout bounds each item); in a caller's main thread it stays."""
+    from realhf.impl.reward import math_grader
+
+    assert math_grader._math_verify_timeouts() == 5  # this (main) thread, outside the pool
+    in_worker = get_pool().schedule(math_grader._math_verify_timeouts).result(timeout=60)
+    assert in_worker is None
+
+
 @pytest.mark.slow
 def test_many_threads_share_the_pool():
     items = [
