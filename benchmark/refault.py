@@ -11,9 +11,10 @@ the time to touch the next mapping after that wait.  With ``huge`` the mappings 
 ``madvise(MADV_HUGEPAGE)`` (torch's large CPU tensors are, under ``THP_MEM_ALLOC_ENABLE=1``,
 which ``realhf`` sets).  The last line is JSON.
 
-On the 2-core Xeon (AMX) VM of 2026-12-02, 1 GiB: 4 KiB pages 0.32-0.33 s whatever the
-wait; huge pages 0.14 s right away, 0.47 s after 2 s free, 0.77 s after 4 s, 1.41 s after
-8 s (``benchmark/results/scale.md``).
+On the 2-core Xeon (AMX) VM of 2026-12-02, 1 GiB: 4 KiB pages 0.36-0.38 s whatever the
+wait; huge pages 0.14 s right away, 0.46 s after 2 s free, 0.79 s after 4 s, 1.43 s after
+8 s (``benchmark/results/runs/refault_xeon_amx_2026-12-02_s75.log``; the other probes of
+that session are in ``benchmark/results/scale.md``).
 """
 
 from __future__ import annotations

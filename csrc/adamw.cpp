@@ -11,6 +11,14 @@
 
 namespace realhf {
 
+namespace {
+
+// Elements per task: a thread's share of a large tensor in spans of this size (a multiple of
+// every vector width), and a small tensor on the calling thread.
+constexpr int64_t kSpan = 65536;
+
+}  // namespace
+
 void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                     const torch::Tensor& grad, const c10::optional<torch::Tensor>& low,
                     double lr, double beta1, double beta2, double weight_decay, double eps,
@@ -23,8 +31,7 @@ void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor ex
                     t->device().is_cpu() && t->numel() == n,
                 fn, ": param, exp_avg and exp_avg_sq must be contiguous float32 CPU tensors "
                 "of one size");
-  TORCH_CHECK((grad.scalar_type() == torch::kFloat32 || grad.scalar_type() == torch::kBFloat16) &&
-                  grad.is_contiguous() && grad.device().is_cpu() && grad.numel() == n,
+  TORCH_CHECK(float_or_bf16_cpu(grad) && grad.is_contiguous() && grad.numel() == n,
               fn, ": grad must be a contiguous float32 or bfloat16 CPU tensor of param's size");
   uint16_t* out = nullptr;
   if (low.has_value()) {
@@ -49,25 +56,22 @@ void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor ex
   float* v = exp_avg_sq.data_ptr<float>();
   const char* g = static_cast<const char*>(grad.data_ptr());
   const bool g_bf16 = grad.scalar_type() == torch::kBFloat16;
-  // Spans of 64k elements (a multiple of every vector width): a thread's share of a large
-  // tensor, and a small one on the calling thread.
-  at::parallel_for(0, (n + 65535) / 65536, 1, [&](int64_t b0, int64_t b1) {
-    kernels.adamw(p, m, v, g, g_bf16, out, b0 * 65536, std::min(n, b1 * 65536), a);
+  at::parallel_for(0, (n + kSpan - 1) / kSpan, 1, [&](int64_t b0, int64_t b1) {
+    kernels.adamw(p, m, v, g, g_bf16, out, b0 * kSpan, std::min(n, b1 * kSpan), a);
   });
 }
 
 double sum_squares_cpu(const torch::Tensor& x, const std::string& isa) {
   const SimdKernels& kernels = simd_kernels(isa_for(isa));
-  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) &&
-                  x.is_contiguous() && x.device().is_cpu(),
+  TORCH_CHECK(float_or_bf16_cpu(x) && x.is_contiguous(),
               "sum_squares: x must be a contiguous float32 or bfloat16 CPU tensor");
-  const int64_t n = x.numel(), spans = (n + 65535) / 65536;
+  const int64_t n = x.numel(), spans = (n + kSpan - 1) / kSpan;
   const char* p = static_cast<const char*>(x.data_ptr());
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   std::vector<double> part(spans);
   at::parallel_for(0, spans, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      part[b] = kernels.sum_squares(p, bf16, b * 65536, std::min(n, (b + 1) * 65536));
+      part[b] = kernels.sum_squares(p, bf16, b * kSpan, std::min(n, (b + 1) * kSpan));
   });
   double total = 0;
   for (double v : part) total += v;

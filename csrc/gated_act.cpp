@@ -13,8 +13,7 @@ namespace {
 constexpr int64_t kSpan = 16384;  // elements per task (a multiple of every vector width)
 
 void check_like(const torch::Tensor& t, const torch::Tensor& gate, const char* name) {
-  TORCH_CHECK((gate.scalar_type() == torch::kFloat32 || gate.scalar_type() == torch::kBFloat16) &&
-                  gate.is_contiguous() && gate.device().is_cpu(),
+  TORCH_CHECK(float_or_bf16_cpu(gate) && gate.is_contiguous(),
               "silu_mul: gate must be a contiguous float32 or bfloat16 CPU tensor");
   TORCH_CHECK(t.scalar_type() == gate.scalar_type() && t.sizes() == gate.sizes() &&
                   t.is_contiguous() && t.device().is_cpu(),

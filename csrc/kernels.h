@@ -35,6 +35,12 @@ torch::Tensor merge_intervals(const torch::Tensor& intervals);
 // The widest build of the vector kernels this CPU runs: "avx512", "avx2" or "".
 std::string simd_isa();
 
+// Whether t is a CPU tensor of a dtype the vector kernels read: float32 or bfloat16.
+inline bool float_or_bf16_cpu(const torch::Tensor& t) {
+  const auto dt = t.scalar_type();
+  return (dt == torch::kFloat32 || dt == torch::kBFloat16) && t.device().is_cpu();
+}
+
 // Decode attention over the paged KV cache (see decode_attention_simd.h and
 // realhf.impl.model.gen.cache_attention). q, out [B, n_kv, g, D] float32; k_new, v_new
 // [B, n_kv, D] and kc, vc [N, n_kv, D] float32 or bfloat16; table [B, width] and lens [B]

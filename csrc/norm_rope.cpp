@@ -14,8 +14,7 @@ torch::Tensor rms_norm_cpu(const torch::Tensor& x, const torch::Tensor& weight, 
                            const std::string& isa) {
   const SimdKernels& kernels = simd_kernels(isa_for(isa));
   const auto dt = x.scalar_type();
-  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && x.is_contiguous() &&
-                  x.dim() >= 1 && x.device().is_cpu(),
+  TORCH_CHECK(float_or_bf16_cpu(x) && x.is_contiguous() && x.dim() >= 1,
               "rms_norm: x must be a contiguous float32 or bfloat16 CPU tensor");
   const int64_t D = x.size(-1);
   TORCH_CHECK(weight.scalar_type() == dt && weight.is_contiguous() && weight.numel() == D,
@@ -40,8 +39,7 @@ torch::Tensor rope_cpu(const torch::Tensor& x, const torch::Tensor& cos, const t
                        const std::string& isa) {
   const SimdKernels& kernels = simd_kernels(isa_for(isa));
   const auto dt = x.scalar_type();
-  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && x.dim() == 3 &&
-                  x.stride(2) == 1 && x.device().is_cpu(),
+  TORCH_CHECK(float_or_bf16_cpu(x) && x.dim() == 3 && x.stride(2) == 1,
               "rope: x must be a float32 or bfloat16 CPU tensor [T, H, D] with its last dim "
               "contiguous");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2);

@@ -11,9 +11,7 @@ namespace realhf {
 namespace {
 
 void check_logits(const torch::Tensor& logits, const torch::Tensor& rows, const char* fn) {
-  const auto dt = logits.scalar_type();
-  TORCH_CHECK((dt == torch::kFloat32 || dt == torch::kBFloat16) && logits.dim() == 2 &&
-                  logits.stride(1) == 1 && logits.device().is_cpu(),
+  TORCH_CHECK(float_or_bf16_cpu(logits) && logits.dim() == 2 && logits.stride(1) == 1,
               fn, ": logits must be a float32 or bfloat16 CPU tensor [T, V] with its last dim "
               "contiguous");
   TORCH_CHECK(rows.scalar_type() == torch::kInt64 && rows.dim() == 1 && rows.is_contiguous(),

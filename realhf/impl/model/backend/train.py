@@ -647,10 +647,10 @@ class TrainEngine(InferenceEngine):
                     if coef is not None:
                         self.grad.mul_(coef)
                     self.optimizer.step()
-                if self.master is not None and ext is None:
-                    with torch.no_grad():
-                        self.model.trained_flat.copy_(self.master)
                 if self.master is not None:
+                    if ext is None:
+                        with torch.no_grad():
+                            self.model.trained_flat.copy_(self.master)
                     self._mark_published()
         self.n_steps += 1
         self.n_skipped += int(skipped)
