@@ -97,7 +97,9 @@ void adamw_step_cpu(torch::Tensor param, torch::Tensor exp_avg, torch::Tensor ex
 double sum_squares_cpu(const torch::Tensor& x, const std::string& isa);
 
 // silu(gate) * up, and its gradients (d_gate, d_up) from the output's gradient: contiguous
-// float32 or bfloat16 CPU tensors of one shape and dtype.  See gated_act_simd.h.
+// float32 or bfloat16 CPU tensors of one shape and dtype.  The forward also takes [T, F]
+// gate and up with contiguous rows at any row stride (the halves of a fused gate/up
+// product), and returns a contiguous [T, F].  See gated_act_simd.h.
 torch::Tensor silu_mul_cpu(const torch::Tensor& gate, const torch::Tensor& up,
                            const std::string& isa);
 std::tuple<torch::Tensor, torch::Tensor> silu_mul_backward_cpu(const torch::Tensor& gate,

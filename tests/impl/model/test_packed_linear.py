@@ -122,3 +122,33 @@ def test_only_the_cpu_packs():
     assert packing_supported(torch.float32, torch.device("cpu"))
     assert not packing_supported(torch.bfloat16, torch.device("cuda"))
     assert not packing_supported(torch.float16, torch.device("cpu"))
+
+
+def test_side_by_side_weights_are_packed_without_a_joined_copy(model_dir, monkeypatch):
+    """q, k, v (and gate, up) lie one after another in a ReaLModel's flat buffer: the pack
+    reads them there, never joining them with ``torch.cat``; matrices apart are joined."""
+    from realhf.impl.model.nn.packed_linear import _rows_in_place
+
+    model = ReaLModel.from_hf(model_dir, dtype=torch.bfloat16).eval()
+    ca = model.blocks[0].attn.c_attn
+    qkv = [ca.q_attn.weight, ca.k_attn.weight, ca.v_attn.weight]
+    view = _rows_in_place(qkv)
+    assert view is not None and view.data_ptr() == qkv[0].data_ptr()
+    assert torch.equal(view, torch.cat(qkv))
+    apart = [t.clone() for t in qkv]
+    assert _rows_in_place(apart) is None
+    assert _rows_in_place([qkv[0], qkv[2]]) is None  # (same buffer, not adjacent)
+
+    def no_cat(*a, **k):
+        raise AssertionError("torch.cat called while packing side-by-side weights")
+
+    plain = _logits(model)
+    monkeypatch.setattr(torch, "cat", no_cat)
+    packer = WeightPacker(model, batch_hint=16)
+    if all(getattr(b.attn.c_attn.q_attn, "bias", None) is None for b in model.blocks):
+        while not packer.done:
+            packer.pack()
+    monkeypatch.undo()
+    while not packer.done:  # (biases of q, k and v are joined by cat)
+        packer.pack()
+    torch.testing.assert_close(_logits(model), plain, atol=2e-2, rtol=2e-2)

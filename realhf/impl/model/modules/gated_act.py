@@ -11,7 +11,10 @@ For silu (SwiGLU: Qwen, Llama) on a CPU with realhf's vector kernels, forward an
 are one C++ pass each (``realhf._C.silu_mul`` / ``silu_mul_backward``,
 ``csrc/gated_act_simd.h``) instead of ~10 torch passes over ``[T, intermediate]`` tensors
 per layer.  They round where torch's ops round, so their results differ from torch's only
-where the two sigmoids differ in their last float32 bits (a bf16 ulp at most).
+where the two sigmoids differ in their last float32 bits (a bf16 ulp at most).  Without
+gradients the forward pass also reads the two halves of a fused ``[T, 2F]`` gate/up product
+in place (the generation engine's packed products), as one call instead of torch's silu and
+product.
 """
 
 from __future__ import annotations
@@ -58,15 +61,19 @@ class _SiluMulCpp(torch.autograd.Function):
         return d_gate, d_up if ctx.needs_input_grad[1] else None, None
 
 
-def _silu_ext(act: Callable, gate: torch.Tensor, up: torch.Tensor):
-    """``realhf._C`` where its silu kernels take these tensors, else None."""
+def _silu_ext(act: Callable, gate: torch.Tensor, up: torch.Tensor, rows: bool = False):
+    """``realhf._C`` where its silu kernels take these tensors, else None.  ``rows``: the
+    forward pass alone, which also takes ``[T, F]`` tensors whose rows are contiguous."""
     if (
         act is not F.silu
         or gate.device.type != "cpu"
         or gate.dtype not in (torch.float32, torch.bfloat16)
         or up.dtype != gate.dtype
         or up.shape != gate.shape
-        or not (gate.is_contiguous() and up.is_contiguous())
+    ):
+        return None
+    if not (gate.is_contiguous() and up.is_contiguous()) and not (
+        rows and gate.dim() == 2 and gate.stride(1) == 1 and up.stride(1) == 1
     ):
         return None
     return simd_cpu()
@@ -74,8 +81,9 @@ def _silu_ext(act: Callable, gate: torch.Tensor, up: torch.Tensor):
 
 def gated_act(act: Callable, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up``; with gradients, ``act(gate)`` is recomputed in backward."""
-    ext = _silu_ext(act, gate, up)
-    if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
+    grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    ext = _silu_ext(act, gate, up, rows=not grad)
+    if not grad:
         return act(gate) * up if ext is None else ext.silu_mul(gate, up)
     if ext is not None:
         return _SiluMulCpp.apply(gate, up, ext)

@@ -61,7 +61,9 @@ class PackedLinear:
         # Each source with an alias of its data: holding the storage keeps its address
         # from being reused, so an equal address below means the same memory.
         self._sources = [(w, w.detach(), w._version) for w in weights]
-        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        w = _rows_in_place(weights)
+        if w is None:
+            w = torch.cat(weights)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
         self.bias = None
         if biases is not None and any(b is not None for b in biases):
@@ -78,6 +80,27 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def _rows_in_place(weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``cat(weights)`` as a view, where the matrices lie one after another in one buffer
+    (a ReaLModel's q, k, v and gate, up lie so in its flat parameter buffer); else None."""
+    w0 = weights[0]
+    if len(weights) == 1:
+        return w0
+    end = w0.data_ptr()
+    for w in weights:
+        if not (
+            w.is_contiguous()
+            and w.dim() == 2
+            and w.shape[1] == w0.shape[1]
+            and w.dtype == w0.dtype
+            and w.untyped_storage().data_ptr() == w0.untyped_storage().data_ptr()
+            and w.data_ptr() == end
+        ):
+            return None
+        end += w.numel() * w.element_size()
+    return w0.detach().as_strided((sum(w.shape[0] for w in weights), w0.shape[1]), (w0.shape[1], 1))
 
 
 def packed_or_none(owner: nn.Module, attr: str, weights: List[torch.Tensor]):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from realhf.impl.kernels import simd_cpu, simd_isas
 from realhf.impl.model.modules import gated_act as gated_act_module
-from realhf.impl.model.modules.gated_act import gated_act
+from realhf.impl.model.modules.gated_act import _silu_ext, gated_act
 
 _NO_KERNELS = "the C++ silu passes need AVX2 or AVX-512 and realhf._C"
 
@@ -88,8 +88,9 @@ def test_cpp_silu_passes_equal_torch_ops(isa, dtype, shape):
 @pytest.mark.skipif(simd_cpu() is None, reason=_NO_KERNELS)
 def test_gated_act_takes_the_cpp_passes_for_silu_on_this_cpu():
     """Contiguous silu inputs take the C++ passes, with and without gradients; another
-    activation, or a non-contiguous gate (the engine's fused gate_up halves), takes torch's
-    ops."""
+    activation takes torch's ops, and so do the halves of a fused gate/up product (not
+    contiguous) with gradients; without gradients they take the C++ forward (the engine's
+    packed products)."""
     gate = torch.randn(6, 40, dtype=torch.bfloat16, requires_grad=True)
     up = torch.randn(6, 40, dtype=torch.bfloat16, requires_grad=True)
     out = gated_act(F.silu, gate, up)
@@ -105,6 +106,29 @@ def test_gated_act_takes_the_cpp_passes_for_silu_on_this_cpu():
     both = torch.randn(6, 80, requires_grad=True)
     halves = gated_act(F.silu, *both.chunk(2, dim=-1))
     assert type(halves.grad_fn).__name__ == "_GatedActBackward"
+    gate, up = both.detach().bfloat16().chunk(2, dim=-1)
+    assert _silu_ext(F.silu, gate, up) is None and _silu_ext(F.silu, gate, up, rows=True)
+    with torch.no_grad():
+        got = gated_act(F.silu, gate, up)
+    assert got.is_contiguous()
+    assert torch.equal(got, simd_cpu().silu_mul(gate.contiguous(), up.contiguous()))
+
+
+@pytest.mark.parametrize(
+    "isa", simd_isas() or [pytest.param("", marks=pytest.mark.skip(_NO_KERNELS))]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpp_silu_forward_reads_the_halves_of_a_fused_product_in_place(isa, dtype):
+    """The halves of a fused ``[T, 2F]`` product (rows contiguous, row stride 2F) give what
+    their contiguous copies give, to the bit, at widths with and without a vector tail."""
+    ext = simd_cpu()
+    for T, F2 in ((2, 10), (3, 74), (16, 2 * 4864)):
+        both = torch.randn(T, F2, generator=torch.Generator().manual_seed(F2)).to(dtype) * 3
+        gate, up = both.chunk(2, dim=-1)
+        assert not gate.is_contiguous()
+        got = ext.silu_mul(gate, up, isa)
+        assert got.shape == gate.shape and got.is_contiguous()
+        assert torch.equal(got, ext.silu_mul(gate.contiguous(), up.contiguous(), isa))
 
 
 @pytest.mark.skipif(simd_cpu() is None, reason=_NO_KERNELS)
@@ -114,5 +138,9 @@ def test_cpp_silu_passes_refuse_mismatched_inputs():
         ext.silu_mul(x, x[:, :4].contiguous())
     with pytest.raises(RuntimeError, match="gate must be a contiguous float32 or bfloat16"):
         ext.silu_mul(x.half(), x.half())
+    with pytest.raises(RuntimeError, match="or \\[T, F\\] ones of that kind with contiguous rows"):
+        ext.silu_mul(x.t(), x.t())  # (rows not contiguous)
+    with pytest.raises(RuntimeError, match="of one shape and dtype"):
+        ext.silu_mul(x[:, :4], x[:, 4:].bfloat16())
     with pytest.raises(RuntimeError, match="grad_out must be"):
         ext.silu_mul_backward(x, x, x.bfloat16())
