@@ -18,8 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fuse intervals whose start equals the previous end (order kept)", py::arg("intervals"));
   m.def("simd_isa", &realhf::simd_isa,
         "The widest build of the vector kernels (decode_attention, rms_norm, rope, "
-        "row_logsumexp, row_softmax_grad, adamw_step, sum_squares, silu_mul) this CPU "
-        "runs: 'avx512', 'avx2' or '' (none)");
+        "row_logsumexp, row_softmax_grad, adamw_step, sum_squares, silu_mul, decode_linear) "
+        "this CPU runs: 'avx512', 'avx2' or '' (none)");
   m.def("decode_attention", &realhf::decode_attention_cpu,
         "Decode attention over the paged KV cache (see realhf.impl.model.gen.cache_attention)",
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("kc"), py::arg("vc"),
@@ -57,6 +57,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &realhf::silu_mul_cpu,
         "silu(gate) * up in one pass (see csrc/gated_act_simd.h)", py::arg("gate"),
         py::arg("up"), py::arg("isa") = "", py::call_guard<py::gil_scoped_release>());
+  m.def("decode_linear", &realhf::decode_linear_cpu,
+        "x @ W.T + bias for a decode step's rows, float32, W packed in blocks of 16 "
+        "(see csrc/kernels.h)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n_out"), py::arg("isa") = "",
+        py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul_backward", &realhf::silu_mul_backward_cpu,
         "(d_gate, d_up) of silu(gate) * up from the output's gradient, in one pass",
         py::arg("gate"), py::arg("up"), py::arg("grad_out"), py::arg("isa") = "",

@@ -107,4 +107,12 @@ std::tuple<torch::Tensor, torch::Tensor> silu_mul_backward_cpu(const torch::Tens
                                                                const torch::Tensor& grad_out,
                                                                const std::string& isa);
 
+// y [M, n_out] = x [M, K] @ W.T + bias for the few rows of a decode step, float32, with W
+// packed as [ceil(n_out / 16), K, 16] (blocks of 16 output rows of W, k-major, the last block
+// padded with zeros) and bias (if any) padded to ceil(n_out / 16) * 16.  See
+// decode_linear_simd.h and realhf.impl.model.nn.packed_linear.
+torch::Tensor decode_linear_cpu(const torch::Tensor& x, const torch::Tensor& packed,
+                                const c10::optional<torch::Tensor>& bias, int64_t n_out,
+                                const std::string& isa);
+
 }  // namespace realhf

@@ -28,6 +28,7 @@
 #include "vocab_logprob_simd.h"
 #include "adamw_simd.h"
 #include "gated_act_simd.h"
+#include "decode_linear_simd.h"
 #undef REALHF_SIMD_NS
 #undef REALHF_SIMD_AVX512
 #pragma GCC pop_options
@@ -42,6 +43,7 @@
 #include "vocab_logprob_simd.h"
 #include "adamw_simd.h"
 #include "gated_act_simd.h"
+#include "decode_linear_simd.h"
 #undef REALHF_SIMD_NS
 #undef REALHF_SIMD_AVX2
 #pragma GCC pop_options
@@ -95,10 +97,11 @@ const SimdKernels& simd_kernels(Isa isa) {
   static const SimdKernels k512{&avx512::decode_attention, &avx512::rms_norm, &avx512::rope,
                                 &avx512::row_logsumexp, &avx512::row_softmax_grad,
                                 &avx512::adamw, &avx512::sum_squares, &avx512::silu_mul,
-                                &avx512::silu_mul_grad};
+                                &avx512::silu_mul_grad, &avx512::decode_linear};
   static const SimdKernels k2{&avx2::decode_attention, &avx2::rms_norm, &avx2::rope,
                              &avx2::row_logsumexp, &avx2::row_softmax_grad, &avx2::adamw,
-                             &avx2::sum_squares, &avx2::silu_mul, &avx2::silu_mul_grad};
+                             &avx2::sum_squares, &avx2::silu_mul, &avx2::silu_mul_grad,
+                             &avx2::decode_linear};
   if (isa == Isa::kAvx512) return k512;
   if (isa == Isa::kAvx2) return k2;
 #endif

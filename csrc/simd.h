@@ -91,6 +91,10 @@ struct SimdKernels {
   void (*silu_mul)(const char* g, const char* u, char* out, int64_t i0, int64_t i1, bool bf16);
   void (*silu_mul_grad)(const char* g, const char* u, const char* dy, char* dg, char* du,
                         int64_t i0, int64_t i1, bool bf16);
+  // blocks [nb0, nb1) of 16 columns of y [M, N] = x @ W.T + bias (float32), from x
+  // transposed xt [K, M], W packed as [ceil(N / 16), K, 16] and the padded bias (or null)
+  void (*decode_linear)(const float* xt, int64_t M, const float* wp, const float* bias,
+                        float* y, int64_t N, int64_t K, int64_t nb0, int64_t nb1);
 };
 
 // The build for `isa` (the CPU must run it: see isa_for).

@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_hf_model
 
+from realhf.impl.kernels import simd_cpu
 from realhf.impl.model.nn.packed_linear import PackedLinear, WeightPacker, packing_supported
 from realhf.impl.model.nn.real_model import ReaLModel
 
@@ -152,3 +153,51 @@ def test_side_by_side_weights_are_packed_without_a_joined_copy(model_dir, monkey
     while not packer.done:  # (biases of q, k and v are joined by cat)
         packer.pack()
     torch.testing.assert_close(_logits(model), plain, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(simd_cpu() is None, reason="realhf's decode kernel needs AVX2 or AVX-512")
+def test_fp32_packs_take_the_decode_kernel_for_few_rows_and_the_plain_weights_for_many(
+    model_dir, monkeypatch
+):
+    """fp32 packs are realhf's block layout: a decode step's rows run the kernel, a
+    prefill's many run F.linear on the model's weights (joined in place, or one product
+    per matrix where they lie apart); both give the plain logits to fp32 rounding."""
+    from realhf.impl.model.nn import packed_linear
+
+    model = ReaLModel.from_hf(model_dir).eval()
+    few = (IDS, CU)
+    n = packed_linear.DECODE_KERNEL_ROWS + 9
+    many = (torch.arange(n) % 7, torch.tensor([0, 30, n], dtype=torch.int32))
+    plain = {k: _run(model, *v) for k, v in (("few", few), ("many", many))}
+    kernel = [0]
+    real = simd_cpu().decode_linear
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(simd_cpu(), name)
+
+        def decode_linear(self, *a):
+            kernel[0] += 1
+            return real(*a)
+
+    monkeypatch.setattr(packed_linear, "simd_cpu", lambda: Counted())
+    for apart in (False, True):
+        if apart:  # packs made as if no matrices lay side by side
+            monkeypatch.setattr(
+                packed_linear, "_rows_in_place", lambda ws: None if len(ws) > 1 else ws[0]
+            )
+        packer = WeightPacker(model, batch_hint=16)
+        while not packer.done:
+            packer.pack()
+        assert all(isinstance(o.__dict__[a].weight, torch.Tensor) for o, a, _ in packer.jobs)
+        kernel[0] = 0
+        torch.testing.assert_close(_run(model, *few), plain["few"], atol=1e-5, rtol=1e-5)
+        assert kernel[0] == len(packer.jobs)
+        torch.testing.assert_close(_run(model, *many), plain["many"], atol=1e-5, rtol=1e-5)
+        assert kernel[0] == len(packer.jobs)  # (none of the many rows' products)
+        packer.reset()
+
+
+def _run(model, ids, cu):
+    with torch.inference_mode():
+        return model(ids, cu).float()

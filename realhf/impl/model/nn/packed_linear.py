@@ -1,13 +1,17 @@
-"""Linear weights pre-packed for oneDNN: faster decode-time matmuls on CPU.
+"""Linear weights pre-packed for decoding: faster decode-time matmuls on CPU.
 
 ``F.linear`` on a CPU tensor hands a plain ``[out, in]`` matrix to the BLAS: in bf16 oneDNN
 reorders it into its blocked layout on every call, and in fp32 MKL's sgemm runs a generic
-path on AMD CPUs.  Packing the weights once for oneDNN makes each product faster here (AMD
-EPYC Zen 5, AVX-512 with ``avx512_bf16``, one thread): bf16 1.2-2.8x (16 rows against
-Qwen2.5-0.5B's matrices: 72.6 -> 47.5 ms per decode step), fp32 2.2x (256 rows against the
-tiny model's).  Packing also lets one product serve several projections: q, k and v (and an
-MLP's gate and up) are packed side by side and their output split.  fp32 products then sum
-in another order than ``F.linear`` (~3e-6 relative here).
+path on AMD CPUs.  Packing the weights once makes each product faster.  bf16 weights are
+packed for oneDNN (AMD EPYC Zen 5, AVX-512 with ``avx512_bf16``, one thread: 1.2-2.8x, 16
+rows against Qwen2.5-0.5B's matrices: 72.6 -> 47.5 ms per decode step).  fp32 weights are
+packed for realhf's own decode kernel (``realhf._C.decode_linear``, where the CPU has AVX2 or
+AVX-512; else for oneDNN), which streams blocks of 16 output rows: against 0.5B-MLP matrices
+at 16 rows on a 2-core Xeon it reads weights at 18.1 GB/s, oneDNN's packed product at 16.0
+and ``F.linear`` at 9.0.  Beyond :data:`DECODE_KERNEL_ROWS` rows (a prefill) the fp32
+products are ``F.linear`` on the model's own weights.  Packing also lets one product serve
+several projections: q, k and v (and an MLP's gate and up) are packed side by side and
+their output split.  fp32 products then sum in another order than ``F.linear`` (a few ulps).
 
 The packed weights are copies (the model's memory for its weights once more), made by a
 :class:`WeightPacker` a few matrices at a time, and used only while they match the weights:
@@ -23,12 +27,20 @@ models; training never packs (the products need gradients).
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from realhf.impl.kernels import simd_cpu
+
 __all__ = ["PackedLinear", "WeightPacker", "packing_supported", "packed_or_none"]
+
+#: Rows up to which a packed float32 product runs realhf's decode kernel; more go to
+#: ``F.linear`` (0.5B-MLP matrices, 2 AVX-512 cores: the kernel is 1.1x oneDNN's packed
+#: product at 16 rows and 3x ``F.linear``; equal to ``F.linear`` at 64, 0.4x at 512).
+DECODE_KERNEL_ROWS = 64
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -61,15 +73,29 @@ class PackedLinear:
         # Each source with an alias of its data: holding the storage keeps its address
         # from being reused, so an equal address below means the same memory.
         self._sources = [(w, w.detach(), w._version) for w in weights]
-        w = _rows_in_place(weights)
-        if w is None:
-            w = torch.cat(weights)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
+        plain = _rows_in_place(weights)
+        w = (torch.cat(weights) if plain is None else plain).detach()
         self.bias = None
         if biases is not None and any(b is not None for b in biases):
             self.bias = torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
             ).detach()
+        self._ext = _decode_kernels(w)
+        if self._ext is None:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+            return
+        # realhf's float32 decode kernel takes the few rows of a decode step; a prefill's
+        # many go to F.linear on the model's own weights (a product per source matrix where
+        # they do not lie side by side: a joined copy would cost memory)
+        self.n_out = w.shape[0]
+        if plain is not None:
+            self._plain = [(w, self.bias)]
+        else:
+            bs = biases or [None] * len(weights)
+            self._plain = [
+                (s.detach(), None if b is None else b.detach()) for s, b in zip(weights, bs)
+            ]
+        self.weight, self.bias_padded = pack_blocks(w, self.bias)
 
     def fresh(self, weights: List[torch.Tensor]) -> bool:
         """Whether ``weights`` are still the tensors, and values, this was packed from."""
@@ -79,7 +105,34 @@ class PackedLinear:
         )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self._ext is None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if x.dim() == 2 and x.shape[0] <= DECODE_KERNEL_ROWS:
+            return self._ext.decode_linear(x, self.weight, self.bias_padded, self.n_out)
+        if len(self._plain) == 1:
+            return F.linear(x, *self._plain[0])
+        return torch.cat([F.linear(x, w, b) for w, b in self._plain], dim=-1)
+
+
+def pack_blocks(
+    w: torch.Tensor, bias: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``w`` [N, K] as realhf's decode kernel reads it: blocks of 16 rows, k-major,
+    ``[ceil(N / 16), K, 16]`` (the last block padded with zeros), and ``bias`` padded to
+    ``ceil(N / 16) * 16``."""
+    pad = -w.shape[0] % 16
+    if pad:  # (a copy: only where the rows do not fill the last block)
+        w = F.pad(w, (0, 0, 0, pad))
+        bias = None if bias is None else F.pad(bias, (0, pad))
+    blocks = w.reshape(-1, 16, w.shape[1]).transpose(1, 2).contiguous()
+    return blocks, None if bias is None else bias.contiguous()
+
+
+def _decode_kernels(w: torch.Tensor):
+    """``realhf._C`` where its float32 decode kernel takes ``w``'s products, else None."""
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        return None
+    return simd_cpu()
 
 
 def _rows_in_place(weights: List[torch.Tensor]) -> Optional[torch.Tensor]:
