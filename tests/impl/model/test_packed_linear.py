@@ -189,13 +189,21 @@ def test_fp32_packs_take_the_decode_kernel_for_few_rows_and_the_plain_weights_fo
         packer = WeightPacker(model, batch_hint=16)
         while not packer.done:
             packer.pack()
-        assert all(isinstance(o.__dict__[a].weight, torch.Tensor) for o, a, _ in packer.jobs)
+        assert not any(o.__dict__[a].weight.is_mkldnn for o, a, _ in packer.jobs)
         kernel[0] = 0
         torch.testing.assert_close(_run(model, *few), plain["few"], atol=1e-5, rtol=1e-5)
         assert kernel[0] == len(packer.jobs)
         torch.testing.assert_close(_run(model, *many), plain["many"], atol=1e-5, rtol=1e-5)
         assert kernel[0] == len(packer.jobs)  # (none of the many rows' products)
         packer.reset()
+    # an engine running many sequences at once packs for oneDNN (faster at many rows)
+    packer = WeightPacker(model, batch_hint=packed_linear.DECODE_KERNEL_BATCH + 1)
+    while not packer.done:
+        packer.pack()
+    assert all(o.__dict__[a].weight.is_mkldnn for o, a, _ in packer.jobs)
+    kernel[0] = 0
+    torch.testing.assert_close(_run(model, *few), plain["few"], atol=1e-5, rtol=1e-5)
+    assert kernel[0] == 0
 
 
 def _run(model, ids, cu):

@@ -9,7 +9,8 @@ packed for realhf's own decode kernel (``realhf._C.decode_linear``, where the CP
 AVX-512; else for oneDNN), which streams blocks of 16 output rows: against 0.5B-MLP matrices
 at 16 rows on a 2-core Xeon it reads weights at 18.1 GB/s, oneDNN's packed product at 16.0
 and ``F.linear`` at 9.0.  Beyond :data:`DECODE_KERNEL_ROWS` rows (a prefill) the fp32
-products are ``F.linear`` on the model's own weights.  Packing also lets one product serve
+products are ``F.linear`` on the model's own weights; an engine that runs more than
+:data:`DECODE_KERNEL_BATCH` sequences at once packs fp32 for oneDNN, which is faster there.  Packing also lets one product serve
 several projections: q, k and v (and an MLP's gate and up) are packed side by side and
 their output split.  fp32 products then sum in another order than ``F.linear`` (a few ulps).
 
@@ -41,6 +42,10 @@ __all__ = ["PackedLinear", "WeightPacker", "packing_supported", "packed_or_none"
 #: ``F.linear`` (0.5B-MLP matrices, 2 AVX-512 cores: the kernel is 1.1x oneDNN's packed
 #: product at 16 rows and 3x ``F.linear``; equal to ``F.linear`` at 64, 0.4x at 512).
 DECODE_KERNEL_ROWS = 64
+#: Running sequences up to which fp32 weights are packed for realhf's decode kernel rather
+#: than for oneDNN (same matrices: the kernel 18.1 GB/s against 16.0 at 16 rows, 12.5
+#: against 13.3 at 24, 5.4 against 7.2 at 64).
+DECODE_KERNEL_BATCH = 20
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
@@ -80,7 +85,7 @@ class PackedLinear:
             self.bias = torch.cat(
                 [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)]
             ).detach()
-        self._ext = _decode_kernels(w)
+        self._ext = _decode_kernels(w) if batch_hint <= DECODE_KERNEL_BATCH else None
         if self._ext is None:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
             return
