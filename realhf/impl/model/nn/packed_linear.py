@@ -10,9 +10,10 @@ AVX-512; else for oneDNN), which streams blocks of 16 output rows: against 0.5B-
 at 16 rows on a 2-core Xeon it reads weights at 18.1 GB/s, oneDNN's packed product at 16.0
 and ``F.linear`` at 9.0.  Beyond :data:`DECODE_KERNEL_ROWS` rows (a prefill) the fp32
 products are ``F.linear`` on the model's own weights; an engine that runs more than
-:data:`DECODE_KERNEL_BATCH` sequences at once packs fp32 for oneDNN, which is faster there.  Packing also lets one product serve
-several projections: q, k and v (and an MLP's gate and up) are packed side by side and
-their output split.  fp32 products then sum in another order than ``F.linear`` (a few ulps).
+:data:`DECODE_KERNEL_BATCH` sequences at once packs fp32 for oneDNN, which is faster
+there.  Packing also lets one product serve several projections: q, k and v (and an MLP's
+gate and up) are packed side by side and their output split.  fp32 products then sum in
+another order than ``F.linear`` (a few ulps).
 
 The packed weights are copies (the model's memory for its weights once more), made by a
 :class:`WeightPacker` a few matrices at a time, and used only while they match the weights:
