@@ -29,7 +29,8 @@ void decode_attention_cpu(const torch::Tensor& q, const torch::Tensor& k_new,
               "decode_attention: out must be a contiguous float32 tensor shaped like q");
   const int64_t B = q.size(0), n_kv = q.size(1), g = q.size(2), D = q.size(3);
   const auto dt = kc.scalar_type();
-  TORCH_CHECK(float_or_bf16_cpu(kc), "decode_attention: caches must be float32 or bfloat16 CPU tensors");
+  TORCH_CHECK(float_or_bf16_cpu(kc),
+              "decode_attention: caches must be float32 or bfloat16 CPU tensors");
   for (const torch::Tensor* t : std::initializer_list<const torch::Tensor*>{&k_new, &v_new, &kc, &vc}) {
     TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous() && t->dim() == 3 &&
                     t->size(1) == n_kv && t->size(2) == D,

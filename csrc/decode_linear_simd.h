@@ -16,9 +16,9 @@ namespace REALHF_SIMD_NS {
 namespace {
 
 constexpr int kCols = 16;                    // output columns per packed block (both builds)
-constexpr int kColVecs = kCols / W;           // vectors per k in a block
+constexpr int kColVecs = kCols / W;          // vectors per k in a block
 constexpr int kPassRows = W == 16 ? 16 : 6;  // rows per pass: kPassRows * kColVecs accumulators
-constexpr int64_t kAhead = 24;              // prefetch distance in k (cache lines)
+constexpr int64_t kAhead = 24;               // prefetch distance in k (cache lines)
 
 // y[m0 + r, n0 : n0 + 16] for r < R (the first `valid` columns of the block), from the
 // block's weights w [K, 16] and x transposed, xt [K, M]; bias the block's 16 (or null).
