@@ -9,9 +9,10 @@ The matrices are the 0.5B shape's MLP (``[9728, 896]`` gate/up and ``[896, 4864]
 ``--mb`` of them so that every weight comes from memory, as in a decode step.  Each round
 runs every product once over all the matrices, in turn, so a VM's slow minutes hit them
 alike; the best round counts.  The read bandwidth (a sum over 1 GiB) is measured in the same
-process.  The last line is one JSON object: per row count, GB/s of each product and
-``kernel_over_onednn``.  (``--dtype bfloat16`` times oneDNN and ``F.linear`` only: the
-kernel is float32; bf16 products keep oneDNN's AMX or AVX-512 kernels.)
+process.  The last line is one JSON object: the host (CPU model and flags), and per row
+count, GB/s of each product and ``kernel_over_onednn``.  (``--dtype bfloat16`` times oneDNN
+and ``F.linear`` only: the kernel is float32; bf16 products keep oneDNN's AMX or AVX-512
+kernels.)
 
 On the 2-core Xeon (AMX) VM of 2026-12-02, float32, GB/s kernel / oneDNN / F.linear: 1 row
 29.3 / 25.0 / 27.8, 16 rows 18.1 / 16.0 / 9.0, 32 rows 10.7 / 11.1 / 7.7, 64 rows 5.4 / 7.2 /
@@ -29,8 +30,12 @@ import time
 import torch
 import torch.nn.functional as F
 
-from realhf.impl.kernels import simd_cpu
-from realhf.impl.model.nn.packed_linear import pack_blocks
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmark.scale import host_facts, read_bandwidth  # noqa: E402
+from realhf.impl.kernels import simd_cpu  # noqa: E402
+from realhf.impl.model.nn.packed_linear import pack_blocks  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -52,13 +57,6 @@ def parse_args(argv=None):
     return args
 
 
-def read_bandwidth() -> float:
-    x = torch.ones(2**28)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(3))
-    return x.numel() * 4 / best
-
-
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -76,15 +74,15 @@ def main(argv=None) -> int:
     ws = [torch.randn(n, k).to(dtype) for n, k in shapes]
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     blocks = [pack_blocks(w, None)[0] for w in ws] if ext is not None else None
-    bandwidth = read_bandwidth()
+    bandwidth = read_bandwidth(args.threads)
     print(
         f"{len(ws)} {args.dtype} matrices, {nbytes / 1e6:.0f} MB; {args.threads} threads; "
         f"read {bandwidth / 1e9:.1f} GB/s; kernel {'ran' if ext else 'not run'} "
         f"({'realhf._C ' + (ext.simd_isa() or '') if ext else 'no AVX2/AVX-512 build or bf16'})",
         flush=True,
     )
-    out = {"dtype": args.dtype, "threads": args.threads, "mb": nbytes / 1e6,
-           "read_gbs": bandwidth / 1e9, "rows": {}}  # fmt: skip
+    out = {"host": host_facts(), "dtype": args.dtype, "threads": args.threads,
+           "mb": nbytes / 1e6, "read_gbs": bandwidth / 1e9, "rows": {}}  # fmt: skip
     with torch.inference_mode():
         for m in args.rows:
             xs = {k: torch.randn(m, k).to(dtype) for k in (896, 4864)}

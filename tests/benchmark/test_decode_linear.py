@@ -21,6 +21,7 @@ def test_times_every_product_at_every_row_count():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert set(out["rows"]) == {"1", "16"} and out["read_gbs"] > 0
+    assert out["host"]["cores"] >= 1 and "torch" in out["host"]
     for rec in out["rows"].values():
         assert rec["F.linear"] > 0
         assert ("kernel" in rec) == (simd_cpu() is not None)
