@@ -66,4 +66,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(d_gate, d_up) of silu(gate) * up from the output's gradient, in one pass",
         py::arg("gate"), py::arg("up"), py::arg("grad_out"), py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
+  m.def("tensor_pool_install", &realhf::tensor_pool_install,
+        "Install realhf's pool for large CPU tensors as torch's CPU allocator (see "
+        "csrc/tensor_pool.cpp); false if installed already",
+        py::arg("reserve_bytes"), py::arg("min_bytes"));
+  m.def("tensor_pool_trim", &realhf::tensor_pool_trim,
+        "Give the pool's free pages back to the system; the bytes given back",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("tensor_pool_stats", &realhf::tensor_pool_stats,
+        "The pool's counters (empty where none is installed)");
 }

@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <map>
 #include <string>
 #include <tuple>
 
@@ -114,5 +115,15 @@ std::tuple<torch::Tensor, torch::Tensor> silu_mul_backward_cpu(const torch::Tens
 torch::Tensor decode_linear_cpu(const torch::Tensor& x, const torch::Tensor& packed,
                                 const c10::optional<torch::Tensor>& bias, int64_t n_out,
                                 const std::string& isa);
+
+// A CPU allocator for tensors of at least min_bytes that keeps the memory they free for the
+// next ones (csrc/tensor_pool.cpp): installed once per process as torch's CPU allocator,
+// over reserve_bytes of reserved addresses.  Returns false if one is installed already.
+bool tensor_pool_install(int64_t reserve_bytes, int64_t min_bytes);
+// Give the pages of its free blocks back to the system; returns the bytes given back.
+int64_t tensor_pool_trim();
+// live_bytes, live_blocks, touched_bytes, free_blocks, reserved_bytes, min_bytes,
+// fallbacks (tensors the range could not hold); empty where none is installed.
+std::map<std::string, int64_t> tensor_pool_stats();
 
 }  // namespace realhf

@@ -207,15 +207,29 @@ def run_controller(args) -> int:
     return code
 
 
+def keep_worker_memory(worker_type: str) -> bool:
+    """For a worker that holds tensors (a model worker, a generation server), in a process
+    of its own: the memory its tensors free stays in it for the next ones, instead of being
+    faulted in again on every call (see :mod:`realhf.impl.tensor_pool`).  Large tensors come
+    from realhf's tensor pool, smaller ones from the C heap, which keeps them too (see
+    ``gcutil.keep_freed_memory``); a model worker trims the C heap at the end of each call.
+    Returns whether the tensor pool was installed."""
+    if worker_type not in ("model_worker", "generation_server"):
+        return False
+    gcutil.keep_freed_memory()
+    from realhf.impl import tensor_pool
+
+    try:
+        return tensor_pool.install()
+    except ValueError as e:  # a bad REALHF_TENSOR_POOL
+        raise SystemExit(f"realhf.apps.remote worker: {e}") from e
+
+
 def run_worker(args) -> int:
     """Build worker ``--type/--index`` and serve until told to exit."""
     if args.index < 0:
         raise SystemExit(f"realhf.apps.remote worker: --index must be >= 0, got {args.index}.")
-    if args.worker_type in ("model_worker", "generation_server"):
-        # A process of its own (not a test's): its tensors' memory stays in it (see
-        # keep_freed_memory). A model worker trims at the end of each call; a generation
-        # server keeps its busiest step's memory, which its next prefill takes again.
-        gcutil.keep_freed_memory()
+    keep_worker_memory(args.worker_type)
     try:
         worker = worker_base.make_worker(
             args.worker_type,
